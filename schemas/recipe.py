@@ -1,0 +1,651 @@
+"""Recipe v1: the public YAML interface of Molt recipes.
+
+Every field carries an attribute docstring; pydantic copies it into the JSON Schema (`molt-compile schema`),
+so editors show it on hover and `molt-compile explain` prints it. Units live in names (`*_s`, `*_gb`,
+`*_per_gpu`). Every section forbids unknown keys; the loader turns that into a did-you-mean diagnostic.
+
+Defaults follow Molt's CLI (`reference/molt_rules.md` §1) with two deliberate exceptions, both about making
+hidden switches explicit:
+- a reference model exists only when the `ref:` section is present (Molt builds one whenever
+  `--algo.kl.init_coef > 0`, and that coefficient defaults to 0.01);
+- the vLLM executor is `auto`, which the compiler derives and reports (Molt derives it silently in the engine).
+
+No cross-field checks live here: those are compiler rules with ids (`molt_compile/rules/`), so that each
+one reports a position, a reason and a fix.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RECIPE_VERSION = 1
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, docstrings become schema descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
+Cadence = Annotated[int, Field(ge=-1)]
+"""A step cadence: N > 0 means every N steps, -1 means never. 0 is caught by rule CKPT001/EVAL001."""
+
+
+# --------------------------------------------------------------------------------------------------- cluster
+class Cluster(Section):
+    nodes: PositiveInt = 1
+    """Number of nodes the job gets (Slurm `--nodes`, or Ray nodes)."""
+    gpus_per_node: NonNegInt = 8
+    """GPUs on each node. With `gpu: cpu` this counts CPU 'device slots' that roles are placed on."""
+    gpu: str = "h100-80gb"
+    """GPU model, a key of the GPU catalog (`schemas/catalog.py`), or `cpu` to run every role on CPUs."""
+    cpus_per_node: PositiveInt | None = None
+    """CPU cores per node available to Ray. None: taken from the GPU catalog's node profile."""
+
+
+# --------------------------------------------------------------------------------------------------- model
+AttnImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "te", "flex", "tilelang"]
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class Model(Section):
+    path: str
+    """Policy checkpoint: a local directory or a hub name. Also the default for the reference model and critic."""
+    arch: str | None = None
+    """Architecture key of the model catalog. None: read `<path>/config.json` when the path is a local directory."""
+    backend: Literal["automodel", "hf"] = "automodel"
+    """Training backend: NVIDIA AutoModel custom implementation, or plain HF transformers (the fallback)."""
+    attn: AttnImpl = "flash_attention_2"
+    """Attention implementation of the FSDP models (Molt `--fsdp.attn_implementation`)."""
+    param_dtype: Dtype = "bf16"
+    """FSDP2 compute dtype. Master weights stay fp32."""
+    gradient_checkpoint: Literal["full", "selective", "none"] = "full"
+    """Activation checkpointing of the trained models. The reference model never checkpoints."""
+    disable_fast_tokenizer: bool = False
+    """Load the slow tokenizer."""
+
+
+# --------------------------------------------------------------------------------------------------- meshes
+class FsdpMesh(Section):
+    tp: PositiveInt = 1
+    """Tensor-parallel degree."""
+    cp: PositiveInt = 1
+    """Context-parallel degree (sequence sharding)."""
+    ep: PositiveInt = 1
+    """Expert-parallel degree (a separate MoE mesh). Must be > 1 for MoE checkpoints."""
+    pp: PositiveInt = 1
+    """Pipeline-parallel degree. Molt's trainers support only 1."""
+
+
+class RolloutMesh(Section):
+    tp: PositiveInt = 1
+    """vLLM tensor-parallel size per engine."""
+    pp: PositiveInt = 1
+    """vLLM pipeline-parallel size per engine (needs the ray executor)."""
+    dp: PositiveInt = 1
+    """vLLM data-parallel size per engine (needs the mp executor, one node)."""
+
+
+# --------------------------------------------------------------------------------------------------- optimizer
+class Muon(Section):
+    lr: float = Field(0.02, gt=0)
+    """Learning rate of the Muon 2-D weight group."""
+    momentum: float = Field(0.95, ge=0, lt=1)
+    """Muon momentum (mu)."""
+    weight_decay: float | None = None
+    """Muon-group weight decay. None: use `optimizer.weight_decay`."""
+    ns_steps: PositiveInt = 5
+    """Newton-Schulz steps. AutoModel/Dion supports only 5 (rule OPTIM003)."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+
+
+Scheduler = str
+
+
+class Optimizer(Section):
+    name: Literal["adam", "muon"] = "adam"
+    """Optimizer family. `adam` is AdamW; `muon` comes from AutoModel/Dion (AdamW for the non-2-D group)."""
+    lr: float = Field(1.0e-6, gt=0)
+    """AdamW learning rate (under Muon: the aux-AdamW group's)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1.0e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    max_norm: float = 1.0
+    """Gradient-clip norm. <= 0 disables clipping."""
+    scheduler: Scheduler = "constant"
+    """Name passed to `transformers.get_scheduler`. Safe with Molt: constant, constant_with_warmup, cosine_with_min_lr."""
+    warmup_ratio: float = Field(0.03, ge=0, le=1)
+    """Warmup steps = ceil(total optimizer steps x ratio)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Floor of the LR as a fraction of `lr` (scheduler kwarg `min_lr_rate`)."""
+    muon: Muon = Muon()
+    """Muon settings; used only with `name: muon`."""
+
+
+# --------------------------------------------------------------------------------------------------- actor
+class Loss(Section):
+    mode: Literal["ppo", "cispo", "gspo"] = "ppo"
+    """Policy surrogate."""
+    clip: tuple[float, float] = (0.2, 0.2)
+    """PPO clip band (low, high) as offsets from 1. Under cispo the high value is an absolute ratio ceiling (>= 1)."""
+    dual_clip: float | None = None
+    """Dual-clip bound for negative advantages; > 1 and only with ppo. None: off."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient subtracted from the loss. 0: entropy is not computed."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """MoE load-balancing loss coefficient (active above 1e-8)."""
+
+
+class Freeze(Section):
+    moe_router: bool = False
+    """Freeze MoE router (gate) parameters."""
+    visual_encoder: bool = False
+    """VLM: train only the language model and the LM head."""
+
+
+class Actor(Section):
+    nodes: PositiveInt = 1
+    """Nodes of the policy FSDP group (also sizes the critic)."""
+    gpus_per_node: PositiveInt = 8
+    """GPUs per node of the policy FSDP group (also sizes the critic)."""
+    mesh: FsdpMesh = FsdpMesh()
+    """FSDP2 / AutoModel parallel mesh. dp = world / (tp x cp) is derived."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside the TP region (illegal with the critic)."""
+    packing: bool = False
+    """Pack sequences without padding (THD / varlen)."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """CPU offload: `optimizer` runs AdamW on CPU; `full` also offloads parameters."""
+    optimizer: Optimizer = Optimizer()
+    """Policy optimizer and LR schedule."""
+    loss: Loss = Loss()
+    """Policy loss."""
+    freeze: Freeze = Freeze()
+    """Parameters that are not trained."""
+    freezing_steps: NonNegInt = 0
+    """With gae only: no policy update during the first N steps while the critic warms up."""
+
+
+# --------------------------------------------------------------------------------------------------- ref / critic
+class Ref(Section):
+    path: str | None = None
+    """Reference (KL-to-init) model, or the teacher for on_policy_distill. None: `model.path`."""
+    placement: Literal["colocate", "separate"] = "colocate"
+    """`colocate` shares the actor's GPUs (time-sliced); `separate` gets its own GPUs."""
+    nodes: PositiveInt | None = None
+    """Nodes of a separate reference group. None: the actor's."""
+    gpus_per_node: PositiveInt | None = None
+    """GPUs per node of a separate reference group. None: the actor's."""
+
+
+class Critic(Section):
+    path: str | None = None
+    """Initial weights of the value model (the LM head becomes a scalar head). None: `model.path`."""
+    placement: Literal["colocate", "separate"] = "colocate"
+    """`colocate` shares the actor's GPUs; `separate` gets an actor-sized group of its own."""
+    value_clip: float = Field(0.2, gt=0)
+    """PPO value-clip range."""
+    max_epochs: PositiveInt | None = None
+    """Critic epochs per RL step. None: `train.max_epochs`."""
+    optimizer: Optimizer = Optimizer(lr=5.0e-6)
+    """Critic optimizer."""
+    freeze_moe_router: bool = False
+    """Freeze the critic's router (also frozen when `actor.freeze.moe_router`)."""
+
+
+# --------------------------------------------------------------------------------------------------- rollout
+class Rollout(Section):
+    engine: Literal["vllm", "hf"] = "vllm"
+    """Rollout engine: vLLM's async engine, or transformers generate (for machines without vLLM)."""
+    engines: PositiveInt = 1
+    """Number of rollout engines."""
+    mesh: RolloutMesh = RolloutMesh()
+    """Parallel mesh of each engine; an engine uses tp x pp x dp GPUs."""
+    expert_parallel: bool = False
+    """vLLM TP+EP hybrid (EP = tp x dp per engine)."""
+    executor: Literal["auto", "uni", "mp", "ray"] = "auto"
+    """vLLM distributed executor. `auto`: uni for one GPU, mp when dp > 1, else ray (derived and reported)."""
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Engine dtype."""
+    gpu_memory_utilization: Fraction = 0.95
+    """Fraction of each engine GPU's memory vLLM may use."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+    prefix_caching: bool = False
+    """vLLM prefix KV cache (Molt turns vLLM's default off)."""
+    chunked_prefill: bool | None = None
+    """Chunked prefill. None: vLLM decides."""
+    async_scheduling: bool | None = None
+    """vLLM async scheduling. None: vLLM decides."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """vLLM scheduler token budget. None: vLLM decides."""
+    block_size: PositiveInt | None = None
+    """KV block size. None: vLLM decides."""
+    attention_backend: str | None = None
+    """vLLM attention backend (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION, ...). None: vLLM picks."""
+    mm_encoder_attn_backend: str | None = None
+    """Attention backend of the vision encoder (e.g. TORCH_SDPA)."""
+    gdn_prefill_backend: Literal["flashinfer", "triton"] | None = None
+    """GDN (linear-attention) prefill backend."""
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "float16"] | None = None
+    """Recurrent-state cache dtype for hybrid models."""
+    disable_custom_all_reduce: bool = False
+    """Use NCCL instead of vLLM's custom all-reduce."""
+    decode_context_parallel_size: PositiveInt = 1
+    """vLLM decode context parallelism."""
+    mtp_speculative_tokens: NonNegInt = 0
+    """MTP speculative decoding tokens (needs an MTP head). 0: off."""
+    router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = (
+        "consistent_hash"
+    )
+    """How requests are routed to engines. consistent_hash keeps a multi-turn rollout on one engine's KV cache."""
+    batch_size: PositiveInt = 1024
+    """Prompt groups per training step."""
+    generate_batch_size: PositiveInt | None = None
+    """Prompt groups kept in flight by the streaming generator. None: `batch_size`."""
+    n_samples_per_prompt: PositiveInt = 1
+    """Rollouts per prompt (group size)."""
+    max_new_tokens: PositiveInt | None = None
+    """Per-turn generation cap. None: whatever context is left."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; the trained models divide their logits by it too."""
+    top_p: Fraction = 1.0
+    """Nucleus sampling. Must be 1.0 when IS correction is on."""
+    runners: PositiveInt = 2
+    """Agent runner processes (1 CPU each, spread over nodes)."""
+    micro_batch_size: PositiveInt | None = None
+    """Dead in Molt (read only by one CLI assertion). Setting it is reported (DEAD001)."""
+    max_tokens_per_gpu: PositiveInt | None = None
+    """Dead in Molt (never read). Setting it is reported (DEAD001)."""
+
+
+# --------------------------------------------------------------------------------------------------- agent
+class Agent(Section):
+    path: str
+    """Python file that defines `AgentRunner` (relative to the recipe file)."""
+    max_turns: PositiveInt = 1
+    """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
+    env: dict[str, str] = {}
+    """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
+
+
+# --------------------------------------------------------------------------------------------------- algo
+class Kl(Section):
+    coef: float = Field(0.0, ge=0)
+    """KL coefficient (initial coefficient when adaptive). Needs a `ref:` section when > 0."""
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL approximation: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    use_loss: bool = False
+    """KL as a separate loss term (true) or folded into the per-token reward (false)."""
+    target: float | None = None
+    """Adaptive KL controller target. None: fixed coefficient."""
+    horizon: PositiveInt = 10000
+    """Adaptive controller horizon, in samples."""
+
+
+class IsCorrection(Section):
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    """Granularity of the train/rollout importance ratio; seq and geo are rejection filters."""
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    """What happens to units outside the band (seq and geo allow only mask)."""
+    threshold: tuple[float, float] = (0.5, 5.0)
+    """[low, high] band on pi_train / pi_rollout."""
+
+
+class DynamicFiltering(Section):
+    range: tuple[float, float] = (0.0, 1.0)
+    """Open interval (lo, hi) that a group's mean score must fall inside to be trained on."""
+
+
+Estimator = Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"]
+
+
+class Algo(Section):
+    estimator: Estimator = "reinforce"
+    """Advantage estimator. gae needs a critic; on_policy_distill needs a teacher (`ref:`)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (reinforce and gae)."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    whiten: bool = True
+    """Whiten advantages over the batch (reinforce, reinforce_baseline, gae)."""
+    reward_clip: tuple[float, float] = (-10.0, 10.0)
+    """Clamp on each rollout's reward before the estimator."""
+    kl: Kl = Kl()
+    """KL penalty to the reference model."""
+    is_correction: IsCorrection = IsCorrection()
+    """Importance-sampling correction between the trainer's and the rollout engine's log-probs."""
+    dynamic_filtering: DynamicFiltering | None = None
+    """DAPO-style group filter on the mean score. Absent: off."""
+
+
+# --------------------------------------------------------------------------------------------------- train
+class AsyncCfg(Section):
+    queue_size: PositiveInt = 1
+    """Depth of the rollout queue: how many batches generation may run ahead of training."""
+    partial_rollout: bool = False
+    """Generation does not wait for weight sync: engines are paused and resumed around it."""
+    force_sync: bool = False
+    """Free the rollout slot only after the training step and its weight sync."""
+
+
+class DynamicBatch(Section):
+    max_tokens_per_gpu: PositiveInt = 16192
+    """Token cap per micro-batch (multiplied by cp x tp). Needs `actor.packing`."""
+
+
+class RlTrain(Section):
+    batch_size: PositiveInt = 128
+    """Global samples per optimizer step."""
+    micro_batch_size: PositiveInt = 1
+    """Per-GPU micro-batch."""
+    max_epochs: PositiveInt = 1
+    """PPO epochs over each rollout batch."""
+    episodes: PositiveInt = 1
+    """Passes over the prompt dataset."""
+    seed: int = 42
+    """Seed; vLLM engine i uses seed + i."""
+    full_determinism: bool = False
+    """`transformers.enable_full_determinism` (slow)."""
+    async_: AsyncCfg = Field(AsyncCfg(), alias="async")
+    """Asynchronous pipeline settings."""
+    force_on_policy: bool = False
+    """Treat the whole rollout batch as one optimizer step (needs max_epochs 1)."""
+    routing_replay: bool = False
+    """R3: replay vLLM's MoE routing in the training forward."""
+    dynamic_batch: DynamicBatch | None = None
+    """Build micro-batches by token budget. Absent: off."""
+    rollout_dump_dir: str | None = None
+    """Save each rollout batch here."""
+    rollout_replay_dir: str | None = None
+    """Train on dumped batches instead of generating."""
+    check_weight_update_equal: bool = False
+    """After each weight sync, report engine weights that were not refreshed."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+
+class SftTrain(Section):
+    batch_size: PositiveInt = 128
+    """Global samples per optimizer step."""
+    micro_batch_size: PositiveInt = 8
+    """Per-GPU micro-batch."""
+    max_epochs: PositiveInt = 2
+    """Epochs over the dataset."""
+    seed: int = 42
+    """Seed."""
+    full_determinism: bool = False
+    """`transformers.enable_full_determinism` (slow)."""
+
+
+# --------------------------------------------------------------------------------------------------- data
+class RlData(Section):
+    prompts: str
+    """Prompt sources, comma-separated (jsonl/json/csv/parquet files, save_to_disk dirs). Relative to the recipe."""
+    prompt_probs: list[float] | None = None
+    """Interleave probabilities, one per source."""
+    split: str = "train"
+    """Split name when a source is a dataset dict."""
+    input_key: str = "input"
+    """Prompt column (a string or a list of chat messages)."""
+    label_key: str | None = None
+    """Ground-truth column passed to the agent."""
+    tools_key: str | None = None
+    """Column of OpenAI tool schemas."""
+    image_key: str = "images"
+    """Image column (VLM)."""
+    max_images_per_prompt: NonNegInt = 0
+    """vLLM `limit_mm_per_prompt`; > 0 marks a VLM run."""
+    apply_chat_template: bool = False
+    """Rows are chat messages rendered with the tokenizer's chat template."""
+    max_len: PositiveInt = 2048
+    """Total context budget (prompt + all turns); also vLLM's max_model_len."""
+    max_samples: PositiveInt = 100_000_000
+    """Cap on prompts per source and on the blend."""
+    dataloader_num_workers: NonNegInt = 0
+    """Prompt dataloader workers."""
+
+
+class SftData(Section):
+    dataset: str
+    """Training sources, comma-separated. Relative to the recipe."""
+    dataset_probs: list[float] | None = None
+    """Interleave probabilities."""
+    split: str = "train"
+    """Split name."""
+    input_key: str = "input"
+    """Prompt column: messages or a string."""
+    output_key: str | None = None
+    """Reply column: messages, a dict or a string."""
+    chat_template: str | None = None
+    """A .jinja path or a literal chat template overriding the tokenizer's."""
+    train_on_last_turn_only: bool = False
+    """Supervise only the last assistant turn."""
+    image_key: str | None = None
+    """Image column; setting it makes this a VLM SFT run."""
+    max_images_per_prompt: NonNegInt = 4
+    """Rows with more images are dropped."""
+    max_len: PositiveInt = 2048
+    """Sequence length."""
+    max_samples: PositiveInt = 1_000_000
+    """Cap on samples."""
+    dataloader_num_workers: NonNegInt = 0
+    """Dataloader workers."""
+
+
+# --------------------------------------------------------------------------------------------------- eval
+class RlEval(Section):
+    dataset: str | None = None
+    """Eval prompts. None: no eval."""
+    split: str = "train"
+    """Eval split."""
+    every: Cadence = -1
+    """Eval every N steps; -1: never."""
+    at_start: bool = False
+    """Baseline eval at step 0 on fresh runs."""
+    only: bool = False
+    """Score the eval set once and exit (no training models are built)."""
+    batch_size: PositiveInt | None = None
+    """Prompt groups per eval round. None: `rollout.batch_size`."""
+    n_samples_per_prompt: PositiveInt | None = None
+    """None: `rollout.n_samples_per_prompt`."""
+    temperature: float | None = None
+    """None: `rollout.temperature`."""
+    top_p: float | None = None
+    """None: `rollout.top_p`."""
+    max_new_tokens: PositiveInt | None = None
+    """None: `rollout.max_new_tokens`."""
+
+
+class SftEval(Section):
+    dataset: str | None = None
+    """Eval dataset. None: no eval."""
+    split: str = "train"
+    """Eval split."""
+    every: Cadence = -1
+    """Eval every N steps; -1: once per epoch."""
+
+
+# --------------------------------------------------------------------------------------------------- ckpt, logging
+class Ckpt(Section):
+    dir: str = "ckpt/state"
+    """Resumable (torch DCP) checkpoint root."""
+    hf_dir: str = "ckpt/hf"
+    """Final HF export directory."""
+    every: Cadence = -1
+    """Save every N steps; -1: never."""
+    keep: int = 3
+    """Checkpoints kept (<= 0 keeps all)."""
+    dcp_keep: int | None = None
+    """DCP-only retention. None: `keep`."""
+    max_disk_gb: float | None = None
+    """Disk budget for retained checkpoints. None: unlimited."""
+    save_hf: bool = False
+    """Also write an HF snapshot at each save."""
+    resume: bool = False
+    """Resume from the newest loadable checkpoint."""
+    final_save: bool = True
+    """Export HF weights at the end."""
+    best_metric_key: str = ""
+    """Eval metric for best-checkpoint saves. "": first `*_pass1`; "none": off."""
+    warm_resume_rollouts: bool = False
+    """Save finished-but-untrained rollout groups so a resumed run reuses them."""
+
+
+class Wandb(Section):
+    project: str | None = None
+    """wandb project."""
+    entity: str | None = None
+    """wandb entity (organisation)."""
+    group: str | None = None
+    """wandb group."""
+    run_name: str | None = None
+    """Run name. None: the recipe name."""
+    key: str = "${env:WANDB_API_KEY}"
+    """API key, only as a reference to an environment variable."""
+
+
+class Logging(Section):
+    every: PositiveInt = 1
+    """Log every N steps."""
+    tensorboard_dir: str | None = None
+    """TensorBoard directory. None: off."""
+    wandb: Wandb | None = None
+    """wandb settings. Absent: off."""
+
+
+# --------------------------------------------------------------------------------------------------- launch
+class RayLaunch(Section):
+    address: str | None = None
+    """Ray Jobs address (http://HOST:8265). None: a local Ray cluster is started for the job."""
+    runtime_env: dict[str, object] = {}
+    """Extra Ray runtime_env entries (pip, env_vars, ...)."""
+
+
+class SlurmLaunch(Section):
+    account: str | None = None
+    """Slurm account."""
+    partition: str | None = None
+    """Slurm partition."""
+    time: str = "04:00:00"
+    """Wall-clock limit (HH:MM:SS or D-HH:MM:SS)."""
+    container_image: str | None = None
+    """Pyxis/enroot container image. None: run on the host."""
+    mounts: list[str] = []
+    """Container mounts `src:dst`."""
+    setup: list[str] = []
+    """Shell lines run on every node before Ray starts (module loads, venv activation)."""
+    ray_port: int = Field(6379, ge=1024, le=65535)
+    """GCS port of the Ray head."""
+    dashboard_port: int = Field(8265, ge=1024, le=65535)
+    """Ray dashboard / Jobs API port."""
+    ready_timeout_s: PositiveInt = 600
+    """How long the readiness barrier waits for every node and GPU."""
+
+
+class Launch(Section):
+    ray: RayLaunch = RayLaunch()
+    """Ray Jobs submission."""
+    slurm: SlurmLaunch = SlurmLaunch()
+    """Slurm script rendering."""
+
+
+# --------------------------------------------------------------------------------------------------- recipes
+class _Common(Section):
+    version: Literal[1]
+    """Recipe format version."""
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=63)]
+    """Job name: lowercase letters, digits and dashes."""
+    extends: str | list[str] | None = None
+    """Base recipe(s), relative to this file; later wins, maps merge, lists replace."""
+    description: str | None = None
+    """One line on what this recipe trains."""
+    cluster: Cluster = Cluster()
+    """The cluster the job runs on."""
+    model: Model
+    """The trained model."""
+    ckpt: Ckpt = Ckpt()
+    """Checkpoints."""
+    logging: Logging = Logging()
+    """Metrics and logs."""
+    env: dict[str, str] = {}
+    """Job-wide environment variables. Secrets only by reference: `${env:NAME}`."""
+    launch: Launch = Launch()
+    """How the job is launched."""
+    ignore: dict[str, str] = {}
+    """Per-rule suppressions `CODE: reason`. An ignore that suppresses nothing is reported."""
+
+
+class RlRecipe(_Common):
+    """A reinforcement-learning recipe: vLLM rollout engines, agents, one FSDP2 trainer, an async queue."""
+
+    kind: Literal["rl"]
+    """rl: reinforcement learning on Ray."""
+    actor: Actor = Actor()
+    """The trained policy's FSDP group."""
+    ref: Ref | None = None
+    """Reference model (KL) or distillation teacher. Absent: none."""
+    critic: Critic | None = None
+    """Value model (gae only). Absent: none."""
+    rollout: Rollout = Rollout()
+    """Rollout engines and sampling."""
+    agent: Agent | None = None
+    """The agent that turns prompts into rewarded trajectories. on_policy_distill may omit it."""
+    algo: Algo = Algo()
+    """Advantages, KL, importance sampling and filtering."""
+    train: RlTrain = RlTrain()
+    """Optimizer steps, batching and the async pipeline."""
+    data: RlData
+    """Prompt dataset."""
+    eval: RlEval = RlEval()
+    """Evaluation."""
+
+
+class SftActor(Section):
+    nodes: PositiveInt = 1
+    """Nodes (one torchrun per node)."""
+    gpus_per_node: PositiveInt = 8
+    """GPUs per node (torchrun --nproc-per-node)."""
+    mesh: FsdpMesh = FsdpMesh()
+    """FSDP2 / AutoModel parallel mesh."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside the TP region."""
+    packing: bool = False
+    """Pack sequences without padding."""
+    offload: Literal["none", "optimizer", "full"] = "none"
+    """CPU offload level."""
+    optimizer: Optimizer = Optimizer(lr=5.0e-6)
+    """Optimizer and LR schedule."""
+    aux_loss_coef: float = Field(0.0, ge=0)
+    """MoE load-balancing loss coefficient."""
+    freeze: Freeze = Freeze()
+    """Parameters that are not trained."""
+
+
+class SftRecipe(_Common):
+    """A supervised fine-tuning recipe: one torchrun per node, no Ray."""
+
+    kind: Literal["sft"]
+    """sft: supervised fine-tuning with torchrun."""
+    actor: SftActor = SftActor()
+    """The trained model's FSDP group."""
+    train: SftTrain = SftTrain()
+    """Batching and epochs."""
+    data: SftData
+    """Training data."""
+    eval: SftEval = SftEval()
+    """Evaluation."""
+
+
+Recipe = Annotated[Union[RlRecipe, SftRecipe], Field(discriminator="kind")]
+"""A recipe: `kind: rl` or `kind: sft`."""
