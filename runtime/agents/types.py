@@ -1,0 +1,61 @@
+"""The generation protocol between agent runners and rollout engines.
+
+One place defines it so that both sides import the same records: the engines (vLLM, HF) and the router implement
+`GenerateClient`; `StepEnvRunner` and the chat server call it. Token ids in, token ids and per-token logprobs out —
+this module knows nothing about text, chat templates or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+"""Why generation ended: "stop" (EOS or a stop token), "length" (hit `max_tokens`), "abort" (the engine cancelled the
+request, e.g. paused for a weight sync without partial rollout)."""
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """What one `generate` call returns.
+
+    `logprobs[i]` is log π_rollout(token_ids[i] | prefix) under the sampling distribution the engine used (temperature
+    applied, no top-p renormalisation since the compiler forces top_p=1 with IS on). When the request asked for no
+    logprobs the list is empty.
+    """
+
+    token_ids: list[int]  # (A,) generated ids, EOS included when the engine stopped on it
+    logprobs: list[float] = field(default_factory=list)  # (A,) or () when logprobs=False
+    finish_reason: FinishReason = "stop"
+
+
+@runtime_checkable
+class GenerateClient(Protocol):
+    """A rollout engine, or the router in front of several, as the agent runners see it.
+
+    `session_id` keeps every turn of one episode on the same engine (prefix-cache affinity); engines may ignore it.
+    """
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        session_id: str,
+        logprobs: bool,
+    ) -> GenerateOutput: ...
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings the runners pass to `GenerateClient.generate` (from the plan's `sampling` block).
+
+    `max_tokens` is the per-turn cap (`sampling.max_new_tokens`); the runner clamps it to the remaining context.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: bool = True
