@@ -1,0 +1,677 @@
+"""Derive: every number the rules, the lowering and the runtime need, computed once, each with a reason.
+
+`derive(recipe, source)` returns a `Derived`: an ordered map from a stable dotted name to a `DerivedValue`
+(`name`, `value`, `reason`, `inputs`, `forced`). `inputs` are dotted recipe keys (YAML names) or other derived
+names; `explain` resolves them to `file:line` through the SourceMap. A value that cannot be computed (a
+non-integral division, a dataset that cannot be counted) is `None` and its reason says why; the rules turn
+that into a diagnostic, derive itself never reports errors. Pure: no I/O except counting rows of a local
+json/jsonl dataset. Never imports torch, ray, vllm or transformers.
+
+Access: `derived["actor.dp"].value`, `derived.value("actor.dp")`, `for dv in derived.values(): ...`.
+
+Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section refs are `reference/molt_rules.md`.
+
+| name | value | rule |
+|---|---|---|
+| `kind` * | "rl" or "sft" | |
+| `cluster.device` * | "cuda", or "cpu" when `cluster.gpu: cpu` (GPU counts become CPU device slots) | |
+| `cluster.device_resource` * | Ray resource a device slot is: "GPU", or "CPU" on a CPU cluster | |
+| `cluster.total_gpus` * | nodes × gpus_per_node (device slots on a CPU cluster) | |
+| `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
+| `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
+| `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
+| `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
+| `actor.dp` * | world / (tp × cp), None when not integral | G2, G3 |
+| `actor.grad_accum` * | batch / (micro × dp); 1 under dynamic batching; None when not integral | G4, B25 |
+| `actor.packing` * | effective packing (RL VLM forces it off) | B5 |
+| `actor.num_gpus` | GPU fraction each policy worker requests: 0.2 when colocated, else 1 | B33 |
+| `actor.temperature` | logits temperature of actor/ref/critic = rollout.temperature | B17 |
+| `actor.shuffle_microbatches` | microbatch shuffling (only tp×cp ≤ 1 and no dynamic batching) | G11 |
+| `actor.dynamic_batch_max_tokens` | token cap per microbatch = max_tokens_per_gpu × cp × tp, None when off | G9 |
+| `actor.local_batch_size` | samples per rank per step under dynamic batching = batch // dp, None when off | G9 |
+| `actor.scheduler_steps` * | LR-scheduler length (optimizer steps), None when the dataset size is unknown | B10, B11 |
+| `actor.warmup_steps` * | ceil(scheduler_steps × warmup_ratio) | §1.1 |
+| `ref.exists` | a reference model / teacher is built (`ref:` present) | B8 |
+| `ref.path` | ref.path or model.path | B9 |
+| `ref.colocated` | ref shares the actor's GPUs | B8, J2 |
+| `ref.world`, `ref.model_parallel`, `ref.dp`, `ref.grad_accum`, `ref.num_gpus` | as for the actor (only when ref exists) | G4, J2 |
+| `critic.exists` | a value model is built (estimator gae) | B8 |
+| `critic.path`, `critic.colocated`, `critic.world`, `critic.model_parallel`, `critic.dp`, `critic.grad_accum`, `critic.num_gpus` | as above (only when critic exists); world = actor's | J3 |
+| `critic.max_epochs` | critic.max_epochs or train.max_epochs | B9 |
+| `critic.freeze_moe_router` | critic.freeze_moe_router or actor.freeze.moe_router | B9 |
+| `critic.scheduler_steps`, `critic.warmup_steps` | critic LR schedule | B10 |
+| `fsdp.colocate` | any FSDP role is colocated with the actor (one shared PACK group) | B8 |
+| `fsdp.total_gpus` | GPUs of the FSDP groups (0 when eval.only) | §3.2, J4 |
+| `rollout.executor` | vLLM executor: set, or uni / mp / ray derived | B15 |
+| `rollout.gpus_per_engine` | tp × pp × dp | §3.2 |
+| `rollout.engine_num_gpus` | GPUs the engine actor itself requests (mp: tp×dp, uni: 1, ray: 0 when its workers take them) | §3.1 |
+| `rollout.bundle_gpus` | GPUs per bundle of the engines' PACK group (mp: tp×dp, else 1) | §3.1 |
+| `rollout.bundles` | bundles in the engines' group | §3.1 |
+| `rollout.total_gpus` | engines × gpus_per_engine | §3.2 |
+| `rollout.expert_parallel_size` | vLLM EP per engine = tp × dp when expert_parallel, else 1 | I8 |
+| `rollout.max_model_len` | data.max_len | B16 |
+| `rollout.generate_batch_size` | generate_batch_size or batch_size | B4 |
+| `rollout.runners` | max(1, runners) | B27 |
+| `rollout.samples_per_step` | batch_size × n_samples_per_prompt | G5 |
+| `rollout.logprobs` | the rollout asks the engine for logprobs (IS correction on) | B14 |
+| `rollout.logprobs_mode` | processed_logprobs with IS on, else raw_logprobs | B14 |
+| `cluster.used_gpus` * | fsdp.total_gpus + rollout.total_gpus (SFT: actor.world) | J1 |
+| `cluster.idle_gpus` * | total - used (negative: over-subscribed) | J1 |
+| `weight_sync.world_size` | rollout.total_gpus + 1 (trainer rank 0 + every engine worker) | §3.2, I8 |
+| `weight_sync.method` | nccl on GPUs, object_store on CPU | DESIGN §6 |
+| `algo.kl.coef`, `algo.kl.estimator`, `algo.kl.use_loss` | effective KL settings (on_policy_distill forces k1, no loss, coef 1.0) | B2 |
+| `algo.kl.adaptive` | adaptive KL controller (target set) | C9 |
+| `algo.is_correction.enabled` | IS correction level != off | B14, B31 |
+| `agent.path` | agent file, or the built-in distill agent for on_policy_distill | B2 |
+| `agent.max_turns` | MAX_AGENT_TURNS exported to runners | §1.4 |
+| `data.prompt_count` | prompts after the max_samples caps (counted in local json/jsonl files), else None | B11 |
+| `train.steps_per_episode` | prompt_count // rollout.batch_size (trainer steps per pass) | B11 |
+| `train.total_steps` * | RL: steps_per_episode × episodes; SFT: steps_per_epoch × max_epochs | B11, M6 |
+| `train.optimizer_steps` | B11 max_steps (scheduler steps) | B11 |
+| `train.optimizer_steps_per_step` | optimizer steps per trainer step | G8, G10 |
+| `eval.enabled` * | an eval dataset is set (RL: and eval.every or at_start or only) | |
+| `eval.every` * | eval cadence in steps, None for never (RL -1); SFT -1 → steps_per_epoch | B12, M1 |
+| `eval.batch_size`, `eval.n_samples_per_prompt`, `eval.temperature`, `eval.top_p`, `eval.max_new_tokens` | eval sampling with rollout fallbacks | B13 |
+| `ckpt.every` * | save cadence in steps, None for never (-1) | B12 |
+| `ckpt.dcp_keep` * | ckpt.dcp_keep or ckpt.keep | B7 |
+| `sft.nnodes`, `sft.nproc_per_node`, `sft.master_port` | torchrun layout (SFT only) | §5.1 |
+| `data.sample_count`, `train.steps_per_epoch` | SFT rows (counted as above) and optimizer steps per epoch | M6 |
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+COLOCATED_GPU_FRACTION = 0.2
+"""What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
+SFT_MASTER_PORT = 29500
+"""torchrun rendezvous port of the Molt SFT scripts (§5.1)."""
+DISTILL_AGENT_PATH = "builtin:distill"
+"""Agent used by on_policy_distill when the recipe names none: single-turn, reward 0 (Molt B2)."""
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class DerivedValue:
+    """One derived number: its value, a one-line reason, and the keys it was computed from."""
+
+    name: str
+    value: Any
+    reason: str
+    inputs: tuple[str, ...] = ()
+    forced: bool = False
+    """True when the value overrides what the recipe wrote (Molt forces it); rules report these as info."""
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "value": self.value, "reason": self.reason, "inputs": list(self.inputs)}
+
+
+class Derived:
+    """Ordered, read-only map of derived names to `DerivedValue`s."""
+
+    def __init__(self, items: dict[str, DerivedValue]):
+        self._items = dict(items)
+
+    def __getitem__(self, name: str) -> DerivedValue:
+        try:
+            return self._items[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, self._items, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise KeyError(f"no derived value {name!r}{hint}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, name: str) -> DerivedValue | None:
+        return self._items.get(name)
+
+    def value(self, name: str, default: Any = _MISSING) -> Any:
+        """The value of `name`; KeyError for an unknown name unless a default is given."""
+        if name in self._items:
+            return self._items[name].value
+        if default is _MISSING:
+            return self[name].value  # raises with a did-you-mean
+        return default
+
+    def values(self) -> Iterator[DerivedValue]:
+        return iter(self._items.values())
+
+    def names(self) -> list[str]:
+        return list(self._items)
+
+    def to_list(self) -> list[dict]:
+        return [dv.to_json() for dv in self._items.values()]
+
+
+class _Builder:
+    """Collects derived values in order; `add` returns the value so derivations read as assignments."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, DerivedValue] = {}
+
+    def add(self, name: str, value: Any, reason: str, inputs: tuple[str, ...] = (), forced: bool = False) -> Any:
+        self.items[name] = DerivedValue(name, value, reason, tuple(inputs), forced)
+        return value
+
+    def v(self, name: str) -> Any:
+        return self.items[name].value
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+def derive(recipe: Any, source: Any = None) -> Derived:
+    """Every derived value of `recipe` (RlRecipe or SftRecipe). `source` locates the recipe file for data counts."""
+    b = _Builder()
+    recipe_dir = _recipe_dir(source)
+    b.add("kind", recipe.kind, f"kind: {recipe.kind}", ("kind",))
+    _cluster(b, recipe)
+    if recipe.kind == "sft":
+        _sft(b, recipe, recipe_dir)
+    else:
+        _rl(b, recipe, recipe_dir)
+    return Derived(b.items)
+
+
+def _recipe_dir(source: Any) -> Path | None:
+    root = getattr(source, "root_file", None)
+    return Path(root).parent if root else None
+
+
+# ---------------------------------------------------------------------------------------------- cluster
+def _cluster(b: _Builder, r: Any) -> None:
+    c = r.cluster
+    on_cpu = c.gpu == "cpu"
+    b.add("cluster.device", "cpu" if on_cpu else "cuda",
+          "cluster.gpu is cpu: every role runs on CPU device slots" if on_cpu else f"cluster.gpu is {c.gpu}",
+          ("cluster.gpu",))
+    b.add("cluster.device_resource", "CPU" if on_cpu else "GPU",
+          "a CPU device slot is one Ray CPU" if on_cpu else "roles request Ray GPUs", ("cluster.gpu",))
+    b.add("cluster.total_gpus", c.nodes * c.gpus_per_node,
+          f"nodes {c.nodes} × gpus_per_node {c.gpus_per_node}", ("cluster.nodes", "cluster.gpus_per_node"))
+    _cpus_per_node(b, c)
+    offload = r.actor.offload
+    if on_cpu:
+        b.add("dist.backend", "gloo", "CPU cluster: torch.distributed over gloo", ("cluster.gpu",))
+    elif offload == "full":
+        b.add("dist.backend", "cuda:nccl,cpu:gloo", "actor.offload full keeps parameters on CPU (B26)",
+              ("actor.offload",))
+    else:
+        b.add("dist.backend", "nccl", "GPU cluster without full offload (B26)", ("cluster.gpu", "actor.offload"))
+
+
+def _cpus_per_node(b: _Builder, c: Any) -> None:
+    if c.cpus_per_node is not None:
+        b.add("cluster.cpus_per_node", c.cpus_per_node, "set in the recipe", ("cluster.cpus_per_node",))
+        return
+    profile = _gpu_catalog_cpus(c.gpu)
+    if profile is not None:
+        b.add("cluster.cpus_per_node", profile, f"node profile of GPU {c.gpu} in the GPU catalog", ("cluster.gpu",))
+    else:
+        b.add("cluster.cpus_per_node", None, "not set and not in the GPU catalog: sized from the plan's needs",
+              ("cluster.cpus_per_node", "cluster.gpu"))
+
+
+def _gpu_catalog_cpus(gpu: str) -> int | None:
+    """CPUs per node from the GPU catalog's node profile, when the catalog has one (RULES owns the catalog)."""
+    if gpu == "cpu":
+        return None
+    try:
+        from schemas.catalog import GPUS  # noqa: PLC0415 - optional while the catalog is written
+    except Exception:  # noqa: BLE001 - catalog absent or broken: fall back to sizing from the plan
+        return None
+    entry = GPUS.get(gpu) if isinstance(GPUS, dict) else None
+    value = getattr(entry, "cpus_per_node", None) if entry is not None else None
+    if value is None and isinstance(entry, dict):
+        value = entry.get("cpus_per_node")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+# ---------------------------------------------------------------------------------------------- FSDP roles
+def _fsdp_role(b: _Builder, role: str, world: int, world_reason: str, world_inputs: tuple[str, ...],
+               mesh: Any, batch: int, micro: int, dynamic: bool, mesh_key: str, train_key: str) -> None:
+    """world, model_parallel, dp and grad_accum of one FSDP role (actor, ref, critic or the SFT model)."""
+    b.add(f"{role}.world", world, world_reason, world_inputs)
+    mp = mesh.tp * mesh.cp
+    b.add(f"{role}.model_parallel", mp, f"tp {mesh.tp} × cp {mesh.cp}; EP is not counted (G2)",
+          (f"{mesh_key}.tp", f"{mesh_key}.cp"))
+    if world % mp:
+        b.add(f"{role}.dp", None, f"world {world} is not divisible by tp × cp = {mp} (G3)",
+              (f"{role}.world", f"{role}.model_parallel"))
+    else:
+        b.add(f"{role}.dp", world // mp, f"world {world} / (tp × cp = {mp})", (f"{role}.world", f"{role}.model_parallel"))
+    dp = b.v(f"{role}.dp")
+    inputs = (f"{train_key}.batch_size", f"{train_key}.micro_batch_size", f"{role}.dp")
+    if dynamic:
+        b.add(f"{role}.grad_accum", 1, "dynamic batching builds microbatches by tokens: one window (B25)",
+              ("train.dynamic_batch",))
+    elif dp is None:
+        b.add(f"{role}.grad_accum", None, "dp is undefined", inputs)
+    elif batch % (micro * dp):
+        b.add(f"{role}.grad_accum", None,
+              f"batch_size {batch} is not a multiple of micro_batch_size {micro} × dp {dp} = {micro * dp} (G4)", inputs)
+    else:
+        b.add(f"{role}.grad_accum", batch // (micro * dp),
+              f"batch_size {batch} / (micro_batch_size {micro} × dp {dp})", inputs)
+
+
+def _rl_roles(b: _Builder, r: Any) -> None:
+    a, t = r.actor, r.train
+    dynamic = t.dynamic_batch is not None
+    _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
+               ("actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size, t.micro_batch_size, dynamic,
+               "actor.mesh", "train")
+    # ref: exists exactly when the section is present (Recipe v1 makes Molt's hidden kl.coef > 0 switch explicit)
+    if r.ref is None:
+        b.add("ref.exists", False, "no `ref:` section", ("ref",))
+    else:
+        why = "teacher of on_policy_distill" if r.algo.estimator == "on_policy_distill" else "KL reference model"
+        b.add("ref.exists", True, f"`ref:` section present ({why})", ("ref",))
+        b.add("ref.path", r.ref.path or r.model.path,
+              "ref.path" if r.ref.path else "ref.path unset: the policy checkpoint (B9)", ("ref.path", "model.path"))
+        colocated = r.ref.placement == "colocate"
+        b.add("ref.colocated", colocated, f"ref.placement is {r.ref.placement}", ("ref.placement",))
+        nodes = r.ref.nodes or a.nodes
+        gpn = r.ref.gpus_per_node or a.gpus_per_node
+        _fsdp_role(b, "ref", nodes * gpn, f"ref nodes {nodes} × gpus_per_node {gpn} (unset: the actor's)",
+                   ("ref.nodes", "ref.gpus_per_node", "actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size,
+                   t.micro_batch_size, dynamic, "actor.mesh", "train")
+    # critic: Molt builds one exactly for gae (B8); the section only configures it
+    if r.algo.estimator != "gae":
+        b.add("critic.exists", False, f"estimator {r.algo.estimator} needs no value model", ("algo.estimator",))
+    else:
+        critic = r.critic if r.critic is not None else _default_critic()
+        b.add("critic.exists", True, "estimator gae needs a value model (B8)", ("algo.estimator",))
+        b.add("critic.path", critic.path or r.model.path,
+              "critic.path" if critic.path else "critic.path unset: the policy checkpoint (B9)",
+              ("critic.path", "model.path"))
+        b.add("critic.colocated", critic.placement == "colocate", f"critic.placement is {critic.placement}",
+              ("critic.placement",))
+        _fsdp_role(b, "critic", b.v("actor.world"), "the critic always has the actor's size (J3)", ("actor.world",),
+                   a.mesh, t.batch_size, t.micro_batch_size, dynamic, "actor.mesh", "train")
+        b.add("critic.max_epochs", critic.max_epochs or t.max_epochs,
+              "critic.max_epochs" if critic.max_epochs else "critic.max_epochs unset: train.max_epochs (B9)",
+              ("critic.max_epochs", "train.max_epochs"))
+        b.add("critic.freeze_moe_router", critic.freeze_moe_router or a.freeze.moe_router,
+              "critic.freeze_moe_router or actor.freeze.moe_router (B9)",
+              ("critic.freeze_moe_router", "actor.freeze.moe_router"))
+    ref_col = b.v("ref.exists") and b.v("ref.colocated")
+    critic_col = b.v("critic.exists") and b.v("critic.colocated")
+    colocate = bool(ref_col or critic_col)
+    if colocate:
+        who = " and ".join(n for n, c in (("ref", ref_col), ("critic", critic_col)) if c)
+        b.add("fsdp.colocate", True, f"{who} colocated with the actor: one shared PACK group (B8)",
+              ("ref.placement", "critic.placement"))
+    else:
+        b.add("fsdp.colocate", False, "no ref or critic shares the actor's GPUs", ("ref.placement", "critic.placement"))
+    frac = COLOCATED_GPU_FRACTION
+    b.add("actor.num_gpus", frac if colocate else 1, "colocated: each model takes 0.2 GPU (B33)" if colocate
+          else "one whole GPU per rank", ("fsdp.colocate",))
+    for role, col in (("ref", ref_col), ("critic", critic_col)):
+        if b.v(f"{role}.exists"):
+            b.add(f"{role}.num_gpus", frac if col else 1,
+                  "colocated: 0.2 GPU of the actor's bundle (B33)" if col else "its own GPUs, one per rank",
+                  (f"{role}.colocated",))
+    _fsdp_total(b, r, ref_col, critic_col)
+
+
+def _default_critic() -> Any:
+    from schemas.recipe import Critic  # noqa: PLC0415 - only for gae recipes without a critic section
+
+    return Critic()
+
+
+def _fsdp_total(b: _Builder, r: Any, ref_col: bool, critic_col: bool) -> None:
+    if r.eval.only:
+        b.add("fsdp.total_gpus", 0, "eval.only builds no FSDP model (J4)", ("eval.only",))
+        return
+    parts = [f"actor {b.v('actor.world')}"]
+    total = b.v("actor.world")
+    for role, col in (("ref", ref_col), ("critic", critic_col)):
+        if not b.v(f"{role}.exists"):
+            continue
+        if col:
+            parts.append(f"{role} colocated (+0)")
+        else:
+            parts.append(f"{role} {b.v(f'{role}.world')}")
+            total += b.v(f"{role}.world")
+    b.add("fsdp.total_gpus", total, " + ".join(parts) + " (§3.2)",
+          ("actor.world", "ref.world", "critic.world", "fsdp.colocate"))
+
+
+def _actor_extras(b: _Builder, r: Any) -> None:
+    a, t = r.actor, r.train
+    vlm = r.data.max_images_per_prompt > 0
+    if vlm and a.packing:
+        b.add("actor.packing", False, "VLM run (data.max_images_per_prompt > 0): RL never packs images (B5)",
+              ("actor.packing", "data.max_images_per_prompt"), forced=True)
+    else:
+        b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
+    b.add("actor.temperature", r.rollout.temperature, "trained models divide logits by rollout.temperature (B17)",
+          ("rollout.temperature",))
+    mp = a.mesh.tp * a.mesh.cp
+    shuffle = mp <= 1 and t.dynamic_batch is None
+    b.add("actor.shuffle_microbatches", shuffle, "only without tp/cp and without dynamic batching (G11)",
+          ("actor.mesh.tp", "actor.mesh.cp", "train.dynamic_batch"))
+    if t.dynamic_batch is None:
+        b.add("actor.dynamic_batch_max_tokens", None, "dynamic batching off", ("train.dynamic_batch",))
+        b.add("actor.local_batch_size", None, "dynamic batching off", ("train.dynamic_batch",))
+    else:
+        cap = t.dynamic_batch.max_tokens_per_gpu * mp
+        b.add("actor.dynamic_batch_max_tokens", cap,
+              f"max_tokens_per_gpu {t.dynamic_batch.max_tokens_per_gpu} × cp × tp {mp} (G9)",
+              ("train.dynamic_batch.max_tokens_per_gpu", "actor.mesh.tp", "actor.mesh.cp"))
+        dp = b.v("actor.dp")
+        b.add("actor.local_batch_size", None if dp is None else t.batch_size // dp,
+              "dp undefined" if dp is None else f"batch_size {t.batch_size} // dp {dp}; a remainder is dropped (G9)",
+              ("train.batch_size", "actor.dp"))
+
+
+# ---------------------------------------------------------------------------------------------- rollout
+def _rollout(b: _Builder, r: Any) -> None:
+    ro = r.rollout
+    m = ro.mesh
+    per_engine = m.tp * m.pp * m.dp
+    b.add("rollout.gpus_per_engine", per_engine, f"tp {m.tp} × pp {m.pp} × dp {m.dp}",
+          ("rollout.mesh.tp", "rollout.mesh.pp", "rollout.mesh.dp"))
+    executor = _executor(b, ro, per_engine)
+    if executor == "mp":
+        engine_gpus, bundle_gpus, bundles = m.tp * m.dp, m.tp * m.dp, ro.engines
+        why = f"mp: one bundle of tp × dp = {m.tp * m.dp} GPUs per engine, on one node (§3.1)"
+    elif executor == "uni" or per_engine == 1:
+        engine_gpus, bundle_gpus, bundles = 1, 1, ro.engines * per_engine
+        why = "one GPU per engine (§3.1)"
+    else:
+        engine_gpus, bundle_gpus, bundles = 0, 1, ro.engines * per_engine
+        why = f"ray: the engine actor holds no GPU; its {per_engine} workers take one bundle of 1 GPU each (§3.1)"
+    b.add("rollout.engine_num_gpus", engine_gpus, why, ("rollout.executor", "rollout.gpus_per_engine"))
+    b.add("rollout.bundle_gpus", bundle_gpus, why, ("rollout.executor", "rollout.gpus_per_engine"))
+    b.add("rollout.bundles", bundles, f"{bundles} bundles of {bundle_gpus} GPU in one PACK group (§3.1)",
+          ("rollout.engines", "rollout.executor", "rollout.gpus_per_engine"))
+    b.add("rollout.total_gpus", ro.engines * per_engine, f"engines {ro.engines} × {per_engine} GPUs per engine",
+          ("rollout.engines", "rollout.gpus_per_engine"))
+    ep = m.tp * m.dp if ro.expert_parallel else 1
+    b.add("rollout.expert_parallel_size", ep,
+          f"expert_parallel: tp {m.tp} × dp {m.dp} (I8)" if ro.expert_parallel else "expert_parallel off",
+          ("rollout.expert_parallel", "rollout.mesh.tp", "rollout.mesh.dp"))
+    b.add("rollout.max_model_len", r.data.max_len, "vLLM max_model_len is data.max_len (B16)", ("data.max_len",))
+    if ro.generate_batch_size is None:
+        b.add("rollout.generate_batch_size", ro.batch_size, "generate_batch_size unset: rollout.batch_size (B4)",
+              ("rollout.generate_batch_size", "rollout.batch_size"))
+    else:
+        b.add("rollout.generate_batch_size", ro.generate_batch_size, "set in the recipe",
+              ("rollout.generate_batch_size",))
+    b.add("rollout.runners", max(1, ro.runners), f"max(1, rollout.runners {ro.runners}) (B27)", ("rollout.runners",))
+    b.add("rollout.samples_per_step", ro.batch_size * ro.n_samples_per_prompt,
+          f"batch_size {ro.batch_size} prompt groups × n_samples_per_prompt {ro.n_samples_per_prompt}",
+          ("rollout.batch_size", "rollout.n_samples_per_prompt"))
+    is_on = r.algo.is_correction.level != "off"
+    b.add("algo.is_correction.enabled", is_on, f"is_correction.level is {r.algo.is_correction.level}",
+          ("algo.is_correction.level",))
+    b.add("rollout.logprobs", is_on, "rollout logprobs are requested only for IS correction (B14)",
+          ("algo.is_correction.level",))
+    b.add("rollout.logprobs_mode", "processed_logprobs" if is_on else "raw_logprobs",
+          "IS correction needs the logprobs of the processed (tempered) distribution (B14)" if is_on
+          else "IS off: vLLM's raw logprobs (B14)", ("algo.is_correction.level",))
+
+
+def _executor(b: _Builder, ro: Any, per_engine: int) -> str:
+    m = ro.mesh
+    if ro.engine == "hf":
+        return b.add("rollout.executor", "uni", "hf engine: transformers generate inside the engine actor",
+                     ("rollout.engine",))
+    if ro.executor != "auto":
+        return b.add("rollout.executor", ro.executor, "set in the recipe", ("rollout.executor",))
+    if per_engine == 1:
+        return b.add("rollout.executor", "uni", "auto: tp × pp × dp = 1 (B15)", ("rollout.executor", "rollout.mesh"))
+    if m.dp > 1:
+        return b.add("rollout.executor", "mp", f"auto: dp {m.dp} > 1 needs the mp executor (B15)",
+                     ("rollout.executor", "rollout.mesh.dp"))
+    return b.add("rollout.executor", "ray", f"auto: {per_engine} GPUs per engine with dp 1 (B15)",
+                 ("rollout.executor", "rollout.mesh"))
+
+
+def _gpu_totals(b: _Builder, r: Any) -> None:
+    fsdp, vllm = b.v("fsdp.total_gpus"), b.v("rollout.total_gpus")
+    total = b.v("cluster.total_gpus")
+    b.add("cluster.used_gpus", fsdp + vllm, f"FSDP {fsdp} + rollout {vllm} (J1)", ("fsdp.total_gpus", "rollout.total_gpus"))
+    b.add("cluster.idle_gpus", total - fsdp - vllm, f"cluster {total} - used {fsdp + vllm}",
+          ("cluster.total_gpus", "cluster.used_gpus"))
+    b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine GPUs (§3.2)", ("rollout.total_gpus",))
+    on_cpu = r.cluster.gpu == "cpu"
+    b.add("weight_sync.method", "object_store" if on_cpu else "nccl",
+          "CPU: full weights through the Ray object store" if on_cpu else "GPU: NCCL broadcast from trainer rank 0",
+          ("cluster.gpu",))
+
+
+# ---------------------------------------------------------------------------------------------- algorithm
+def _algo(b: _Builder, r: Any) -> None:
+    kl = r.algo.kl
+    distill = r.algo.estimator == "on_policy_distill"
+    if distill:
+        coef_set = "coef" in kl.model_fields_set
+        b.add("algo.kl.coef", kl.coef if coef_set else 1.0,
+              "set in the recipe" if coef_set else "on_policy_distill: coef defaults to 1.0 (B2)",
+              ("algo.kl.coef", "algo.estimator"))
+        b.add("algo.kl.estimator", "k1", "on_policy_distill forces k1 (B2)", ("algo.kl.estimator", "algo.estimator"),
+              forced=kl.estimator != "k1")
+        b.add("algo.kl.use_loss", False, "on_policy_distill folds the KL into the reward (B2)",
+              ("algo.kl.use_loss", "algo.estimator"), forced=kl.use_loss)
+    else:
+        b.add("algo.kl.coef", kl.coef, "algo.kl.coef", ("algo.kl.coef",))
+        b.add("algo.kl.estimator", kl.estimator, "algo.kl.estimator", ("algo.kl.estimator",))
+        b.add("algo.kl.use_loss", kl.use_loss, "algo.kl.use_loss", ("algo.kl.use_loss",))
+    b.add("algo.kl.adaptive", bool(kl.target), "kl.target set: adaptive controller (C9)" if kl.target
+          else "kl.target unset: fixed coefficient", ("algo.kl.target",))
+    if r.agent is not None:
+        b.add("agent.path", r.agent.path, "agent.path (relative to the recipe file)", ("agent.path",))
+        b.add("agent.max_turns", r.agent.max_turns, "exported to runners as MAX_AGENT_TURNS", ("agent.max_turns",))
+    elif distill:
+        b.add("agent.path", DISTILL_AGENT_PATH, "on_policy_distill without an agent: the built-in single-turn, "
+              "reward-0 distill agent (B2)", ("agent", "algo.estimator"))
+        b.add("agent.max_turns", 1, "built-in distill agent is single-turn", ("algo.estimator",))
+    else:
+        b.add("agent.path", None, "no `agent:` section (required unless on_policy_distill, A3)", ("agent",))
+        b.add("agent.max_turns", 1, "no agent", ("agent",))
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+def _rl_schedule(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+    ro, t, d = r.rollout, r.train, r.data
+    count, why = count_rows(d.prompts, recipe_dir, d.max_samples, d.prompt_probs, d.split)
+    b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
+    if count is None:
+        for name in ("train.steps_per_episode", "train.total_steps", "train.optimizer_steps"):
+            b.add(name, None, "dataset size unknown", ("data.prompt_count",))
+    else:
+        spe = count // ro.batch_size
+        b.add("train.steps_per_episode", spe, f"{count} prompts // rollout.batch_size {ro.batch_size} (B11)",
+              ("data.prompt_count", "rollout.batch_size"))
+        b.add("train.total_steps", spe * t.episodes, f"{spe} steps × episodes {t.episodes}",
+              ("train.steps_per_episode", "train.episodes"))
+        if t.force_on_policy:
+            opt = count // ro.batch_size * t.episodes * t.max_epochs
+            why = (f"force_on_policy: {count} // batch {ro.batch_size} × episodes {t.episodes} × max_epochs "
+                   f"{t.max_epochs} (B11)")
+        else:
+            opt = count * ro.n_samples_per_prompt // t.batch_size * t.episodes * t.max_epochs
+            why = (f"{count} prompts × n {ro.n_samples_per_prompt} // train.batch_size {t.batch_size} × episodes "
+                   f"{t.episodes} × max_epochs {t.max_epochs} (B11)")
+        b.add("train.optimizer_steps", opt, why, ("data.prompt_count", "rollout.n_samples_per_prompt",
+                                                  "train.batch_size", "train.episodes", "train.max_epochs"))
+    if t.force_on_policy:
+        b.add("train.optimizer_steps_per_step", 1, "force_on_policy: one optimizer step per rollout batch (G10)",
+              ("train.force_on_policy",))
+    else:
+        sps = b.v("rollout.samples_per_step")
+        b.add("train.optimizer_steps_per_step", sps // t.batch_size * t.max_epochs,
+              f"samples {sps} // train.batch_size {t.batch_size} × max_epochs {t.max_epochs}; a partial window is "
+              "dropped (G8)", ("rollout.samples_per_step", "train.batch_size", "train.max_epochs"))
+    opt = b.v("train.optimizer_steps")
+    freeze = r.actor.freezing_steps if b.v("critic.exists") else 0
+    if opt is None:
+        b.add("actor.scheduler_steps", None, "dataset size unknown", ("train.optimizer_steps",))
+    else:
+        b.add("actor.scheduler_steps", max(1, opt - freeze),
+              f"max(1, optimizer steps {opt} - freezing_steps {freeze}) (B10)" if freeze
+              else f"max(1, optimizer steps {opt}) (B10)", ("train.optimizer_steps", "actor.freezing_steps"))
+    _warmup(b, "actor", r.actor.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
+    if b.v("critic.exists"):
+        b.add("critic.scheduler_steps", opt, "the critic schedules over every optimizer step (B10)",
+              ("train.optimizer_steps",))
+        critic = r.critic if r.critic is not None else _default_critic()
+        _warmup(b, "critic", critic.optimizer.warmup_ratio, "critic.optimizer.warmup_ratio")
+
+
+def _warmup(b: _Builder, role: str, ratio: float, ratio_key: str) -> None:
+    steps = b.v(f"{role}.scheduler_steps")
+    if steps is None:
+        b.add(f"{role}.warmup_steps", None, "scheduler length unknown", (f"{role}.scheduler_steps", ratio_key))
+    else:
+        b.add(f"{role}.warmup_steps", math.ceil(steps * ratio), f"ceil({steps} × warmup_ratio {ratio})",
+              (f"{role}.scheduler_steps", ratio_key))
+
+
+def _rl_eval_ckpt(b: _Builder, r: Any) -> None:
+    e, ro = r.eval, r.rollout
+    enabled = e.dataset is not None
+    b.add("eval.enabled", enabled, "eval.dataset set" if enabled else "no eval.dataset", ("eval.dataset",))
+    if e.every == -1 or not enabled:
+        b.add("eval.every", None, "eval.every -1: never (B12)" if enabled else "no eval", ("eval.every",))
+    else:
+        b.add("eval.every", e.every, f"every {e.every} steps", ("eval.every",))
+    for key in ("batch_size", "n_samples_per_prompt", "temperature", "top_p", "max_new_tokens"):
+        own = getattr(e, key)
+        if own is not None:
+            b.add(f"eval.{key}", own, "set in the recipe", (f"eval.{key}",))
+        else:
+            b.add(f"eval.{key}", getattr(ro, key), f"eval.{key} unset: rollout.{key} (B13)",
+                  (f"eval.{key}", f"rollout.{key}"))
+    _ckpt(b, r)
+
+
+def _ckpt(b: _Builder, r: Any) -> None:
+    c = r.ckpt
+    b.add("ckpt.every", None if c.every == -1 else c.every,
+          "ckpt.every -1: never (B12)" if c.every == -1 else f"every {c.every} steps", ("ckpt.every",))
+    if c.dcp_keep is None:
+        b.add("ckpt.dcp_keep", c.keep, "ckpt.dcp_keep unset: ckpt.keep (B7)", ("ckpt.dcp_keep", "ckpt.keep"))
+    else:
+        b.add("ckpt.dcp_keep", c.dcp_keep, "set in the recipe", ("ckpt.dcp_keep",))
+
+
+def _rl(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+    _rl_roles(b, r)
+    _actor_extras(b, r)
+    _rollout(b, r)
+    _gpu_totals(b, r)
+    _algo(b, r)
+    _rl_schedule(b, r, recipe_dir)
+    _rl_eval_ckpt(b, r)
+
+
+# ---------------------------------------------------------------------------------------------- SFT
+def _sft(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+    a, t, d = r.actor, r.train, r.data
+    _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
+               ("actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size, t.micro_batch_size, False,
+               "actor.mesh", "train")
+    b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
+    b.add("sft.nnodes", a.nodes, "one torchrun per node", ("actor.nodes",))
+    b.add("sft.nproc_per_node", a.gpus_per_node, "one process per GPU", ("actor.gpus_per_node",))
+    b.add("sft.master_port", SFT_MASTER_PORT, "torchrun rendezvous port of Molt's SFT scripts (§5.1)")
+    total = b.v("cluster.total_gpus")
+    world = b.v("actor.world")
+    b.add("cluster.used_gpus", world, f"the SFT world {world}", ("actor.world",))
+    b.add("cluster.idle_gpus", total - world, f"cluster {total} - used {world}", ("cluster.total_gpus", "cluster.used_gpus"))
+    count, why = count_rows(d.dataset, recipe_dir, d.max_samples, d.dataset_probs, d.split)
+    b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
+    if count is None:
+        b.add("train.steps_per_epoch", None, "dataset size unknown", ("data.sample_count",))
+        b.add("train.total_steps", None, "dataset size unknown", ("data.sample_count",))
+    else:
+        spe = count // t.batch_size
+        b.add("train.steps_per_epoch", spe, f"{count} samples // batch_size {t.batch_size} (M6)",
+              ("data.sample_count", "train.batch_size"))
+        b.add("train.total_steps", spe * t.max_epochs, f"{spe} steps × max_epochs {t.max_epochs}",
+              ("train.steps_per_epoch", "train.max_epochs"))
+    steps = b.v("train.total_steps")
+    b.add("actor.scheduler_steps", None if steps is None else max(1, steps),
+          "dataset size unknown" if steps is None else "every optimizer step", ("train.total_steps",))
+    _warmup(b, "actor", a.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
+    e = r.eval
+    enabled = e.dataset is not None
+    b.add("eval.enabled", enabled, "eval.dataset set" if enabled else "no eval.dataset", ("eval.dataset",))
+    if not enabled:
+        b.add("eval.every", None, "no eval", ("eval.dataset",))
+    elif e.every == -1:
+        b.add("eval.every", b.v("train.steps_per_epoch"), "SFT eval.every -1: once per epoch (B12)",
+              ("eval.every", "train.steps_per_epoch"))
+    else:
+        b.add("eval.every", e.every, f"every {e.every} steps", ("eval.every",))
+    _ckpt(b, r)
+
+
+# ---------------------------------------------------------------------------------------------- data counting
+def count_rows(spec: str, recipe_dir: Path | None, max_samples: int, probs: Any, split: str) -> tuple[int | None, str]:
+    """Rows of a comma-separated dataset spec after the per-source and blend `max_samples` caps, with a reason.
+
+    Counts local `.jsonl` (non-blank lines) and `.json` (a list, or a dict holding `split`) files, relative to the
+    recipe file. Anything else (parquet, directories, hub names) is None with the reason: compiling must stay fast
+    and must not import datasets/pyarrow.
+    """
+    sources = [s.strip() for s in spec.split(",") if s.strip()]
+    if probs:
+        return None, "interleaved with probabilities: the length depends on sampling"
+    total = 0
+    parts = []
+    for src in sources:
+        path_str = src.split("@", 1)[0]
+        path = Path(path_str)
+        if not path.is_absolute():
+            if recipe_dir is None:
+                return None, f"{path_str}: recipe location unknown, cannot resolve a relative path"
+            path = recipe_dir / path
+        n, why = _count_file(path, split)
+        if n is None:
+            return None, f"{path_str}: {why}"
+        capped = min(n, max_samples)
+        parts.append(f"{path_str} {n}" + (f" (capped {capped})" if capped != n else ""))
+        total += capped
+    if not sources:
+        return None, "no dataset source"
+    blended = min(total, max_samples)
+    cap = f", capped at max_samples {max_samples}" if blended != total else ""
+    return blended, "counted: " + " + ".join(parts) + cap
+
+
+def _count_file(path: Path, split: str) -> tuple[int | None, str]:
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json"):
+        return None, "not a local json/jsonl file (counted at run time)"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, f"not readable at compile time ({exc.strerror or exc})"
+    if suffix == ".jsonl":
+        return sum(1 for line in data.splitlines() if line.strip()), "jsonl lines"
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None, "not valid JSON"
+    if isinstance(obj, list):
+        return len(obj), "json list"
+    if isinstance(obj, dict) and isinstance(obj.get(split), list):
+        return len(obj[split]), f"json split {split}"
+    return None, "json is neither a list nor a dict with the split"
