@@ -1,0 +1,597 @@
+"""Pass 1, load: a recipe file -> plain data + a SourceMap, with `extends` and `--set` resolved.
+
+Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
+bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml round-trip parser, no constructors run), and
+plain Python data is then built here from the node tree. That is where the loader
+- keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
+  list items as `algo.reward_clip.0`);
+- rejects what plain data cannot hold: duplicate keys, non-string keys, `!!python/...` and other tags;
+- counts nodes while expanding aliases, so an alias bomb stops at a budget instead of eating the machine.
+
+`extends` (a path or a list, relative to the file that says it) is resolved depth-first; later layers win;
+mappings merge key by key, lists and scalars replace. A base reached twice (a diamond) is applied once, at its
+first position. `--set dotted.key=value` is applied last; its value is read as YAML and its key is checked
+against Recipe v1. Every problem is a Diagnostic (codes in `codes.py`), never an exception.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from molt_compile.codes import name_of
+from molt_compile.diagnostics import Diagnostic, Related
+from molt_compile.source import Pos, SourceMap
+
+MAX_FILE_BYTES = 1 << 20
+"""Size cap of one recipe file (1 MiB); recipes are a few KiB. Checked with stat() before reading."""
+MAX_NODES = 100_000
+"""Budget of YAML nodes built per file, aliases expanded; an alias bomb stops here."""
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and lists."""
+
+_T = "tag:yaml.org,2002:"
+_STR, _INT, _FLOAT, _BOOL, _NULL = _T + "str", _T + "int", _T + "float", _T + "bool", _T + "null"
+_MAP, _SEQ, _MERGE, _TIMESTAMP = _T + "map", _T + "seq", _T + "merge", _T + "timestamp"
+
+
+@dataclass
+class Loaded:
+    """The result of loading: the merged data (None when the file could not be read), where every value came
+    from, and what went wrong."""
+
+    data: dict[str, Any] | None
+    source: SourceMap
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    key_positions: dict[str, Pos] = field(default_factory=dict)
+    """Dotted path -> position of the *key* (the value's position is in `source`); for unknown-key carets."""
+    overridden: dict[str, list[Pos]] = field(default_factory=dict)
+    """Dotted path -> earlier positions of the same key in the bases that this value replaced."""
+    files: list[str] = field(default_factory=list)
+    """Every file read: the recipe first, then its bases in the order they were reached (display paths)."""
+    extends_targets: list[Path] = field(default_factory=list)
+    """Absolute paths of every base file reached through `extends`."""
+    own_keys: frozenset[str] = frozenset()
+    """Top-level keys written in the recipe file itself (not inherited)."""
+    path: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.data is not None and not any(d.blocker for d in self.diagnostics)
+
+    @property
+    def is_fragment(self) -> bool:
+        """A base fragment: lives under a `base/` directory, or does not name a job itself (no `name:` of its own;
+        a job's name is never inherited in practice). `lint` also treats a file that another recipe extends and
+        that lacks `kind` or `name` as a fragment."""
+        under_base = self.path is not None and "base" in Path(os.path.abspath(self.path)).parts[:-1]
+        return under_base or "name" not in self.own_keys
+
+
+def display_path(path: Path) -> str:
+    """The path as diagnostics show it: relative to the working directory when inside it."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        return absolute.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return absolute.as_posix()
+
+
+def _diag(code: str, message: str, *, file: str | None = None, line: int | None = None, col: int | None = None,
+          path: str = "", help: str = "", related: tuple[Related, ...] = (), origin: str = "") -> Diagnostic:
+    return Diagnostic(code=code, severity="error", message=message, path=path, file=file, line=line, col=col,
+                      help=help, related=related, name=name_of(code), blocker=True, origin=origin)
+
+
+class _Abort(Exception):
+    """Stops building one file's data (budget exceeded, too deep, recursive alias)."""
+
+    def __init__(self, diag: Diagnostic):
+        self.diag = diag
+
+
+@dataclass
+class _Layer:
+    """One file's own data and positions, before merging."""
+
+    file: str
+    data: dict[str, Any]
+    values: dict[str, Pos]
+    keys: dict[str, Pos]
+
+
+class _Builder:
+    """Builds plain Python data from a composed ruamel node tree, recording positions and rejecting non-data."""
+
+    def __init__(self, file: str | None, diags: list[Diagnostic], record: bool = True):
+        self.file = file
+        self.diags = diags
+        self.record = record
+        self.values: dict[str, Pos] = {}
+        self.keys: dict[str, Pos] = {}
+        self.count = 0
+        self.stack: set[int] = set()
+
+    def pos(self, node: Any) -> Pos:
+        mark = node.start_mark
+        return Pos(self.file, mark.line + 1, mark.column + 1, "file")
+
+    def error(self, code: str, node: Any, message: str, path: str, help: str = "",
+              related: tuple[Related, ...] = ()) -> Diagnostic:
+        p = self.pos(node)
+        return _diag(code, message, file=self.file, line=p.line, col=p.col, path=path, help=help, related=related)
+
+    def build(self, node: Any, path: str = "", depth: int = 0) -> Any:
+        from ruamel.yaml.nodes import MappingNode, SequenceNode
+
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise _Abort(self.error("YAML005", node, f"the document expands to more than {MAX_NODES:,} YAML nodes "
+                                    "(aliases expanded)", path,
+                                    help="a recipe is small; remove the anchors/aliases that multiply the document"))
+        if depth > MAX_DEPTH:
+            raise _Abort(self.error("YAML008", node, f"mappings and lists nested deeper than {MAX_DEPTH} levels",
+                                    path, help="flatten the document; recipe keys are at most a few levels deep"))
+        if isinstance(node, (MappingNode, SequenceNode)):
+            if id(node) in self.stack:
+                raise _Abort(self.error("YAML005", node, "an alias refers to the collection that contains it "
+                                        "(a recursive document)", path, help="remove the self-referencing alias"))
+            self.stack.add(id(node))
+            try:
+                if isinstance(node, MappingNode):
+                    return self._mapping(node, path, depth)
+                return self._sequence(node, path, depth)
+            finally:
+                self.stack.discard(id(node))
+        return self._scalar(node, path)
+
+    def _record(self, path: str, key_node: Any, value_node: Any) -> None:
+        if not self.record:
+            return
+        from ruamel.yaml.nodes import ScalarNode
+
+        self.keys[path] = self.pos(key_node)
+        # Block collections start on the next line; their key is the better place to point at.
+        flow = isinstance(value_node, ScalarNode) or getattr(value_node, "flow_style", False)
+        self.values[path] = self.pos(value_node if flow else key_node)
+
+    def _mapping(self, node: Any, path: str, depth: int) -> dict[str, Any] | None:
+        tag = str(node.tag)
+        if tag != _MAP:
+            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{tag}` on a mapping", path,
+                                         help="remove the tag: recipes hold plain data"))
+            return None
+        out: dict[str, Any] = {}
+        first_seen: dict[str, Any] = {}
+        merged: list[tuple[Any, Any]] = []
+        for key_node, value_node in node.value:
+            if str(key_node.tag) == _MERGE:
+                merged.append((key_node, value_node))
+                continue
+            key = self._key(key_node, path)
+            if key is None:
+                continue
+            child = f"{path}.{key}" if path else key
+            if key in first_seen:
+                first = self.pos(first_seen[key])
+                self.diags.append(self.error(
+                    "YAML003", key_node, f"duplicate key `{key}`", child,
+                    help="keep one of them; YAML parsers disagree on which one wins",
+                    related=(Related(child, first.file, first.line, first.col, "first set here"),)))
+                continue
+            first_seen[key] = key_node
+            out[key] = self.build(value_node, child, depth + 1)
+            self._record(child, key_node, value_node)
+        for key_node, value_node in merged:
+            # YAML merge keys (`<<: *base`): explicit keys win over merged ones.
+            sources = value_node.value if str(value_node.tag) == _SEQ else [value_node]
+            for src in sources:
+                built = self.build(src, path, depth + 1)
+                if not isinstance(built, dict):
+                    self.diags.append(self.error("YAML001", src, "`<<` (merge key) must refer to a mapping", path))
+                    continue
+                for k, v in built.items():
+                    out.setdefault(k, v)
+        return out
+
+    def _key(self, key_node: Any, path: str) -> str | None:
+        from ruamel.yaml.nodes import ScalarNode
+
+        if isinstance(key_node, ScalarNode) and str(key_node.tag) == _STR:
+            return key_node.value
+        shown = key_node.value if isinstance(key_node, ScalarNode) else "a collection"
+        self.diags.append(self.error("YAML009", key_node, f"mapping key `{shown}` is not a string", path,
+                                     help=f'quote it if it is a name: "{shown}":' if isinstance(key_node, ScalarNode)
+                                     else "use a plain name as the key"))
+        return None
+
+    def _sequence(self, node: Any, path: str, depth: int) -> list[Any] | None:
+        tag = str(node.tag)
+        if tag != _SEQ:
+            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{tag}` on a list", path,
+                                         help="remove the tag: recipes hold plain data"))
+            return None
+        out = []
+        for i, item in enumerate(node.value):
+            child = f"{path}.{i}" if path else str(i)
+            out.append(self.build(item, child, depth + 1))
+            if self.record:
+                self.values[child] = self.pos(item)
+                self.keys[child] = self.pos(item)
+        return out
+
+    def _scalar(self, node: Any, path: str) -> Any:
+        tag, text = str(node.tag), node.value
+        try:
+            if tag == _STR or tag == _TIMESTAMP:
+                return text  # timestamps stay strings: no recipe key is a date
+            if tag == _NULL:
+                return None
+            if tag == _BOOL:
+                low = text.lower()
+                if low in ("true", "yes", "on"):
+                    return True
+                if low in ("false", "no", "off"):
+                    return False
+                raise ValueError(text)
+            if tag == _INT:
+                return _parse_int(text)
+            if tag == _FLOAT:
+                return _parse_float(text)
+        except ValueError:
+            self.diags.append(self.error("YAML004", node, f"`{text}` cannot be read as `{_short(tag)}`", path,
+                                         help="remove the tag or fix the value"))
+            return None
+        self.diags.append(self.error(
+            "YAML004", node, f"unsupported YAML tag `{_short(tag)}`", path,
+            help="recipes are plain data; nothing is constructed while loading. Remove the tag"
+            + (" (Python objects are never built from YAML)" if "python" in tag else "")))
+        return None
+
+
+def _short(tag: str) -> str:
+    return "!!" + tag[len(_T):] if tag.startswith(_T) else tag
+
+
+def _parse_int(text: str) -> int:
+    s = text.replace("_", "")
+    sign = -1 if s.startswith("-") else 1
+    s = s.lstrip("+-")
+    for prefix, base in (("0x", 16), ("0o", 8), ("0b", 2)):
+        if s.lower().startswith(prefix):
+            return sign * int(s[2:], base)
+    return sign * int(s, 10)
+
+
+def _parse_float(text: str) -> float:
+    s = text.replace("_", "").lower()
+    if s.lstrip("+-") in (".inf", "inf"):
+        return float("-inf") if s.startswith("-") else float("inf")
+    if s in (".nan", "nan"):
+        return float("nan")
+    return float(s)
+
+
+# ------------------------------------------------------------------------------------------------ one file
+def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool, Any]:
+    """Parse YAML text into a node tree (no construction). Returns (ok, root node or None for an empty doc)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+    try:
+        return True, YAML(typ="rt", pure=True).compose(text)
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
+        problem = e.problem or e.context or "invalid YAML"
+        lines = text.splitlines()
+        bad_line = lines[line - 1] if line and line <= len(lines) else ""
+        indent = bad_line[: len(bad_line) - len(bad_line.lstrip(" \t"))]
+        if "\t" in problem or "\t" in indent:
+            tab_col = indent.index("\t") + 1 if "\t" in indent else col
+            diags.append(_diag("YAML002", "tab character used for indentation", file=file, line=line, col=tab_col,
+                               help="indent with spaces; YAML does not allow tabs in indentation"))
+        else:
+            context = f" ({e.context})" if e.context and e.problem else ""
+            diags.append(_diag("YAML001", f"YAML syntax error: {problem}{context}", file=file, line=line, col=col,
+                               help=_syntax_help(problem)))
+    except RecursionError:
+        diags.append(_diag("YAML008", f"mappings and lists nested deeper than the parser can follow", file=file,
+                           help="flatten the document; recipe keys are at most a few levels deep"))
+    except YAMLError as e:
+        diags.append(_diag("YAML001", f"YAML syntax error: {e}", file=file))
+    return False, None
+
+
+def _syntax_help(problem: str) -> str:
+    if "mapping values are not allowed" in problem:
+        return "a `key: value` cannot hold another `key:` on the same line; quote the value or start a new indented line"
+    if "another document" in problem:
+        return "a recipe is one YAML document; remove the extra `---`"
+    if "undefined alias" in problem:
+        return "define the anchor (`&name`) before using the alias (`*name`)"
+    return "check brackets, quotes and indentation on this line and the one before"
+
+
+def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | None) -> str | None:
+    """Read a recipe file's text with every check that can fail before parsing. `at` is the extends
+    diagnostic template (position of the `extends` entry) when this is a base, None for the recipe itself."""
+    try:
+        st = path.stat()
+    except OSError:
+        if at is not None:
+            diags.append(at)
+        else:
+            diags.append(_diag("LOAD001", f"recipe file `{file}` does not exist", file=file,
+                               help="check the path; recipes live under recipes/"))
+        return None
+    import stat
+
+    if not stat.S_ISREG(st.st_mode):
+        if at is not None:
+            diags.append(at)
+        else:
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            diags.append(_diag("LOAD002", f"`{file}` is {what}, not a recipe file", file=file,
+                               help=f"to check every recipe under it: molt-compile lint {file}"
+                               if stat.S_ISDIR(st.st_mode) else "pass a .yaml recipe file"))
+        return None
+    if st.st_size > MAX_FILE_BYTES:
+        diags.append(_diag("YAML007", f"`{file}` is {st.st_size:,} bytes; the recipe size cap is "
+                           f"{MAX_FILE_BYTES:,} bytes", file=file, help="a recipe is a few KiB; is this the right file?"))
+        return None
+    try:
+        raw = path.read_bytes()[: MAX_FILE_BYTES + 1]
+    except OSError as e:
+        diags.append(_diag("LOAD001", f"cannot read `{file}`: {e.strerror}", file=file))
+        return None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        diags.append(_diag("YAML006", f"byte 0x{raw[e.start]:02x} at offset {e.start} is not valid UTF-8",
+                           file=file, line=line, col=col, help="save the file as UTF-8"))
+        return None
+
+
+class _Tree:
+    """Loads a recipe and its bases depth-first into layers, detecting cycles."""
+
+    def __init__(self, diags: list[Diagnostic], source: SourceMap):
+        self.diags = diags
+        self.source = source
+        self.layers: list[_Layer] = []
+        self.done: set[Path] = set()
+        self.targets: list[Path] = []
+        self.files: list[str] = []
+
+    def load(self, path: Path, stack: tuple[tuple[Path, str], ...], at: Diagnostic | None) -> _Layer | None:
+        real = Path(os.path.realpath(path))
+        file = display_path(path)
+        text = _read_file(path, file, self.diags, at)
+        if text is None:
+            return None
+        self.done.add(real)
+        self.files.append(file)
+        self.source.lines[file] = text.splitlines()
+        ok, node = _compose(text, file, self.diags)
+        if not ok:
+            return None
+        if node is None:
+            self.diags.append(_diag("LOAD003", f"`{file}` is empty: it holds no YAML document", file=file, line=1,
+                                    col=1, help="a recipe starts with `version: 1`, `name: ...`, `kind: rl|sft`"))
+            return None
+        from ruamel.yaml.nodes import MappingNode
+
+        builder = _Builder(file, self.diags)
+        if not isinstance(node, MappingNode):
+            p = builder.pos(node)
+            what = "a list" if type(node).__name__ == "SequenceNode" else "a single value"
+            self.diags.append(_diag("LOAD004", f"the document is {what}; a recipe is a mapping of keys",
+                                    file=file, line=p.line, col=p.col,
+                                    help="start with `version: 1`, `name: ...`, `kind: rl|sft` at column 1"))
+            return None
+        try:
+            data = builder.build(node)
+        except _Abort as e:
+            self.diags.append(e.diag)
+            return None
+        if data is None:
+            return None
+        layer = _Layer(file, data, builder.values, builder.keys)
+        self._bases(layer, real, stack + ((real, file),))
+        self.layers.append(layer)
+        return layer
+
+    def _bases(self, layer: _Layer, real: Path, stack: tuple[tuple[Path, str], ...]) -> None:
+        ext = layer.data.get("extends")
+        if ext is None:
+            return
+        entries: list[tuple[str, str]]
+        if isinstance(ext, str):
+            entries = [("extends", ext)]
+        elif isinstance(ext, list) and all(isinstance(x, str) for x in ext):
+            entries = [(f"extends.{i}", x) for i, x in enumerate(ext)]
+        else:
+            p = layer.values.get("extends")
+            self.diags.append(_diag("LOAD007", "`extends` must be a path or a list of paths", file=layer.file,
+                                    line=p and p.line, col=p and p.col, path="extends",
+                                    help="extends: base/rl.yaml   or   extends: [base/rl.yaml, base/8gpu.yaml]"))
+            return
+        for key, target in entries:
+            p = layer.values.get(key) or layer.values.get("extends")
+            target_path = real.parent / target
+            target_real = Path(os.path.realpath(target_path))
+            chain = [f for _, f in stack]
+            if any(target_real == s for s, _ in stack):
+                self.diags.append(_diag(
+                    "LOAD005", f"`extends: {target}` makes a cycle: {' -> '.join(chain + [display_path(target_path)])}",
+                    file=layer.file, line=p.line, col=p.col, path="extends",
+                    help="remove this entry, or move the shared keys into a base that extends nothing",
+                    related=tuple(Related("extends", f, None, None, "in the chain") for f in chain[:-1])))
+                continue
+            if target_real in self.done:
+                continue  # a diamond: the base was applied already, at its first position
+            missing = _diag("LOAD006", f"`extends` target `{target}` does not exist (looked for "
+                            f"`{display_path(target_path)}`)", file=layer.file, line=p.line, col=p.col,
+                            path="extends", help="paths in `extends` are relative to the file that contains them")
+            self.targets.append(target_real)
+            self.load(target_path, stack, missing)
+
+
+# ------------------------------------------------------------------------------------------------ merging
+def _merge(into: dict[str, Any], over: dict[str, Any]) -> None:
+    """Later wins; mappings merge key by key, lists and scalars replace."""
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = _copy(value)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _paths(value: Any, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        p = f"{prefix}.{k}" if prefix else str(k)
+        out.add(p)
+        out |= _paths(v, p)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ --set
+def _recipe_type(data: dict[str, Any]) -> Any:
+    from schemas.recipe import Recipe, RlRecipe, SftRecipe
+
+    return {"rl": RlRecipe, "sft": SftRecipe}.get(data.get("kind"), Recipe)
+
+
+def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: dict[str, Pos],
+               diags: list[Diagnostic]) -> None:
+    from molt_compile import schema_walk as sw
+
+    key, eq, raw = item.partition("=")
+    key = key.strip()
+    segments: list[str | int] = [int(s) if s.isdigit() else s for s in key.split(".")] if key else []
+    if not eq or not key or any(s == "" for s in segments):
+        diags.append(_diag("LOAD008", f"`--set {item}` is not of the form dotted.key=value", origin="--set",
+                           help="for example: --set train.async.queue_size=2"))
+        return
+    root = _recipe_type(data)
+    types, bad = sw.type_at(root, segments)
+    if types is None:
+        parent = ".".join(map(str, segments[:bad]))
+        parent_types, _ = sw.type_at(root, segments[:bad])
+        candidates = sw.keys_of(parent_types[0]) if parent_types and len(parent_types) == 1 else None
+        for extra in (parent_types or [])[1:]:
+            more = sw.keys_of(extra) or []
+            candidates = (candidates or []) + [k for k in more if k not in (candidates or [])]
+        wrong = str(segments[bad])
+        guess = sw.closest(wrong, candidates or []) if candidates else None
+        if guess:
+            fixed = ".".join([*map(str, segments[:bad]), guess, *map(str, segments[bad + 1:])])
+            hint = f"did you mean `{fixed}`?"
+        else:
+            elsewhere = sw.sections_with_key(root, wrong)
+            hint = (f"`{wrong}` is a key of " + ", ".join(f"`{s}`" for s in elsewhere)) if elsewhere else (
+                f"`{parent or 'the recipe'}` has: " + ", ".join(candidates or []) if candidates else "")
+        where = f"`{parent}`" if parent else "the recipe"
+        diags.append(_diag("LOAD009", f"`--set {key}`: {where} has no key `{wrong}`", path=key, origin="--set",
+                           help=hint))
+        return
+    sink: list[Diagnostic] = []
+    ok, node = _compose(raw, None, sink)
+    value: Any = None
+    if ok and node is not None:
+        builder = _Builder(None, sink, record=False)
+        try:
+            value = builder.build(node)
+        except _Abort as e:
+            sink.append(e.diag)
+    if sink:
+        reason = sink[0].message.removeprefix("YAML syntax error: ")
+        diags.append(_diag("LOAD010", f"`--set {item}`: the value is not valid YAML ({reason})", path=key,
+                           origin="--set", help=f"quote it if it is a string: --set {key}='\"{raw}\"'"))
+        return
+    target: Any = data
+    for i, seg in enumerate(segments[:-1]):
+        nxt = target[seg] if isinstance(target, list) and isinstance(seg, int) and seg < len(target) else (
+            target.get(seg) if isinstance(target, dict) else None)
+        if not isinstance(nxt, (dict, list)):
+            if not isinstance(target, dict):
+                nxt = None
+            else:
+                nxt = {}
+                target[seg] = nxt
+        target = nxt
+        if target is None:
+            break
+    last = segments[-1]
+    if isinstance(target, dict) and not isinstance(last, int):
+        target[last] = value
+    elif isinstance(target, list) and isinstance(last, int) and last < len(target):
+        target[last] = value
+    else:
+        parent = ".".join(map(str, segments[:-1]))
+        diags.append(_diag("LOAD009", f"`--set {key}`: `{parent}` has no item {last} to set", path=key,
+                           origin="--set", help=f"set the whole list instead: --set {parent}=[...]"))
+        return
+    for p in [p for p in values if p == key or p.startswith(key + ".")]:
+        del values[p]
+    for p in [p for p in keys if p == key or p.startswith(key + ".")]:
+        del keys[p]
+    values[key] = Pos(None, None, None, "--set")
+    for p in _paths(value, key):
+        values[p] = Pos(None, None, None, "--set")
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+def load_recipe(path: Path | str, sets: Sequence[str] = ()) -> Loaded:
+    """Load `path` with its bases and `--set` overrides. Never raises on bad input: see `Loaded.diagnostics`."""
+    path = Path(path)
+    diags: list[Diagnostic] = []
+    source = SourceMap(root_file=display_path(path))
+    tree = _Tree(diags, source)
+    root = tree.load(path, (), None)
+    loaded = Loaded(data=None, source=source, diagnostics=diags, files=tree.files, extends_targets=tree.targets,
+                    path=path)
+    if root is None:
+        return loaded
+    loaded.own_keys = frozenset(root.data)
+
+    data: dict[str, Any] = {}
+    values: dict[str, Pos] = {}
+    keys: dict[str, Pos] = {}
+    for layer in tree.layers:
+        own = {k: v for k, v in layer.data.items() if k != "extends"}
+        for p, pos in layer.values.items():
+            if p in values and not p.startswith("extends"):
+                loaded.overridden.setdefault(p, []).append(values[p])
+        _merge(data, own)
+        values.update(layer.values)
+        keys.update(layer.keys)
+    if "extends" in root.data:
+        data["extends"] = root.data["extends"]
+    present = _paths(data)
+    values = {p: v for p, v in values.items() if p in present and (not p.startswith("extends") or v.file == root.file)}
+    keys = {p: v for p, v in keys.items() if p in values}
+    loaded.overridden = {p: v for p, v in loaded.overridden.items() if p in values}
+    if not any(d.blocker for d in diags):
+        for item in sets:
+            _apply_set(item, data, values, keys, diags)
+    source.positions = values
+    loaded.key_positions = keys
+    loaded.data = data
+    return loaded
