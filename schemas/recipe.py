@@ -372,7 +372,9 @@ class RlTrain(Section):
     check_weight_update_equal: bool = False
     """After each weight sync, report engine weights that were not refreshed."""
 
-    model_config = ConfigDict(populate_by_name=True)
+    # YAML spells the key `async` (a Python keyword, hence the alias). Only the alias is accepted as input, so a
+    # recipe cannot write `async_`; dumps use the alias too, so the plan's resolved recipe keeps YAML key names.
+    model_config = ConfigDict(validate_by_name=False, validate_by_alias=True, serialize_by_alias=True)
 
 
 class SftTrain(Section):
