@@ -1,0 +1,754 @@
+"""Plan v1: the compiled, immutable job. The runtime reads only this; it never re-derives or re-validates.
+
+A plan is produced by `molt_compile.lower.lower()` from a validated recipe and its derived values. It is
+deterministic: the same recipe gives byte-identical JSON on any machine (no time, host, or dict-order
+dependence; paths are relative to the project root, the compile-time working directory). `fingerprint` is the
+sha256 of the canonical JSON of the plan without the fingerprint itself.
+
+Layout:
+- identity: `schema_version`, `name`, `kind`, `fingerprint`, `source`, `recipe` (the resolved recipe, YAML keys);
+- resources: `cluster`, `placement_groups`, `roles` (each with its `instances`), `gpu_map`;
+- explanation: `derived` (every derived value with reason and inputs);
+- launch: `env`, `runtime_env`, `entrypoint`;
+- runtime slices: `rl` (kind rl) or `sft` (kind sft). Each Ray actor gets only the slice it needs.
+
+Placeholders: `entrypoint` and `SftRuntime.command` contain `{plan_file}` (and, for SFT, `{node_rank}` and
+`{master_addr}`), which the launcher substitutes; they are not part of the plan's identity.
+
+Device slots: on GPU clusters (`cluster.device == "cuda"`) a device slot is a Ray `GPU`. On CPU clusters
+(`cluster.gpu: cpu`) it is the custom Ray resource `device_slot`, which the launcher declares on every node
+(`cluster.node_resources`), so bin packing works exactly as with GPUs and CPUs stay free for runners.
+Each instance's `ray_options` is exactly what to pass to `.options(...)` (with the placement group and bundle).
+
+Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group in node-sorted order at run time
+(Molt placement.py; Ray PACK does not promise bundle order = node order). `bundle_nodes` and `instances[].node`
+are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+PLAN_SCHEMA_VERSION = 1
+PLAN_FILE_PLACEHOLDER = "{plan_file}"
+"""Substituted by the launcher with the plan file's path (relative to the job's working directory)."""
+DEVICE_SLOT_RESOURCE = "device_slot"
+"""Custom Ray resource standing for one device on CPU clusters."""
+
+
+class PlanModel(BaseModel):
+    """Base of every plan model: frozen, unknown keys are errors, attribute docstrings are the documentation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+
+JsonValue = Any
+
+
+# ---------------------------------------------------------------------------------------------- resources
+class ClusterPlan(PlanModel):
+    nodes: int
+    """Nodes of the job."""
+    gpus_per_node: int
+    """Device slots per node (GPUs, or CPU device slots when `device == "cpu"`)."""
+    gpu: str
+    """GPU catalog key, or `cpu`."""
+    device: Literal["cuda", "cpu"]
+    """torch device of the trained models and engines."""
+    device_resource: Literal["GPU", "device_slot"]
+    """Ray resource that one device slot is."""
+    cpus_per_node: int
+    """Ray CPUs each node offers: the recipe's, the GPU catalog's node profile, else what the placement needs."""
+    node_resources: dict[str, float]
+    """What every node must declare to Ray (`ray start --num-cpus/--num-gpus/--resources`)."""
+    total_gpus: int
+    """nodes x gpus_per_node."""
+    used_gpus: int
+    """Device slots the job occupies (colocated roles share)."""
+
+
+class PlacementGroupPlan(PlanModel):
+    name: str
+    """Stable name: `rollout`, `fsdp` (shared by colocated roles), `actor`, `ref`, `critic`."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+    """Ray placement strategy."""
+    bundles: list[dict[str, float]]
+    """Ray bundles in order, e.g. `{"GPU": 1, "CPU": 1}`."""
+    bundle_nodes: list[int]
+    """Node index where the compiler's bin packing put each bundle."""
+
+
+class RayOptions(PlanModel):
+    num_cpus: float
+    """`num_cpus` of the Ray actor."""
+    num_gpus: float
+    """`num_gpus` of the Ray actor (0 on CPU clusters)."""
+    resources: dict[str, float] = {}
+    """Custom resources (`device_slot` on CPU clusters)."""
+
+
+class InstancePlan(PlanModel):
+    index: int
+    """Rank / engine index / runner index within the role."""
+    label: str
+    """The name used in `gpu_map`, e.g. `actor.rank[3]`, `rollout.engine[0]`."""
+    node: int
+    """Node the instance is expected on."""
+    bundle_indices: list[int]
+    """Bundles of the role's placement group this instance uses (several for a ray-executor engine's workers)."""
+    gpus: list[int]
+    """Local device indices on `node` (empty for CPU-only roles)."""
+
+
+class RolePlan(PlanModel):
+    name: str
+    """Stable role name: rollout.engine, router, actor, ref, critic, controller, lock, queue.rollout, queue.slots,
+    generator, runner, trainer (RL); torchrun (SFT)."""
+    actor_class: str
+    """What the runtime instantiates for this role (a logical class name)."""
+    count: int
+    """Number of instances."""
+    num_gpus: float
+    """Device slots each instance requests (0.2 when colocated; 0 for a ray-executor engine whose workers hold them)."""
+    num_cpus: float
+    """CPUs each instance requests."""
+    placement_group: str | None
+    """Name of its placement group, or None."""
+    scheduling: Literal["placement_group", "SPREAD", "DEFAULT"]
+    """How Ray schedules it."""
+    ray_options: RayOptions
+    """Exactly what to pass to `.options(...)` (plus the placement group strategy)."""
+    instances: list[InstancePlan]
+    """One entry per instance, in rank order."""
+    env: dict[str, str] = {}
+    """Extra environment of this role's processes (on top of the job env)."""
+
+
+# ---------------------------------------------------------------------------------------------- derived
+class DerivedEntry(PlanModel):
+    name: str
+    """Dotted derived name, e.g. `actor.dp`."""
+    value: JsonValue
+    """The value (None when it could not be computed; the reason says why)."""
+    reason: str
+    """One line: how it was computed."""
+    inputs: list[str]
+    """Recipe keys and derived names it was computed from."""
+
+
+# ---------------------------------------------------------------------------------------------- RL slices
+class ModelPlan(PlanModel):
+    path: str
+    """Policy checkpoint (local path relative to the project root, or a hub name)."""
+    arch: str | None
+    """Catalog architecture key, when known."""
+    backend: Literal["automodel", "hf"]
+    """Training backend."""
+    dtype: Literal["bfloat16", "float16", "float32"]
+    """FSDP compute dtype (torch name). Master weights stay fp32."""
+    attn: str
+    """Attention implementation of the trained models."""
+    gradient_checkpoint: Literal["full", "selective", "none"]
+    """Activation checkpointing (the reference model never checkpoints)."""
+    disable_fast_tokenizer: bool
+    """Load the slow tokenizer."""
+
+
+class EnginesPlan(PlanModel):
+    kind: Literal["vllm", "hf"]
+    """Engine implementation."""
+    count: int
+    """Number of engines."""
+    tp: int
+    """Tensor parallel per engine."""
+    pp: int
+    """Pipeline parallel per engine."""
+    dp: int
+    """Data parallel per engine."""
+    gpus_per_engine: int
+    """tp x pp x dp."""
+    executor: Literal["uni", "mp", "ray"]
+    """vLLM distributed executor (derived when `auto`)."""
+    expert_parallel: bool
+    """vLLM TP+EP hybrid."""
+    dtype: str
+    """Engine dtype."""
+    max_model_len: int
+    """Context length (data.max_len)."""
+    gpu_memory_utilization: float
+    """vLLM memory fraction."""
+    enforce_eager: bool
+    """Disable CUDA graphs."""
+    prefix_caching: bool
+    """vLLM prefix caching."""
+    seeds: list[int]
+    """Seed of engine i = train.seed + i."""
+    router_policy: str
+    """Request routing policy across engines."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"]
+    """vLLM logprobs mode."""
+    max_images_per_prompt: int
+    """vLLM limit_mm_per_prompt (0: text only)."""
+    extra_engine_args: dict[str, JsonValue]
+    """Only the engine knobs the recipe set (attention_backend, block_size, ...), with vLLM's argument names."""
+
+
+class AgentPlan(PlanModel):
+    path: str
+    """Agent file relative to the project root, or `builtin:distill`."""
+    max_turns: int
+    """Turn limit (also exported as MAX_AGENT_TURNS)."""
+    env: dict[str, str]
+    """Environment of the runner processes."""
+    runners: int
+    """Number of agent runner actors."""
+
+
+class RlDataPlan(PlanModel):
+    prompts: list[str]
+    """Prompt sources (relative to the project root; `path@data_dir` kept)."""
+    probs: list[float] | None
+    """Interleave probabilities."""
+    split: str
+    """Split name."""
+    input_key: str
+    """Prompt column."""
+    label_key: str | None
+    """Label column."""
+    tools_key: str | None
+    """Tool schema column."""
+    image_key: str
+    """Image column."""
+    max_images_per_prompt: int
+    """> 0 marks a VLM run."""
+    apply_chat_template: bool
+    """Rows are chat messages."""
+    max_len: int
+    """Total context budget."""
+    max_samples: int
+    """Cap per source and on the blend."""
+    dataloader_num_workers: int
+    """Dataloader workers."""
+    prompt_count: int | None
+    """Prompts after caps, counted at compile time (None: unknown)."""
+
+
+class SamplingPlan(PlanModel):
+    n_samples_per_prompt: int
+    """Group size."""
+    max_new_tokens: int | None
+    """Per-turn cap (None: what context is left)."""
+    temperature: float
+    """Sampling temperature."""
+    top_p: float
+    """Nucleus sampling."""
+    logprobs: bool
+    """Ask the engine for sampled-token logprobs."""
+
+
+class EvalPlan(PlanModel):
+    enabled: bool
+    """An eval dataset is set."""
+    dataset: str | None
+    """Eval source (relative to the project root)."""
+    split: str
+    """Eval split."""
+    every: int | None
+    """Eval every N steps (None: never)."""
+    at_start: bool
+    """Baseline eval at step 0 on fresh runs."""
+    only: bool
+    """Eval once and exit."""
+    batch_size: int
+    """Prompt groups per eval round."""
+    sampling: SamplingPlan
+    """Eval sampling (rollout fallbacks applied)."""
+
+
+class GeneratorPlan(PlanModel):
+    batch_size: int
+    """Prompt groups per training step."""
+    generate_batch_size: int
+    """Prompt groups kept in flight."""
+    episodes: int
+    """Passes over the prompts."""
+    dynamic_filtering: list[float] | None
+    """Open interval (lo, hi) on group mean score, None: off."""
+    seed: int
+    """Sampler seed."""
+
+
+class QueuePlan(PlanModel):
+    size: int
+    """Depth of the rollout queue and slot queue."""
+    partial_rollout: bool
+    """Generation skips the engine lock (pause/resume around sync)."""
+    force_sync: bool
+    """Return the slot only after the train step and its sync."""
+
+
+class MeshPlan(PlanModel):
+    tp: int
+    """Tensor parallel."""
+    cp: int
+    """Context parallel."""
+    ep: int
+    """Expert parallel."""
+    pp: int
+    """Pipeline parallel."""
+
+
+class OptimizerPlan(PlanModel):
+    name: Literal["adam", "muon"]
+    """Optimizer family."""
+    lr: float
+    """Learning rate."""
+    betas: list[float]
+    """AdamW betas."""
+    eps: float
+    """AdamW eps."""
+    weight_decay: float
+    """AdamW weight decay."""
+    max_norm: float
+    """Gradient clip norm (<= 0: off)."""
+    scheduler: str
+    """transformers scheduler name."""
+    warmup_steps: int | None
+    """Warmup optimizer steps (None: dataset size unknown, no warmup)."""
+    total_steps: int | None
+    """Scheduler length in optimizer steps (None: unknown)."""
+    min_lr_ratio: float
+    """LR floor as a fraction of lr."""
+    muon: dict[str, JsonValue] | None
+    """Muon settings when name is muon."""
+
+
+class LossPlan(PlanModel):
+    mode: Literal["ppo", "cispo", "gspo"]
+    """Policy surrogate."""
+    clip_low: float
+    """Clip band low offset."""
+    clip_high: float
+    """Clip band high offset (cispo: absolute ceiling)."""
+    dual_clip: float | None
+    """Dual-clip bound."""
+    entropy_coef: float
+    """Entropy coefficient."""
+    aux_loss_coef: float
+    """MoE aux loss coefficient."""
+
+
+class TrainerPlan(PlanModel):
+    world: int
+    """Ranks of the policy FSDP group."""
+    dp: int
+    """Data-parallel size."""
+    mesh: MeshPlan
+    """FSDP mesh."""
+    micro_batch_size: int
+    """Per-rank microbatch."""
+    grad_accum: int
+    """Microbatches per optimizer step."""
+    batch_size: int
+    """Global samples per optimizer step."""
+    max_epochs: int
+    """Epochs over each rollout batch."""
+    force_on_policy: bool
+    """One optimizer step per rollout batch."""
+    dynamic_batch_max_tokens: int | None
+    """Token cap per microbatch (None: fixed-size microbatches)."""
+    local_batch_size: int | None
+    """Samples per rank per step under dynamic batching."""
+    packing: bool
+    """Effective sequence packing."""
+    sequence_parallel: bool
+    """Sequence parallel in TP."""
+    offload: Literal["none", "optimizer", "full"]
+    """CPU offload."""
+    shuffle_microbatches: bool
+    """Shuffle microbatches."""
+    optimizer: OptimizerPlan
+    """Policy optimizer."""
+    loss: LossPlan
+    """Policy loss."""
+    freeze_moe_router: bool
+    """Freeze MoE router."""
+    freeze_visual_encoder: bool
+    """Freeze the vision tower."""
+    freezing_steps: int
+    """gae: policy frozen for the first N steps."""
+    temperature: float
+    """Logits temperature (rollout.temperature)."""
+    routing_replay: bool
+    """R3 routing replay."""
+    full_determinism: bool
+    """Full determinism."""
+
+
+class RefPlan(PlanModel):
+    path: str
+    """Reference / teacher checkpoint."""
+    colocated: bool
+    """Shares the actor's bundles."""
+    world: int
+    """Ranks."""
+    dp: int
+    """Data-parallel size."""
+    grad_accum: int
+    """As the actor's (Molt checks it for every FSDP group)."""
+
+
+class CriticPlan(PlanModel):
+    path: str
+    """Initial critic weights."""
+    colocated: bool
+    """Shares the actor's bundles."""
+    world: int
+    """Ranks (always the actor's)."""
+    dp: int
+    """Data-parallel size."""
+    grad_accum: int
+    """Microbatches per optimizer step."""
+    value_clip: float
+    """PPO value clip."""
+    max_epochs: int
+    """Critic epochs per step."""
+    optimizer: OptimizerPlan
+    """Critic optimizer."""
+    freeze_moe_router: bool
+    """Freeze the critic's router."""
+
+
+class KlPlan(PlanModel):
+    coef: float
+    """(Initial) KL coefficient."""
+    estimator: Literal["k1", "k2", "k3"]
+    """KL estimator."""
+    use_loss: bool
+    """KL as loss term (else in the reward)."""
+    target: float | None
+    """Adaptive controller target."""
+    horizon: int
+    """Adaptive controller horizon."""
+
+
+class IsCorrectionPlan(PlanModel):
+    level: Literal["off", "token", "seq", "geo"]
+    """IS level."""
+    mode: Literal["mask", "clip", "trunc"]
+    """IS mode."""
+    low: float
+    """Band low."""
+    high: float
+    """Band high."""
+
+
+class AlgoPlan(PlanModel):
+    estimator: str
+    """Advantage estimator."""
+    gamma: float
+    """Discount."""
+    lam: float
+    """GAE lambda."""
+    whiten: bool
+    """Whiten advantages."""
+    reward_clip: list[float]
+    """[lo, hi] reward clamp."""
+    kl: KlPlan
+    """Effective KL settings."""
+    is_correction: IsCorrectionPlan
+    """Importance sampling correction."""
+
+
+class SchedulePlan(PlanModel):
+    steps_per_episode: int | None
+    """Trainer steps per pass over the prompts (None: run until the prompts are exhausted)."""
+    total_steps: int | None
+    """Trainer steps of the run (None: unknown)."""
+    log_every: int
+    """Log every N steps."""
+    ckpt_every: int | None
+    """Checkpoint every N steps (None: never)."""
+    eval_every: int | None
+    """Eval every N steps (None: never)."""
+
+
+class CkptPlan(PlanModel):
+    dir: str
+    """DCP root (relative to the job's working directory)."""
+    hf_dir: str
+    """HF export directory."""
+    keep: int
+    """HF exports kept (<= 0: all)."""
+    dcp_keep: int
+    """DCP checkpoints kept (<= 0: all)."""
+    max_disk_gb: float | None
+    """Disk budget."""
+    save_hf: bool
+    """HF snapshot at each save."""
+    resume: bool
+    """Resume from the newest checkpoint."""
+    final_save: bool
+    """Export HF weights at the end."""
+    best_metric_key: str
+    """Eval metric for best checkpoints."""
+    warm_resume_rollouts: bool
+    """Keep untrained rollouts for resume."""
+
+
+class LoggingPlan(PlanModel):
+    out_dir: str
+    """metrics.jsonl and plots go here (`runs/<name>`)."""
+    every: int
+    """Log every N steps."""
+    tensorboard_dir: str | None
+    """TensorBoard directory."""
+    wandb: dict[str, JsonValue] | None
+    """wandb settings (the key stays an `${env:...}` reference)."""
+
+
+class WeightSyncPlan(PlanModel):
+    world_size: int
+    """Trainer rank 0 + every engine device."""
+    method: Literal["nccl", "object_store"]
+    """How full weights reach the engines."""
+
+
+class RlRuntime(PlanModel):
+    device: Literal["cuda", "cpu"]
+    """torch device."""
+    dist_backend: str
+    """torch.distributed backend."""
+    model: ModelPlan
+    """The trained model."""
+    engines: EnginesPlan
+    """Rollout engines."""
+    agent: AgentPlan
+    """Agent and runners."""
+    data: RlDataPlan
+    """Prompt data."""
+    sampling: SamplingPlan
+    """Rollout sampling."""
+    eval: EvalPlan
+    """Evaluation."""
+    generator: GeneratorPlan
+    """Generator loop."""
+    queue: QueuePlan
+    """Async queue."""
+    trainer: TrainerPlan | None
+    """Policy trainer (None with eval.only)."""
+    ref: RefPlan | None
+    """Reference / teacher (None: none)."""
+    critic: CriticPlan | None
+    """Critic (None: none)."""
+    algo: AlgoPlan
+    """Advantages, KL, IS."""
+    schedule: SchedulePlan
+    """Step counts and cadences."""
+    ckpt: CkptPlan
+    """Checkpoints."""
+    logging: LoggingPlan
+    """Metrics."""
+    weight_sync: WeightSyncPlan
+    """Weight sync."""
+
+
+# ---------------------------------------------------------------------------------------------- SFT slice
+class SftDataPlan(PlanModel):
+    dataset: list[str]
+    """Training sources (relative to the project root)."""
+    probs: list[float] | None
+    """Interleave probabilities."""
+    split: str
+    """Split."""
+    input_key: str
+    """Prompt column."""
+    output_key: str | None
+    """Reply column."""
+    chat_template: str | None
+    """Chat template override."""
+    train_on_last_turn_only: bool
+    """Supervise only the last assistant turn."""
+    image_key: str | None
+    """Image column (VLM SFT)."""
+    max_images_per_prompt: int
+    """Rows with more images are dropped."""
+    max_len: int
+    """Sequence length."""
+    max_samples: int
+    """Cap on samples."""
+    dataloader_num_workers: int
+    """Dataloader workers."""
+    sample_count: int | None
+    """Rows counted at compile time (None: unknown)."""
+
+
+class SftTrainerPlan(PlanModel):
+    world: int
+    """Ranks."""
+    dp: int
+    """Data-parallel size."""
+    mesh: MeshPlan
+    """FSDP mesh."""
+    micro_batch_size: int
+    """Per-rank microbatch."""
+    grad_accum: int
+    """Microbatches per optimizer step."""
+    batch_size: int
+    """Global batch."""
+    max_epochs: int
+    """Epochs."""
+    packing: bool
+    """Sequence packing."""
+    sequence_parallel: bool
+    """Sequence parallel."""
+    offload: Literal["none", "optimizer", "full"]
+    """CPU offload."""
+    optimizer: OptimizerPlan
+    """Optimizer."""
+    aux_loss_coef: float
+    """MoE aux loss."""
+    freeze_moe_router: bool
+    """Freeze the router."""
+    freeze_visual_encoder: bool
+    """Freeze the vision tower."""
+    seed: int
+    """Seed."""
+    full_determinism: bool
+    """Full determinism."""
+
+
+class SftSchedulePlan(PlanModel):
+    steps_per_epoch: int | None
+    """Optimizer steps per epoch (None: unknown)."""
+    total_steps: int | None
+    """Optimizer steps of the run."""
+    log_every: int
+    """Log every N steps."""
+    ckpt_every: int | None
+    """Checkpoint every N steps (None: never)."""
+    eval_every: int | None
+    """Eval every N steps (None: no eval)."""
+
+
+class SftRuntime(PlanModel):
+    device: Literal["cuda", "cpu"]
+    """torch device."""
+    dist_backend: str
+    """torch.distributed backend."""
+    nnodes: int
+    """torchrun --nnodes."""
+    nproc_per_node: int
+    """torchrun --nproc-per-node."""
+    master_port: int
+    """torchrun --master-port."""
+    command: list[str]
+    """The per-node command, with `{node_rank}`, `{master_addr}` and `{plan_file}` placeholders."""
+    model: ModelPlan
+    """The trained model."""
+    trainer: SftTrainerPlan
+    """Trainer."""
+    data: SftDataPlan
+    """Data."""
+    eval_dataset: str | None
+    """Eval source."""
+    eval_split: str
+    """Eval split."""
+    schedule: SftSchedulePlan
+    """Steps and cadences."""
+    ckpt: CkptPlan
+    """Checkpoints."""
+    logging: LoggingPlan
+    """Metrics."""
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+class Plan(PlanModel):
+    schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    """Plan format version."""
+    name: str
+    """Job name (recipe name)."""
+    kind: Literal["rl", "sft"]
+    """Recipe kind."""
+    fingerprint: str = ""
+    """sha256 of the canonical JSON of the plan without this field."""
+    source: str
+    """Recipe path relative to the project root (absolute when outside it)."""
+    recipe: dict[str, JsonValue]
+    """The resolved recipe (after extends and --set, defaults filled), YAML key names."""
+    cluster: ClusterPlan
+    """The cluster."""
+    derived: list[DerivedEntry]
+    """Every derived value with its reason."""
+    placement_groups: list[PlacementGroupPlan]
+    """Ray placement groups in creation order."""
+    roles: list[RolePlan]
+    """Roles in creation order."""
+    gpu_map: list[list[list[str]]]
+    """node -> device slot -> labels of the instances on it (empty list: idle)."""
+    env: dict[str, str]
+    """Job-wide environment (recipe env, agent env, MAX_AGENT_TURNS)."""
+    runtime_env: dict[str, JsonValue]
+    """Ray runtime_env of the job."""
+    entrypoint: list[str]
+    """The job's command, `python -m runtime {plan_file}` (SFT: the torchrun command)."""
+    rl: RlRuntime | None = None
+    """Runtime slice of an RL plan."""
+    sft: SftRuntime | None = None
+    """Runtime slice of an SFT plan."""
+
+    # ------------------------------------------------------------------ identity and serialization
+    def canonical_json(self, *, indent: int | None = None, with_fingerprint: bool = True) -> str:
+        """Sorted keys, fixed separators, UTF-8 text: equal plans give equal strings."""
+        data = self.model_dump(mode="json")
+        if not with_fingerprint:
+            data.pop("fingerprint")
+        seps = (",", ":") if indent is None else (",", ": ")
+        return json.dumps(data, sort_keys=True, indent=indent, separators=seps, ensure_ascii=False)
+
+    def compute_fingerprint(self) -> str:
+        return hashlib.sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
+
+    def with_fingerprint(self) -> Plan:
+        """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
+        return self.model_copy(update={"fingerprint": self.compute_fingerprint()})
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """Canonical JSON (sorted keys; one-space indent by default so diffs of golden files stay readable)."""
+        return self.canonical_json(indent=indent) + ("\n" if indent is not None else "")
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        """Parse a plan; the fingerprint must match the content (a hand-edited plan is rejected)."""
+        plan = cls.model_validate_json(text)
+        if plan.fingerprint and plan.fingerprint != plan.compute_fingerprint():
+            raise ValueError("plan fingerprint does not match its content: the plan was edited after compiling; "
+                             "recompile the recipe")
+        return plan
+
+    # ------------------------------------------------------------------ lookups
+    def role(self, name: str) -> RolePlan:
+        """The role called `name`; KeyError listing the roles when absent."""
+        for r in self.roles:
+            if r.name == name:
+                return r
+        raise KeyError(f"plan has no role {name!r}; roles: {', '.join(r.name for r in self.roles)}")
+
+    def has_role(self, name: str) -> bool:
+        return any(r.name == name for r in self.roles)
+
+    def placement_group(self, name: str) -> PlacementGroupPlan:
+        for pg in self.placement_groups:
+            if pg.name == name:
+                return pg
+        raise KeyError(f"plan has no placement group {name!r}")
+
+    def derived_value(self, name: str) -> JsonValue:
+        for d in self.derived:
+            if d.name == name:
+                return d.value
+        raise KeyError(f"plan has no derived value {name!r}")
