@@ -1,0 +1,28 @@
+"""Pure RL algorithm functions (no Ray, no models): rewards, advantages, KL, IS correction, losses.
+
+One module per concern: `reward` (grouping, clipping, whitening), `advantages` (the seven estimators), `kl`
+(k1/k2/k3 and the coefficient controllers), `is_correction` (level × mode), `losses` (PPO/GSPO/CISPO, value, SFT,
+global-token-mean aggregation). Shapes: (B, T) per-token tensors on the action axis with an `action_mask`.
+"""
+
+from runtime.algo.advantages import ESTIMATORS, Advantages, compute_advantages
+from runtime.algo.is_correction import IsCorrection, is_correction, masked_mean
+from runtime.algo.kl import AdaptiveKLController, FixedKLController, kl_estimate, make_kl_controller
+from runtime.algo.losses import (
+    ActorLossOutput,
+    PolicyLossOutput,
+    actor_loss,
+    entropy_from_logits,
+    global_token_mean,
+    policy_loss,
+    sft_loss,
+    value_loss,
+)
+from runtime.algo.reward import GROUP_ESTIMATORS, RolloutRewards, clip_rewards, prepare_rewards, whiten
+
+__all__ = [
+    "ESTIMATORS", "GROUP_ESTIMATORS", "ActorLossOutput", "AdaptiveKLController", "Advantages", "FixedKLController",
+    "IsCorrection", "PolicyLossOutput", "RolloutRewards", "actor_loss", "clip_rewards", "compute_advantages",
+    "entropy_from_logits", "global_token_mean", "is_correction", "kl_estimate", "make_kl_controller", "masked_mean",
+    "policy_loss", "prepare_rewards", "sft_loss", "value_loss", "whiten",
+]
