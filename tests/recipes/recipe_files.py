@@ -1,0 +1,28 @@
+"""The shipped recipes, found on disk, and a cached compile of each (compiling is pure, so one per file)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = ROOT / "recipes"
+
+
+def shipped_recipes() -> list[Path]:
+    """Every recipe under recipes/ except shared fragments (recipes/base/**) and data files (recipes/data/**)."""
+    found = []
+    for path in sorted(RECIPES_DIR.rglob("*.yaml")):
+        parts = path.relative_to(RECIPES_DIR).parts
+        if parts[0] in ("base", "data", "agents"):
+            continue
+        found.append(path)
+    return found
+
+
+@lru_cache(maxsize=None)
+def compiled(name: str):
+    """`compile_recipe` of recipes/<name>, run from the project root like the CLI would be."""
+    from molt_compile.compile import compile_recipe
+
+    return compile_recipe(RECIPES_DIR / name)

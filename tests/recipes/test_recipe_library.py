@@ -1,0 +1,52 @@
+"""Every shipped recipe compiles without errors, and the ones mirroring Molt's scripts say what they are."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.recipes.recipe_files import RECIPES_DIR, compiled, shipped_recipes
+
+SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/recipe.schema.json"
+MOLT_SCRIPT_RECIPES = [p for p in shipped_recipes() if not p.name.startswith("demo_")]
+"""The recipes that mirror a Molt launch script (the demo recipes are the CPU runtime's, with their own tests)."""
+
+
+def test_the_library_holds_the_twelve_molt_recipes():
+    names = {p.name for p in MOLT_SCRIPT_RECIPES}
+    assert len(MOLT_SCRIPT_RECIPES) == 12, sorted(names)
+    assert "glm5_ep256.yaml" in names  # the name the design documents use
+
+
+@pytest.mark.parametrize("path", shipped_recipes(), ids=lambda p: p.name)
+def test_recipe_compiles_without_errors(path):
+    result = compiled(path.relative_to(RECIPES_DIR).as_posix())
+    errors = [f"{d.code} {d.path}: {d.message}" for d in result.diagnostics if d.severity == "error"]
+    assert errors == []
+    assert result.exit_status == 0
+    assert result.recipe is not None and result.derived is not None
+    assert result.plan is not None, "a recipe without errors lowers to a plan"
+    assert result.plan.name == result.recipe.name
+
+
+@pytest.mark.parametrize("path", MOLT_SCRIPT_RECIPES, ids=lambda p: p.name)
+def test_recipe_header_says_what_where_and_how(path):
+    text = path.read_text()
+    lines = text.splitlines()
+    assert lines[0] == SCHEMA_LINE
+    header = "\n".join(line for line in lines if line.startswith("#"))
+    assert "Molt script: examples/scripts/" in header, "name the launch script this recipe mirrors"
+    assert "GPUs:" in header and "Run:" in header
+    assert "molt-compile recipes/" + path.name in header
+    assert "sbatch" in header or "--submit" in header
+
+
+@pytest.mark.parametrize("path", sorted((RECIPES_DIR / "base").glob("*.yaml")), ids=lambda p: p.name)
+def test_bases_are_fragments_with_a_schema_line(path):
+    """Bases carry no job name: they only make sense extended (and `lint` treats them as fragments)."""
+    from molt_compile.load import load_recipe
+
+    text = path.read_text()
+    assert text.splitlines()[0] == "# yaml-language-server: $schema=../../schemas/recipe.schema.json"
+    loaded = load_recipe(path)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    assert loaded.is_fragment and "name" not in loaded.own_keys
