@@ -15,7 +15,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 |---|---|---|
 | `kind` * | "rl" or "sft" | |
 | `cluster.device` * | "cuda", or "cpu" when `cluster.gpu: cpu` (GPU counts become CPU device slots) | |
-| `cluster.device_resource` * | Ray resource a device slot is: "GPU", or "CPU" on a CPU cluster | |
+| `cluster.device_resource` * | Ray resource a device slot is: "GPU", or the custom "device_slot" on a CPU cluster | |
 | `cluster.total_gpus` * | nodes × gpus_per_node (device slots on a CPU cluster) | |
 | `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
 | `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
@@ -83,6 +83,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,19 +175,44 @@ class _Builder:
 def derive(recipe: Any, source: Any = None) -> Derived:
     """Every derived value of `recipe` (RlRecipe or SftRecipe). `source` locates the recipe file for data counts."""
     b = _Builder()
-    recipe_dir = _recipe_dir(source)
     b.add("kind", recipe.kind, f"kind: {recipe.kind}", ("kind",))
     _cluster(b, recipe)
     if recipe.kind == "sft":
-        _sft(b, recipe, recipe_dir)
+        _sft(b, recipe, source)
     else:
-        _rl(b, recipe, recipe_dir)
+        _rl(b, recipe, source)
     return Derived(b.items)
 
 
-def _recipe_dir(source: Any) -> Path | None:
-    root = getattr(source, "root_file", None)
-    return Path(root).parent if root else None
+def resolve_path(value: str, key: str, source: Any = None) -> str:
+    """A path from the recipe, made relative to the project root (the working directory) when inside it.
+
+    A value written in a file is relative to that file (a base in `recipes/base/` resolves against itself); a
+    value from `--set` or a schema default is relative to the project root. Absolute paths stay absolute.
+    Deterministic: it never touches the file system.
+    """
+    if os.path.isabs(value):
+        return os.path.normpath(value)
+    base = "."
+    if source is not None:
+        pos = source.pos(key)
+        if pos.layer == "file" and pos.file:
+            base = os.path.dirname(pos.file)
+    joined = os.path.normpath(os.path.join(base, value))
+    if joined == ".." or joined.startswith("../"):
+        return os.path.normpath(os.path.join(os.getcwd(), joined))
+    return joined.replace(os.sep, "/")
+
+
+def resolve_sources(spec: str, key: str, source: Any = None) -> list[str]:
+    """A comma-separated dataset spec as a list of project-root-relative sources (`path@data_dir` kept)."""
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        path, at, rest = item.partition("@")
+        out.append(resolve_path(path, key, source) + (at + rest if at else ""))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- cluster
@@ -196,8 +222,9 @@ def _cluster(b: _Builder, r: Any) -> None:
     b.add("cluster.device", "cpu" if on_cpu else "cuda",
           "cluster.gpu is cpu: every role runs on CPU device slots" if on_cpu else f"cluster.gpu is {c.gpu}",
           ("cluster.gpu",))
-    b.add("cluster.device_resource", "CPU" if on_cpu else "GPU",
-          "a CPU device slot is one Ray CPU" if on_cpu else "roles request Ray GPUs", ("cluster.gpu",))
+    b.add("cluster.device_resource", "device_slot" if on_cpu else "GPU",
+          "CPU cluster: a device is the custom Ray resource device_slot" if on_cpu else "roles request Ray GPUs",
+          ("cluster.gpu",))
     b.add("cluster.total_gpus", c.nodes * c.gpus_per_node,
           f"nodes {c.nodes} × gpus_per_node {c.gpus_per_node}", ("cluster.nodes", "cluster.gpus_per_node"))
     _cpus_per_node(b, c)
@@ -487,9 +514,10 @@ def _algo(b: _Builder, r: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- schedule
-def _rl_schedule(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
     ro, t, d = r.rollout, r.train, r.data
-    count, why = count_rows(d.prompts, recipe_dir, d.max_samples, d.prompt_probs, d.split)
+    count, why = count_rows(resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs,
+                            d.split)
     b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
     if count is None:
         for name in ("train.steps_per_episode", "train.total_steps", "train.optimizer_steps"):
@@ -571,18 +599,18 @@ def _ckpt(b: _Builder, r: Any) -> None:
         b.add("ckpt.dcp_keep", c.dcp_keep, "set in the recipe", ("ckpt.dcp_keep",))
 
 
-def _rl(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+def _rl(b: _Builder, r: Any, source: Any) -> None:
     _rl_roles(b, r)
     _actor_extras(b, r)
     _rollout(b, r)
     _gpu_totals(b, r)
     _algo(b, r)
-    _rl_schedule(b, r, recipe_dir)
+    _rl_schedule(b, r, source)
     _rl_eval_ckpt(b, r)
 
 
 # ---------------------------------------------------------------------------------------------- SFT
-def _sft(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
+def _sft(b: _Builder, r: Any, source: Any) -> None:
     a, t, d = r.actor, r.train, r.data
     _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
                ("actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size, t.micro_batch_size, False,
@@ -595,7 +623,8 @@ def _sft(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
     world = b.v("actor.world")
     b.add("cluster.used_gpus", world, f"the SFT world {world}", ("actor.world",))
     b.add("cluster.idle_gpus", total - world, f"cluster {total} - used {world}", ("cluster.total_gpus", "cluster.used_gpus"))
-    count, why = count_rows(d.dataset, recipe_dir, d.max_samples, d.dataset_probs, d.split)
+    count, why = count_rows(resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs,
+                            d.split)
     b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
     if count is None:
         b.add("train.steps_per_epoch", None, "dataset size unknown", ("data.sample_count",))
@@ -624,26 +653,20 @@ def _sft(b: _Builder, r: Any, recipe_dir: Path | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data counting
-def count_rows(spec: str, recipe_dir: Path | None, max_samples: int, probs: Any, split: str) -> tuple[int | None, str]:
-    """Rows of a comma-separated dataset spec after the per-source and blend `max_samples` caps, with a reason.
+def count_rows(sources: list[str], max_samples: int, probs: Any, split: str) -> tuple[int | None, str]:
+    """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
 
-    Counts local `.jsonl` (non-blank lines) and `.json` (a list, or a dict holding `split`) files, relative to the
-    recipe file. Anything else (parquet, directories, hub names) is None with the reason: compiling must stay fast
-    and must not import datasets/pyarrow.
+    Counts local `.jsonl` (non-blank lines) and `.json` (a list, or a dict holding `split`) files. Anything else
+    (parquet, directories, hub names) is None with the reason: compiling must stay fast and must not import
+    datasets/pyarrow.
     """
-    sources = [s.strip() for s in spec.split(",") if s.strip()]
     if probs:
         return None, "interleaved with probabilities: the length depends on sampling"
     total = 0
     parts = []
     for src in sources:
         path_str = src.split("@", 1)[0]
-        path = Path(path_str)
-        if not path.is_absolute():
-            if recipe_dir is None:
-                return None, f"{path_str}: recipe location unknown, cannot resolve a relative path"
-            path = recipe_dir / path
-        n, why = _count_file(path, split)
+        n, why = _count_file(Path(path_str), split)
         if n is None:
             return None, f"{path_str}: {why}"
         capped = min(n, max_samples)
