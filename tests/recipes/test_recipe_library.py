@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.recipe_files import RECIPES_DIR, compiled, shipped_recipes
+from recipe_files import RECIPES_DIR, compiled, shipped_recipes
 
 SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/recipe.schema.json"
 MOLT_SCRIPT_RECIPES = [p for p in shipped_recipes() if not p.name.startswith("demo_")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.recipe_files import compiled
+from recipe_files import compiled
 
 # ------------------------------------------------------------------------------------------ table A + B (RL)
 # ref: "colocated" or None. vllm_ep: expert-parallel size per engine (1 = off). kl: (use_loss, estimator, coef),
