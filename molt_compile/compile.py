@@ -12,12 +12,15 @@ Load and validate errors are blockers (exit 2): nothing after them can run. Rule
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from molt_compile.diagnostics import Diagnostic, Diagnostics
+from molt_compile.load import Loaded, load_recipe
 from molt_compile.source import SourceMap
+from molt_compile.validate import validate
 
 
 @dataclass
@@ -28,3 +31,57 @@ class CompileResult:
     plan: Any = None            # schemas.plan.Plan
     diagnostics: list[Diagnostic] = field(default_factory=list)
     exit_status: int = 0
+    loaded: Loaded | None = None
+    """The loader's output: key positions, overridden values, files read (for `explain` and `lint`)."""
+    skipped_passes: tuple[str, ...] = ()
+    """Passes whose module is not importable in this build (they are written in parallel); they did not run."""
+
+
+def _optional_pass(module: str, attr: str) -> Callable[..., Any] | None:
+    """A later pass's entry point, or None while its module does not exist yet."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            return None
+        raise
+    except AttributeError:
+        return None
+
+
+def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True) -> CompileResult:
+    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error."""
+    loaded = load_recipe(Path(path), sets)
+    diags = Diagnostics()
+    diags.extend(loaded.diagnostics)
+    result = CompileResult(source=loaded.source, loaded=loaded)
+    skipped: list[str] = []
+    if loaded.ok:
+        recipe, schema_diags = validate(loaded)
+        diags.extend(schema_diags)
+        result.recipe = recipe
+    if result.recipe is not None:
+        derive = _optional_pass("molt_compile.derive", "derive")
+        run_rules = _optional_pass("molt_compile.rules", "run_rules")
+        lower_fn = _optional_pass("molt_compile.lower", "lower")
+        if derive is None:
+            skipped.append("derive")
+        else:
+            result.derived = derive(result.recipe, loaded.source)
+        if run_rules is None or result.derived is None:
+            skipped.append("rules")
+        else:
+            diags.extend(run_rules(result.recipe, result.derived, loaded.source))
+        if lower:
+            if lower_fn is None or result.derived is None:
+                skipped.append("lower")
+            elif not diags.has_errors:
+                plan, lower_diags = lower_fn(result.recipe, result.derived, loaded.source)
+                diags.extend(lower_diags)
+                result.plan = None if diags.has_errors else plan
+    result.diagnostics = diags.sorted()
+    result.exit_status = diags.exit_status()
+    result.skipped_passes = tuple(skipped)
+    return result
