@@ -181,7 +181,7 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
             bound_key, op = _RANGE_WORDS[kind]
             bound = err.get("ctx", {}).get(bound_key)
             diags.append(_error("SCHEMA003", f"`{path}` must be {op} {bound}, got {describe(value)}", path,
-                                where.value(path), help=_range_help(model, segments)))
+                                where.value(path), help=_range_help(model, segments, op, bound)))
         elif kind == "too_long" or kind == "too_short":
             ctx = err.get("ctx", {})
             diags.append(_error("SCHEMA003", f"`{path}` has {ctx.get('actual_length', '?')} items; "
@@ -222,16 +222,16 @@ def _list_len_help(model: Any, segments: list[Any]) -> str:
     return ""
 
 
-def _range_help(model: Any, segments: list[Any]) -> str:
+def _range_help(model: Any, segments: list[Any], op: str, bound: Any) -> str:
     doc = sw.field_doc(model, segments)
-    return doc
+    return f"use a value {op} {bound}" + (f"; `{segments[-1]}`: {doc}" if doc else "")
 
 
 def _type_help(model: Any, segments: list[Any], expected: list[str]) -> str:
     doc = sw.field_doc(model, segments)
     if "a mapping" in expected:
-        return f"write it as an indented section of keys{': ' + doc if doc else ''}"
-    return doc
+        return f"write it as an indented section of keys" + (f"; `{segments[-1]}`: {doc}" if doc else "")
+    return f"write {' or '.join(expected)}" + (f"; `{segments[-1]}`: {doc}" if doc else "")
 
 
 def _string_help(path: str, value: Any) -> str:

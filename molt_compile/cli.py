@@ -1,0 +1,401 @@
+"""`molt-compile`: the command line.
+
+    molt-compile RECIPE [--set k=v]... [--format text|json|github] [--plan-out F] [--slurm F] [--submit]
+    molt-compile lint PATH...        every recipe under the paths (base fragments are not jobs)
+    molt-compile schema              the JSON Schema of Recipe v1
+    molt-compile explain RECIPE      every resolved value with where it came from, every derived value with why
+    molt-compile diff A B            what changes between two recipes' plans
+    molt-compile rules [CODE]        the rule catalog, or one rule's documentation
+
+A first argument that is not a subcommand is a recipe: `molt-compile recipes/x.yaml --submit` is the compile
+command. Exit status: 0 no errors, 1 errors, 2 unusable input or usage. Imports stay lazy so that `--help` and a
+compile are fast; nothing here imports torch, ray, vllm or transformers (`--submit` imports Ray's job client
+inside `molt_compile.submit`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+SCHEMA_ID = "https://molt-recipes.dev/schemas/recipe.schema.json"
+_FORMATS = click.Choice(["text", "json", "github"])
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    tty = stream.isatty()
+    return Console(file=stream, highlight=False, soft_wrap=False, width=None if tty else 140,
+                   force_terminal=tty, no_color=not tty)
+
+
+def _need(module: str, attr: str) -> Any:
+    """A function written in another module; a clear error (exit 2) when this build does not have it yet."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        click.echo(f"molt-compile: `{module}.{attr}` is not available in this build ({e})", err=True)
+        sys.exit(2)
+
+
+def _print_diagnostics(diags: list[Any], result: Any, fmt: str) -> None:
+    from molt_compile import render
+
+    lines = result.source.lines if result.source else {}
+    root = result.source.root_file if result.source else None
+    if fmt == "github":
+        sys.stdout.write(render.render_github(diags))
+    elif sys.stdout.isatty():
+        render.print_rich(_console(), diags, lines, root)
+    else:
+        text = render.render_text(diags, lines, root)
+        sys.stdout.write(text + ("\n" if text else ""))
+
+
+def _short_summary(result: Any) -> str:
+    r = result.recipe
+    parts = [f"recipe `{r.name}` ({r.kind}) is valid"]
+    if result.derived is not None and "cluster.used_gpus" in result.derived:
+        parts.append(f"{result.derived.value('cluster.used_gpus')} of {result.derived.value('cluster.total_gpus')} "
+                     "devices used")
+    if result.skipped_passes:
+        parts.append("not run in this build: " + ", ".join(result.skipped_passes))
+    return "; ".join(parts)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """The JSON Schema of Recipe v1 (both kinds, discriminated on `kind`), with ids and docs for editors."""
+    from pydantic import TypeAdapter
+
+    import schemas.recipe as recipe_module
+    from schemas.recipe import Recipe
+
+    schema = TypeAdapter(Recipe).json_schema(mode="validation")
+    head = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "Molt recipe v1",
+        "description": (recipe_module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+        + " Start a recipe with `# yaml-language-server: $schema=../schemas/recipe.schema.json` for completion.",
+    }
+    return {**head, **schema}
+
+
+# ------------------------------------------------------------------------------------------------ the group
+class _RecipeOrCommand(click.Group):
+    """A group whose default command is `compile`: an unknown first word is a recipe path."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names \
+                and args[0] != "--version":
+            args = ["compile", *args]
+        return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        formatter.write_usage("molt-compile", "RECIPE [OPTIONS]  |  COMMAND [ARGS]...")
+
+
+@click.group(cls=_RecipeOrCommand, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="molt-recipes", prog_name="molt-compile")
+def cli() -> None:
+    """Check a Molt recipe for every illegal combination and lower it to a fingerprinted Ray job plan.
+
+    \b
+      molt-compile recipes/demo_math.yaml                 validate and summarise
+      molt-compile recipes/glm5_ep256.yaml --submit       ... and run it on Ray
+      molt-compile lint recipes/                          check every recipe (CI)
+      molt-compile explain recipes/x.yaml --set a.b=1     where every value comes from
+    """
+
+
+@cli.command("compile")
+@click.argument("recipe")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe key (dotted path; the value is read as YAML). Repeatable.")
+@click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
+@click.option("--plan-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan JSON here.")
+@click.option("--slurm", "slurm_out", type=click.Path(dir_okay=False, path_type=Path),
+              help="Render the Slurm sbatch script for the plan here.")
+@click.option("--submit", is_flag=True, help="Submit the plan as a Ray job (a local cluster without --address).")
+@click.option("--address", metavar="URL", help="Ray Jobs address (http://HOST:8265). Default: launch.ray.address.")
+@click.option("--follow", is_flag=True, help="With --submit: stream the job's logs until it ends.")
+def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | None, slurm_out: Path | None,
+                submit: bool, address: str | None, follow: bool) -> None:
+    """Validate RECIPE, print its diagnostics and a summary of its plan."""
+    from molt_compile.compile import compile_recipe
+    from molt_compile.render import count_line, render_json, summary_dict
+
+    result = compile_recipe(Path(recipe), sets)
+    plan = result.plan
+    status = result.exit_status
+    wants_plan = bool(plan_out or slurm_out or submit)
+    if status == 0 and plan is None and wants_plan:
+        click.echo(f"molt-compile: no plan: passes not available in this build: {', '.join(result.skipped_passes)}",
+                   err=True)
+        sys.exit(2)
+    if fmt == "json":
+        summary = summary_dict(result.diagnostics, status, recipe=recipe,
+                               fingerprint=getattr(plan, "fingerprint", None),
+                               skipped_passes=list(result.skipped_passes))
+        sys.stdout.write(render_json(result.diagnostics, plan.to_json() if plan is not None else None, summary))
+    else:
+        _print_diagnostics(result.diagnostics, result, fmt)
+        if fmt == "text":
+            if plan is not None:
+                render_summary = _need("molt_compile.render_plan", "render_summary")
+                _console().print(render_summary(plan))
+            elif result.recipe is not None and status == 0:
+                click.echo(_short_summary(result))
+            click.echo(count_line(result.diagnostics, result.source.root_file if result.source else recipe))
+    if status != 0:
+        sys.exit(status)
+    if plan_out:
+        plan_out.parent.mkdir(parents=True, exist_ok=True)
+        plan_out.write_text(plan.to_json())
+        click.echo(f"plan written to {plan_out}", err=fmt != "text")
+    if slurm_out:
+        render_sbatch = _need("molt_compile.slurm", "render_sbatch")
+        slurm_out.parent.mkdir(parents=True, exist_ok=True)
+        slurm_out.write_text(render_sbatch(plan))
+        click.echo(f"Slurm script written to {slurm_out}", err=fmt != "text")
+    if submit:
+        submit_fn = _need("molt_compile.submit", "submit")
+        sys.exit(submit_fn(plan, address=address, follow=follow))
+
+
+# ------------------------------------------------------------------------------------------------ lint
+def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
+    files: list[Path] = []
+    missing: list[str] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.extend(sorted(f for f in p.rglob("*") if f.suffix in (".yaml", ".yml") and f.is_file()))
+        elif p.exists() or p.suffix in (".yaml", ".yml"):
+            files.append(p)
+        else:
+            missing.append(str(p))
+    return files, missing
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
+def lint(paths: tuple[str, ...], fmt: str) -> None:
+    """Check every recipe under PATHS (*.yaml, recursively). Base fragments (under a `base/` directory, or files
+    that do not name a job) are checked as YAML but not as standalone jobs."""
+    import os
+
+    from molt_compile.compile import compile_recipe
+    from molt_compile.render import count_line, render_json, summary_dict
+
+    files, missing = _recipe_files(paths)
+    if missing:
+        raise click.UsageError(f"no such file or directory: {', '.join(missing)}")
+    results = [compile_recipe(f) for f in files]
+    extended = {t for r in results if r.loaded for t in r.loaded.extends_targets}
+    seen: set[tuple] = set()
+    all_diags: list[Any] = []
+    checked = fragments = 0
+    lines: dict[str, list[str]] = {}
+    for f, r in zip(files, results):
+        loaded = r.loaded
+        own = loaded.own_keys if loaded else frozenset()
+        fragment = loaded is not None and (
+            loaded.is_fragment or (Path(os.path.realpath(f)) in extended and not {"kind", "name"} <= own))
+        if fragment:
+            fragments += 1
+            diags = [d for d in loaded.diagnostics if d.code.startswith(("YAML", "LOAD"))]
+        else:
+            checked += 1
+            diags = r.diagnostics
+        if r.source:
+            lines.update(r.source.lines)
+        for d in diags:
+            key = (d.code, d.file, d.line, d.col, d.message, d.path)
+            if key not in seen:
+                seen.add(key)
+                all_diags.append(d)
+    from molt_compile.diagnostics import Diagnostics
+
+    bag = Diagnostics()
+    bag.extend(all_diags)
+    ordered = bag.sorted()
+    status = 1 if bag.has_errors else 0
+    label = f"checked {checked} recipe{'s' if checked != 1 else ''}"
+    if fmt == "json":
+        sys.stdout.write(render_json(ordered, None, summary_dict(ordered, status, recipes=checked,
+                                                                 fragments=fragments)))
+    else:
+        from molt_compile import render
+
+        if fmt == "github":
+            sys.stdout.write(render.render_github(ordered))
+        elif sys.stdout.isatty():
+            render.print_rich(_console(), ordered, lines)
+        else:
+            text = render.render_text(ordered, lines)
+            sys.stdout.write(text + ("\n" if text else ""))
+        suffix = f" ({fragments} base fragment{'s' if fragments != 1 else ''} not linted as jobs)" if fragments else ""
+        click.echo(count_line(ordered, label) + suffix)
+    sys.exit(status)
+
+
+# ------------------------------------------------------------------------------------------------ schema
+@cli.command()
+def schema() -> None:
+    """Print the JSON Schema of Recipe v1 (committed as schemas/recipe.schema.json)."""
+    click.echo(json.dumps(recipe_json_schema(), indent=2))
+
+
+# ------------------------------------------------------------------------------------------------ explain
+def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
+    if isinstance(value, dict) and value:
+        out: list[tuple[str, Any]] = []
+        for k, v in value.items():
+            out.extend(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return [(prefix, value)]
+
+
+def _where(result: Any, path: str) -> str:
+    pos = result.source.positions.get(path)
+    if pos is None:
+        return "default"
+    if pos.layer == "--set":
+        text = "--set"
+    else:
+        text = f"{pos.file}:{pos.line}"
+    earlier = result.loaded.overridden.get(path) if result.loaded else None
+    if earlier:
+        text += f" (over {earlier[-1].file}:{earlier[-1].line})"
+    return text
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+@cli.command()
+@click.argument("recipe")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
+def explain(recipe: str, sets: tuple[str, ...]) -> None:
+    """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
+    means, then every derived value with its reason."""
+    from rich.table import Table
+
+    from molt_compile import schema_walk as sw
+    from molt_compile.compile import compile_recipe
+
+    result = compile_recipe(Path(recipe), sets, lower=False)
+    if result.recipe is None:
+        _print_diagnostics(result.diagnostics, result, "text")
+        sys.exit(result.exit_status or 2)
+    console = _console()
+    model = type(result.recipe)
+    table = Table(title=f"{result.source.root_file}: resolved values", title_justify="left")
+    for column in ("key", "value", "source", "meaning"):
+        table.add_column(column, overflow="fold")
+    data = result.recipe.model_dump(mode="json", by_alias=True)
+    for path, value in _flatten(data, ""):
+        segments: list[Any] = [int(s) if s.isdigit() else s for s in path.split(".")]
+        doc = sw.field_doc(model, segments) or sw.field_doc(model, segments[:-1])
+        table.add_row(path, _show(value), _where(result, path), doc)
+    console.print(table)
+    if result.derived is None:
+        click.echo("derived values: the derive pass is not available in this build")
+    else:
+        derived = Table(title="derived values", title_justify="left")
+        for column in ("name", "value", "reason", "inputs"):
+            derived.add_column(column, overflow="fold")
+        for dv in result.derived.values():
+            inputs = ", ".join(f"{i} ({_where(result, i)})" if i in result.source.positions else i
+                               for i in dv.inputs)
+            derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
+        console.print(derived)
+    if result.diagnostics:
+        _print_diagnostics(result.diagnostics, result, "text")
+    sys.exit(result.exit_status)
+
+
+# ------------------------------------------------------------------------------------------------ diff
+@cli.command()
+@click.argument("a")
+@click.argument("b")
+def diff(a: str, b: str) -> None:
+    """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
+    from molt_compile.compile import compile_recipe
+
+    diff_results = _need("molt_compile.diff", "diff_results")
+    results = [compile_recipe(Path(a)), compile_recipe(Path(b))]
+    for r in results:
+        if r.exit_status == 2:
+            _print_diagnostics(r.diagnostics, r, "text")
+            sys.exit(2)
+    lines, changed = diff_results(*results)
+    for line in lines:
+        click.echo(line)
+    sys.exit(1 if changed else 0)
+
+
+# ------------------------------------------------------------------------------------------------ rules
+@cli.command()
+@click.argument("code", required=False)
+def rules(code: str | None) -> None:
+    """List every diagnostic code (rules, loader, schema), or print the documentation of CODE."""
+    import inspect
+
+    from molt_compile.codes import LOADER_CODES
+
+    all_rules = _need("molt_compile.rules", "ALL_RULES")
+    if code:
+        wanted = code.upper()
+        for rule in all_rules:
+            if rule.code == wanted:
+                click.echo(f"{rule.code} {rule.name} ({rule.severity})\n")
+                click.echo(inspect.cleandoc(rule.check.__doc__ or "(no documentation)"))
+                return
+        for row in LOADER_CODES:
+            if row.code == wanted:
+                click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
+                return
+        from molt_compile.schema_walk import closest
+
+        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES]
+        guess = closest(wanted, known)
+        click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
+        sys.exit(2)
+    from rich.table import Table
+
+    table = Table(title="diagnostic codes", title_justify="left")
+    for column in ("code", "name", "severity", "checks"):
+        table.add_column(column, overflow="fold")
+    for rule in all_rules:
+        doc = inspect.cleandoc(rule.check.__doc__ or "")
+        first = next((ln for ln in doc.splitlines() if ln.strip() and not ln.startswith("#")), "")
+        table.add_row(rule.code, rule.name, rule.severity, first)
+    for row in LOADER_CODES:
+        table.add_row(row.code, row.name, "error", row.doc.split(". ")[0].replace("\n", " "))
+    _console().print(table)
+
+
+def main() -> None:
+    cli(prog_name="molt-compile")
+
+
+if __name__ == "__main__":
+    main()
