@@ -97,11 +97,11 @@ class InstancePlan(PlanModel):
     label: str
     """The name used in `gpu_map`, e.g. `actor.rank[3]`, `rollout.engine[0]`."""
     node: int
-    """Node the instance is expected on."""
+    """Node the instance is expected on (its first device's node)."""
     bundle_indices: list[int]
     """Bundles of the role's placement group this instance uses (several for a ray-executor engine's workers)."""
-    gpus: list[int]
-    """Local device indices on `node` (empty for CPU-only roles)."""
+    devices: list[list[int]]
+    """`[node, local device index]` of every device slot it occupies (empty for CPU-only roles)."""
 
 
 class RolePlan(PlanModel):
