@@ -1,0 +1,39 @@
+"""Typed messages on the two channels between the generator and the trainer loop.
+
+`rollout_queue` (generator -> trainer) carries `Message`; the consumer dispatches with `match`, never on strings.
+`rollout_slots` (trainer -> generator) carries plain ints: the trainer's latest step, handed back with each slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ray import ObjectRef
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One training step's worth of finished rollouts."""
+
+    experience: ObjectRef          # runtime.experience.Experience in the object store (heavy tensors stay out of the queue)
+    policy_version: int            # trainer step whose weights the batch's *first* request was generated with
+    metrics: dict[str, float]      # rollout/* and prompts/* statistics of this batch (documented in runtime/metrics.py)
+    generation_s: float            # wall time the generator spent producing this batch
+    vllm_idle_wait_s: float        # time the generator waited for a slot before it (rollout capacity idle)
+    prompts_consumed: int          # prompts dispatched since the start of the run (resume state)
+    slot_acquired_at: float        # time.time() when the generator took the slot for this batch (timeline)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    step: int                      # trainer step the eval ran at
+    metrics: dict[str, float]      # eval/* keys
+
+
+@dataclass(frozen=True)
+class EndOfStream:
+    reason: str                    # "data_exhausted" | "total_steps" | "stopped"
+    accounting: dict[str, int] = field(default_factory=dict)   # prompts/consumed, prompts/trained, prompts/dropped/<reason>
+
+
+Message = RolloutBatch | EvalResult | EndOfStream
