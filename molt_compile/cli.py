@@ -394,6 +394,11 @@ def rules(code: str | None) -> None:
 
 
 def main() -> None:
+    import os
+
+    # pydantic scans every installed distribution's entry points for plugins on first use; in an environment
+    # with the runtime's hundreds of packages that costs more than validating a recipe. The compiler uses none.
+    os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     cli(prog_name="molt-compile")
 
 

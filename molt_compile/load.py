@@ -161,8 +161,8 @@ class _Builder:
     def _mapping(self, node: Any, path: str, depth: int) -> dict[str, Any] | None:
         tag = str(node.tag)
         if tag != _MAP:
-            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{tag}` on a mapping", path,
-                                         help="remove the tag: recipes hold plain data"))
+            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a mapping", path,
+                                         help=_TAG_HELP))
             return None
         out: dict[str, Any] = {}
         first_seen: dict[str, Any] = {}
@@ -211,8 +211,8 @@ class _Builder:
     def _sequence(self, node: Any, path: str, depth: int) -> list[Any] | None:
         tag = str(node.tag)
         if tag != _SEQ:
-            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{tag}` on a list", path,
-                                         help="remove the tag: recipes hold plain data"))
+            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a list", path,
+                                         help=_TAG_HELP))
             return None
         out = []
         for i, item in enumerate(node.value):
@@ -245,11 +245,12 @@ class _Builder:
             self.diags.append(self.error("YAML004", node, f"`{text}` cannot be read as `{_short(tag)}`", path,
                                          help="remove the tag or fix the value"))
             return None
-        self.diags.append(self.error(
-            "YAML004", node, f"unsupported YAML tag `{_short(tag)}`", path,
-            help="recipes are plain data; nothing is constructed while loading. Remove the tag"
-            + (" (Python objects are never built from YAML)" if "python" in tag else "")))
+        self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}`", path, help=_TAG_HELP))
         return None
+
+
+_TAG_HELP = ("remove the tag: recipes are plain data, and nothing (no Python object, no include) is constructed "
+             "while loading")
 
 
 def _short(tag: str) -> str:
@@ -296,8 +297,12 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
                                help="indent with spaces; YAML does not allow tabs in indentation"))
         else:
             context = f" ({e.context})" if e.context and e.problem else ""
+            related: tuple[Related, ...] = ()
+            cm = e.context_mark
+            if e.context and cm is not None and (cm.line + 1, cm.column + 1) != (line, col):
+                related = (Related("", file, cm.line + 1, cm.column + 1, f"{e.context} that started here"),)
             diags.append(_diag("YAML001", f"YAML syntax error: {problem}{context}", file=file, line=line, col=col,
-                               help=_syntax_help(problem)))
+                               help=_syntax_help(problem), related=related))
     except RecursionError:
         diags.append(_diag("YAML008", f"mappings and lists nested deeper than the parser can follow", file=file,
                            help="flatten the document; recipe keys are at most a few levels deep"))
@@ -316,7 +321,8 @@ def _syntax_help(problem: str) -> str:
     return "check brackets, quotes and indentation on this line and the one before"
 
 
-def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | None) -> str | None:
+def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | None,
+               lines: dict[str, list[str]] | None = None) -> str | None:
     """Read a recipe file's text with every check that can fail before parsing. `at` is the extends
     diagnostic template (position of the `extends` entry) when this is a base, None for the recipe itself."""
     try:
@@ -351,6 +357,8 @@ def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | 
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        if lines is not None:
+            lines[file] = raw.decode("utf-8", "replace").splitlines()  # only to show the line with a caret
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
         diags.append(_diag("YAML006", f"byte 0x{raw[e.start]:02x} at offset {e.start} is not valid UTF-8",
@@ -372,7 +380,7 @@ class _Tree:
     def load(self, path: Path, stack: tuple[tuple[Path, str], ...], at: Diagnostic | None) -> _Layer | None:
         real = Path(os.path.realpath(path))
         file = display_path(path)
-        text = _read_file(path, file, self.diags, at)
+        text = _read_file(path, file, self.diags, at, self.source.lines)
         if text is None:
             return None
         self.done.add(real)
@@ -436,7 +444,7 @@ class _Tree:
                 continue
             if target_real in self.done:
                 continue  # a diamond: the base was applied already, at its first position
-            missing = _diag("LOAD006", f"`extends` target `{target}` does not exist (looked for "
+            missing = _diag("LOAD006", f"`extends` target `{target}` is not a file (looked for "
                             f"`{display_path(target_path)}`)", file=layer.file, line=p.line, col=p.col,
                             path="extends", help="paths in `extends` are relative to the file that contains them")
             self.targets.append(target_real)

@@ -52,7 +52,7 @@ def _origin(d: Diagnostic, root_file: str | None) -> str:
         return "set by --set"
     if d.origin in ("default", "derived"):
         return d.origin
-    if d.file and d.line:
+    if d.file and d.line and d.path:
         return f"set in {d.file}"
     return ""
 
@@ -78,11 +78,14 @@ def diagnostic_lines(d: Diagnostic, lines: dict[str, list[str]], root_file: str 
         out.append((f"{pad} |", "gutter"))
         out.append((f"{d.line} | {text}", "source"))
         if d.col:
-            out.append((f"{pad} | " + " " * (d.col - 1) + "^" * _caret_width(text, d.col), "caret"))
+            # A key or value gets a caret under the whole token; a point in the text (a syntax error) gets one.
+            width = _caret_width(text, d.col) if d.path else 1
+            out.append((f"{pad} | " + " " * (d.col - 1) + "^" * width, "caret"))
     for r in d.related:
         at = f"{r.file}:{r.line}" + (f":{r.col}" if r.col else "") if r.file and r.line else (r.file or "")
         note = f" {r.note}" if r.note else ""
-        out.append((f"{pad} = note: `{r.path}`{note}" + (f" --> {at}" if at else ""), "note"))
+        what = f"`{r.path}`{note}" if r.path else note.strip()
+        out.append((f"{pad} = note: {what}" + (f" --> {at}" if at else ""), "note"))
     if d.help:
         out.append((f"{pad} = help: {d.help}", "help"))
     if d.code:
