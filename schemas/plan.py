@@ -41,9 +41,14 @@ DEVICE_SLOT_RESOURCE = "device_slot"
 
 
 class PlanModel(BaseModel):
-    """Base of every plan model: frozen, unknown keys are errors, attribute docstrings are the documentation."""
+    """Base of every plan model: frozen, unknown keys are errors.
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    The attribute docstrings document every field in this file; they are not copied into pydantic's JSON Schema
+    (`use_attribute_docstrings` parses the source of every class at import, ~50 ms, and compiling must stay fast,
+    DESIGN §8). `defer_build` builds validators on first use (the runtime's `from_json`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 JsonValue = Any
