@@ -39,31 +39,35 @@ class Advantages:
 
 
 # --------------------------------------------------------------------------------------------------- group baselines
+# Group statistics are taken in float64: a group of identical fp32 rewards then has an exactly equal mean (n·x and
+# n·x/n are exact in float64), so its deviations are exactly 0 and GRPO's (R − μ)/(σ + 1e-9) is 0, not rounding
+# noise divided by 1e-9 (which gives advantages of ±0.8 for a group that carries no signal at all).
 def _group_sums(values: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-group sum and count, gathered back to each rollout: both (R,)."""
+    """Per-group sum and count (float64), gathered back to each rollout: both (R,)."""
     num_groups = int(group_index.max().item()) + 1 if group_index.numel() else 0
-    sums = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, group_index, values)
-    counts = torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(
+    values = values.double()
+    sums = torch.zeros(num_groups, dtype=torch.float64, device=values.device).index_add_(0, group_index, values)
+    counts = torch.zeros(num_groups, dtype=torch.float64, device=values.device).index_add_(
         0, group_index, torch.ones_like(values))
     return sums[group_index], counts[group_index]
 
 
 def group_mean(rewards: Tensor, group_index: Tensor) -> Tensor:
-    """(R,) mean reward of each rollout's own group."""
+    """(R,) mean reward of each rollout's own group (float64)."""
     sums, counts = _group_sums(rewards, group_index)
     return sums / counts
 
 
 def group_std(rewards: Tensor, group_index: Tensor) -> Tensor:
-    """(R,) unbiased (n − 1) std of each rollout's group, as `torch.std`; 0 for a singleton group."""
+    """(R,) unbiased (n − 1) std of each rollout's group, as `torch.std`; 0 for a singleton group (float64)."""
     mean = group_mean(rewards, group_index)
-    sq, counts = _group_sums((rewards - mean) ** 2, group_index)
+    sq, counts = _group_sums((rewards.double() - mean) ** 2, group_index)
     return torch.where(counts > 1, (sq / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
 
 
 def reinforce_baseline(rewards: Tensor, group_index: Tensor) -> Tensor:
     """(R,) a = R − mean_group(R). Dr.GRPO uses the same scalar (it differs only in not being whitened)."""
-    return rewards - group_mean(rewards, group_index)
+    return (rewards.double() - group_mean(rewards, group_index)).to(rewards.dtype)
 
 
 dr_grpo = reinforce_baseline
@@ -71,7 +75,8 @@ dr_grpo = reinforce_baseline
 
 def grpo(rewards: Tensor, group_index: Tensor) -> Tensor:
     """(R,) a = (R − mean_group) / (std_group + 1e-9). A singleton group has std 0 and a = 0/1e-9 = 0."""
-    return (rewards - group_mean(rewards, group_index)) / (group_std(rewards, group_index) + GRPO_EPS)
+    centered = rewards.double() - group_mean(rewards, group_index)
+    return (centered / (group_std(rewards, group_index) + GRPO_EPS)).to(rewards.dtype)
 
 
 def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
@@ -80,8 +85,9 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
     A singleton group has no other rollout; it keeps the raw reward (REINFORCE without baseline), as Molt does.
     """
     sums, counts = _group_sums(rewards, group_index)
-    leave_one_out = (sums - rewards) / (counts - 1).clamp(min=1)
-    return torch.where(counts > 1, rewards - leave_one_out, rewards)
+    r = rewards.double()
+    leave_one_out = (sums - r) / (counts - 1).clamp(min=1)
+    return torch.where(counts > 1, r - leave_one_out, r).to(rewards.dtype)
 
 
 def broadcast(rollout_advantages: Tensor, sample_to_rollout: Tensor, action_mask: Tensor) -> Tensor:
