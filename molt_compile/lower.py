@@ -94,6 +94,9 @@ needs more nodes or GPUs per node than the cluster has."""),
 PLACE_CODE_NAMES = {c.code: c.name for c in PLACE_CODES}
 
 RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
+RUNNER_MAX_RESTARTS = 3
+"""Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
+its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
 SFT_MODULE = "runtime.sft"
 RUNTIME_ENV_EXCLUDES = (".git", ".venv", "ckpt", "runs", "__pycache__", ".pytest_cache", ".ruff_cache",
                         ".hypothesis", ".mypy_cache", "*.sqsh")
@@ -589,7 +592,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         device=d.value("cluster.device"), dist_backend=d.value("dist.backend"), model=_model(r, source),
         engines=engines,
         agent=AgentPlan(path=agent_path, max_turns=d.value("agent.max_turns"), env=_agent_env(r, d),
-                        runners=d.value("rollout.runners")),
+                        runners=d.value("rollout.runners"), max_restarts=RUNNER_MAX_RESTARTS),
         data=data, sampling=sampling, eval=eval_plan,
         generator=GeneratorPlan(batch_size=ro.batch_size, generate_batch_size=d.value("rollout.generate_batch_size"),
                                 episodes=t.episodes,

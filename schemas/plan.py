@@ -211,6 +211,9 @@ class AgentPlan(PlanModel):
     """Environment of the runner processes."""
     runners: int
     """Number of agent runner actors."""
+    max_restarts: int
+    """Ray restarts of a killed runner actor (its in-flight groups are re-sent; a group is sent at most
+    max_restarts + 1 times, then dropped as `runner_lost`)."""
 
 
 class RlDataPlan(PlanModel):
