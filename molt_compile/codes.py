@@ -43,7 +43,8 @@ kilobytes; the cap is checked before anything is parsed."""),
 No recipe key is more than a few levels deep."""),
     Code("YAML009", "non-string-key", """A mapping key is not a string (`1: x`, `null: x`, `[a, b]: x`). Recipe keys are
 names; quote the key if a number is meant as a name."""),
-    Code("LOAD001", "file-not-found", """The recipe file does not exist."""),
+    Code("LOAD001", "file-not-found", """The recipe file does not exist (or cannot be read). The path on the command
+line is relative to the working directory; `extends` targets have their own code, LOAD006."""),
     Code("LOAD002", "not-a-file", """The path names a directory or another non-regular file. `molt-compile lint DIR`
 checks every recipe under a directory."""),
     Code("LOAD003", "empty-recipe", """The file holds no YAML document (it is empty or only comments)."""),
