@@ -755,6 +755,25 @@ class Plan(PlanModel):
                 return pg
         raise KeyError(f"plan has no placement group {name!r}")
 
+    def resource_demand(self) -> dict[str, float]:
+        """Ray resources the job takes in all: every placement-group bundle, plus the `.options()` of every role
+        instance scheduled outside a placement group (launchers check a cluster against this before running)."""
+        demand: dict[str, float] = {}
+
+        def add(res: dict[str, float], times: float = 1) -> None:
+            for key, amount in res.items():
+                if amount:
+                    demand[key] = demand.get(key, 0.0) + amount * times
+
+        for pg in self.placement_groups:
+            for bundle in pg.bundles:
+                add(bundle)
+        for role in self.roles:
+            if role.placement_group is None:
+                opts = role.ray_options
+                add({"CPU": opts.num_cpus, "GPU": opts.num_gpus, **opts.resources}, role.count)
+        return demand
+
     def derived_value(self, name: str) -> JsonValue:
         for d in self.derived:
             if d.name == name:
