@@ -15,7 +15,8 @@ from recipe_files import compiled
 # ------------------------------------------------------------------------------------------ table A + B (RL)
 # ref: "colocated" or None. vllm_ep: expert-parallel size per engine (1 = off). kl: (use_loss, estimator, coef),
 # the *effective* values (on_policy_distill forces no/k1/1.0). eval_every None = eval off (-1).
-# dataset: the directory name under .tmp/ the prompts come from.
+# dataset: the directory name under .tmp/ the prompts come from. eval_n None: no eval data set, so the script
+# passes no --eval.n_samples_per_prompt (only --eval.steps -1).
 RL_TABLE: dict[str, dict] = {
     "qwen3_4b_math.yaml": dict(
         script="slurm/rl_qwen3_4b.sh", arch="qwen3-4b", model="Qwen3-4B-Instruct-2507",
@@ -89,7 +90,7 @@ RL_TABLE: dict[str, dict] = {
         max_len=16384, rollout_batch=8, gen_batch=8, n=8, train_batch=64, micro=1, accum=32, episodes=5,
         queue=1, force_on_policy=True, partial=False, r3=True, is_band=(0.5, 2.0), kl=(False, "k1", 1.0),
         clip=(0.2, 0.28), lr=2e-6, betas=(0.9, 0.98), reward_clip=(-1, 1), dyn_filter=None,
-        agent="distill", turns=1, eval_every=None, eval_n=1, save_every=2, keep=50, final_save=True,
+        agent="distill", turns=1, eval_every=None, eval_n=None, save_every=2, keep=50, final_save=True,
         max_samples=65536, dataset="geo3k_answer", runners=2, freeze_visual=True, freeze_router=False,
         max_images=1, estimator="on_policy_distill",
     ),
