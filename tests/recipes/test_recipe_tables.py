@@ -307,3 +307,101 @@ def test_sft_recipe_and_derived_values_match_table(name):
     assert dv("actor.grad_accum") == row["accum"] == row["batch"] // (row["micro"] * row["dp"])
     assert dv("cluster.used_gpus") == world and dv("cluster.idle_gpus") == 0
     assert (dv("sft.nnodes"), dv("sft.nproc_per_node")) == (row["nodes"], row["gpus_per_node"])
+
+
+# ------------------------------------------------------------------------------------------ the lowered plan
+def _devices(plan):
+    """(node, gpu, labels) for every device slot of the plan's GPU map."""
+    return [(n, g, labels) for n, node in enumerate(plan.gpu_map) for g, labels in enumerate(node)]
+
+
+def _check_gpu_map(plan, *, nodes, gpus_per_node, used, total):
+    assert (plan.cluster.nodes, plan.cluster.gpus_per_node, plan.cluster.gpu) == (nodes, gpus_per_node, "h100-80gb")
+    assert (plan.cluster.total_gpus, plan.cluster.used_gpus) == (total, used)
+    assert len(plan.gpu_map) == nodes and all(len(node) == gpus_per_node for node in plan.gpu_map)
+    devices = _devices(plan)
+    assert sum(1 for _, _, labels in devices if labels) == used
+    idle_nodes = [n for n, node in enumerate(plan.gpu_map) if not any(node)]
+    assert len(idle_nodes) == (total - used) // gpus_per_node  # the idle GPUs are whole nodes in these tables
+    return devices
+
+
+@pytest.mark.parametrize("name", sorted(RL_TABLE))
+def test_rl_plan_matches_table(name):
+    row, plan = RL_TABLE[name], _result(name).plan
+    assert plan is not None and plan.kind == "rl" and plan.rl is not None
+    devices = _check_gpu_map(plan, nodes=row["nodes"], gpus_per_node=row["gpus_per_node"], used=row["used"],
+                             total=row["total"])
+    world = row["actor_nodes"] * row["actor_gpus"]
+    engine_gpus = row["engines"] * row["vtp"] * row["vpp"] * row["vdp"]
+
+    def on(prefix):
+        return [(n, g, labels) for n, g, labels in devices if any(lab.startswith(prefix) for lab in labels)]
+
+    assert len(on("rollout.engine[")) == engine_gpus
+    assert {lab for *_, labels in on("rollout.engine[") for lab in labels} == {
+        f"rollout.engine[{i}]" for i in range(row["engines"])}
+    assert len(on("actor.rank[")) == world
+    assert not [d for d in on("actor.rank[") if any(lab.startswith("rollout.") for lab in d[2])]
+    if row["ref"] == "colocated":  # rank r of the ref shares rank r's GPU with the actor
+        assert len(on("ref.rank[")) == world
+        assert all(f"ref.rank[{lab[len('actor.rank['):-1]}]" in labels
+                   for *_, labels in on("actor.rank[") for lab in labels if lab.startswith("actor.rank["))
+    else:
+        assert on("ref.rank[") == [] and plan.rl.ref is None
+    assert on("critic.") == [] and plan.rl.critic is None
+
+    e = plan.rl.engines
+    assert (e.count, e.tp, e.pp, e.dp, e.gpus_per_engine) == (
+        row["engines"], row["vtp"], row["vpp"], row["vdp"], row["vtp"] * row["vpp"] * row["vdp"])
+    assert (e.executor, e.expert_parallel, e.enforce_eager) == (row["executor"], row["vllm_ep"] > 1, row["eager"])
+    assert e.gpu_memory_utilization == pytest.approx(row["mem"]) and e.max_model_len == row["max_len"]
+    assert e.max_images_per_prompt == row["max_images"] and len(e.seeds) == row["engines"]
+    assert e.logprobs_mode == "processed_logprobs"  # IS correction (geo) is on in every script
+
+    t = plan.rl.trainer
+    assert (t.world, t.dp, t.grad_accum, t.batch_size, t.micro_batch_size) == (
+        world, row["dp"], row["accum"], row["train_batch"], row["micro"])
+    assert (t.mesh.tp, t.mesh.cp, t.mesh.ep, t.mesh.pp) == (row["tp"], row["cp"], row["ep"], 1)
+    assert (t.packing, t.offload, t.force_on_policy, t.routing_replay) == (
+        row["packing"], row["offload"], row["force_on_policy"], row["r3"])
+    assert (t.freeze_visual_encoder, t.freeze_moe_router) == (row["freeze_visual"], row["freeze_router"])
+    assert (t.loss.clip_low, t.loss.clip_high) == pytest.approx(row["clip"])
+    assert t.optimizer.lr == pytest.approx(row["lr"]) and tuple(t.optimizer.betas) == pytest.approx(row["betas"])
+    if row["ref"] == "colocated":
+        ref = plan.rl.ref
+        assert (ref.colocated, ref.world, ref.dp, ref.grad_accum) == (True, world, row["dp"], row["accum"])
+
+    a = plan.rl.algo
+    use_loss, kl_estimator, kl_coef = row["kl"]
+    assert (a.kl.use_loss, a.kl.estimator) == (use_loss, kl_estimator) and a.kl.coef == pytest.approx(kl_coef)
+    assert (a.is_correction.level, a.is_correction.mode) == ("geo", "mask")
+    assert (a.is_correction.low, a.is_correction.high) == pytest.approx(row["is_band"])
+    assert tuple(a.reward_clip) == pytest.approx(row["reward_clip"])
+    g, q = plan.rl.generator, plan.rl.queue
+    assert (g.batch_size, g.generate_batch_size, g.episodes) == (row["rollout_batch"], row["gen_batch"], row["episodes"])
+    assert (g.dynamic_filtering is None) == (row["dyn_filter"] is None)
+    assert (q.size, q.partial_rollout) == (row["queue"], row["partial"])
+    assert plan.rl.sampling.n_samples_per_prompt == row["n"]
+    assert (plan.rl.agent.max_turns, plan.rl.agent.runners) == (row["turns"], row["runners"])
+    assert (plan.rl.schedule.eval_every, plan.rl.schedule.ckpt_every) == (row["eval_every"], row["save_every"])
+    assert plan.rl.eval.enabled is (row["eval_every"] is not None)
+    assert plan.rl.ckpt.final_save is row["final_save"]
+    assert plan.rl.data.max_samples == row["max_samples"]
+    assert plan.rl.data.prompts == [f".tmp/{row['dataset']}/train"]  # relative to the project root
+    assert plan.rl.weight_sync.world_size == engine_gpus + 1
+
+
+@pytest.mark.parametrize("name", sorted(SFT_TABLE))
+def test_sft_plan_matches_table(name):
+    row, plan = SFT_TABLE[name], _result(name).plan
+    assert plan is not None and plan.kind == "sft" and plan.sft is not None and plan.rl is None
+    world = row["nodes"] * row["gpus_per_node"]
+    devices = _check_gpu_map(plan, nodes=row["nodes"], gpus_per_node=row["gpus_per_node"], used=world, total=world)
+    assert sorted(lab for *_, labels in devices for lab in labels) == sorted(f"sft.rank[{i}]" for i in range(world))
+    t = plan.sft.trainer
+    assert (t.world, t.dp, t.grad_accum, t.batch_size, t.micro_batch_size, t.max_epochs) == (
+        world, row["dp"], row["accum"], row["batch"], row["micro"], row["epochs"])
+    assert (t.mesh.tp, t.mesh.cp, t.mesh.ep) == (row["tp"], row["cp"], row["ep"])
+    assert t.optimizer.lr == pytest.approx(row["lr"]) and t.aux_loss_coef == pytest.approx(row["aux"])
+    assert plan.sft.data.dataset == [f".tmp/{row['dataset']}/train"]
