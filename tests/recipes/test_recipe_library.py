@@ -50,3 +50,22 @@ def test_bases_are_fragments_with_a_schema_line(path):
     loaded = load_recipe(path)
     assert loaded.ok, [d.message for d in loaded.diagnostics]
     assert loaded.is_fragment and "name" not in loaded.own_keys
+
+
+def test_lint_recipes_dir_reports_no_errors_and_counts_every_recipe():
+    """`molt-compile lint recipes/` is CI's dry run of the whole library: no errors, and it really looked at each
+    shipped recipe (the demo recipes included) and treated only recipes/base/* as fragments."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", "lint", str(RECIPES_DIR), "--format", "json"],
+                          capture_output=True, text=True, cwd=RECIPES_DIR.parent, timeout=300)
+    report = json.loads(proc.stdout)
+    errors = [f"{d['file']}:{d['line']} {d['code']} {d['message']}" for d in report["diagnostics"]
+              if d["severity"] == "error"]
+    assert errors == [] and proc.returncode == 0, proc.stderr
+    shipped = shipped_recipes()
+    assert len(shipped) >= 12
+    assert report["summary"]["recipes"] == len(shipped)
+    assert report["summary"]["fragments"] >= len(list((RECIPES_DIR / "base").glob("*.yaml")))
