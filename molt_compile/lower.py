@@ -250,8 +250,12 @@ def _bundle(devices: int, cpus: float, on_cpu: bool) -> dict[str, float]:
 
 
 def _model_path(value: str, key: str, source: Any) -> str:
-    """A checkpoint: a local path (resolved like other recipe paths) or a hub name (kept verbatim)."""
-    if os.path.isabs(value) or value.startswith("."):
+    """A checkpoint: a local path (resolved like other recipe paths) or a hub name (kept verbatim).
+
+    Local: absolute, starting with `.`, with more than one `/` (hub ids are `org/name`), or existing relative to
+    the file that set it. Anything else is a hub id.
+    """
+    if os.path.isabs(value) or value.startswith(".") or value.count("/") > 1:
         return resolve_path(value, key, source)
     resolved = resolve_path(value, key, source)
     return resolved if os.path.exists(resolved) else value
