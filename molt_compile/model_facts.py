@@ -1,0 +1,122 @@
+"""Model facts: the catalog row for `model.arch`, or what `<model.path>/config.json` says.
+
+Reads config.json with `json` only (no transformers): compiling never imports it. MoE detection copies Molt's
+(`models/base.py:45-62`, molt_rules.md F6): an `architectures` entry containing "Moe"/"MoE", or one of
+`num_experts`, `n_routed_experts`, `num_local_experts`, `moe_num_experts` > 1. A VLM has a `vision_config`; an MTP
+head is `num_nextn_predict_layers` (DeepSeek/GLM) or `mtp_num_hidden_layers` / `num_mtp_layers` > 0.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from schemas.catalog import MODELS, ModelSpec, gqa_kv_bytes
+
+ModelFacts = ModelSpec
+"""Facts about one model: a catalog row, or a row built from a config.json (its `source` says which)."""
+
+EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token")
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+# Architectures (config.json `architectures[0]`) with a custom NVIDIA AutoModel implementation that Molt uses.
+# Everything else falls back to HF transformers (H9). Dense Qwen3 is on the HF path in Molt (slurm/rl_qwen3_4b.sh).
+NATIVE_ARCHITECTURES = frozenset({
+    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM",
+    "NemotronHForCausalLM", "NemotronH_Nano_Omni", "GptOssForCausalLM",
+})
+# Custom implementations known to consume THD packing kwargs (H4): DSA/MLA models with tilelang, DeepSeek/Qwen-MoE.
+THD_ARCHITECTURES = frozenset({
+    "GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM",
+})
+
+
+def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFacts | None:
+    """Facts for a recipe's `model` (or `ref`/`critic`) section: `arch` from the catalog, else `path/config.json`.
+
+    `model_section` needs `path` and optionally `arch` (a pydantic section or a dict). None when neither works:
+    the path is a hub name or a cluster path not visible here, or config.json is unreadable.
+    """
+    arch = _get(model_section, "arch")
+    path = _get(model_section, "path")
+    if arch:
+        return MODELS.get(arch)
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_absolute() and recipe_dir is not None:
+        p = Path(recipe_dir) / p
+    return _from_config_dir(str(p))
+
+
+def _get(section: Any, key: str) -> Any:
+    if isinstance(section, dict):
+        return section.get(key)
+    return getattr(section, key, None)
+
+
+@lru_cache(maxsize=64)
+def _from_config_dir(path: str) -> ModelFacts | None:
+    config_file = Path(path) / "config.json"
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    return facts_from_config(cfg, source=str(config_file))
+
+
+def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
+    """A ModelFacts from a parsed HF config.json (VLM configs keep the language model under `text_config`)."""
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else cfg.get("model_type", "unknown")
+    layers = _int(text, "num_hidden_layers")
+    hidden = _int(text, "hidden_size")
+    heads = _int(text, "num_attention_heads") or 1
+    kv_heads = _int(text, "num_key_value_heads") or heads
+    head_dim = _int(text, "head_dim") or (hidden // heads if heads else 0)
+    vocab = _int(text, "vocab_size") or _int(cfg, "vocab_size")
+    experts = max((_int(text, k) or _int(cfg, k) for k in EXPERT_KEYS), default=0)
+    if experts <= 1 and any("moe" in a.lower() for a in archs):
+        experts = 2  # Molt treats the architecture name alone as MoE (F6); the expert count is unknown
+    topk = max((_int(text, k) for k in TOPK_KEYS), default=0)
+    inter = _int(text, "moe_intermediate_size") if experts > 1 else 0
+    inter = inter or _int(text, "intermediate_size")
+    mtp = max((_int(text, k) or _int(cfg, k) for k in MTP_KEYS), default=0)
+    tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    total = _estimate_params(layers, hidden, heads, kv_heads, head_dim, inter, vocab, experts, tie)
+    active = _estimate_params(layers, hidden, heads, kv_heads, head_dim, inter, vocab, min(topk, experts) or 0, tie) \
+        if experts > 1 else total
+    return ModelSpec(
+        key=arch, hf_name=source, architecture=arch, params_total=total, params_active=active, layers=layers,
+        hidden_size=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+        vocab=vocab, experts=experts if experts > 1 else 0, experts_per_token=topk if experts > 1 else 0,
+        is_vlm="vision_config" in cfg, has_mtp_head=mtp > 0, native_automodel=arch in NATIVE_ARCHITECTURES,
+        thd_packing=arch in THD_ARCHITECTURES, cp_hook="vision_config" in cfg and arch in NATIVE_ARCHITECTURES,
+        kv_bytes_per_token=gqa_kv_bytes(layers, kv_heads, head_dim), tie_embeddings=tie,
+        estimated=("params_total", "params_active"), source=source,
+    )
+
+
+def _int(d: dict, key: str) -> int:
+    v = d.get(key)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
+
+
+def _estimate_params(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int,
+                     mlp_copies: int, tie: bool) -> int:
+    """Parameter count of a standard decoder (estimate): attention q,k,v,o + gated MLP (× experts) + embeddings."""
+    attn = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+    mlp = 3 * hidden * inter * max(1, mlp_copies)
+    embed = vocab * hidden * (1 if tie else 2)
+    return layers * (attn + mlp + 2 * hidden) + embed + hidden
+
+
+def with_source(facts: ModelFacts, source: str) -> ModelFacts:
+    return replace(facts, source=source)

@@ -1,0 +1,133 @@
+"""What every rule module shares: the `Rule` row, the diagnostic builder and small lookups.
+
+A check is `check(recipe, derived, source) -> Iterable[Diagnostic]`. It never raises and never prints. It sets
+`code`, `path` (the key that is wrong), `message` (with the numbers), `help` (the smallest fix) and `related`
+(the other keys involved); `run_rules` stamps the row's `name` and `severity`, so one code has one severity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from molt_compile.diagnostics import Diagnostic, Related, Severity
+from molt_compile.source import SourceMap
+
+Check = Callable[[Any, Any, SourceMap], Iterable[Diagnostic]]
+
+GROUP_ESTIMATORS = frozenset({"rloo", "reinforce_baseline", "grpo", "dr_grpo"})
+"""Estimators whose baseline is the group of rollouts of one prompt (C1, C7)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the catalog. The check's docstring is the rule's documentation page."""
+
+    code: str
+    name: str
+    severity: Severity
+    check: Check
+    kinds: tuple[str, ...] = ("rl",)
+    """Recipe kinds the rule applies to."""
+
+    @property
+    def doc(self) -> str:
+        import inspect  # noqa: PLC0415 - only for docs
+
+        return inspect.getdoc(self.check) or ""
+
+
+def diag(code: str, source: SourceMap, path: str, message: str, help: str = "",
+         related: Iterable[str | tuple[str, str]] = ()) -> Diagnostic:
+    """A diagnostic at `path`'s position; `related` are other keys (`"a.b"` or `("a.b", "note")`)."""
+    pos = source.pos(path)
+    rel = []
+    for item in related:
+        rpath, note = (item, "") if isinstance(item, str) else item
+        rpos = source.pos(rpath)
+        rel.append(Related(rpath, rpos.file, rpos.line, rpos.col, note))
+    return Diagnostic(code=code, severity="error", message=message, path=path, file=pos.file, line=pos.line,
+                      col=pos.col, help=help, related=tuple(rel), origin="" if pos.layer == "file" else pos.layer)
+
+
+def dv(derived: Any, name: str, default: Any = None) -> Any:
+    """A derived value, or `default` when derive did not produce it (derive tolerates partial recipes)."""
+    if derived is None:
+        return default
+    try:
+        return derived.value(name, default)
+    except Exception:  # noqa: BLE001 - a missing derived name must not crash the rule pass
+        return default
+
+
+def recipe_dir(source: SourceMap | None) -> Path | None:
+    root = getattr(source, "root_file", None)
+    return Path(root).resolve().parent if root else None
+
+
+@lru_cache(maxsize=64)
+def _facts(path: str | None, arch: str | None, base: str | None):
+    from molt_compile.model_facts import resolve_model  # noqa: PLC0415
+
+    return resolve_model({"path": path, "arch": arch}, base)
+
+
+def model_facts(recipe: Any, source: SourceMap | None):
+    """Facts of the trained model (`model.arch`, else `model.path/config.json`), or None."""
+    base = recipe_dir(source)
+    return _facts(recipe.model.path, recipe.model.arch, str(base) if base else None)
+
+
+def role_facts(recipe: Any, source: SourceMap | None, role: str):
+    """Facts of a role's checkpoint: ref/critic `path` when set and readable, else the policy's (B9)."""
+    section = getattr(recipe, role, None) if role != "actor" else None
+    own_path = getattr(section, "path", None) if section is not None else None
+    if own_path and own_path != recipe.model.path:
+        base = recipe_dir(source)
+        found = _facts(own_path, None, str(base) if base else None)
+        if found is not None:
+            return found
+        if role == "ref":
+            return None  # a teacher of unknown architecture: nothing to check
+    return model_facts(recipe, source)
+
+
+def hf_fallback(recipe: Any, facts: Any) -> bool:
+    """True when the trained models run on HF transformers: `model.backend: hf`, or no AutoModel custom class (H9)."""
+    if recipe.model.backend == "hf":
+        return True
+    return facts is not None and not facts.native_automodel
+
+
+def fsdp_roles(recipe: Any, derived: Any) -> list[str]:
+    """FSDP roles that are built: actor, plus ref and critic when they exist (none under eval.only)."""
+    if recipe.kind == "sft":
+        return ["actor"]
+    if recipe.eval.only:
+        return []
+    roles = ["actor"]
+    roles += [r for r in ("ref", "critic") if dv(derived, f"{r}.exists", False)]
+    return roles
+
+
+def role_size_keys(role: str) -> tuple[str, str]:
+    """The recipe keys that size a role's world (the critic is always actor-sized, J3)."""
+    if role == "ref":
+        return ("ref.nodes", "ref.gpus_per_node")
+    return ("actor.nodes", "actor.gpus_per_node")
+
+
+def is_set(source: SourceMap | None, path: str) -> bool:
+    return bool(source is not None and source.is_set(path))
+
+
+def moe_dispatcher(recipe: Any) -> str:
+    """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
+    return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")
+
+
+def fmt_gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB"

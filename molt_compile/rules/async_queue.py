@@ -1,0 +1,191 @@
+"""Async pipeline and importance-sampling correction (molt_rules.md §2.D)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag
+
+
+def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.async.queue_size > 1` or `train.async.partial_rollout: true` while `algo.is_correction.level` is `off`.
+
+    ## Why it matters
+    With a deeper queue, or with generation that keeps running across a weight sync, the trainer learns from tokens
+    sampled by older weights. Molt's HTTP rollout path never masks those tokens (it always reports
+    `off_policy_len = 0`), so only importance-sampling correction can account for them. Molt refuses this in its CLI.
+
+    ## Example
+    ```yaml
+    train:
+      async: {queue_size: 2}
+    algo:
+      is_correction: {level: "off"}
+    ```
+
+    ## Use instead
+    ```yaml
+    train:
+      async: {queue_size: 2}
+    algo:
+      is_correction: {level: geo, mode: mask, threshold: [0.99, 1.01]}
+    ```
+
+    ## References
+    molt_rules.md D1, D11, D12
+    """
+    if recipe.eval.only or recipe.algo.is_correction.level != "off":
+        return
+    q = recipe.train.async_
+    if q.queue_size > 1:
+        yield diag("ASYNC001", source, "train.async.queue_size",
+                   f"train.async.queue_size {q.queue_size} lets generation run {q.queue_size - 1} batch(es) ahead of "
+                   "training, but algo.is_correction.level is off: stale tokens are trained on uncorrected",
+                   "set algo.is_correction.level: token (or geo with mode mask), or train.async.queue_size: 1",
+                   ["algo.is_correction.level"])
+    if q.partial_rollout:
+        yield diag("ASYNC001", source, "train.async.partial_rollout",
+                   "train.async.partial_rollout lets requests straddle a weight sync, but algo.is_correction.level "
+                   "is off: tokens from the old weights are trained on uncorrected",
+                   "set algo.is_correction.level: token, or train.async.partial_rollout: false",
+                   ["algo.is_correction.level"])
+
+
+def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Importance-sampling correction (`algo.is_correction.level` not `off`) together with `rollout.top_p < 1`.
+
+    ## Why it matters
+    vLLM's processed log-probs are renormalized over the nucleus, so with `top_p < 1` the rollout log-probs the
+    correction divides by are biased and the importance ratio is wrong for every token. Molt rejects it in its CLI.
+
+    ## Example
+    ```yaml
+    rollout: {top_p: 0.9}
+    algo:
+      is_correction: {level: token, mode: clip}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {top_p: 1.0}
+    algo:
+      is_correction: {level: token, mode: clip}
+    ```
+
+    ## References
+    molt_rules.md D4, B14
+    """
+    level = recipe.algo.is_correction.level
+    top_p = recipe.rollout.top_p
+    if level != "off" and top_p < 1.0:
+        yield diag("ASYNC002", source, "rollout.top_p",
+                   f"rollout.top_p {top_p} renormalizes the rollout log-probs that IS correction "
+                   f"(level {level}) consumes: every importance ratio is biased",
+                   "set rollout.top_p: 1.0, or algo.is_correction.level: off", ["algo.is_correction.level"])
+
+
+def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `algo.is_correction.level` `seq` or `geo` with a `mode` other than `mask`.
+
+    ## Why it matters
+    Sequence-level and geometric-mean corrections are rejection filters, not per-token weights; Molt's loss raises
+    `ValueError` for clip/trunc with them — but only when the policy trainer is built inside a Ray actor, minutes
+    after the job started.
+
+    ## Example
+    ```yaml
+    algo:
+      is_correction: {level: geo, mode: clip}
+    ```
+
+    ## Use instead
+    ```yaml
+    algo:
+      is_correction: {level: geo, mode: mask}
+    ```
+
+    ## References
+    molt_rules.md D5
+    """
+    isc = recipe.algo.is_correction
+    if isc.level in ("seq", "geo") and isc.mode != "mask":
+        yield diag("ASYNC003", source, "algo.is_correction.mode",
+                   f"algo.is_correction.level {isc.level} is a rejection filter and supports only mode mask, "
+                   f"not {isc.mode}", "set algo.is_correction.mode: mask, or use level: token for clip/trunc",
+                   ["algo.is_correction.level"])
+
+
+def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    IS correction off, queue size 1, no partial rollout, and `train.async.force_sync: false`.
+
+    ## Why it matters
+    Without `force_sync` the rollout slot is handed back *before* the training step, so the next batch is generated
+    with weights one step stale, and nothing corrects it because IS is off. Molt only prints "Rollout samples may be
+    off-policy". Either make the run strictly synchronous or turn the correction on.
+
+    ## Example
+    ```yaml
+    train:
+      async: {queue_size: 1, force_sync: false}
+    algo:
+      is_correction: {level: "off"}
+    ```
+
+    ## Use instead
+    ```yaml
+    train:
+      async: {queue_size: 1, force_sync: true}
+    algo:
+      is_correction: {level: "off"}
+    ```
+
+    ## References
+    molt_rules.md D2, D10, D12
+    """
+    q = recipe.train.async_
+    if recipe.eval.only or recipe.algo.is_correction.level != "off":
+        return
+    if q.queue_size == 1 and not q.partial_rollout and not q.force_sync:
+        yield diag("ASYNC004", source, "train.async.force_sync",
+                   "train.async.force_sync is false: each batch is generated with weights one step stale, and "
+                   "algo.is_correction.level off leaves that uncorrected",
+                   "set train.async.force_sync: true, or algo.is_correction.level: token",
+                   ["train.async.queue_size", "algo.is_correction.level"])
+
+
+def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    An IS threshold band `[low, high]` that is empty (`low >= high`) or does not contain 1.
+
+    ## Why it matters
+    An on-policy token has ratio 1. A band without 1 masks (or clips) every such token, so the IS filter ratio is
+    about 1 and the gradient is zero; Molt only logs a warning once the run is going (`is_filter_ratio >= 0.999`).
+
+    ## Example
+    ```yaml
+    algo:
+      is_correction: {level: geo, mode: mask, threshold: [1.01, 1.05]}
+    ```
+
+    ## Use instead
+    ```yaml
+    algo:
+      is_correction: {level: geo, mode: mask, threshold: [0.99, 1.01]}
+    ```
+
+    ## References
+    molt_rules.md D9, §6.4
+    """
+    isc = recipe.algo.is_correction
+    low, high = isc.threshold
+    if isc.level == "off" or (low < 1.0 < high):
+        return
+    why = "is empty" if low >= high else "does not contain 1 (an on-policy token's ratio)"
+    yield diag("ASYNC005", source, "algo.is_correction.threshold",
+               f"algo.is_correction.threshold [{low}, {high}] {why}: every token is filtered and the gradient is zero",
+               "use a band around 1, e.g. [0.99, 1.01] or [0.5, 2.0]", ["algo.is_correction.level"])

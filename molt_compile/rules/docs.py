@@ -1,0 +1,38 @@
+"""Rule documentation pages, rendered from the catalog (`molt-compile rules [CODE]`, REFERENCE.md).
+
+`python -m molt_compile.rules.docs > molt_compile/rules/REFERENCE.md` regenerates the committed reference page;
+a test fails when it is stale.
+"""
+
+from __future__ import annotations
+
+from molt_compile.rules import ALL_RULES, RULES_BY_CODE
+from molt_compile.rules._base import Rule
+
+SECTIONS = ("## What it checks", "## Why it matters", "## Example", "## Use instead", "## References")
+
+
+def rule_page(rule: Rule) -> str:
+    """One rule's page: heading, severity, kinds, then its docstring."""
+    kinds = " and ".join(rule.kinds)
+    body = rule.doc.replace("## ", "### ")
+    return f"## {rule.code} {rule.name}\n\nSeverity: **{rule.severity}** · applies to: {kinds} recipes\n\n{body}\n"
+
+
+def page_for(code: str) -> str | None:
+    rule = RULES_BY_CODE.get(code.upper())
+    return rule_page(rule) if rule else None
+
+
+def reference() -> str:
+    """The whole catalog as one Markdown page."""
+    head = ["# Rule reference", "",
+            "Generated from `molt_compile/rules/` by `python -m molt_compile.rules.docs`; do not edit by hand.", "",
+            "| code | name | severity | kinds |", "|---|---|---|---|"]
+    head += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
+             for r in ALL_RULES]
+    return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES)
+
+
+if __name__ == "__main__":
+    print(reference(), end="")

@@ -1,0 +1,166 @@
+"""Eval and checkpoint cadences (molt_rules.md §2.M, A6)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, is_set
+
+
+def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `eval.every` is -1 (never; SFT: once per epoch) or a positive number of steps, never 0.
+
+    ## Why it matters
+    Molt computes `global_step // eval_steps`: 0 raises ZeroDivisionError at the first step, after the whole setup.
+
+    ## Example
+    ```yaml
+    eval: {dataset: data/prompts.jsonl, every: 0}
+    ```
+
+    ## Use instead
+    ```yaml
+    eval: {dataset: data/prompts.jsonl, every: 5}
+    ```
+
+    ## References
+    molt_rules.md M1, B12
+    """
+    if recipe.eval.every == 0:
+        yield diag("EVAL001", source, "eval.every", "eval.every 0 divides by zero at the first step",
+                   "use a positive number of steps, or -1 for never")
+
+
+def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `ckpt.every` is -1 (never) or a positive number of steps, never 0.
+
+    ## Why it matters
+    Molt computes `global_step % save_steps`: 0 raises ZeroDivisionError at the first step.
+
+    ## Example
+    ```yaml
+    ckpt: {every: 0}
+    ```
+
+    ## Use instead
+    ```yaml
+    ckpt: {every: 10}
+    ```
+
+    ## References
+    molt_rules.md M1, B12
+    """
+    if recipe.ckpt.every == 0:
+        yield diag("CKPT001", source, "ckpt.every", "ckpt.every 0 divides by zero at the first step",
+                   "use a positive number of steps, or -1 for never")
+
+
+def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `eval.only: true` without `eval.dataset`.
+
+    ## Why it matters
+    An eval-only run scores the eval set and exits; without one there is nothing to do. Molt asserts it in its CLI
+    and again in the trainer.
+
+    ## Example
+    ```yaml
+    eval: {only: true, dataset: null}
+    ```
+
+    ## Use instead
+    ```yaml
+    eval: {only: true, dataset: data/prompts.jsonl}
+    ```
+
+    ## References
+    molt_rules.md A6, J4
+    """
+    if recipe.eval.only and recipe.eval.dataset is None:
+        yield diag("EVAL002", source, "eval.only", "eval.only needs eval.dataset", "set eval.dataset",
+                   ["eval.dataset"])
+
+
+def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Eval cadence or sampling settings (`eval.every`, `eval.at_start`, ...) written without an `eval.dataset`.
+
+    ## Why it matters
+    Without a dataset no eval ever runs; the settings suggest otherwise.
+
+    ## Example
+    ```yaml
+    eval: {every: 5, at_start: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    eval: {every: 5, at_start: true, dataset: data/prompts.jsonl}
+    ```
+
+    ## References
+    molt_rules.md B13, M3
+    """
+    if recipe.eval.dataset is not None:
+        return
+    written = [k for k in ("every", "at_start", "batch_size", "n_samples_per_prompt", "temperature", "top_p",
+                           "max_new_tokens") if is_set(source, f"eval.{k}")]
+    if written and not recipe.eval.only:
+        yield diag("EVAL003", source, f"eval.{written[0]}", f"eval.{', eval.'.join(written)} set, but there is no "
+                   "eval.dataset: no eval runs", "set eval.dataset, or remove the eval settings")
+
+
+def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    RL: an `eval.dataset` with `eval.every: -1`, no `at_start` and not `only`.
+
+    ## Why it matters
+    The dataset is loaded but never evaluated (RL's -1 means never; SFT's means once per epoch).
+
+    ## Example
+    ```yaml
+    eval: {dataset: data/prompts.jsonl, every: -1}
+    ```
+
+    ## Use instead
+    ```yaml
+    eval: {dataset: data/prompts.jsonl, every: 10}
+    ```
+
+    ## References
+    molt_rules.md B12, M3
+    """
+    e = recipe.eval
+    if e.dataset is not None and e.every == -1 and not e.at_start and not e.only:
+        yield diag("EVAL004", source, "eval.every", "eval.dataset is set but eval.every is -1 (never) and "
+                   "at_start is false: it is never evaluated", "set eval.every to a number of steps",
+                   ["eval.dataset"])
+
+
+def run_saves_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `ckpt.every: -1` together with `ckpt.final_save: false` (and not eval-only).
+
+    ## Why it matters
+    The run trains and then keeps no weights at all: no resumable checkpoint and no HF export.
+
+    ## Example
+    ```yaml
+    ckpt: {every: -1, final_save: false}
+    ```
+
+    ## Use instead
+    ```yaml
+    ckpt: {every: -1, final_save: true}
+    ```
+
+    ## References
+    molt_rules.md M4, M5
+    """
+    c = recipe.ckpt
+    if c.every == -1 and not c.final_save and not getattr(recipe.eval, "only", False):
+        yield diag("CKPT002", source, "ckpt.final_save", "ckpt.final_save false and ckpt.every -1: the trained "
+                   "weights are never saved", "set ckpt.final_save: true or a ckpt.every cadence", ["ckpt.every"])

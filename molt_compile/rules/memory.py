@@ -1,0 +1,236 @@
+"""Memory per GPU against the GPU catalog (the estimate and its formulas: `molt_compile/memory.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile import memory
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, model_facts, role_facts
+from schemas.catalog import GPUS
+
+
+def _report(recipe, derived, source):
+    gpu = GPUS.get(recipe.cluster.gpu)
+    facts = model_facts(recipe, source)
+    if gpu is None or gpu.memory_gib <= 0 or facts is None:
+        return None
+    ref_facts = role_facts(recipe, source, "ref") if recipe.kind == "rl" and recipe.ref is not None else None
+    return memory.estimate(recipe, derived, facts, gpu, ref_facts)
+
+
+def _fsdp_path(recipe, source) -> tuple[str, list[str]]:
+    return "actor.gpus_per_node", ["actor.offload", "actor.mesh", "train.micro_batch_size", "data.max_len",
+                                   "model.gradient_checkpoint", "cluster.gpu"]
+
+
+def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    The estimated memory of each FSDP GPU (parameters, gradients, optimizer states, activations of one micro-batch,
+    overhead; colocated roles summed) fits the GPU's memory from the GPU catalog.
+
+    ## Why it matters
+    An out-of-memory error comes only after the cluster is allocated, the weights loaded and the first rollout batch
+    generated — tens of minutes into the job. Formulas: `molt_compile/memory.py`.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8, gpu: l40s-48gb}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {ep: 4}, offload: none}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8, gpu: h200-141gb}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {ep: 4}, offload: none}
+    ```
+
+    ## References
+    molt_rules.md B22, B18, B26, §3.2
+    """
+    report = _report(recipe, derived, source)
+    if report is None:
+        return
+    for group in report.fsdp_groups:
+        if group.total > group.capacity:
+            path, related = _fsdp_path(recipe, source)
+            yield diag("MEM001", source, path,
+                       f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU > {recipe.cluster.gpu} "
+                       f"{memory.gib(group.capacity)} ({group.breakdown()})",
+                       "add GPUs to the actor (more sharding), set actor.offload: optimizer, lower "
+                       "train.micro_batch_size or data.max_len, or raise actor.mesh.cp", related)
+
+
+def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    The estimated FSDP memory per GPU is above 90 % of the GPU's memory (but fits).
+
+    ## Why it matters
+    The estimate is approximate (fragmentation, long-tail sequence lengths, NCCL buffers): above 90 % a run is
+    likely to hit out-of-memory on an unlucky batch.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8, gpu: l40s-48gb}
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    data: {max_len: 6144}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8, gpu: l40s-48gb}
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    actor: {offload: optimizer}
+    data: {max_len: 6144}
+    ```
+
+    ## References
+    molt_rules.md B22, §3.2
+    """
+    report = _report(recipe, derived, source)
+    if report is None:
+        return
+    for group in report.fsdp_groups:
+        if memory.TIGHT_FRACTION * group.capacity < group.total <= group.capacity:
+            path, related = _fsdp_path(recipe, source)
+            yield diag("MEM002", source, path,
+                       f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU, "
+                       f"{group.total / group.capacity:.0%} of {memory.gib(group.capacity)} ({group.breakdown()})",
+                       "leave headroom: actor.offload: optimizer, more actor GPUs, or a smaller micro-batch", related)
+
+
+def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    vLLM weights per engine GPU (`params × dtype bytes / (tp × pp)`) fit in `gpu_memory_utilization × GPU memory`.
+
+    ## Why it matters
+    vLLM raises at engine start when the weights do not fit its share, after the placement group is up.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    cluster: {gpu: l40s-48gb}
+    rollout: {engines: 4, gpu_memory_utilization: 0.8}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    cluster: {gpu: l40s-48gb}
+    rollout: {engines: 2, mesh: {tp: 2}, gpu_memory_utilization: 0.8}
+    ```
+
+    ## References
+    molt_rules.md B16, §3.2
+    """
+    report = _report(recipe, derived, source)
+    eng = report.engine if report is not None else None
+    if eng is not None and eng.weights > eng.share:
+        yield diag("MEM003", source, "rollout.gpu_memory_utilization",
+                   f"engine weights need {memory.gib(eng.weights)} per GPU > gpu_memory_utilization "
+                   f"{recipe.rollout.gpu_memory_utilization} × {memory.gib(eng.capacity)} = {memory.gib(eng.share)}",
+                   "raise rollout.mesh.tp (weights split over more GPUs) or gpu_memory_utilization",
+                   ["rollout.mesh.tp", "rollout.dtype", "cluster.gpu"])
+
+
+def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    After weights and ~1.5 GiB of activations/CUDA graphs, the engine's share holds the KV cache of at least one
+    `data.max_len` sequence.
+
+    ## Why it matters
+    vLLM refuses to start when `max_model_len` does not fit in the KV cache ("larger than the maximum number of
+    tokens that can be stored in KV cache"), after the cluster is up.
+
+    ## Example
+    ```yaml
+    rollout: {gpu_memory_utilization: 0.25}
+    data: {max_len: 32768}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {gpu_memory_utilization: 0.9}
+    data: {max_len: 32768}
+    ```
+
+    ## References
+    molt_rules.md B16
+    """
+    report = _report(recipe, derived, source)
+    eng = report.engine if report is not None else None
+    if eng is not None and eng.weights <= eng.share and eng.kv_room < eng.kv_per_sequence:
+        yield diag("MEM004", source, "rollout.gpu_memory_utilization",
+                   f"KV cache room {memory.gib(max(eng.kv_room, 0))} per engine GPU < one data.max_len "
+                   f"{recipe.data.max_len} sequence ({memory.gib(eng.kv_per_sequence)})",
+                   "raise rollout.gpu_memory_utilization or rollout.mesh.tp, or lower data.max_len",
+                   ["data.max_len", "rollout.mesh.tp"])
+
+
+def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Engine weights plus runtime overhead take more than 90 % of the engine's share of GPU memory (but fit).
+
+    ## Why it matters
+    Little room remains for the KV cache, so vLLM runs few sequences at once: rollouts crawl and preempt.
+
+    ## Example
+    ```yaml
+    rollout: {gpu_memory_utilization: 0.23}
+    data: {max_len: 2048}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {gpu_memory_utilization: 0.8}
+    data: {max_len: 2048}
+    ```
+
+    ## References
+    molt_rules.md B16
+    """
+    report = _report(recipe, derived, source)
+    eng = report.engine if report is not None else None
+    if eng is None or eng.weights > eng.share or eng.kv_room < eng.kv_per_sequence:
+        return
+    used = eng.weights + memory.ENGINE_OVERHEAD_BYTES
+    if used > memory.TIGHT_FRACTION * eng.share:
+        yield diag("MEM005", source, "rollout.gpu_memory_utilization",
+                   f"engine weights + overhead {memory.gib(used)} take {used / eng.share:.0%} of the "
+                   f"{memory.gib(eng.share)} share: KV cache room {memory.gib(eng.kv_room)}",
+                   "raise rollout.gpu_memory_utilization or rollout.mesh.tp", ["rollout.mesh.tp", "cluster.gpu"])
+
+
+def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Reports (info), on a GPU cluster, when memory cannot be estimated: `model.arch` is not set and `model.path` has
+    no readable config.json here (a hub name, or a cluster path like /lustre).
+
+    ## Why it matters
+    The other MEM rules are silent then; say so instead of implying the recipe fits. Set `model.arch` to a catalog
+    key to get the estimate.
+
+    ## Example
+    ```yaml
+    model: {path: /lustre/models/custom-model, arch: null}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: /lustre/models/Qwen3-8B, arch: qwen3-8b}
+    ```
+
+    ## References
+    schemas/catalog.py, molt_compile/memory.py
+    """
+    gpu = GPUS.get(recipe.cluster.gpu)
+    if gpu is None or gpu.memory_gib <= 0:
+        return
+    if model_facts(recipe, source) is None:
+        yield diag("MEM006", source, "model.path",
+                   f"memory not estimated: {recipe.model.path} is not readable here and model.arch is not set",
+                   "set model.arch to a catalog key (molt-compile explain lists them)", ["model.arch"])

@@ -1,0 +1,430 @@
+"""MoE, expert parallelism, routing replay (R3) and MTP (molt_rules.md §2.F, §3.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import (
+    diag, dv, fsdp_roles, hf_fallback, model_facts, moe_dispatcher, role_facts, role_size_keys,
+)
+
+
+def _moe_roles(recipe, derived, source):
+    """(role, facts) for each built FSDP role whose checkpoint is MoE, one per distinct architecture."""
+    seen = set()
+    for role in fsdp_roles(recipe, derived):
+        facts = role_facts(recipe, source, role)
+        if facts is not None and facts.is_moe and facts.key not in seen:
+            seen.add(facts.key)
+            yield role, facts
+
+
+def moe_without_expert_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    An MoE checkpoint (actor, reference/teacher or critic) with `actor.mesh.ep: 1`.
+
+    ## Why it matters
+    AutoModel's custom MoE path needs an expert mesh; Molt raises "MoE models require --fsdp.ep_size > 1" when the
+    model is built inside each actor. MoE is detected as Molt does: `Moe`/`MoE` in the architecture name or an
+    expert count > 1 in config.json. All FSDP roles share `actor.mesh.ep`.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 1}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md F6, B24
+    """
+    ep = recipe.actor.mesh.ep
+    for role, facts in _moe_roles(recipe, derived, source):
+        if ep == 1 and not hf_fallback(recipe, facts):
+            yield diag("MOE001", source, "actor.mesh.ep",
+                       f"{role} model {facts.key} is MoE ({facts.experts} experts) but actor.mesh.ep is 1",
+                       "set actor.mesh.ep to a divisor of the expert count and of the world (e.g. the GPUs per node)",
+                       ["model.arch" if role == "actor" else f"{role}.path"])
+
+
+def moe_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    An MoE checkpoint with `actor.mesh.tp > 1`.
+
+    ## Why it matters
+    AutoModel's custom MoE parallelizer asserts "Tensor parallelism not supported for custom MoE models" when the
+    actor builds its model.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {tp: 2, ep: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {tp: 1, ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md F9
+    """
+    tp = recipe.actor.mesh.tp
+    for role, facts in _moe_roles(recipe, derived, source):
+        if tp > 1:
+            yield diag("MOE002", source, "actor.mesh.tp",
+                       f"{role} model {facts.key} is MoE: AutoModel's MoE parallelizer supports tp 1 only, got {tp}",
+                       "set actor.mesh.tp: 1 and use ep (and cp for long sequences)", ["actor.mesh.ep"])
+
+
+def experts_not_divisible_by_ep(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    The routed-expert count of each MoE checkpoint is divisible by `actor.mesh.ep`.
+
+    ## Why it matters
+    Each EP rank holds `experts / ep` experts; AutoModel asserts `n_routed_experts % ep_size == 0` while building
+    the model.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 6, mesh: {ep: 6}}
+    rollout: {engines: 2}
+    train: {batch_size: 48}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {ep: 4}}
+    rollout: {engines: 4}
+    ```
+
+    ## References
+    molt_rules.md F9
+    """
+    ep = recipe.actor.mesh.ep
+    for role, facts in _moe_roles(recipe, derived, source):
+        if ep > 1 and facts.experts % ep:
+            divisors = [d for d in range(2, min(facts.experts, 64) + 1) if facts.experts % d == 0][:6]
+            yield diag("MOE003", source, "actor.mesh.ep",
+                       f"{role} model {facts.key} has {facts.experts} routed experts, not divisible by ep {ep}",
+                       f"choose ep among {', '.join(map(str, divisors))}, …", ["model.arch"])
+
+
+def ep_not_dividing_world(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    For every FSDP role: `dp × cp × tp` (the non-pipeline world) is a multiple of `actor.mesh.ep`.
+
+    ## Why it matters
+    The expert mesh unflattens all ranks as `(world / ep, ep)`; AutoModel raises "non_pp_size=… must be a multiple
+    of ep_size" in every actor of the group — including a separately sized reference model.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 6, mesh: {ep: 4}}
+    rollout: {engines: 2}
+    train: {batch_size: 48}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {ep: 4}}
+    rollout: {engines: 4}
+    ```
+
+    ## References
+    molt_rules.md F10, §3.3
+    """
+    ep = recipe.actor.mesh.ep
+    if ep <= 1:
+        return
+    seen = set()
+    for role in fsdp_roles(recipe, derived):
+        world = dv(derived, f"{role}.world")
+        if world is None or world in seen:
+            continue
+        seen.add(world)
+        if world % ep:
+            yield diag("MOE004", source, "actor.mesh.ep",
+                       f"{role} world {world} (dp × cp × tp) is not a multiple of ep {ep}",
+                       f"choose ep dividing {world}", list(role_size_keys(role)))
+
+
+def moe_on_hf_fallback(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    An MoE checkpoint on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel
+    custom class).
+
+    ## Why it matters
+    HF transformers has no expert-parallel dispatch, and the custom MoE path is the only one with EP; Molt forbids
+    the HF fallback under EP ("The HF fallback is forbidden under EP") and MoE needs EP.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, backend: hf}
+    actor: {mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, backend: automodel}
+    actor: {mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md F7, H9, §2.O item 3
+    """
+    for role, facts in _moe_roles(recipe, derived, source):
+        if hf_fallback(recipe, facts):
+            path = "model.backend" if recipe.model.backend == "hf" else "model.arch"
+            yield diag("MOE005", source, path,
+                       f"{role} model {facts.key} is MoE, but runs on the HF transformers path, which has no "
+                       "expert parallelism", "set model.backend: automodel (with an architecture AutoModel "
+                       "implements)", ["actor.mesh.ep"])
+
+
+def ep_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    On an MoE actor spanning several nodes, each expert-parallel group (`ep` consecutive ranks) stays inside one
+    node — `ep` divides the actor's `gpus_per_node` — unless `env.MOLT_MOE_DISPATCHER: torch`.
+
+    ## Why it matters
+    The default hybridep/deepep dispatchers use intra-node NVLink; a peer on another node gives "illegal memory
+    access" in the first MoE forward. Molt's GLM-5.2 recipe spans EP256 over 32 nodes only with the torch
+    dispatcher (all-to-all over the network).
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 3, gpus_per_node: 8}
+    actor: {nodes: 2, gpus_per_node: 8, mesh: {ep: 16}}
+    rollout: {engines: 8}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    cluster: {nodes: 3, gpus_per_node: 8}
+    actor: {nodes: 2, gpus_per_node: 8, mesh: {ep: 8}}
+    rollout: {engines: 8}
+    ```
+
+    ## References
+    molt_rules.md §3.3, §3.4, B19
+    """
+    a = recipe.actor
+    ep = a.mesh.ep
+    facts = model_facts(recipe, source)
+    if ep <= 1 or a.nodes <= 1 or (facts is not None and not facts.is_moe):
+        return
+    if a.gpus_per_node % ep and moe_dispatcher(recipe) != "torch":
+        yield diag("MOE006", source, "actor.mesh.ep",
+                   f"ep {ep} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: EP groups span "
+                   f"nodes, which the {moe_dispatcher(recipe)} dispatcher cannot do (illegal memory access)",
+                   f"use ep dividing {a.gpus_per_node}, or set env.MOLT_MOE_DISPATCHER: torch",
+                   ["actor.gpus_per_node", "actor.nodes", "env"])
+
+
+def routing_replay_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay: true` on a dense (non-MoE) model.
+
+    ## Why it matters
+    Routing replay replays vLLM's expert choices in the training forward; a dense model has no router, and Molt
+    raises "routing_replay is on but the model has no MoE router gates" when the actor loads it.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    train: {routing_replay: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    train: {routing_replay: false}
+    ```
+
+    ## References
+    molt_rules.md F4
+    """
+    facts = model_facts(recipe, source)
+    if recipe.train.routing_replay and facts is not None and not facts.is_moe:
+        yield diag("MOE007", source, "train.routing_replay",
+                   f"train.routing_replay on {facts.key}, which is a dense model with no MoE router",
+                   "set train.routing_replay: false", ["model.arch"])
+
+
+def routing_replay_with_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay` together with `train.async.partial_rollout`.
+
+    ## Why it matters
+    Pausing generation across a weight sync drops the routing captured for the tokens before the pause, so the
+    replayed routing no longer matches the tokens. Molt rejects it in its CLI.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    train: {routing_replay: true, async: {partial_rollout: true}}
+    algo: {is_correction: {level: token}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    train: {routing_replay: true, async: {partial_rollout: false}}
+    algo: {is_correction: {level: token}}
+    ```
+
+    ## References
+    molt_rules.md F1
+    """
+    if recipe.train.routing_replay and recipe.train.async_.partial_rollout:
+        yield diag("MOE008", source, "train.async.partial_rollout",
+                   "train.async.partial_rollout drops the routing captured before a pause, so train.routing_replay "
+                   "would replay misaligned routes", "set train.async.partial_rollout: false (or routing_replay: "
+                   "false)", ["train.routing_replay"])
+
+
+def routing_replay_with_mtp(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay` together with `rollout.mtp_speculative_tokens > 0`.
+
+    ## Why it matters
+    With speculative decoding the captured routing misaligns with the accepted tokens. Molt rejects it in its CLI.
+
+    ## Example
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2}
+    train: {routing_replay: true}
+    rollout: {mtp_speculative_tokens: 1}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2}
+    train: {routing_replay: true}
+    rollout: {mtp_speculative_tokens: 0}
+    ```
+
+    ## References
+    molt_rules.md F2
+    """
+    n = recipe.rollout.mtp_speculative_tokens
+    if recipe.train.routing_replay and n > 0:
+        yield diag("MOE009", source, "rollout.mtp_speculative_tokens",
+                   f"rollout.mtp_speculative_tokens {n} misaligns the routing that train.routing_replay captures",
+                   "set rollout.mtp_speculative_tokens: 0, or train.routing_replay: false", ["train.routing_replay"])
+
+
+def mtp_with_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.mtp_speculative_tokens > 0` together with `rollout.prefix_caching: true`.
+
+    ## Why it matters
+    Molt rejects MTP speculative decoding with vLLM prefix caching in its CLI (the combination is not supported by
+    the engine path Molt uses).
+
+    ## Example
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2}
+    rollout: {mtp_speculative_tokens: 1, prefix_caching: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2}
+    rollout: {mtp_speculative_tokens: 1, prefix_caching: false}
+    ```
+
+    ## References
+    molt_rules.md F3
+    """
+    ro = recipe.rollout
+    if ro.mtp_speculative_tokens > 0 and ro.prefix_caching:
+        yield diag("MOE010", source, "rollout.prefix_caching",
+                   f"rollout.prefix_caching with mtp_speculative_tokens {ro.mtp_speculative_tokens} is not supported",
+                   "set rollout.prefix_caching: false, or mtp_speculative_tokens: 0",
+                   ["rollout.mtp_speculative_tokens"])
+
+
+def mtp_without_mtp_head(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.mtp_speculative_tokens > 0` on a checkpoint without MTP layers.
+
+    ## Why it matters
+    MTP speculative decoding runs the checkpoint's own multi-token-prediction head; vLLM errors at engine init
+    when there is none (e.g. Nemotron-Nano-Omni).
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    rollout: {mtp_speculative_tokens: 1}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    rollout: {mtp_speculative_tokens: 0}
+    ```
+
+    ## References
+    molt_rules.md F12, B16, B21
+    """
+    n = recipe.rollout.mtp_speculative_tokens
+    facts = model_facts(recipe, source)
+    if n > 0 and facts is not None and not facts.has_mtp_head:
+        yield diag("MOE011", source, "rollout.mtp_speculative_tokens",
+                   f"rollout.mtp_speculative_tokens {n}, but {facts.key} has no MTP head",
+                   "set rollout.mtp_speculative_tokens: 0", ["model.arch"])
+
+
+def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.mesh.ep > 1` or `rollout.expert_parallel: true` on a dense model.
+
+    ## Why it matters
+    A dense model has no experts to distribute: the setting does nothing except build an unused expert mesh, and it
+    usually means the recipe was copied from an MoE one with the model changed.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    rollout: {expert_parallel: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    rollout: {expert_parallel: false}
+    ```
+
+    ## References
+    molt_rules.md B24, I8
+    """
+    facts = model_facts(recipe, source)
+    if facts is None or facts.is_moe:
+        return
+    if recipe.actor.mesh.ep > 1:
+        yield diag("MOE012", source, "actor.mesh.ep", f"actor.mesh.ep {recipe.actor.mesh.ep} on dense model "
+                   f"{facts.key}: there are no experts to shard", "set actor.mesh.ep: 1", ["model.arch"])
+    if recipe.kind == "rl" and recipe.rollout.expert_parallel:
+        yield diag("MOE012", source, "rollout.expert_parallel", f"rollout.expert_parallel on dense model "
+                   f"{facts.key}: there are no experts to shard", "set rollout.expert_parallel: false", ["model.arch"])

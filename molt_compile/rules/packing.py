@@ -1,0 +1,226 @@
+"""Packing, attention implementation and backend path; VLM context parallelism (molt_rules.md §2.H)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, dv, hf_fallback, model_facts
+
+PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
+CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
+
+
+def _packing(recipe, derived) -> bool:
+    return bool(dv(derived, "actor.packing", recipe.actor.packing))
+
+
+def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.packing: true` with `model.attn` other than te, flash_attention_2 or tilelang.
+
+    ## Why it matters
+    Packed (varlen/THD) batches need an attention kernel that takes sequence offsets. Molt rejects other kernels in
+    its RL and SFT CLIs.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: sdpa}
+    actor: {packing: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: flash_attention_2}
+    actor: {packing: true}
+    ```
+
+    ## References
+    molt_rules.md H2, §2.O item 10
+    """
+    attn = recipe.model.attn
+    if _packing(recipe, derived) and attn not in PACKING_ATTN:
+        yield diag("PACK001", source, "model.attn", f"actor.packing needs attention te, flash_attention_2 or "
+                   f"tilelang, got {attn}", "use flash_attention_2 (HF models) or te (AutoModel custom models)",
+                   ["actor.packing"])
+
+
+def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Packing on an AutoModel custom (native) model with `model.attn: flash_attention_2`.
+
+    ## Why it matters
+    Custom models pack only through te or tilelang; Molt raises "packing_samples with AutoModel custom models
+    requires te" when each actor builds its model. flash_attention_2 packing works only on the HF fallback.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: flash_attention_2}
+    actor: {packing: true, mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: te}
+    actor: {packing: true, mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md H3
+    """
+    facts = model_facts(recipe, source)
+    if _packing(recipe, derived) and recipe.model.attn == "flash_attention_2" and facts is not None \
+            and not hf_fallback(recipe, facts):
+        yield diag("PACK002", source, "model.attn", f"{facts.key} is an AutoModel custom model: it packs only with "
+                   "attention te or tilelang, not flash_attention_2", "set model.attn: te", ["actor.packing"])
+
+
+def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    A model on the HF transformers path with `model.attn` te or tilelang.
+
+    ## Why it matters
+    te and tilelang are AutoModel custom-model kernels; the HF fallback turns the TE path off, and HF packing needs
+    flash_attention_2 ("HF model packing requires flash_attention_2").
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: te}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: flash_attention_2}
+    ```
+
+    ## References
+    molt_rules.md H5, H9
+    """
+    facts = model_facts(recipe, source)
+    attn = recipe.model.attn
+    if attn in ("te", "tilelang") and hf_fallback(recipe, facts):
+        who = "model.backend hf" if recipe.model.backend == "hf" else f"{facts.key} (HF fallback)"
+        yield diag("PACK003", source, "model.attn", f"attention {attn} exists only for AutoModel custom models, "
+                   f"but {who} runs on HF transformers", "set model.attn: flash_attention_2 (or sdpa without packing)",
+                   ["model.backend"])
+
+
+def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Packing with te/tilelang on an AutoModel custom architecture whose implementation does not consume THD packing
+    arguments (per the model catalog).
+
+    ## Why it matters
+    Molt raises "AutoModel custom implementation for this architecture does not consume THD packing kwargs" when
+    each actor builds the model.
+
+    ## Example
+    ```yaml
+    model: {path: nvidia/Nemotron-3-Nano-Omni, arch: nemotron-3-nano-omni-30b-a3b, attn: te}
+    actor: {packing: true, mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: nvidia/Nemotron-3-Nano-Omni, arch: nemotron-3-nano-omni-30b-a3b, attn: te}
+    actor: {packing: false, mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md H4
+    """
+    facts = model_facts(recipe, source)
+    if _packing(recipe, derived) and recipe.model.attn in ("te", "tilelang") and facts is not None \
+            and not hf_fallback(recipe, facts) and not facts.thd_packing:
+        yield diag("PACK004", source, "actor.packing", f"{facts.key}'s AutoModel implementation does not consume THD "
+                   "packing arguments", "set actor.packing: false (use actor.mesh.cp for long sequences)",
+                   ["model.arch"])
+
+
+def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Reports (info) that an AutoModel custom model without packing runs sdpa when `model.attn` is not te, sdpa,
+    flex or tilelang (e.g. flash_attention_2).
+
+    ## Why it matters
+    Molt prints a notice and switches silently; the compiler shows the value that really runs.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: flash_attention_2}
+    actor: {mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: sdpa}
+    actor: {mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md B20, B19
+    """
+    facts = model_facts(recipe, source)
+    attn = recipe.model.attn
+    if not _packing(recipe, derived) and attn not in CUSTOM_NATIVE_ATTN and facts is not None \
+            and not hf_fallback(recipe, facts):
+        yield diag("MODEL001", source, "model.attn", f"{facts.key} is an AutoModel custom model without packing: "
+                   f"attention {attn} runs as sdpa", "set model.attn: sdpa (or te) to say what runs")
+
+
+def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    A VLM with `actor.mesh.cp > 1` whose model has no AutoModel CP hook (`prepare_model_inputs_for_cp`).
+
+    ## Why it matters
+    Molt raises "VLM + CP requires the model's AutoModel CP hook" at the first training forward, after the whole
+    setup and the first rollout batch.
+
+    ## Example
+    ```yaml
+    model: {path: ./models/vlm-no-cp-hook, arch: null}
+    actor: {mesh: {cp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: ./models/vlm-no-cp-hook, arch: null}
+    actor: {mesh: {cp: 1}}
+    ```
+
+    ## References
+    molt_rules.md H8, §2.O item 11
+    """
+    facts = model_facts(recipe, source)
+    if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not facts.cp_hook:
+        yield diag("MODEL002", source, "actor.mesh.cp", f"actor.mesh.cp {recipe.actor.mesh.cp} on VLM {facts.key}, "
+                   "which has no AutoModel CP hook", "set actor.mesh.cp: 1", ["model.arch"])
+
+
+def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Reports (info) that a VLM with `actor.mesh.cp > 1` trains with its visual encoder frozen.
+
+    ## Why it matters
+    Molt forces `freeze_visual_encoder` on under CP (RL and SFT) whatever the recipe says; the compiler shows it.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3.6-35B-A3B, arch: qwen3.6-35b-a3b, attn: te}
+    actor: {mesh: {cp: 2, ep: 4}, freeze: {visual_encoder: false}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3.6-35B-A3B, arch: qwen3.6-35b-a3b, attn: te}
+    actor: {mesh: {cp: 2, ep: 4}, freeze: {visual_encoder: true}}
+    ```
+
+    ## References
+    molt_rules.md B23
+    """
+    facts = model_facts(recipe, source)
+    if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not recipe.actor.freeze.visual_encoder:
+        yield diag("MODEL003", source, "actor.freeze.visual_encoder", f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
+                   f"the visual encoder of {facts.key} is frozen (only the language model trains)",
+                   "set actor.freeze.visual_encoder: true to say so", ["actor.mesh.cp"])

@@ -1,0 +1,181 @@
+"""FSDP2 / AutoModel mesh rules (molt_rules.md §2.G, §2.H, §3.3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, dv, fsdp_roles, hf_fallback, model_facts, role_size_keys
+
+
+def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.mesh.pp > 1`.
+
+    ## Why it matters
+    Molt's trainers are not pipeline-parallel aware; the RL and SFT CLIs and the FSDP strategy all raise
+    `NotImplementedError`.
+
+    ## Example
+    ```yaml
+    actor: {mesh: {pp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    actor: {mesh: {pp: 1, tp: 2}}
+    ```
+
+    ## References
+    molt_rules.md G1
+    """
+    pp = recipe.actor.mesh.pp
+    if pp > 1:
+        yield diag("PAR001", source, "actor.mesh.pp", f"actor.mesh.pp {pp}: Molt's trainers support only pp 1",
+                   "set actor.mesh.pp: 1 and shard with tp, cp or ep instead")
+
+
+def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Every FSDP role's world (`nodes × gpus_per_node`) is divisible by `tp × cp × pp`.
+
+    ## Why it matters
+    dp = world / (tp × cp) must be an integer; AutoModel raises "world_size must be divisible by
+    (tp_size * cp_size * pp_size)" when the mesh is built inside each Ray actor.
+
+    ## Example
+    ```yaml
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {tp: 3}}
+    ```
+
+    ## Use instead
+    ```yaml
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {tp: 2}}
+    train: {batch_size: 64}
+    ```
+
+    ## References
+    molt_rules.md G3, G2
+    """
+    m = recipe.actor.mesh
+    unit = m.tp * m.cp * m.pp
+    path = "actor.mesh.cp" if m.cp > 1 else "actor.mesh.tp" if m.tp > 1 else "actor.mesh.pp"
+    seen = set()
+    for role in fsdp_roles(recipe, derived):
+        world = dv(derived, f"{role}.world")
+        if world is None or world in seen or world % unit == 0:
+            continue
+        seen.add(world)
+        yield diag("PAR002", source, path,
+                   f"{role} world {world} is not divisible by tp {m.tp} × cp {m.cp} × pp {m.pp} = {unit}",
+                   f"choose tp × cp dividing {world}, or change {role_size_keys(role)[1]}",
+                   list(role_size_keys(role)))
+
+
+def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    On a role that spans several nodes, each TP×CP group (tp·cp consecutive ranks) stays inside one node:
+    `tp·cp` divides the role's `gpus_per_node`.
+
+    ## Why it matters
+    TP and CP exchange activations on every layer; a group that straddles nodes runs that traffic over the network
+    instead of NVLink. It works (Molt's GLM-5.2 recipe runs CP16 over two 8-GPU nodes on purpose) but is slow,
+    so it should be a decision: suppress with `ignore: {PAR003: "reason"}`.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {nodes: 2, gpus_per_node: 6, mesh: {cp: 4, ep: 4}}
+    rollout: {engines: 4}
+    train: {batch_size: 48}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {nodes: 2, gpus_per_node: 4, mesh: {cp: 4, ep: 4}}
+    rollout: {engines: 8}
+    train: {batch_size: 64}
+    ```
+
+    ## References
+    molt_rules.md §3.3, §3.4
+    """
+    a = recipe.actor
+    group = a.mesh.tp * a.mesh.cp
+    if a.nodes > 1 and group > 1 and a.gpus_per_node % group:
+        yield diag("PAR003", source, "actor.mesh.cp" if a.mesh.cp > 1 else "actor.mesh.tp",
+                   f"tp × cp = {group} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: "
+                   "some TP/CP groups span two nodes", f"use tp × cp dividing {a.gpus_per_node}",
+                   ["actor.gpus_per_node", "actor.nodes"])
+
+
+def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    A model on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel custom class)
+    with `tp > 1` or `cp > 1`.
+
+    ## Why it matters
+    The HF fallback has no TP/CP plan of AutoModel's custom models (Molt's README: "text + flash_attention_2 +
+    packing only — no CP / EP / TP"). The code only rejects EP, so a TP/CP run fails or silently misbehaves later.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    actor: {mesh: {tp: 2}}
+    train: {batch_size: 64}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    actor: {mesh: {tp: 1}}
+    ```
+
+    ## References
+    molt_rules.md H9, Appendix A item 8
+    """
+    facts = model_facts(recipe, source)
+    if not hf_fallback(recipe, facts):
+        return
+    why = "model.backend is hf" if recipe.model.backend == "hf" else \
+        f"{facts.architecture} has no AutoModel custom implementation (HF fallback)"
+    for axis in ("tp", "cp"):
+        size = getattr(recipe.actor.mesh, axis)
+        if size > 1:
+            yield diag("PAR004", source, f"actor.mesh.{axis}",
+                       f"actor.mesh.{axis} {size} on the HF transformers path ({why}), which supports no TP/CP/EP",
+                       f"set actor.mesh.{axis}: 1 and scale with data parallelism", ["model.backend", "model.arch"])
+
+
+def critic_with_sequence_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.sequence_parallel: true` when a critic is built (estimator gae).
+
+    ## Why it matters
+    The critic reuses the actor's FSDP settings, and its value head is not sequence-parallel-safe: Molt asserts
+    when the critic actor is constructed.
+
+    ## Example
+    ```yaml
+    algo: {estimator: gae}
+    critic: {placement: colocate}
+    actor: {sequence_parallel: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    algo: {estimator: gae}
+    critic: {placement: colocate}
+    actor: {sequence_parallel: false}
+    ```
+
+    ## References
+    molt_rules.md H10, B9
+    """
+    if recipe.actor.sequence_parallel and dv(derived, "critic.exists", recipe.algo.estimator == "gae"):
+        yield diag("PAR005", source, "actor.sequence_parallel",
+                   "actor.sequence_parallel is shared with the critic (gae), whose value head is not "
+                   "sequence-parallel-safe", "set actor.sequence_parallel: false", ["algo.estimator"])

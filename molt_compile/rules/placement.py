@@ -1,0 +1,195 @@
+"""GPU counts and role shapes against the cluster (molt_rules.md §2.J, §3.2).
+
+These rules use only derived counts. The per-node bin packing of every placement group (Ray PACK order, CPUs,
+groups split across nodes) is modelled by `lower.py` (PLACE1xx), which runs only when no rule reported an error.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, dv
+from schemas.catalog import GPUS
+
+
+def gpus_exceed_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    The GPUs of all roles — FSDP groups (a colocated ref/critic adds none) plus rollout engines
+    (`engines × tp × pp × dp`) — fit in `cluster.nodes × cluster.gpus_per_node`.
+
+    ## Why it matters
+    Molt checks this only after the vLLM engines are created, and without it Ray placement deadlocks forever.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4}
+    rollout: {engines: 6}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4}
+    rollout: {engines: 12}
+    ```
+
+    ## References
+    molt_rules.md J1, J4, §3.2
+    """
+    idle = dv(derived, "cluster.idle_gpus")
+    if idle is None or idle >= 0:
+        return
+    used, total = dv(derived, "cluster.used_gpus"), dv(derived, "cluster.total_gpus")
+    c = recipe.cluster
+    if recipe.kind == "sft":
+        what = f"the SFT world needs {used} GPUs"
+    else:
+        what = (f"FSDP roles need {dv(derived, 'fsdp.total_gpus')} GPUs + rollout {recipe.rollout.engines} engines × "
+                f"{dv(derived, 'rollout.gpus_per_engine')} = {dv(derived, 'rollout.total_gpus')} GPUs = {used}")
+    need_nodes = -(-used // c.gpus_per_node) if c.gpus_per_node else used
+    yield diag("PLACE001", source, "cluster.nodes",
+               f"{what} > cluster {c.nodes} × {c.gpus_per_node} = {total} GPUs",
+               f"set cluster.nodes: {need_nodes}, or use fewer engines / a smaller actor",
+               ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"])
+
+
+def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Each FSDP role's shape fits the cluster per node: `gpus_per_node <= cluster.gpus_per_node` and
+    `nodes <= cluster.nodes` (actor, separate ref, SFT model).
+
+    ## Why it matters
+    A role's ranks are placed node by node; a role asking for 8 GPUs per node on 4-GPU nodes cannot be placed even
+    when the total GPU count fits, and Ray waits forever.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 3, gpus_per_node: 4}
+    actor: {nodes: 1, gpus_per_node: 8}
+    rollout: {engines: 4}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 3, gpus_per_node: 4}
+    actor: {nodes: 2, gpus_per_node: 4}
+    rollout: {engines: 4}
+    ```
+
+    ## References
+    molt_rules.md J5, §3.1, §3.3
+    """
+    c = recipe.cluster
+    roles = [("actor", recipe.actor.nodes, recipe.actor.gpus_per_node)]
+    if recipe.kind == "rl" and dv(derived, "ref.exists") and not dv(derived, "ref.colocated"):
+        roles.append(("ref", recipe.ref.nodes or recipe.actor.nodes,
+                      recipe.ref.gpus_per_node or recipe.actor.gpus_per_node))
+    for role, nodes, gpn in roles:
+        if gpn > c.gpus_per_node:
+            yield diag("PLACE002", source, f"{role}.gpus_per_node",
+                       f"{role}.gpus_per_node {gpn} > cluster.gpus_per_node {c.gpus_per_node}",
+                       f"spread the {nodes * gpn} GPUs over more nodes (e.g. nodes "
+                       f"{-(-nodes * gpn // max(c.gpus_per_node, 1))}, gpus_per_node {c.gpus_per_node})",
+                       ["cluster.gpus_per_node"])
+        if nodes > c.nodes:
+            yield diag("PLACE002", source, f"{role}.nodes", f"{role}.nodes {nodes} > cluster.nodes {c.nodes}",
+                       f"set cluster.nodes to at least {nodes}", ["cluster.nodes"])
+
+
+def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    A colocated reference model (`ref.placement: colocate`) sets `nodes`/`gpus_per_node` different from the actor's.
+
+    ## Why it matters
+    Colocated roles share the actor's placement group, rank for rank, so their sizes must be equal; Molt asserts
+    "num_nodes and num_gpus_per_node must match when colocating the actor and ref model".
+
+    ## Example
+    ```yaml
+    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    ref: {placement: colocate, gpus_per_node: 2}
+    ```
+
+    ## Use instead
+    ```yaml
+    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    ref: {placement: colocate}
+    ```
+
+    ## References
+    molt_rules.md J2, B33
+    """
+    ref = getattr(recipe, "ref", None)
+    if ref is None or ref.placement != "colocate":
+        return
+    for key in ("nodes", "gpus_per_node"):
+        own, actor = getattr(ref, key), getattr(recipe.actor, key)
+        if own is not None and own != actor:
+            yield diag("PLACE003", source, f"ref.{key}",
+                       f"ref.{key} {own} differs from actor.{key} {actor}, but a colocated ref shares the actor's GPUs",
+                       f"remove ref.{key} (colocated roles take the actor's size), or set ref.placement: separate",
+                       [f"actor.{key}", "ref.placement"])
+
+
+def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `cluster.gpu` is a key of the GPU catalog (`schemas/catalog.py`) or `cpu`.
+
+    ## Why it matters
+    The GPU type gives the memory every estimate is checked against and the node's CPU count; a typo would
+    silently skip those checks.
+
+    ## Example
+    ```yaml
+    cluster: {gpu: h100}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {gpu: h100-80gb}
+    ```
+
+    ## References
+    molt_rules.md J5; schemas/catalog.py
+    """
+    gpu = recipe.cluster.gpu
+    if gpu not in GPUS:
+        close = difflib.get_close_matches(gpu, GPUS, n=1, cutoff=0.3)
+        yield diag("PLACE006", source, "cluster.gpu", f"cluster.gpu {gpu!r} is not in the GPU catalog",
+                   (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
+
+
+def idle_gpus(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    GPUs of the cluster that no role uses.
+
+    ## Why it matters
+    Idle GPUs are paid for and do nothing (Molt's omni3 recipe leaves 8 of 32 idle by default). If it is on purpose
+    (a node kept for debugging), say so: `ignore: {PLACE007: "reason"}`.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4}
+    rollout: {engines: 4}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8}
+    actor: {nodes: 1, gpus_per_node: 4}
+    rollout: {engines: 4}
+    ```
+
+    ## References
+    molt_rules.md J1, §5.3 (omni3 24/32)
+    """
+    idle = dv(derived, "cluster.idle_gpus")
+    if idle is not None and idle > 0:
+        used, total = dv(derived, "cluster.used_gpus"), dv(derived, "cluster.total_gpus")
+        yield diag("PLACE007", source, "cluster.nodes", f"{idle} of {total} GPUs are idle (roles use {used})",
+                   "shrink the cluster, add engines, or suppress with ignore: {PLACE007: \"why\"}",
+                   ["cluster.gpus_per_node"])

@@ -1,0 +1,242 @@
+"""vLLM rollout engine rules (molt_rules.md §2.I, B15, H12)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag, dv
+
+
+def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.executor: uni` with `rollout.mesh.tp > 1`.
+
+    ## Why it matters
+    The uni executor runs the engine in one process on one GPU; vLLM raises "backend 'uni' only supports
+    tensor_parallel_size=1" inside the engine actor.
+
+    ## Example
+    ```yaml
+    rollout: {engines: 2, executor: uni, mesh: {tp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engines: 2, executor: auto, mesh: {tp: 2}}
+    ```
+
+    ## References
+    molt_rules.md I2, B15
+    """
+    ro = recipe.rollout
+    if ro.engine == "vllm" and ro.executor == "uni" and ro.mesh.tp > 1:
+        yield diag("VLLM001", source, "rollout.executor",
+                   f"rollout.executor uni runs one GPU per engine, but rollout.mesh.tp is {ro.mesh.tp}",
+                   "set rollout.executor: auto (mp or ray is derived), or rollout.mesh.tp: 1", ["rollout.mesh.tp"])
+
+
+def pipeline_parallel_engine_without_ray(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.mesh.pp > 1` with an executor other than `ray` (set explicitly to uni or mp, with dp 1).
+
+    ## Why it matters
+    vLLM pipeline parallelism across stages needs the ray executor; the engine raises at init otherwise.
+
+    ## Example
+    ```yaml
+    rollout: {engines: 2, executor: mp, mesh: {pp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engines: 2, executor: ray, mesh: {pp: 2}}
+    ```
+
+    ## References
+    molt_rules.md I3
+    """
+    ro = recipe.rollout
+    if ro.engine == "vllm" and ro.mesh.pp > 1 and ro.mesh.dp == 1 and ro.executor in ("uni", "mp"):
+        yield diag("VLLM002", source, "rollout.executor",
+                   f"rollout.mesh.pp {ro.mesh.pp} needs the ray executor, got {ro.executor}",
+                   "set rollout.executor: ray (or auto)", ["rollout.mesh.pp"])
+
+
+def data_parallel_engine_without_mp(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.mesh.dp > 1` with an executor other than `mp` (set explicitly to uni or ray).
+
+    ## Why it matters
+    vLLM data parallelism inside one engine needs the mp executor (single node); the engine raises at init.
+    (Molt's qwen3.6 launch script comment says DP needs ray — the code says mp.)
+
+    ## Example
+    ```yaml
+    rollout: {engines: 2, executor: ray, mesh: {dp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engines: 2, executor: mp, mesh: {dp: 2}}
+    ```
+
+    ## References
+    molt_rules.md I4
+    """
+    ro = recipe.rollout
+    if ro.engine == "vllm" and ro.mesh.dp > 1 and ro.executor in ("uni", "ray"):
+        yield diag("VLLM003", source, "rollout.executor",
+                   f"rollout.mesh.dp {ro.mesh.dp} needs the mp executor, got {ro.executor}",
+                   "set rollout.executor: mp (or auto)", ["rollout.mesh.dp"])
+
+
+def engine_data_parallel_with_pipeline_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.mesh.dp > 1` together with `rollout.mesh.pp > 1`.
+
+    ## Why it matters
+    DP needs the mp executor and PP needs ray; no executor does both, and Molt's engine raises at init.
+
+    ## Example
+    ```yaml
+    rollout: {engines: 1, mesh: {dp: 2, pp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engines: 2, mesh: {dp: 2, pp: 1}}
+    ```
+
+    ## References
+    molt_rules.md I5
+    """
+    m = recipe.rollout.mesh
+    if recipe.rollout.engine == "vllm" and m.dp > 1 and m.pp > 1:
+        yield diag("VLLM004", source, "rollout.mesh.pp",
+                   f"rollout.mesh.pp {m.pp} with dp {m.dp}: pp needs the ray executor, dp the mp executor",
+                   "use more engines instead of engine dp, or set rollout.mesh.dp: 1", ["rollout.mesh.dp"])
+
+
+def mp_engine_wider_than_node(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    An engine on the mp (or uni) executor needs `tp × dp` GPUs on one node: `tp × dp <= cluster.gpus_per_node`.
+
+    ## Why it matters
+    An mp engine is one Ray placement-group bundle of `tp × dp` GPUs, and a bundle cannot span nodes. Molt then
+    waits on `shared_pg.ready()` with no timeout: the job hangs forever. Cross-node engines need `executor: ray`.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 3, gpus_per_node: 8}
+    rollout: {engines: 1, executor: mp, mesh: {tp: 16}}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 3, gpus_per_node: 8}
+    rollout: {engines: 1, executor: ray, mesh: {tp: 16}}
+    ```
+
+    ## References
+    molt_rules.md I6, I7, §3.3
+    """
+    ro = recipe.rollout
+    executor = dv(derived, "rollout.executor", ro.executor)
+    width = ro.mesh.tp * ro.mesh.dp
+    gpn = recipe.cluster.gpus_per_node
+    if ro.engine == "vllm" and executor in ("mp", "uni") and width > gpn:
+        yield diag("VLLM005", source, "rollout.mesh.tp" if ro.mesh.tp > 1 else "rollout.mesh.dp",
+                   f"an {executor} engine needs tp {ro.mesh.tp} × dp {ro.mesh.dp} = {width} GPUs on one node, but "
+                   f"nodes have {gpn}: the placement group never becomes ready", "set rollout.executor: ray for "
+                   f"cross-node engines, or keep tp × dp <= {gpn}", ["cluster.gpus_per_node", "rollout.executor"])
+
+
+def hf_engine_with_parallel_mesh(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.engine: hf` with an engine mesh larger than one device (`tp × pp × dp > 1`).
+
+    ## Why it matters
+    The HF engine runs `transformers.generate` in one actor on one device; it has no tensor, pipeline or data
+    parallelism, so the extra GPUs would be reserved and never used.
+
+    ## Example
+    ```yaml
+    rollout: {engine: hf, engines: 2, mesh: {tp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engine: hf, engines: 4, mesh: {tp: 1}}
+    ```
+
+    ## References
+    DESIGN.md §6 (rollout engines)
+    """
+    ro = recipe.rollout
+    width = ro.mesh.tp * ro.mesh.pp * ro.mesh.dp
+    if ro.engine == "hf" and width > 1:
+        yield diag("VLLM006", source, "rollout.mesh", f"rollout.engine hf uses one device per engine, but the "
+                   f"mesh asks for {width}", "set rollout.mesh to tp 1, pp 1, dp 1 and add engines instead",
+                   ["rollout.engine"])
+
+
+def max_new_tokens_exceeds_context(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.max_new_tokens` (and `eval.max_new_tokens`) smaller than `data.max_len`.
+
+    ## Why it matters
+    The prompt budget is `max_len − max_new_tokens`. At zero or less every text prompt is left-truncated to
+    nothing and every VLM prompt raises "VLM prompt length … exceeds max_initial_length" in the runner.
+
+    ## Example
+    ```yaml
+    rollout: {max_new_tokens: 4096}
+    data: {max_len: 4096}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {max_new_tokens: 3072}
+    data: {max_len: 4096}
+    ```
+
+    ## References
+    molt_rules.md H12, B16, §6.1
+    """
+    max_len = recipe.data.max_len
+    for key in ("rollout.max_new_tokens", "eval.max_new_tokens"):
+        section, field = key.split(".")
+        value = getattr(getattr(recipe, section), field)
+        if value is not None and value >= max_len:
+            yield diag("VLLM007", source, key, f"{key} {value} leaves no room for the prompt in data.max_len "
+                       f"{max_len}", f"set {key} below {max_len} (or raise data.max_len)", ["data.max_len"])
+
+
+def decode_context_parallel_not_dividing_tp(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.decode_context_parallel_size` divides `rollout.mesh.tp`.
+
+    ## Why it matters
+    vLLM's decode context parallelism splits the KV cache across the ranks of the TP group; its parallel config
+    rejects a size that does not divide the TP size when the engine starts.
+
+    ## Example
+    ```yaml
+    rollout: {engines: 2, mesh: {tp: 2}, decode_context_parallel_size: 4}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {engines: 2, mesh: {tp: 2}, decode_context_parallel_size: 2}
+    ```
+
+    ## References
+    vLLM ParallelConfig (decode_context_parallel_size); molt_rules.md B16
+    """
+    ro = recipe.rollout
+    dcp = ro.decode_context_parallel_size
+    if dcp > 1 and ro.mesh.tp % dcp:
+        yield diag("VLLM008", source, "rollout.decode_context_parallel_size",
+                   f"rollout.decode_context_parallel_size {dcp} does not divide rollout.mesh.tp {ro.mesh.tp}",
+                   "use a divisor of rollout.mesh.tp", ["rollout.mesh.tp"])
