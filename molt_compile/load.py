@@ -28,8 +28,9 @@ from molt_compile.source import Pos, SourceMap
 
 MAX_FILE_BYTES = 1 << 20
 """Size cap of one recipe file (1 MiB); recipes are a few KiB. Checked with stat() before reading."""
-MAX_NODES = 100_000
-"""Budget of YAML nodes built per file, aliases expanded; an alias bomb stops here."""
+MAX_NODES = 10_000
+"""Budget of YAML nodes built per file, aliases expanded; an alias bomb stops here. The largest shipped
+recipe builds under 200."""
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists."""
 
@@ -56,6 +57,8 @@ class Loaded:
     """Absolute paths of every base file reached through `extends`."""
     own_keys: frozenset[str] = frozenset()
     """Top-level keys written in the recipe file itself (not inherited)."""
+    parsed: bool = False
+    """The recipe file itself was read as a mapping (its bases may still have failed)."""
     path: Path | None = None
 
     @property
@@ -68,6 +71,8 @@ class Loaded:
         a job's name is never inherited in practice). `lint` also treats a file that another recipe extends and
         that lacks `kind` or `name` as a fragment."""
         under_base = self.path is not None and "base" in Path(os.path.abspath(self.path)).parts[:-1]
+        if not self.parsed:
+            return under_base  # unreadable: nothing says what it is, so it is checked as a job
         return under_base or "name" not in self.own_keys
 
 
@@ -277,6 +282,34 @@ def _parse_float(text: str) -> float:
 
 
 # ------------------------------------------------------------------------------------------------ one file
+def _flow_too_deep(text: str) -> tuple[int, int] | None:
+    """(line, col) where `[`/`{` nesting first exceeds MAX_DEPTH, else None. Checked before parsing because the
+    YAML parser recurses per level and would spend seconds before overflowing the stack."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return None
+    depth, line, col, quote, comment = 0, 1, 0, "", False
+    for ch in text:
+        col += 1
+        if ch == "\n":
+            line, col, comment = line + 1, 0, False
+            continue
+        if comment:
+            continue
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                return line, col
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    return None
+
+
 def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool, Any]:
     """Parse YAML text into a node tree (no construction). Returns (ok, root node or None for an empty doc)."""
     from ruamel.yaml import YAML
@@ -386,6 +419,12 @@ class _Tree:
         self.done.add(real)
         self.files.append(file)
         self.source.lines[file] = text.splitlines()
+        too_deep = _flow_too_deep(text)
+        if too_deep:
+            self.diags.append(_diag("YAML008", f"mappings and lists nested deeper than {MAX_DEPTH} levels", file=file,
+                                    line=too_deep[0], col=too_deep[1],
+                                    help="flatten the document; recipe keys are at most a few levels deep"))
+            return None
         ok, node = _compose(text, file, self.diags)
         if not ok:
             return None
@@ -578,6 +617,7 @@ def load_recipe(path: Path | str, sets: Sequence[str] = ()) -> Loaded:
     if root is None:
         return loaded
     loaded.own_keys = frozenset(root.data)
+    loaded.parsed = True
 
     data: dict[str, Any] = {}
     values: dict[str, Pos] = {}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from molt_compile.load import MAX_DEPTH, MAX_FILE_BYTES, load_recipe
+from molt_compile.load import MAX_DEPTH, MAX_FILE_BYTES, MAX_NODES, load_recipe
 
 BAD = "tests/data/bad"
 
@@ -98,12 +98,23 @@ def test_deep_nesting_is_bounded(tmp_path):
 def test_very_deep_nesting_does_not_overflow_the_parser(tmp_path):
     deep = tmp_path / "deeper.yaml"
     deep.write_text("a: " + "[" * 20000 + "]" * 20000 + "\n")
-    assert [d.code for d in load_recipe(deep).diagnostics] == ["YAML008"]
+    d = only(load_recipe(deep), "YAML008")
+    assert (d.line, d.col) == (1, 4 + MAX_DEPTH)
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text("a: '" + "[" * 200 + "'\nb: 1 # " + "{" * 200 + "\n")
+    assert load_recipe(quoted).data == {"a": "[" * 200, "b": 1}
+
+
+def test_deep_block_nesting_that_overflows_the_parser_stack(tmp_path):
+    deep = tmp_path / "block.yaml"
+    deep.write_text("a:\n  " + "- " * 3000 + "x\n")
+    d = only(load_recipe(deep), "YAML008")
+    assert "parser" in d.message
 
 
 def test_alias_bomb_stops_at_the_node_budget(in_root):
     d = only(load_recipe(Path(BAD) / "alias_bomb.yaml"), "YAML005")
-    assert "100,000" in d.message and d.path.startswith("env.")
+    assert f"{MAX_NODES:,}" in d.message and d.path.startswith("env.")
 
 
 def test_python_tag_is_never_executed(tmp_path):

@@ -1,0 +1,256 @@
+"""`molt-compile`: routing, output formats, exit statuses, lint, schema, explain, rules."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from molt_compile.cli import cli, recipe_json_schema
+from molt_compile.compile import compile_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD = "tests/data/bad"
+GOOD = "tests/data/good"
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), prog_name="molt-compile", catch_exceptions=False)
+
+
+# ----------------------------------------------------------------------------------------- the compile command
+def test_nested_typo_prints_position_line_caret_and_suggestion(in_root):
+    result = run(f"{BAD}/typo_nested.yaml")
+    assert result.exit_code == 2
+    lines = result.output.splitlines()
+    assert lines[0] == "error[SCHEMA001] unknown-key: unknown key `queue_sise` in `train.async`"
+    assert lines[1] == f" --> {BAD}/typo_nested.yaml:8:5  (train.async.queue_sise; set in {BAD}/typo_nested.yaml)"
+    assert lines[3] == "8 |     queue_sise: 2"
+    assert lines[4] == "  |     ^^^^^^^^^^"
+    assert lines[5] == "  = help: did you mean `queue_size`?"
+    assert lines[-1] == f"{BAD}/typo_nested.yaml: 1 error, 0 warnings"
+
+
+def test_real_process_prints_no_traceback(in_root):
+    for name in ("typo_nested.yaml", "alias_bomb.yaml", "not_utf8.yaml", "python_tag.yaml", "missing.yaml"):
+        proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", f"{BAD}/{name}"], capture_output=True,
+                              text=True, cwd=ROOT)
+        assert proc.returncode == 2, (name, proc.stderr)
+        assert "Traceback" not in proc.stdout + proc.stderr
+        assert f"{BAD}/{name}" in proc.stdout
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / BAD).glob("*.yaml")))
+def test_every_bad_file_exits_2_with_a_diagnostic(in_root, name):
+    result = run(f"{BAD}/{name}")
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error[")
+    assert f"{BAD}/{name}: " in result.output.splitlines()[-1] or "cycle" in name
+
+
+def test_set_is_applied_and_checked(in_root):
+    bad = run(f"{GOOD}/rl_min.yaml", "--set", "rollout.engins=2")
+    assert bad.exit_code == 2
+    assert "error[LOAD009] set-unknown-key" in bad.output and "did you mean `rollout.engines`?" in bad.output
+    assert "(rollout.engins; set by --set)" in bad.output
+    unparsable = run(f"{GOOD}/rl_min.yaml", "--set", "rollout.engines={")
+    assert unparsable.exit_code == 2 and "LOAD010" in unparsable.output
+
+
+def test_submit_form_is_routed_to_the_compile_command(in_root):
+    # A recipe with a schema error stops before submitting, which shows the option parsed as part of `compile`.
+    result = run(f"{BAD}/typo_nested.yaml", "--submit", "--address", "http://127.0.0.1:1", "--follow")
+    assert result.exit_code == 2 and "SCHEMA001" in result.output
+    explicit = run("compile", f"{BAD}/typo_nested.yaml", "--submit")
+    assert explicit.exit_code == 2 and explicit.output == result.output
+
+
+def test_usage_errors_exit_2(in_root):
+    assert run(f"{GOOD}/rl_min.yaml", "--format", "xml").exit_code == 2
+    assert run(f"{GOOD}/rl_min.yaml", "--bogus").exit_code == 2
+    assert run("compile").exit_code == 2
+    assert run("lint").exit_code == 2
+    assert run("lint", "no/such/dir").exit_code == 2
+    assert run("diff", "a.yaml").exit_code == 2
+
+
+def test_help_lists_the_subcommands():
+    result = run("--help")
+    assert result.exit_code == 0
+    for word in ("lint", "schema", "explain", "diff", "rules", "RECIPE"):
+        assert word in result.output
+
+
+def test_json_format(in_root):
+    result = run(f"{BAD}/bad_enum.yaml", "--format", "json")
+    assert result.exit_code == 2
+    doc = json.loads(result.output)
+    assert doc["plan"] is None
+    assert doc["summary"]["errors"] == 1 and doc["summary"]["exit_status"] == 2
+    (d,) = doc["diagnostics"]
+    assert (d["code"], d["path"], d["line"], d["col"]) == ("SCHEMA005", "algo.estimator", 6, 14)
+    assert d["help"] == "did you mean `grpo`?" and d["name"] == "bad-enum-value"
+
+
+def test_json_format_carries_the_plan_when_there_is_one(in_root):
+    compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+    doc = json.loads(run(f"{GOOD}/rl_min.yaml", "--format", "json").output)
+    assert doc["summary"]["exit_status"] == compiled.exit_status
+    if compiled.plan is None:
+        assert doc["plan"] is None
+    else:
+        assert doc["plan"] == json.loads(compiled.plan.to_json())
+        assert doc["summary"]["fingerprint"] == compiled.plan.fingerprint
+
+
+def test_github_format(in_root):
+    result = run(f"{BAD}/typo_nested.yaml", "--format", "github")
+    assert result.exit_code == 2
+    assert result.output == (
+        f"::error file={BAD}/typo_nested.yaml,line=8,col=5,title=SCHEMA001 unknown-key::"
+        "unknown key `queue_sise` in `train.async` (train.async.queue_sise)%0Ahelp: did you mean `queue_size`?\n")
+
+
+def test_plan_out(in_root, tmp_path):
+    compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+    out = tmp_path / "plans" / "rl_min.plan.json"
+    result = run(f"{GOOD}/rl_min.yaml", "--plan-out", str(out))
+    if compiled.exit_status != 0:
+        assert result.exit_code == compiled.exit_status and not out.exists()
+    elif compiled.plan is None:
+        assert result.exit_code == 2 and "no plan" in result.output and not out.exists()
+    else:
+        assert result.exit_code == 0, result.output
+        assert out.read_text() == compiled.plan.to_json()
+
+
+def test_compile_summary_is_printed(in_root):
+    compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+    result = run(f"{GOOD}/rl_min.yaml")
+    assert result.exit_code == compiled.exit_status
+    assert result.output.splitlines()[-1].startswith(f"{GOOD}/rl_min.yaml: ")
+    if compiled.plan is not None:
+        assert compiled.plan.fingerprint[:12] in result.output
+
+
+# ----------------------------------------------------------------------------------------- lint
+def test_lint_skips_base_fragments(in_root):
+    result = run("lint", GOOD)
+    compiled = [compile_recipe(Path(f"{GOOD}/{n}")) for n in ("child.yaml", "rl_min.yaml", "sft_min.yaml")]
+    assert f"checked 3 recipes: " in result.output
+    assert "(2 base fragments not linted as jobs)" in result.output
+    assert result.exit_code == (1 if any(c.exit_status for c in compiled) else 0)
+
+
+def test_lint_reports_every_bad_file_once(in_root):
+    result = run("lint", BAD)
+    assert result.exit_code == 1
+    names = sorted(p.name for p in (ROOT / BAD).glob("*.yaml"))
+    for name in names:
+        assert f"{BAD}/{name}" in result.output, name
+    # cycle_a and cycle_b each report the entry that closes their cycle; nothing is printed twice.
+    headers = [ln for ln in result.output.splitlines() if ln.startswith("error[")]
+    arrows = [ln for ln in result.output.splitlines() if ln.lstrip().startswith("-->")]
+    assert len(arrows) == len(set(arrows)) == len(headers)
+    # cycle_b.yaml names no job and cycle_a.yaml extends it: a fragment. Unreadable files are checked as jobs.
+    assert result.output.splitlines()[-1] == (
+        f"checked {len(names) - 1} recipes: {len(headers)} errors, 0 warnings (1 base fragment not linted as jobs)")
+
+
+def test_lint_treats_an_extended_file_without_a_name_as_a_fragment(tmp_path):
+    (tmp_path / "shared.yaml").write_text("version: 1\nkind: rl\nmodel: {path: /m}\n")
+    (tmp_path / "job.yaml").write_text("extends: shared.yaml\nname: job\nkind: rl\ndata: {prompts: p}\n")
+    (tmp_path / "broken.yaml").write_text("a: [\n")
+    result = run("lint", str(tmp_path))
+    last = result.output.splitlines()[-1]
+    assert last.startswith("checked 2 recipes: ") and last.endswith("(1 base fragment not linted as jobs)")
+    assert "YAML001" in result.output and result.exit_code == 1
+    assert "missing key `name`" not in result.output  # shared.yaml is not checked as a job
+
+
+def test_lint_github_format(in_root):
+    result = run("lint", f"{BAD}/tabs.yaml", "--format", "github")
+    assert result.exit_code == 1
+    assert result.output.startswith(f"::error file={BAD}/tabs.yaml,line=5,col=1,title=YAML002 tab-indentation::")
+
+
+# ----------------------------------------------------------------------------------------- schema
+def test_committed_json_schema_is_current():
+    committed = json.loads((ROOT / "schemas" / "recipe.schema.json").read_text())
+    assert committed == recipe_json_schema(), "stale: run `molt-compile schema > schemas/recipe.schema.json`"
+
+
+def test_schema_command_and_content():
+    result = run("schema")
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["$id"].endswith("recipe.schema.json") and schema["title"] == "Molt recipe v1"
+    assert schema["discriminator"]["propertyName"] == "kind"
+    rl_train = schema["$defs"]["RlTrain"]["properties"]
+    assert "async" in rl_train and "async_" not in rl_train
+    assert schema["$defs"]["AsyncCfg"]["properties"]["queue_size"]["description"].startswith("Depth of the rollout")
+    assert schema["$defs"]["Cluster"]["additionalProperties"] is False
+
+
+# ----------------------------------------------------------------------------------------- explain, rules, diff
+def test_explain_shows_sources_and_docs(in_root):
+    result = run("explain", f"{GOOD}/child.yaml", "--set", "train.async.force_sync=true")
+    out = result.output
+    row = next(ln for ln in out.splitlines() if "train.async.queue_size" in ln)
+    assert "2" in row and f"{GOOD}/child.yaml:8" in row and "(over tests/data/good/base/common.yaml:14)" in row and "Depth of the" in row
+    row = next(ln for ln in out.splitlines() if "train.async.force_sync" in ln)
+    assert "--set" in row
+    row = next(ln for ln in out.splitlines() if " model.attn " in ln)
+    assert "sdpa" in row and "base/common.yaml:7" in row
+    row = next(ln for ln in out.splitlines() if " rollout.temperature " in ln)
+    assert "default" in row
+    compiled = compile_recipe(Path(f"{GOOD}/child.yaml"), ["train.async.force_sync=true"], lower=False)
+    if compiled.derived is not None:
+        for dv in compiled.derived.values():
+            assert dv.name in out
+    assert result.exit_code == compiled.exit_status
+
+
+def test_explain_of_a_bad_recipe_prints_diagnostics(in_root):
+    result = run("explain", f"{BAD}/typo_nested.yaml")
+    assert result.exit_code == 2 and "SCHEMA001" in result.output
+
+
+def test_rules_documents_loader_codes():
+    result = run("rules", "YAML005")
+    assert result.output.startswith("YAML005 alias-expansion-too-large")
+    assert "billion laughs" in result.output
+    unknown = run("rules", "YAML999")
+    assert unknown.exit_code == 2 and "did you mean" in unknown.output
+
+
+def test_rules_lists_codes_or_says_the_catalog_is_missing():
+    result = run("rules")
+    assert "SCHEMA001" in result.output and "unknown-key" in result.output
+    try:
+        from molt_compile.rules import ALL_RULES
+    except ImportError:
+        assert result.exit_code == 2 and "not available" in result.output
+    else:
+        assert result.exit_code == 0
+        for rule in ALL_RULES:
+            assert rule.code in result.output
+
+
+def test_diff_of_a_recipe_with_itself(in_root):
+    result = run("diff", f"{GOOD}/rl_min.yaml", f"{GOOD}/rl_min.yaml")
+    try:
+        from molt_compile.diff import diff_results  # noqa: F401
+    except ImportError:
+        assert result.exit_code == 2 and "not available" in result.output
+    else:
+        assert result.exit_code == 0
+
+
+def test_diff_of_an_unloadable_recipe(in_root):
+    result = run("diff", f"{GOOD}/rl_min.yaml", f"{BAD}/tabs.yaml")
+    assert result.exit_code == 2 and "YAML002" in result.output
