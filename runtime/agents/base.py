@@ -334,6 +334,11 @@ def load_agent_runner(path: str | Path) -> Runner:
     module = importlib.util.module_from_spec(spec)
     # Registered so that dataclasses and pickling inside the agent file can resolve their own module.
     sys.modules[module_name] = module
+    # The agent's directory goes at the *end* of sys.path so it can import sibling helpers (`from grading import
+    # ...`) without shadowing anything: an agent file named math.py must not replace the stdlib `math`.
+    agent_dir = str(path.parent.resolve())
+    if agent_dir not in sys.path:
+        sys.path.append(agent_dir)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
