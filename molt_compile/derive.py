@@ -618,7 +618,9 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
     b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
     b.add("sft.nnodes", a.nodes, "one torchrun per node", ("actor.nodes",))
     b.add("sft.nproc_per_node", a.gpus_per_node, "one process per GPU", ("actor.gpus_per_node",))
-    b.add("sft.master_port", SFT_MASTER_PORT, "torchrun rendezvous port of Molt's SFT scripts (§5.1)")
+    port = r.launch.slurm.master_port
+    b.add("sft.master_port", port, f"launch.slurm.master_port {port}: torchrun rendezvous port on the head node "
+          f"(Molt's SFT scripts use {SFT_MASTER_PORT}, sft_omni3 29511; §5.1)", ("launch.slurm.master_port",))
     total = b.v("cluster.total_gpus")
     world = b.v("actor.world")
     b.add("cluster.used_gpus", world, f"the SFT world {world}", ("actor.world",))

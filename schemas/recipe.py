@@ -551,6 +551,8 @@ class SlurmLaunch(Section):
     """GCS port of the Ray head."""
     dashboard_port: int = Field(8265, ge=1024, le=65535)
     """Ray dashboard / Jobs API port."""
+    master_port: int = Field(29500, ge=1024, le=65535)
+    """SFT only: torchrun rendezvous port on the head node (Molt's SFT scripts use 29500, sft_omni3 29511)."""
     ready_timeout_s: PositiveInt = 600
     """How long the readiness barrier waits for every node and GPU."""
 

@@ -114,19 +114,19 @@ SFT_TABLE: dict[str, dict] = {
         script="slurm/sft_qwen3_4b.sh", arch="qwen3-4b", nodes=1 * 2, gpus_per_node=8, tp=1, ep=1, cp=1, dp=16,
         attn="flash_attention_2", max_len=4096, batch=128, micro=2, accum=4, epochs=1, lr=1e-6, aux=0.0,
         ac="full", vlm=False, eval_every=20, save_every=50, max_samples=8192, dataset="proRL_text_rl",
-        wall_time="02:00:00",
+        wall_time="02:00:00", port=29500,
     ),
     "sft_qwen3_6_35b.yaml": dict(
         script="slurm/sft_qwen3_6_35b.sh", arch="qwen3.6-35b-a3b", nodes=2, gpus_per_node=8, tp=1, ep=8, cp=1,
         dp=16, attn="flash_attention_2", max_len=4096, batch=128, micro=1, accum=8, epochs=1, lr=1e-6, aux=0.001,
         ac="full", vlm=True, eval_every=20, save_every=50, max_samples=8192, dataset="geo3k",
-        wall_time="02:00:00",
+        wall_time="02:00:00", port=29500,
     ),
     "sft_omni3_30b.yaml": dict(
         script="slurm/sft_omni3_30b.sh", arch="nemotron-3-nano-omni-30b-a3b", nodes=2, gpus_per_node=8, tp=1,
         ep=8, cp=8, dp=2, attn="te", max_len=32768, batch=8, micro=1, accum=4, epochs=1, lr=5e-6, aux=0.001,
         ac="full", vlm=True, eval_every=20, save_every=50, max_samples=8192, dataset="geo3k",
-        wall_time="04:00:00",
+        wall_time="04:00:00", port=29511,
     ),
     "sft_qwen3_4b_quickstart.yaml": dict(
         script="quick_start/sft_qwen3_4b.sh", arch="qwen3-4b", nodes=1, gpus_per_node=8, tp=1, ep=1, cp=1, dp=8,
@@ -307,6 +307,8 @@ def test_sft_recipe_and_derived_values_match_table(name):
     assert dv("actor.grad_accum") == row["accum"] == row["batch"] // (row["micro"] * row["dp"])
     assert dv("cluster.used_gpus") == world and dv("cluster.idle_gpus") == 0
     assert (dv("sft.nnodes"), dv("sft.nproc_per_node")) == (row["nodes"], row["gpus_per_node"])
+    if "port" in row:  # Slurm scripts: srun + torchrun on the head node's port (quick starts use --standalone)
+        assert dv("sft.master_port") == row["port"]
 
 
 # ------------------------------------------------------------------------------------------ the lowered plan
@@ -405,3 +407,5 @@ def test_sft_plan_matches_table(name):
     assert (t.mesh.tp, t.mesh.cp, t.mesh.ep) == (row["tp"], row["cp"], row["ep"])
     assert t.optimizer.lr == pytest.approx(row["lr"]) and t.aux_loss_coef == pytest.approx(row["aux"])
     assert plan.sft.data.dataset == [f".tmp/{row['dataset']}/train"]
+    if "port" in row:
+        assert plan.sft.master_port == row["port"]
