@@ -108,7 +108,7 @@ def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnosti
         return
     written = [k for k in ("every", "at_start", "batch_size", "n_samples_per_prompt", "temperature", "top_p",
                            "max_new_tokens") if is_set(source, f"eval.{k}")]
-    if written and not recipe.eval.only:
+    if written and not getattr(recipe.eval, "only", False):
         yield diag("EVAL003", source, f"eval.{written[0]}", f"eval.{', eval.'.join(written)} set, but there is no "
                    "eval.dataset: no eval runs", "set eval.dataset, or remove the eval settings")
 
