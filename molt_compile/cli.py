@@ -22,7 +22,8 @@ from typing import Any
 
 import click
 
-SCHEMA_ID = "https://molt-recipes.dev/schemas/recipe.schema.json"
+SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
+"""A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment."""
 _FORMATS = click.Choice(["text", "json", "github"])
 
 

@@ -188,7 +188,7 @@ def test_schema_command_and_content():
     result = run("schema")
     assert result.exit_code == 0
     schema = json.loads(result.output)
-    assert schema["$id"].endswith("recipe.schema.json") and schema["title"] == "Molt recipe v1"
+    assert schema["$id"] == "urn:molt-recipes:schema:recipe:v1" and schema["title"] == "Molt recipe v1"
     assert schema["discriminator"]["propertyName"] == "kind"
     rl_train = schema["$defs"]["RlTrain"]["properties"]
     assert "async" in rl_train and "async_" not in rl_train
