@@ -40,6 +40,31 @@ DEVICE_SLOT_RESOURCE = "device_slot"
 """Custom Ray resource standing for one device on CPU clusters."""
 
 
+def _compact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _pretty(data: dict[str, Any]) -> str:
+    """Two-level layout of canonical JSON (the C encoder does each line; indent= would fall back to pure Python)."""
+    lines = ["{"]
+    keys = sorted(data)
+    for i, key in enumerate(keys):
+        value, comma = data[key], "," if i < len(keys) - 1 else ""
+        if isinstance(value, list) and value:
+            lines.append(f" {_compact(key)}: [")
+            lines += [f"  {_compact(item)}{',' if j < len(value) - 1 else ''}" for j, item in enumerate(value)]
+            lines.append(f" ]{comma}")
+        elif isinstance(value, dict) and value:
+            lines.append(f" {_compact(key)}: {{")
+            sub = sorted(value)
+            lines += [f"  {_compact(k)}: {_compact(value[k])}{',' if j < len(sub) - 1 else ''}" for j, k in enumerate(sub)]
+            lines.append(f" }}{comma}")
+        else:
+            lines.append(f" {_compact(key)}: {_compact(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
 class PlanModel(BaseModel):
     """Base of every plan model: frozen, unknown keys are errors.
 
@@ -710,13 +735,12 @@ class Plan(PlanModel):
     """Runtime slice of an SFT plan."""
 
     # ------------------------------------------------------------------ identity and serialization
-    def canonical_json(self, *, indent: int | None = None, with_fingerprint: bool = True) -> str:
-        """Sorted keys, fixed separators, UTF-8 text: equal plans give equal strings."""
+    def canonical_json(self, *, with_fingerprint: bool = True) -> str:
+        """Sorted keys, no whitespace, UTF-8 text: equal plans give equal strings (the fingerprint's input)."""
         data = self.model_dump(mode="json")
         if not with_fingerprint:
             data.pop("fingerprint")
-        seps = (",", ":") if indent is None else (",", ": ")
-        return json.dumps(data, sort_keys=True, indent=indent, separators=seps, ensure_ascii=False)
+        return _compact(data)
 
     def compute_fingerprint(self) -> str:
         return hashlib.sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
@@ -725,9 +749,12 @@ class Plan(PlanModel):
         """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
         return self.model_copy(update={"fingerprint": self.compute_fingerprint()})
 
-    def to_json(self, indent: int | None = 1) -> str:
-        """Canonical JSON (sorted keys; one-space indent by default so diffs of golden files stay readable)."""
-        return self.canonical_json(indent=indent) + ("\n" if indent is not None else "")
+    def to_json(self, pretty: bool = True) -> str:
+        """Canonical JSON. `pretty` (the default, used for plan files and golden files) puts each top-level key, and
+        each item of a top-level list or map (a derived value, a role, a node of the GPU map, a runtime section) on
+        its own line, compact within; keys are sorted either way, so the text is deterministic."""
+        data = self.model_dump(mode="json")
+        return _pretty(data) if pretty else _compact(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
