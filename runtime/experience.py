@@ -118,7 +118,7 @@ def from_token_lists(
                      -torch.ones(len(rows), dtype=torch.long), accumulate=True)
     token_is_action = delta.cumsum(-1)[:, :width] > 0
     logps = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(lp if len(lp) else [0.0] * len(t), dtype=torch.float32) for lp, t in zip(rollout_log_probs, tokens)],
+        [torch.tensor(lp if len(lp) else [0.0] * len(t), dtype=torch.float32) for lp, t in zip(rollout_log_probs, tokens, strict=True)],
         batch_first=True, padding_value=0.0)
     return Experience(
         sequences=seqs,

@@ -28,7 +28,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import ray
 import torch

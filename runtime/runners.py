@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from runtime.agents import GenerateOutput, GenerationAborted, SamplingParams, load_agent_runner
+from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
 from runtime.experience import Experience, from_token_lists
 
 logger = logging.getLogger(__name__)
@@ -50,19 +50,9 @@ class GroupResult:
     errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
 
 
-class ActorGenerateClient:
-    """`GenerateClient` over a Ray actor handle (the router): awaits its `generate` remotely."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, session_id, logprobs) -> GenerateOutput:
-        return await self.handle.generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
-                                                 top_p=top_p, session_id=session_id, logprobs=logprobs)
-
-
 class AgentRunnerActor:
-    def __init__(self, agent_path: str, tokenizer_path: str, client, max_length: int, agent_env: dict[str, str]):
+    def __init__(self, agent_path: str, tokenizer_path: str, client: GenerateClient, max_length: int,
+                 agent_env: dict[str, str]):
         os.environ.update(agent_env)  # before the agent module's top-level code reads them
         from transformers import AutoTokenizer
 

@@ -167,9 +167,10 @@ class PolicyWorker:
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Log-probs of a fixed sequence under the current weights (every rank must call: FSDP all-gathers)."""
+        """Log-probs of a fixed sequence under the current weights at temperature 1, as the engines' `score`
+        (every rank must call: FSDP all-gathers)."""
         seq = torch.tensor([token_ids], device=self.device)
-        lp, _ = token_logprobs(self.model, seq, torch.ones_like(seq, dtype=torch.bool), self.spec.temperature)
+        lp, _ = token_logprobs(self.model, seq, torch.ones_like(seq, dtype=torch.bool), 1.0)
         return lp[0].cpu().tolist()
 
     # ----------------------------------------------------------------------------------------------- train

@@ -1,0 +1,64 @@
+"""`python -m runtime PLAN.json`: run a compiled plan (the Ray job entrypoint, locally, under Ray Jobs or Slurm).
+
+Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
+local Ray instance with exactly the node resources the plan declares, and stops it at the end.
+Exit status: 0 finished, 130 stopped by a signal, 2 unusable plan file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print(__doc__.strip().splitlines()[0], file=sys.stderr)
+        return 2
+    from schemas.plan import Plan
+
+    path = Path(args[0])
+    try:
+        plan = Plan.from_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"{path}: cannot use this plan: {exc}", file=sys.stderr)
+        return 2
+    if plan.kind != "rl" or plan.rl is None:
+        print(f"{path}: kind {plan.kind!r} plans run under torchrun (`{' '.join(plan.entrypoint)}`), not this "
+              "entrypoint", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from runtime.loop import run
+
+    os.environ.update(plan.env)
+    started_here = not os.environ.get("RAY_ADDRESS")
+    if started_here:
+        node = plan.cluster.node_resources
+        ray.init(address="local", num_cpus=int(node.get("CPU", 1)), num_gpus=int(node.get("GPU", 0)),
+                 resources={k: v for k, v in node.items() if k not in ("CPU", "GPU")}, include_dashboard=False,
+                 runtime_env={"env_vars": dict(plan.env)}, log_to_driver=True)
+    else:
+        ray.init()
+    try:
+        result = run(plan, live=sys.stdout.isatty())
+    finally:
+        if started_here:
+            ray.shutdown()
+    acc = result.accounting
+    dropped = sum(v for k, v in acc.items() if k.startswith("prompts/dropped/"))
+    print(f"{result.status} at step {result.step}: prompts consumed {acc.get('prompts/consumed', 0)} "
+          f"(trained {acc.get('prompts/trained', 0)}, dropped {dropped}: "
+          f"{ {k.removeprefix('prompts/dropped/'): v for k, v in acc.items() if k.startswith('prompts/dropped/')} })")
+    print(f"last checkpoint: {result.last_checkpoint or 'none'}")
+    print(f"metrics: {result.metrics_path}")
+    if result.plot_path is not None:
+        print(f"plot: {result.plot_path}")
+    return 0 if result.status == "finished" else 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,391 @@
+"""The RL loop: asynchronous rollout, FSDP2 training and weight sync, executing one compiled plan.
+
+    python -m runtime PLAN.json
+
+Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number):
+
+- A generator actor streams prompt groups (n rollouts each) through agent runners and the rollout engines, filters
+  them, and puts one `RolloutBatch` per step on `rollout_queue`. Before each batch it takes a token from
+  `rollout_slots`, which holds `queue.size` tokens: generation is never more than `queue.size` batches ahead.
+- This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
+  soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
+  π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
+  optimizer windows of micro_batch × grad_accum with the global token-mean loss and the IS correction against the
+  engines' logprobs, then pushes the full weights to every engine under the engine lock (engines paused, updated
+  from one object-store copy, resumed), checks them with a probe (engine vs trainer logprobs on a fixed sequence),
+  logs, evaluates when the generator sends an eval round, and checkpoints.
+- Not done here: critic/gae training, dynamic batching by token budget, sequence packing, NCCL weight broadcast
+  (the object store is used on every device), routing replay, warm-resume of untrained rollouts.
+
+The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, placement_group_table
+from ray.util.queue import Empty, Queue
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from runtime import algo, ckpt
+from runtime.agents import SamplingParams
+from runtime.experience import Experience, pad_batch_to_multiple
+from runtime.generator import EngineLock, Generator, GeneratorSpec
+from runtime.messages import EndOfStream, EvalResult, RolloutBatch
+from runtime.metrics import MetricsSink
+from runtime.plot import plot_run
+from runtime.runners import AgentRunnerActor
+from runtime.trainer import LossSpec, OptimizerSpec, TrainerSpec, fill_for_training, start_trainer_group
+from schemas.plan import Plan
+
+
+@dataclass
+class RunResult:
+    status: str                     # "finished" | "stopped"
+    step: int
+    accounting: dict[str, int]
+    last_checkpoint: str | None
+    metrics_path: Path
+    plot_path: Path | None = None
+    timeline: list[dict] = field(default_factory=list)
+
+
+def run(plan: Plan, *, live: bool = True) -> RunResult:
+    rl = plan.rl
+    stop = _StopFlag()
+    # ------------------------------------------------------------------------------------------------ setup
+    sink = MetricsSink(Path(rl.logging.out_dir), Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
+                       else None, rl.schedule.total_steps, live)
+    pgs = create_placement_groups(plan)
+    engines, router = start_rollout(plan, pgs)
+    trainer = start_trainer_group(trainer_spec(plan), [actor_options(plan, "actor", r, pgs)
+                                                       for r in range(rl.trainer.world)])
+    step, consumed, last_ckpt, kl_coef = 0, 0, None, rl.algo.kl.coef
+    if rl.ckpt.resume and (found := ckpt.latest(rl.ckpt.dir)):
+        last_ckpt, state = str(found[0]), found[1]
+        trainer.load_checkpoint(last_ckpt)
+        step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
+    kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
+    probe_ids = probe_sequence(plan)
+    if step > 0:  # resumed weights must reach the engines before the first rollout
+        sync_weights(trainer, engines, None, probe_ids, step)
+
+    # Depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
+    # Each slot token carries the trainer's latest step (the generator uses it for eval timing).
+    queue_size = rl.queue.size
+    rollout_queue = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.rollout"))
+    rollout_slots = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.slots"))
+    for _ in range(queue_size):
+        rollout_slots.put(step)
+    lock = EngineLock.options(**role_options(plan, "lock")).remote()
+    runners = start_runners(plan, router)
+    generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
+        generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
+    generator_done = generator.run.remote(step, consumed)
+    world = rl.trainer.world
+    accounting: dict[str, int] = {}
+    timeline: list[dict] = []
+    status = "finished"
+    step_start = time.time()
+    sink.status(f"step {step}: waiting for the first rollout batch")
+
+    # ------------------------------------------------------------------------------------------------ loop
+    while True:
+        wait_start = time.time()
+        msg = _next_message(rollout_queue, stop)
+        actor_idle_wait = time.time() - wait_start
+        match msg:
+            case None:  # stop requested (SIGINT/SIGTERM)
+                status = "stopped"
+                accounting = ray.get(generator.stop.remote())
+                break
+            case EndOfStream():
+                accounting = msg.accounting
+                break
+            case EvalResult():
+                rollout_slots.put(step)
+                sink.log(step, msg.metrics)
+                continue
+            case RolloutBatch():
+                pass
+        timeline.append({"batch": len(timeline), "slot_acquired_at": msg.slot_acquired_at, "dequeued_at": wait_start
+                         + actor_idle_wait, "policy_version": msg.policy_version})
+        if not rl.queue.force_sync:
+            rollout_slots.put(step)  # the next batch may start now, with the weights of this step
+        queue_depth = rollout_queue.qsize()
+
+        # --- make experience: π_old, π_ref, KL, rewards, advantages ---
+        t0 = time.time()
+        batch: Experience = ray.get(msg.experience)
+        real = batch.batch_size
+        padded = pad_batch_to_multiple(batch, world)
+        old, ref = trainer.forward_logprobs(ray.put(padded))
+        mask = batch.action_mask
+        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
+        rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
+                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
+        adv = algo.compute_advantages(
+            rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
+            gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
+        pad_rows = padded.batch_size - real
+        train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
+                                        _pad_rows(adv.returns, pad_rows))
+        make_experience_s = time.time() - t0
+
+        # --- policy step on the FSDP group ---
+        t0 = time.time()
+        train_stats = trainer.train(ray.put(train_batch), kl_ctl.value)
+        policy_train_s = time.time() - t0
+        step += 1
+
+        # --- weight sync to every engine, under the engine lock, then the probe ---
+        sync_stats = sync_weights(trainer, engines, lock, probe_ids, step)
+        if rl.queue.force_sync:
+            rollout_slots.put(step)
+        mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
+        kl_ctl.update(mean_kl, real)
+
+        # --- metrics, checkpoint ---
+        metrics = {
+            **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
+            **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
+            "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
+            "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
+            "queue/size": float(queue_size), "queue/depth": float(queue_depth),
+            "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
+            "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
+            "timing/policy_train": policy_train_s,
+        }
+        if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
+            t0 = time.time()
+            last_ckpt = save_checkpoint(trainer, rl, step, msg.prompts_consumed, kl_ctl.value)
+            metrics["timing/ckpt"] = time.time() - t0
+        metrics["timing/step_total"] = time.time() - step_start
+        step_start = time.time()
+        if step % rl.schedule.log_every == 0:
+            sink.log(step, metrics)
+
+    # ------------------------------------------------------------------------------------------------ teardown
+    sink.close()
+    if status == "finished":
+        ray.get(generator_done)
+        if rl.ckpt.final_save:
+            trainer.export_hf(rl.ckpt.hf_dir)
+    plot = plot_run(sink.path, Path(rl.logging.out_dir) / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
+    trainer.shutdown()
+    for handle in [generator, lock, *runners, *engines]:
+        ray.kill(handle)
+    for pg in pgs.values():
+        ray.util.remove_placement_group(pg)
+    stop.restore()
+    return RunResult(status, step, accounting, last_ckpt, sink.path, plot, timeline)
+
+
+# ---------------------------------------------------------------------------------------------------- steps
+def sync_weights(trainer, engines, lock, probe_ids: list[int], version: int) -> dict[str, float]:
+    """Full weights -> object store once -> every engine, engines paused around the update; then the probe.
+
+    `lock` is None only before the generator exists (resume), when nothing can be generating.
+    """
+    t0 = time.time()
+    if lock is not None:
+        ray.get(lock.acquire.remote())
+    t1 = time.time()
+    try:
+        ray.get([e.pause.remote() for e in engines])
+        weights = trainer.full_state_dict_ref()
+        ray.get([e.update_weights.remote(weights, version) for e in engines])
+        ray.get([e.resume.remote() for e in engines])
+        del weights
+    finally:
+        if lock is not None:
+            ray.get(lock.release.remote())
+    t2 = time.time()
+    trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
+    engine_lp = [torch.tensor(lp) for lp in ray.get([e.score.remote(probe_ids) for e in engines])]
+    diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
+    return {
+        "timing/broadcast_lock_wait": t1 - t0, "timing/broadcast_transfer": t2 - t1, "timing/broadcast": t2 - t0,
+        "timing/probe": time.time() - t2,
+        "weight_sync/logprob_diff_max": float(diffs.max()), "weight_sync/logprob_diff_mean": float(diffs.mean()),
+    }
+
+
+def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
+    mask = batch.action_mask
+    rewards, scores = batch.rewards, batch.scores
+    groups = batch.group_ids.unique()
+    group_std = [rewards[batch.group_ids == g].std(unbiased=False) for g in groups]
+    diff = (batch.rollout_log_probs - old).abs() * mask
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std(unbiased=False)),
+        "rollout/score_mean": float(scores.mean()),
+        "rollout/pass1": float((scores > 0).float().mean()),
+        "rollout/num_rollouts": float(batch.batch_size),
+        "rollout/num_prompt_groups": float(len(groups)),
+        "rollout/response_length_mean": float(batch.response_length.float().mean()),
+        "rollout/truncated_rate": float(batch.truncated.float().mean()),
+        "rollout/group_reward_std": float(torch.stack(group_std).mean()),
+        "train/advantage_mean": float(algo.masked_mean(advantages, mask)),
+        "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
+        "train/logprob_diff_max": float(diff.max()),
+    }
+
+
+def save_checkpoint(trainer, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:
+    path = ckpt.step_dir(rl.ckpt.dir, step)
+    trainer.save_checkpoint(str(path))
+    ckpt.write_state(path, {"step": step, "prompts_consumed": prompts_consumed, "kl_coef": kl_coef})
+    ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep)
+    return str(path)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows, *t.shape[1:])]) if rows else t
+
+
+def _next_message(q: Queue, stop: _StopFlag):
+    """Block on the queue, waking up twice a second to notice a stop request (then return None)."""
+    while not stop.requested:
+        try:
+            return q.get(timeout=0.5)
+        except Empty:
+            continue
+    return None
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM ask the loop to stop after the current phase; a second signal interrupts at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping after the current phase (send again to abort)", flush=True)
+
+    def restore(self):
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------------------------------- setup
+def create_placement_groups(plan: Plan) -> dict[str, object]:
+    pgs = {p.name: placement_group(p.bundles, strategy=p.strategy, name=f"{plan.name}-{p.name}")
+           for p in plan.placement_groups}
+    ray.get([pg.ready() for pg in pgs.values()])
+    return pgs
+
+
+def role_options(plan: Plan, role_name: str) -> dict:
+    role = plan.role(role_name)
+    opts = {"num_cpus": role.ray_options.num_cpus, "num_gpus": role.ray_options.num_gpus}
+    if role.ray_options.resources:
+        opts["resources"] = dict(role.ray_options.resources)
+    if role.env:
+        opts["runtime_env"] = {"env_vars": dict(role.env)}
+    if role.scheduling == "SPREAD":
+        opts["scheduling_strategy"] = "SPREAD"
+    return opts
+
+
+def actor_options(plan: Plan, role_name: str, index: int, pgs: dict) -> dict:
+    """`.options()` of instance `index`: the role's resources, in its bundle of the placement group.
+
+    FSDP rank r goes to the r-th bundle in node-sorted order (Ray PACK does not promise bundle order = node order).
+    """
+    role = plan.role(role_name)
+    opts = role_options(plan, role_name)
+    pg = pgs[role.placement_group]
+    bundle = role.instances[index].bundle_indices[0]
+    if role_name in ("actor", "ref", "critic"):
+        bundle = _node_sorted_bundles(pg)[bundle]
+    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                   placement_group_bundle_index=bundle)
+    return opts
+
+
+def _node_sorted_bundles(pg) -> list[int]:
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    return sorted(nodes, key=lambda b: (nodes[b], b))
+
+
+def start_rollout(plan: Plan, pgs: dict) -> tuple[list, object]:
+    """The engines (one actor per engine, in its bundle) and the router the runners call them through."""
+    from runtime.engines import start_engines
+    from runtime.engines.router import Router
+
+    rl = plan.rl
+    role = plan.role("rollout.engine")
+    engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group])
+    return engines, Router(engines, rl.engines.router_policy)
+
+
+def start_runners(plan: Plan, router) -> list:
+    rl = plan.rl
+    cls = ray.remote(AgentRunnerActor)
+    return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts).remote(
+        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env))
+        for _ in range(rl.agent.runners)]
+
+
+def trainer_spec(plan: Plan) -> TrainerSpec:
+    rl, t = plan.rl, plan.rl.trainer
+    o, lo, isc = t.optimizer, t.loss, rl.algo.is_correction
+    return TrainerSpec(
+        model_path=rl.model.path, ref_path=rl.ref.path if rl.ref else None, dtype=rl.model.dtype,
+        attn=rl.model.attn, gradient_checkpoint=rl.model.gradient_checkpoint != "none", device=rl.device,
+        dist_backend=rl.dist_backend, world=t.world, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
+        max_epochs=t.max_epochs, temperature=t.temperature, seed=rl.generator.seed,
+        optimizer=OptimizerSpec(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                max_norm=o.max_norm, scheduler=o.scheduler, warmup_steps=o.warmup_steps,
+                                total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio),
+        loss=LossSpec(mode=lo.mode, clip_low=lo.clip_low, clip_high=lo.clip_high, dual_clip=lo.dual_clip,
+                      entropy_coef=lo.entropy_coef, kl_estimator=rl.algo.kl.estimator, kl_use_loss=rl.algo.kl.use_loss,
+                      is_level=isc.level, is_mode=isc.mode, is_low=isc.low, is_high=isc.high),
+    )
+
+
+def _sampling(s) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs)
+
+
+def generator_spec(plan: Plan) -> GeneratorSpec:
+    rl = plan.rl
+    ev = rl.eval
+    return GeneratorSpec(
+        prompt_paths=tuple(rl.data.prompts), prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
+        input_key=rl.data.input_key, label_key=rl.data.label_key, apply_chat_template=rl.data.apply_chat_template,
+        max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
+        n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
+        batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,
+        episodes=rl.generator.episodes, total_steps=rl.schedule.total_steps,
+        dynamic_filtering=tuple(rl.generator.dynamic_filtering) if rl.generator.dynamic_filtering else None,
+        partial_rollout=rl.queue.partial_rollout, seed=rl.generator.seed,
+        max_dispatch_attempts=rl.agent.max_restarts + 1,
+        eval_path=ev.dataset if ev.enabled else None, eval_every=ev.every or -1, eval_at_start=ev.at_start,
+        eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
+    )
+
+
+def probe_sequence(plan: Plan) -> list[int]:
+    """A fixed token sequence for the post-sync check: the first prompt of the dataset, rendered, plus its label."""
+    from transformers import AutoTokenizer
+
+    from runtime.generator import read_jsonl, render
+
+    rl = plan.rl
+    tok = AutoTokenizer.from_pretrained(rl.model.path)
+    prompt, label = read_jsonl(rl.data.prompts[0], rl.data.input_key, rl.data.label_key, 1)[0]
+    text = render(tok, prompt, rl.data.apply_chat_template) + ("" if label is None else str(label))
+    return tok.encode(text, add_special_tokens=False)[-rl.data.max_len:]

@@ -1,0 +1,152 @@
+"""Every metric the runtime logs, documented in one table, and the sinks: metrics.jsonl, TensorBoard, a live display.
+
+`METRICS` maps each key (or key pattern with `<reason>` / `<name>`) to its definition; `is_documented(key)` is what
+the test uses to assert that every logged key is in the table. Times are seconds of wall clock.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+METRICS: dict[str, str] = {
+    # ── step ──
+    "step": "trainer step (1-based) this record belongs to",
+    "policy_version": "trainer step whose weights generated the batch (step - 1 - policy_version = staleness)",
+    "staleness": "steps between the weights that generated the batch and the weights it trains (0 = on-policy)",
+    # ── rollout: the trained batch (after filters) ──
+    "rollout/reward_mean": "mean episode reward over the trained rollouts",
+    "rollout/reward_std": "standard deviation of the episode reward over the trained rollouts",
+    "rollout/score_mean": "mean score (last step's; dynamic filtering uses it) over the trained rollouts",
+    "rollout/pass1": "fraction of trained rollouts with score > 0",
+    "rollout/num_rollouts": "rollouts in the trained batch",
+    "rollout/num_prompt_groups": "prompt groups in the trained batch",
+    "rollout/response_length_mean": "mean generated (action) tokens per trained rollout",
+    "rollout/truncated_rate": "fraction of trained rollouts cut by the token budget or the env",
+    "rollout/group_reward_std": "mean over groups of the within-group reward standard deviation",
+    # ── rollout: everything finished since the previous batch (before filters) ──
+    "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, aborted, "
+                                "empty_tokens, no_action_tokens, logprob_misalign)",
+    "rollout/dropped/total": "sum of rollout/dropped/<reason>",
+    "rollout/pre_filter_mean_score": "mean score of every rollout that finished, before group filters",
+    "rollout/group_all_pass_rate": "fraction of finished groups whose rollouts all scored > 0",
+    "rollout/group_all_fail_rate": "fraction of finished groups whose rollouts all scored <= 0",
+    "rollout/dynamic_filtering_pass_rate": "groups in the batch / groups finished since the previous batch",
+    "rollout/runner_failures": "group dispatches that failed because a runner died (cumulative; re-dispatched)",
+    "rollout/info/<name>": "mean over finished rollouts of a numeric Result.info value of the agent",
+    # ── prompts: the no-prompt-lost ledger (cumulative) ──
+    "prompts/consumed": "prompts dispatched to the runners since the start (= trained + dropped)",
+    "prompts/trained": "prompts whose group went into a trained batch",
+    "prompts/dropped/<reason>": "prompts dropped, per reason (all_rollouts_dropped, incomplete_group, "
+                                "dynamic_filter, runner_lost, run_ended)",
+    # ── train ──
+    "train/policy_loss": "token-mean policy surrogate loss (plain mean, for logging)",
+    "train/clip_ratio": "fraction of action tokens where the clipped surrogate was active",
+    "train/policy_kl": "token-mean log π_old - log π over the update (how far the step moved the policy)",
+    "train/kl": "token-mean KL estimate between π_old and π_ref (0 without a reference model)",
+    "train/kl_loss": "token-mean KL term when KL is a loss",
+    "train/kl_coef": "KL coefficient used this step (adaptive controllers change it)",
+    "train/entropy": "token-mean entropy of the policy (only when entropy_coef != 0)",
+    "train/is_filter_ratio": "fraction of IS units (tokens or sequences) outside the IS band",
+    "train/vllm_kl": "token-mean log π_rollout - log π_old: engine/trainer mismatch on the trained tokens",
+    "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
+    "train/advantage_mean": "token-mean advantage",
+    "train/advantage_abs_mean": "token-mean |advantage|",
+    "train/grad_norm": "gradient norm before clipping (mean over the step's optimizer steps)",
+    "train/lr": "learning rate after the step",
+    "train/optimizer_steps": "optimizer steps taken this RL step",
+    "train/tokens": "action tokens trained on this step (all ranks)",
+    # ── weight sync ──
+    "weight_sync/logprob_diff_max": "max |engine logprob - trainer logprob| on the fixed probe sequence after the sync",
+    "weight_sync/logprob_diff_mean": "mean |engine logprob - trainer logprob| on the probe sequence",
+    # ── queue ──
+    "queue/size": "rollout queue depth (plan)",
+    "queue/depth": "batches waiting in the rollout queue right after this one was taken",
+    # ── timing ──
+    "timing/generation": "generator wall time to produce this batch (slot taken -> batch enqueued)",
+    "timing/vllm_idle_wait": "time the generator waited for a slot before this batch (rollout capacity idle)",
+    "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
+    "timing/make_experience": "old/ref log-prob forwards + advantages",
+    "timing/policy_train": "policy update on the FSDP group",
+    "timing/broadcast_lock_wait": "time waiting for the engine lock before the weight sync",
+    "timing/broadcast_transfer": "gather + object-store put + engine update (pause/resume included)",
+    "timing/broadcast": "broadcast_lock_wait + broadcast_transfer",
+    "timing/probe": "post-sync probe: engine score + trainer forward",
+    "timing/ckpt": "checkpoint save",
+    "timing/step_total": "wall time of the whole step, from the previous step's end",
+    "timing/eval": "wall time of an eval round",
+    # ── eval ──
+    "eval/reward_mean": "mean reward over the eval set",
+    "eval/pass1": "fraction of eval rollouts with score > 0",
+    "eval/response_length_mean": "mean generated tokens per eval rollout",
+    "eval/truncated_rate": "fraction of eval rollouts cut by the token budget",
+    "eval/num_samples": "eval rollouts",
+}
+
+_PATTERNS = [re.compile("^" + re.escape(k).replace(re.escape("<reason>"), r"[a-z0-9_]+")
+                        .replace(re.escape("<name>"), r"[A-Za-z0-9_.\-]+") + "$") for k in METRICS]
+
+
+def is_documented(key: str) -> bool:
+    return any(p.match(key) for p in _PATTERNS)
+
+
+class MetricsSink:
+    """metrics.jsonl (one JSON object per record, always), TensorBoard (when configured), and a rich live line."""
+
+    def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(tensorboard_dir))
+        self._progress = None
+        if live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+                                      TimeElapsedColumn(), TextColumn("{task.fields[line]}"))
+            self._task = self._progress.add_task("train", total=total_steps, line="starting engines and trainer...")
+            self._progress.start()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, line=_summary(metrics))
+
+    def status(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, line=line)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def _summary(m: dict[str, float]) -> str:
+    parts = []
+    for key, label, fmt in (("rollout/reward_mean", "reward", "{:.3f}"), ("eval/reward_mean", "eval", "{:.3f}"),
+                            ("train/is_filter_ratio", "is_filtered", "{:.2f}"),
+                            ("weight_sync/logprob_diff_max", "sync_diff", "{:.1e}"),
+                            ("timing/step_total", "step", "{:.2f}s"), ("timing/generation", "gen", "{:.2f}s"),
+                            ("timing/policy_train", "train", "{:.2f}s"), ("timing/broadcast", "sync", "{:.2f}s")):
+        if key in m:
+            parts.append(f"{label} {fmt.format(m[key])}")
+    return "  ".join(parts)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,74 @@
+"""Fast checks of the loop's pieces that need no cluster: token-first Experience, micro-batch windows, the metric
+table, checkpoint bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime import ckpt
+from runtime.experience import concat, from_token_lists, pad_batch_to_multiple
+from runtime.metrics import METRICS, is_documented
+from runtime.trainer import _micro_batches
+
+
+def test_experience_masks_follow_action_ranges_shifted_by_one():
+    # tokens:      p p a a f a      (p prompt, a action, f feedback)
+    tokens = [[10, 11, 12, 13, 14, 15], [20, 21, 22]]
+    ranges = [[(2, 4), (5, 6)], [(1, 3)]]
+    logps = [[0, 0, -0.5, -0.25, 0, -1.0], [0, -2.0, -3.0]]
+    exp = from_token_lists(tokens, ranges, logps, pad_id=0)
+    assert exp.sequences.tolist() == [[10, 11, 12, 13, 14, 15], [20, 21, 22, 0, 0, 0]]
+    assert exp.attention_mask.tolist() == [[True] * 6, [True] * 3 + [False] * 3]
+    # position t scores token t+1: tokens 2,3,5 of row 0 -> positions 1,2,4; tokens 1,2 of row 1 -> positions 0,1
+    assert exp.action_mask.int().tolist() == [[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]]
+    assert exp.rollout_log_probs.tolist() == [[0, -0.5, -0.25, 0, -1.0], [-2.0, -3.0, 0, 0, 0]]
+    assert exp.response_length.tolist() == [3, 2]
+
+
+def test_empty_logprob_lists_mean_zeros():
+    exp = from_token_lists([[1, 2, 3]], [[(1, 3)]], [[]], pad_id=0)
+    assert exp.rollout_log_probs.tolist() == [[0.0, 0.0]]
+
+
+def test_concat_pads_to_the_widest_and_padding_rows_train_on_nothing():
+    a = from_token_lists([[1, 2]], [[(1, 2)]], [[0, -1.0]], pad_id=9)
+    b = from_token_lists([[1, 2, 3, 4]], [[(1, 4)]], [[0, -1.0, -1.0, -1.0]], pad_id=9)
+    for e, g in ((a, 0), (b, 1)):
+        e.rewards, e.group_ids = torch.tensor([float(g)]), torch.tensor([g])
+    both = concat([a, b], pad_id=9)
+    assert both.sequences.tolist() == [[1, 2, 9, 9], [1, 2, 3, 4]]
+    padded = pad_batch_to_multiple(both, 4)
+    assert padded.batch_size == 4
+    assert padded.action_mask[2:].sum() == 0 and padded.action_mask[:2].sum() == 4
+    shards = [padded.shard(r, 2) for r in range(2)]
+    assert [s.batch_size for s in shards] == [2, 2]
+    assert torch.equal(torch.cat([s.sequences for s in shards]), padded.sequences)
+
+
+def test_micro_batch_windows():
+    # 10 rows, micro 2, accum 2 -> windows of 4 rows: [0:2, 2:4], [4:6, 6:8], [8:10]
+    windows = _micro_batches(10, 2, 2)
+    assert [[(s.start, s.stop) for s in w] for w in windows] == [[(0, 2), (2, 4)], [(4, 6), (6, 8)], [(8, 10)]]
+    assert _micro_batches(3, 2, 1) == [[slice(0, 2)], [slice(2, 3)]]
+
+
+def test_metric_table_patterns():
+    assert is_documented("rollout/dropped/agent_error")
+    assert is_documented("prompts/dropped/run_ended")
+    assert is_documented("rollout/info/answered_number")
+    assert is_documented("timing/vllm_idle_wait") and is_documented("timing/actor_idle_wait")
+    assert not is_documented("rollout/dropped/Bad Reason")
+    assert not is_documented("timing/made_up")
+    assert all(doc.strip() for doc in METRICS.values())
+
+
+def test_checkpoint_latest_ignores_incomplete_saves_and_prune_keeps_newest(tmp_path):
+    for step in (5, 10, 15):
+        d = ckpt.step_dir(tmp_path, step)
+        d.mkdir(parents=True)
+        if step != 15:  # step 15 is being written: no trainer_state.json yet
+            ckpt.write_state(d, {"step": step, "prompts_consumed": step * 8, "kl_coef": 0.0})
+    path, state = ckpt.latest(tmp_path)
+    assert path.name == "step_000010" and state["prompts_consumed"] == 80
+    ckpt.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000015"]
