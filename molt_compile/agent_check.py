@@ -27,6 +27,8 @@ from pathlib import Path
 
 RUNNER_BASES = {"Runner": "runner", "StepEnvRunner": "step", "ChatAgentRunner": "chat"}
 ENV_BASES = {"StepEnvRunner": "Env", "ChatAgentRunner": "ChatAgent"}
+AGENT_API = frozenset({"Env", "ChatAgent", "Runner", "StepEnvRunner", "ChatAgentRunner", "Result", "Trajectory"})
+"""Names of the public agent API (`runtime.agents`): their bases are known even though they are imported."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class _Module:
         """True/False when class `name` does/does not derive from `base`; None when a base is not visible here."""
         if name == base:
             return True
-        if name == "object":
+        if name == "object" or (name in AGENT_API and name != base):
             return False
         if name not in self.classes or name in seen:
             return None

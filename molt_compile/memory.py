@@ -144,7 +144,7 @@ def _fsdp_roles(recipe: Any, derived: Any) -> list[tuple[str, bool]]:
 def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory:
     a = recipe.actor
     world = _value(derived, f"{role}.world") or a.nodes * a.gpus_per_node
-    tp, cp, ep = a.mesh.tp, a.mesh.cp, a.mesh.ep
+    tp, ep = a.mesh.tp, a.mesh.ep
     n = facts.params_total
     trains = role != "ref"
     offload = a.offload if trains else "none"

@@ -126,7 +126,7 @@ def test_every_rule_function_is_in_the_catalog():
 def test_docstring_has_every_section(rule):
     doc = rule.doc
     positions = [doc.find(s) for s in SECTIONS]
-    assert all(p >= 0 for p in positions), f"{rule.code} lacks {[s for s, p in zip(SECTIONS, positions) if p < 0]}"
+    assert all(p >= 0 for p in positions), f"{rule.code} lacks {[s for s, p in zip(SECTIONS, positions, strict=True) if p < 0]}"
     assert positions == sorted(positions), f"{rule.code}: sections out of order"
     assert len(_yaml_blocks(doc)) == 2, f"{rule.code}: Example and Use instead need one ```yaml block each"
     assert re.search(r"molt_rules\.md|DESIGN\.md|style_anchors|vLLM|catalog", doc.split("## References")[1])

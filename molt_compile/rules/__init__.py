@@ -18,8 +18,20 @@ from dataclasses import replace
 
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules import (
-    async_queue, batching, data_agent, dead_knobs, estimators, eval_ckpt, ignores, memory, moe, optim, packing,
-    parallelism, placement, vllm,
+    async_queue,
+    batching,
+    data_agent,
+    dead_knobs,
+    estimators,
+    eval_ckpt,
+    ignores,
+    memory,
+    moe,
+    optim,
+    packing,
+    parallelism,
+    placement,
+    vllm,
 )
 from molt_compile.rules._base import Rule
 from molt_compile.source import SourceMap

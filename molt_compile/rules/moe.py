@@ -6,7 +6,14 @@ from collections.abc import Iterator
 
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import (
-    diag, dv, fsdp_roles, hf_fallback, model_facts, moe_dispatcher, role_facts, role_size_keys,
+    diag,
+    dv,
+    fsdp_roles,
+    hf_fallback,
+    model_facts,
+    moe_dispatcher,
+    role_facts,
+    role_size_keys,
 )
 
 

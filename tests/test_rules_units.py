@@ -1,0 +1,86 @@
+"""Static agent inspection and the rule runner's suppression and crash handling."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from molt_compile.agent_check import inspect_agent
+from molt_compile.compile import compile_recipe
+from molt_compile.rules import _run
+from molt_compile.rules._base import Rule
+
+BASE = Path(__file__).parent / "rules" / "_base_rl.yaml"
+IMPORTS = "from runtime.agents import Env, Result, StepEnvRunner, ChatAgent, ChatAgentRunner, Runner\n"
+
+
+def _agent(tmp_path: Path, body: str):
+    p = tmp_path / "agent.py"
+    p.write_text(IMPORTS + body)
+    inspect_agent.cache_clear()
+    return inspect_agent(str(p))
+
+
+@pytest.mark.parametrize("body,kind", [
+    ("class E(Env): pass\nAgentRunner = StepEnvRunner(E)\n", "step"),
+    ("class A(ChatAgent): pass\nAgentRunner = ChatAgentRunner(A)\n", "chat"),
+    ("import runtime.agents as agents\nclass E(agents.Env): pass\nAgentRunner = agents.StepEnvRunner(E)\n", "step"),
+    ("class R(Runner):\n    PRERENDER_PROMPT = False\nAgentRunner = R\n", "chat"),
+    ("class B(StepEnvRunner): pass\nclass AgentRunner(B): pass\n", "step"),
+    ("class E(Env): pass\nrunner = StepEnvRunner(E)\nAgentRunner = runner\n", "step"),
+    ("AgentRunner: Runner = StepEnvRunner(Env)\n", "step"),
+    ("from somewhere import AgentRunner\n", "external"),
+    ("from somewhere import make\nAgentRunner = make()\n", "external"),
+])
+def test_accepted_runner_forms(tmp_path, body, kind):
+    info = _agent(tmp_path, body)
+    assert info.runner == kind and info.not_a_runner is None and info.wrong_env is None
+
+
+@pytest.mark.parametrize("body,attr", [
+    ("class AgentRunner: pass\n", "not_a_runner"),
+    ("AgentRunner = 3\n", "not_a_runner"),
+    ("AgentRunner = lambda: None\n", "not_a_runner"),
+    ("class X: pass\nAgentRunner = StepEnvRunner(X)\n", "wrong_env"),
+    ("class X(Env): pass\nAgentRunner = ChatAgentRunner(X)\n", "wrong_env"),
+])
+def test_rejected_runner_forms(tmp_path, body, attr):
+    assert getattr(_agent(tmp_path, body), attr)
+
+
+def test_missing_runner_and_syntax_error(tmp_path):
+    assert _agent(tmp_path, "x = 1\n").runner is None
+    info = _agent(tmp_path, "def f(:\n")
+    assert info.syntax_error and info.syntax_line == 2  # the import line, then the bad one
+
+
+def test_ignore_suppresses_and_unused_ignore_is_reported(tmp_path):
+    for sub in ("agents", "data"):
+        shutil.copytree(BASE.parent / sub, tmp_path / sub)
+    (tmp_path / "used.yaml").write_text(f"extends: {BASE}\ncluster: {{nodes: 2}}\nignore: {{PLACE007: spare node}}\n")
+    codes = {d.code for d in compile_recipe(tmp_path / "used.yaml", lower=False).diagnostics}
+    assert "PLACE007" not in codes and "IGNORE002" not in codes
+    (tmp_path / "unused.yaml").write_text(f"extends: {BASE}\nignore: {{PLACE007: spare node}}\n")
+    diags = compile_recipe(tmp_path / "unused.yaml", lower=False).diagnostics
+    assert [(d.code, d.path, d.line) for d in diags] == [("IGNORE002", "ignore.PLACE007", 2)]
+
+
+def test_a_crashing_rule_becomes_a_diagnostic_not_a_traceback():
+    def broken(recipe, derived, source):
+        raise ZeroDivisionError("boom")
+        yield  # pragma: no cover
+
+    (d,) = _run(Rule("TEST001", "broken-rule", "warning", broken), broken(None, None, None))
+    assert d.severity == "error" and "ZeroDivisionError" in d.message and d.code == "TEST001"
+
+
+def test_messages_carry_the_numbers_and_related_positions():
+    path = Path(__file__).parent / "rules" / "BATCH001_1.yaml"
+    (d,) = compile_recipe(path, lower=False).diagnostics
+    assert d.message == "train.batch_size 2 is not a multiple of micro_batch_size 1 × actor dp 4 = 4"
+    assert d.help == "set train.batch_size to 4"
+    rel = {r.path: r for r in d.related}
+    assert rel["train.micro_batch_size"].line is not None and rel["train.micro_batch_size"].file.endswith(
+        "_base_rl.yaml")
