@@ -96,15 +96,14 @@ def test_json_format(in_root):
     assert d["help"] == "did you mean `grpo`?" and d["name"] == "bad-enum-value"
 
 
-def test_json_format_carries_the_plan_when_there_is_one(in_root):
+def test_json_format_carries_the_plan(in_root):
     compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
-    doc = json.loads(run(f"{GOOD}/rl_min.yaml", "--format", "json").output)
-    assert doc["summary"]["exit_status"] == compiled.exit_status
-    if compiled.plan is None:
-        assert doc["plan"] is None
-    else:
-        assert doc["plan"] == json.loads(compiled.plan.to_json())
-        assert doc["summary"]["fingerprint"] == compiled.plan.fingerprint
+    assert compiled.exit_status == 0 and compiled.plan is not None, compiled.diagnostics
+    result = run(f"{GOOD}/rl_min.yaml", "--format", "json")
+    assert result.exit_code == 0
+    doc = json.loads(result.output)
+    assert doc["plan"] == json.loads(compiled.plan.to_json())
+    assert doc["summary"]["fingerprint"] == compiled.plan.fingerprint and doc["summary"]["exit_status"] == 0
 
 
 def test_github_format(in_root):
@@ -119,22 +118,34 @@ def test_plan_out(in_root, tmp_path):
     compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
     out = tmp_path / "plans" / "rl_min.plan.json"
     result = run(f"{GOOD}/rl_min.yaml", "--plan-out", str(out))
-    if compiled.exit_status != 0:
-        assert result.exit_code == compiled.exit_status and not out.exists()
-    elif compiled.plan is None:
-        assert result.exit_code == 2 and "no plan" in result.output and not out.exists()
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == compiled.plan.to_json()
+
+
+def test_plan_out_is_not_written_for_a_recipe_with_errors(in_root, tmp_path):
+    out = tmp_path / "plan.json"
+    result = run(f"{GOOD}/child.yaml", "--plan-out", str(out))
+    assert result.exit_code == 1 and not out.exists()
+
+
+def test_slurm_script(in_root, tmp_path):
+    out = tmp_path / "job.sbatch"
+    result = run(f"{GOOD}/rl_min.yaml", "--slurm", str(out))
+    try:
+        from molt_compile.slurm import render_sbatch
+    except ImportError:
+        assert result.exit_code == 2 and "not available" in result.output and not out.exists()
     else:
         assert result.exit_code == 0, result.output
-        assert out.read_text() == compiled.plan.to_json()
+        assert out.read_text() == render_sbatch(compile_recipe(Path(f"{GOOD}/rl_min.yaml")).plan)
 
 
 def test_compile_summary_is_printed(in_root):
     compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
     result = run(f"{GOOD}/rl_min.yaml")
-    assert result.exit_code == compiled.exit_status
-    assert result.output.splitlines()[-1].startswith(f"{GOOD}/rl_min.yaml: ")
-    if compiled.plan is not None:
-        assert compiled.plan.fingerprint[:12] in result.output
+    assert result.exit_code == 0
+    assert compiled.plan.fingerprint[:12] in result.output and "rl-min" in result.output
+    assert result.output.splitlines()[-1] == f"{GOOD}/rl_min.yaml: 0 errors, 0 warnings"
 
 
 # ----------------------------------------------------------------------------------------- lint
