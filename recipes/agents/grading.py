@@ -19,10 +19,12 @@ runners call `step` from an event loop thread, so `Grader` sends each case to a 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
-import signal
+import select
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -94,60 +96,68 @@ class Grade:
 
 
 class Grader:
-    """Grades in a child process with a hard per-case timeout; one child per process and event loop, started lazily.
+    """Grades in a child process with a hard per-case timeout; one child per process, started lazily.
 
-    Cases are serialised through the child (grading takes milliseconds; episodes take seconds).
+    The child is driven with blocking pipe I/O from one dedicated thread, so cases are serialised (grading takes
+    milliseconds; episodes take seconds) and the grader works from any event loop, or none.
     """
 
     def __init__(self, timeout_s: float = 10.0, startup_timeout_s: float = 60.0):
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
-        self._proc: asyncio.subprocess.Process | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock: asyncio.Lock | None = None
+        self._proc: subprocess.Popen | None = None
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grader")
 
     async def grade(self, response: str, label) -> Grade:
-        has_answer = extract_answer(response) is not None
-        if not has_answer:
+        if extract_answer(response) is None:
             return Grade(correct=False, has_answer=False)
         loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # a new event loop cannot use pipes bound to the old one
-            self._discard()
-            self._loop, self._lock = loop, asyncio.Lock()
-        async with self._lock:
-            try:
-                proc = await self._worker()
-                proc.stdin.write((json.dumps({"response": response, "label": label}) + "\n").encode())
-                await proc.stdin.drain()
-                line = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
-                if not line:
-                    raise ConnectionError("grading worker exited")
-            except (TimeoutError, ConnectionError, BrokenPipeError):
-                self._discard()
-                return Grade(correct=False, has_answer=True, timed_out=True)
-        return Grade(correct=bool(json.loads(line)["correct"]), has_answer=True)
+        correct = await loop.run_in_executor(self._thread, self._grade_blocking, response, label)
+        return Grade(correct=bool(correct), has_answer=True, timed_out=correct is None)
 
-    async def _worker(self) -> asyncio.subprocess.Process:
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                # -I: the script directory (which holds an agent named math.py) must not shadow the stdlib.
-                sys.executable, "-I", os.path.abspath(__file__), "--serve",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
-            ready = await asyncio.wait_for(self._proc.stdout.readline(), self.startup_timeout_s)
-            if ready.strip() != b"ready":
-                raise ConnectionError("grading worker failed to start")
+    def _grade_blocking(self, response: str, label) -> bool | None:
+        """True/False, or None when the worker did not answer in time (it is then killed)."""
+        try:
+            proc = self._worker()
+            proc.stdin.write((json.dumps({"response": response, "label": label}) + "\n").encode())
+            proc.stdin.flush()
+            line = self._read_line(proc, self.timeout_s)
+            return bool(json.loads(line)["correct"])
+        except (TimeoutError, OSError, ValueError):
+            self._discard()
+            return None
+
+    def _worker(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            # -I: the script directory (which holds an agent named math.py) must not shadow the stdlib.
+            self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL)
+            if self._read_line(self._proc, self.startup_timeout_s).strip() != b"ready":
+                raise OSError("grading worker failed to start")
         return self._proc
 
+    @staticmethod
+    def _read_line(proc: subprocess.Popen, timeout_s: float) -> bytes:
+        # The worker writes each answer as one short line with one flush, so once the pipe is readable the whole
+        # line is there.
+        readable, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        if not readable:
+            raise TimeoutError
+        line = proc.stdout.readline()
+        if not line:
+            raise OSError("grading worker exited")
+        return line
+
     def _discard(self) -> None:
-        if self._proc is not None and self._proc.returncode is None:
-            try:
-                os.kill(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
         self._proc = None
 
     def __del__(self):
-        self._discard()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
 
 
 def _serve() -> None:

@@ -150,7 +150,7 @@ class Env(ABC):
         """Score one model turn. `state` has `observation_text` (context before this turn), `action_text` (the
         model's generation), `label`, `sampling_params` (this turn's) and `turn` (0-based)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Optional teardown, called on every exit path (also when reset or step raised)."""
 
 
