@@ -6,7 +6,7 @@ docstring is the rule's documentation (`molt-compile rules CODE`). `run_rules` r
 recipe's kind, applies the recipe's `ignore:` table and reports ignores that suppressed nothing (IGNORE002).
 
 Areas: ASYNC async queue and IS correction, EST estimators/KL/ref/filtering, BATCH batch arithmetic, PAR FSDP mesh,
-MOE experts/R3/MTP, VLLM engines, PLACE GPU counts, MEM memory, OPTIM optimizer/offload, DATA data files,
+MOE experts/R3/MTP, LOSS policy loss, VLLM engines, PLACE GPU counts, MEM memory, OPTIM optimizer/offload, DATA data files,
 AGENT agent file, EVAL/CKPT cadences, PACK packing and attention, MODEL model-path info, DEAD settings with no
 effect, IGNORE suppressions. Per-node bin packing is `lower.py`'s (PLACE1xx).
 """
@@ -25,6 +25,7 @@ from molt_compile.rules import (
     estimators,
     eval_ckpt,
     ignores,
+    loss,
     memory,
     moe,
     optim,
@@ -104,6 +105,9 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("IGNORE001", "unknown-code-in-ignore", "warning", ignores.unknown_code_in_ignore, BOTH),
     Rule("IGNORE002", "unused-ignore", "warning", ignores.unused_ignore, BOTH),
     Rule("IGNORE003", "ignore-without-reason", "warning", ignores.ignore_without_reason, BOTH),
+    Rule("LOSS001", "dual-clip-not-above-one", "error", loss.dual_clip_not_above_one),
+    Rule("LOSS002", "dual-clip-without-ppo", "error", loss.dual_clip_without_ppo),
+    Rule("LOSS003", "cispo-clip-ceiling-below-one", "error", loss.cispo_clip_ceiling_below_one),
     Rule("MEM001", "fsdp-memory-exceeds-gpu", "error", memory.fsdp_memory_exceeds_gpu, BOTH),
     Rule("MEM002", "fsdp-memory-tight", "warning", memory.fsdp_memory_tight, BOTH),
     Rule("MEM003", "engine-weights-exceed-gpu-share", "error", memory.engine_weights_exceed_gpu_share),

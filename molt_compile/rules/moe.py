@@ -429,7 +429,7 @@ def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnost
     facts = model_facts(recipe, source)
     if facts is None or facts.is_moe:
         return
-    if recipe.actor.mesh.ep > 1:
+    if recipe.actor.mesh.ep > 1 and not hf_fallback(recipe, facts):  # on the HF path it is an error (PAR004)
         yield diag("MOE012", source, "actor.mesh.ep", f"actor.mesh.ep {recipe.actor.mesh.ep} on dense model "
                    f"{facts.key}: there are no experts to shard", "set actor.mesh.ep: 1", ["model.arch"])
     if recipe.kind == "rl" and recipe.rollout.expert_parallel:

@@ -115,11 +115,12 @@ def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagn
 def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel custom class)
-    with `tp > 1` or `cp > 1`.
+    with `tp > 1`, `cp > 1`, or (dense model) `ep > 1`. MoE on the HF path is MOE005.
 
     ## Why it matters
     The HF fallback has no TP/CP plan of AutoModel's custom models (Molt's README: "text + flash_attention_2 +
-    packing only — no CP / EP / TP"). The code only rejects EP, so a TP/CP run fails or silently misbehaves later.
+    packing only — no CP / EP / TP"). Molt's code rejects EP on HF when each actor builds its model ("The HF
+    fallback is forbidden under EP"); TP/CP fail or silently misbehave later.
 
     ## Example
     ```yaml
@@ -135,14 +136,15 @@ def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnos
     ```
 
     ## References
-    molt_rules.md H9, Appendix A item 8
+    molt_rules.md H9, F7, Appendix A item 8
     """
     facts = model_facts(recipe, source)
     if not hf_fallback(recipe, facts):
         return
     why = "model.backend is hf" if recipe.model.backend == "hf" else \
         f"{facts.architecture} has no AutoModel custom implementation (HF fallback)"
-    for axis in ("tp", "cp"):
+    axes = ("tp", "cp") if facts is not None and facts.is_moe else ("tp", "cp", "ep")
+    for axis in axes:
         size = getattr(recipe.actor.mesh, axis)
         if size > 1:
             yield diag("PAR004", source, f"actor.mesh.{axis}",
