@@ -74,20 +74,38 @@ def _short_summary(result: Any) -> str:
     return "; ".join(parts)
 
 
+def _drop_required(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _drop_required(v) for k, v in node.items() if k != "required"}
+    if isinstance(node, list):
+        return [_drop_required(v) for v in node]
+    return node
+
+
 def recipe_json_schema() -> dict[str, Any]:
-    """The JSON Schema of Recipe v1 (both kinds, discriminated on `kind`), with ids and docs for editors."""
+    """The JSON Schema of one recipe *file*, for editors (completion, hover docs, typos, bad enum values).
+
+    Generated from the pydantic models, with one deliberate difference: no key is `required`, and the two kinds
+    are `anyOf` instead of a discriminated `oneOf`. A file that `extends` a base legitimately omits `kind`,
+    `version` or `model.path`; requiring them would paint every such recipe red. `molt-compile` checks the
+    required keys after `extends` is resolved.
+    """
     from pydantic import TypeAdapter
 
     import schemas.recipe as recipe_module
     from schemas.recipe import Recipe
 
-    schema = TypeAdapter(Recipe).json_schema(mode="validation")
+    schema = _drop_required(TypeAdapter(Recipe).json_schema(mode="validation"))
+    schema.pop("discriminator", None)
+    schema["anyOf"] = schema.pop("oneOf")
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_ID,
         "title": "Molt recipe v1",
         "description": (recipe_module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
-        + " Start a recipe with `# yaml-language-server: $schema=../schemas/recipe.schema.json` for completion.",
+        + " This schema describes one file (keys may come from `extends`, so none is required here; molt-compile"
+        " checks the merged recipe). Start a recipe with"
+        " `# yaml-language-server: $schema=../schemas/recipe.schema.json` for completion and hover docs.",
     }
     return {**head, **schema}
 
