@@ -257,9 +257,11 @@ def _role(**fields: Any) -> RolePlan:
 
 
 def _opts(device_units: float, cpus: float, on_cpu: bool) -> RayOptions:
+    device_units, cpus = float(device_units), float(cpus)
     if on_cpu:
-        return RayOptions(num_cpus=cpus, num_gpus=0, resources={DEVICE_SLOT_RESOURCE: device_units} if device_units else {})
-    return RayOptions(num_cpus=cpus, num_gpus=device_units)
+        return RayOptions.model_construct(num_cpus=cpus, num_gpus=0.0,
+                                          resources={DEVICE_SLOT_RESOURCE: device_units} if device_units else {})
+    return RayOptions.model_construct(num_cpus=cpus, num_gpus=device_units, resources={})
 
 
 def _bundle(devices: int, cpus: float, on_cpu: bool) -> dict[str, float]:
@@ -302,21 +304,21 @@ def _required(d: Derived, names: list[str], source: Any) -> list[Diagnostic]:
 
 
 def _optimizer(o: Any, warmup: int | None, total: int | None) -> OptimizerPlan:
-    return OptimizerPlan(name=o.name, lr=o.lr, betas=list(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+    return OptimizerPlan.model_construct(name=o.name, lr=o.lr, betas=list(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                          max_norm=o.max_norm, scheduler=o.scheduler, warmup_steps=warmup, total_steps=total,
                          min_lr_ratio=o.min_lr_ratio, muon=o.muon.model_dump(mode="json") if o.name == "muon" else None)
 
 
 def _model(r: Any, source: Any) -> ModelPlan:
     m = r.model
-    return ModelPlan(path=_model_path(m.path, "model.path", source), arch=m.arch, backend=m.backend,
+    return ModelPlan.model_construct(path=_model_path(m.path, "model.path", source), arch=m.arch, backend=m.backend,
                      dtype=_DTYPES[m.param_dtype], attn=m.attn, gradient_checkpoint=m.gradient_checkpoint,
                      disable_fast_tokenizer=m.disable_fast_tokenizer)
 
 
 def _ckpt(r: Any, d: Derived, source: Any) -> CkptPlan:
     c = r.ckpt
-    return CkptPlan(dir=resolve_path(c.dir, "ckpt.dir", source), hf_dir=resolve_path(c.hf_dir, "ckpt.hf_dir", source),
+    return CkptPlan.model_construct(dir=resolve_path(c.dir, "ckpt.dir", source), hf_dir=resolve_path(c.hf_dir, "ckpt.hf_dir", source),
                     keep=c.keep, dcp_keep=d.value("ckpt.dcp_keep"), max_disk_gb=c.max_disk_gb, save_hf=c.save_hf,
                     resume=c.resume, final_save=c.final_save, best_metric_key=c.best_metric_key,
                     warm_resume_rollouts=c.warm_resume_rollouts)
@@ -325,7 +327,7 @@ def _ckpt(r: Any, d: Derived, source: Any) -> CkptPlan:
 def _logging(r: Any, source: Any) -> LoggingPlan:
     lg = r.logging
     tb = resolve_path(lg.tensorboard_dir, "logging.tensorboard_dir", source) if lg.tensorboard_dir else None
-    return LoggingPlan(out_dir=f"runs/{r.name}", every=lg.every, tensorboard_dir=tb,
+    return LoggingPlan.model_construct(out_dir=f"runs/{r.name}", every=lg.every, tensorboard_dir=tb,
                        wandb=lg.wandb.model_dump(mode="json") if lg.wandb is not None else None)
 
 
@@ -350,14 +352,14 @@ def _cluster_plan(r: Any, d: Derived, placer: Placer | None, cpus_needed: float)
     if cpus is None:
         cpus = max(1, math.ceil(cpus_needed - 1e-9))
     resources = {"CPU": float(cpus), (DEVICE_SLOT_RESOURCE if on_cpu else "GPU"): float(c.gpus_per_node)}
-    return ClusterPlan(nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu=c.gpu, device=d.value("cluster.device"),
+    return ClusterPlan.model_construct(nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu=c.gpu, device=d.value("cluster.device"),
                        device_resource=d.value("cluster.device_resource"), cpus_per_node=cpus,
                        node_resources=resources, total_gpus=d.value("cluster.total_gpus"),
                        used_gpus=d.value("cluster.used_gpus"))
 
 
 def _derived_entries(d: Derived) -> list[DerivedEntry]:
-    return [DerivedEntry(name=dv.name, value=dv.value, reason=dv.reason, inputs=list(dv.inputs)) for dv in d.values()]
+    return [DerivedEntry.model_construct(name=dv.name, value=dv.value, reason=dv.reason, inputs=list(dv.inputs)) for dv in d.values()]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -394,7 +396,7 @@ def _lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagno
     rl = _rl_runtime(r, d, source)
     env = dict(r.env)
     env.update(rl.agent.env)
-    plan = Plan(
+    plan = Plan.model_construct(
         name=r.name, kind="rl", source=_source_path(source), recipe=r.model_dump(mode="json", by_alias=True),
         cluster=_cluster_plan(r, d, None, built.cpus_needed), derived=_derived_entries(d),
         placement_groups=built.pgs, roles=built.roles, gpu_map=built.gpu_map, env=env,
@@ -547,7 +549,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
     agent_path = d.value("agent.path")
     if agent_path != DISTILL_AGENT_PATH:
         agent_path = resolve_path(agent_path, "agent.path", source)
-    engines = EnginesPlan(
+    engines = EnginesPlan.model_construct(
         kind=ro.engine, count=ro.engines, tp=ro.mesh.tp, pp=ro.mesh.pp, dp=ro.mesh.dp,
         gpus_per_engine=d.value("rollout.gpus_per_engine"), executor=d.value("rollout.executor"),
         expert_parallel=ro.expert_parallel, dtype=ro.dtype, max_model_len=d.value("rollout.max_model_len"),
@@ -555,26 +557,26 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         prefix_caching=ro.prefix_caching, seeds=[t.seed + i for i in range(ro.engines)],
         router_policy=ro.router_policy, logprobs_mode=d.value("rollout.logprobs_mode"),
         max_images_per_prompt=r.data.max_images_per_prompt, extra_engine_args=_engine_args(r))
-    sampling = SamplingPlan(n_samples_per_prompt=ro.n_samples_per_prompt, max_new_tokens=ro.max_new_tokens,
+    sampling = SamplingPlan.model_construct(n_samples_per_prompt=ro.n_samples_per_prompt, max_new_tokens=ro.max_new_tokens,
                             temperature=ro.temperature, top_p=ro.top_p, logprobs=d.value("rollout.logprobs"))
     e = r.eval
-    eval_plan = EvalPlan(
+    eval_plan = EvalPlan.model_construct(
         enabled=d.value("eval.enabled"),
         dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None, split=e.split,
         every=d.value("eval.every"), at_start=e.at_start, only=e.only, batch_size=d.value("eval.batch_size"),
-        sampling=SamplingPlan(n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
+        sampling=SamplingPlan.model_construct(n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
                               max_new_tokens=d.value("eval.max_new_tokens"), temperature=d.value("eval.temperature"),
                               top_p=d.value("eval.top_p"), logprobs=d.value("rollout.logprobs")))
     dt = r.data
-    data = RlDataPlan(prompts=resolve_sources(dt.prompts, "data.prompts", source), probs=dt.prompt_probs,
+    data = RlDataPlan.model_construct(prompts=resolve_sources(dt.prompts, "data.prompts", source), probs=dt.prompt_probs,
                       split=dt.split, input_key=dt.input_key, label_key=dt.label_key, tools_key=dt.tools_key,
                       image_key=dt.image_key, max_images_per_prompt=dt.max_images_per_prompt,
                       apply_chat_template=dt.apply_chat_template, max_len=dt.max_len, max_samples=dt.max_samples,
                       dataloader_num_workers=dt.dataloader_num_workers, prompt_count=d.value("data.prompt_count"))
     trainer = None
     if not e.only:
-        trainer = TrainerPlan(
-            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan(**a.mesh.model_dump()),
+        trainer = TrainerPlan.model_construct(
+            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
             micro_batch_size=t.micro_batch_size, grad_accum=d.value("actor.grad_accum"), batch_size=t.batch_size,
             max_epochs=t.max_epochs, force_on_policy=t.force_on_policy,
             dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
@@ -582,7 +584,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
             sequence_parallel=a.sequence_parallel, offload=a.offload,
             shuffle_microbatches=d.value("actor.shuffle_microbatches"),
             optimizer=_optimizer(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
-            loss=LossPlan(mode=a.loss.mode, clip_low=a.loss.clip[0], clip_high=a.loss.clip[1],
+            loss=LossPlan.model_construct(mode=a.loss.mode, clip_low=a.loss.clip[0], clip_high=a.loss.clip[1],
                           dual_clip=a.loss.dual_clip, entropy_coef=a.loss.entropy_coef,
                           aux_loss_coef=a.loss.aux_loss_coef),
             freeze_moe_router=a.freeze.moe_router, freeze_visual_encoder=a.freeze.visual_encoder,
@@ -590,14 +592,14 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
             routing_replay=t.routing_replay, full_determinism=t.full_determinism)
     ref = None
     if d.value("ref.exists"):
-        ref = RefPlan(path=_model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
+        ref = RefPlan.model_construct(path=_model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
                       colocated=d.value("ref.colocated"), world=d.value("ref.world"),
                       dp=d.value("ref.dp") or 1, grad_accum=d.value("ref.grad_accum") or 1)
     critic = None
     if d.value("critic.exists"):
         cr = r.critic
         crit_opt = cr.optimizer if cr is not None else _default_critic_optimizer()
-        critic = CriticPlan(
+        critic = CriticPlan.model_construct(
             path=_model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path",
                              source),
             colocated=d.value("critic.colocated"), world=d.value("critic.world"), dp=d.value("critic.dp") or 1,
@@ -605,31 +607,31 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
             max_epochs=d.value("critic.max_epochs"),
             optimizer=_optimizer(crit_opt, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),
             freeze_moe_router=d.value("critic.freeze_moe_router"))
-    algo = AlgoPlan(
+    algo = AlgoPlan.model_construct(
         estimator=al.estimator, gamma=al.gamma, lam=al.lam, whiten=al.whiten, reward_clip=list(al.reward_clip),
-        kl=KlPlan(coef=d.value("algo.kl.coef"), estimator=d.value("algo.kl.estimator"),
+        kl=KlPlan.model_construct(coef=d.value("algo.kl.coef"), estimator=d.value("algo.kl.estimator"),
                   use_loss=d.value("algo.kl.use_loss"), target=al.kl.target, horizon=al.kl.horizon),
-        is_correction=IsCorrectionPlan(level=al.is_correction.level, mode=al.is_correction.mode,
+        is_correction=IsCorrectionPlan.model_construct(level=al.is_correction.level, mode=al.is_correction.mode,
                                        low=al.is_correction.threshold[0], high=al.is_correction.threshold[1]))
     ckpt = _ckpt(r, d, source)
-    return RlRuntime(
+    return RlRuntime.model_construct(
         device=d.value("cluster.device"), dist_backend=d.value("dist.backend"), model=_model(r, source),
         engines=engines,
-        agent=AgentPlan(path=agent_path, max_turns=d.value("agent.max_turns"), env=_agent_env(r, d),
+        agent=AgentPlan.model_construct(path=agent_path, max_turns=d.value("agent.max_turns"), env=_agent_env(r, d),
                         runners=d.value("rollout.runners"), max_restarts=RUNNER_MAX_RESTARTS),
         data=data, sampling=sampling, eval=eval_plan,
-        generator=GeneratorPlan(batch_size=ro.batch_size, generate_batch_size=d.value("rollout.generate_batch_size"),
+        generator=GeneratorPlan.model_construct(batch_size=ro.batch_size, generate_batch_size=d.value("rollout.generate_batch_size"),
                                 episodes=t.episodes,
                                 dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
                                 seed=t.seed),
-        queue=QueuePlan(size=t.async_.queue_size, partial_rollout=t.async_.partial_rollout,
+        queue=QueuePlan.model_construct(size=t.async_.queue_size, partial_rollout=t.async_.partial_rollout,
                         force_sync=t.async_.force_sync),
         trainer=trainer, ref=ref, critic=critic, algo=algo,
-        schedule=SchedulePlan(steps_per_episode=d.value("train.steps_per_episode"),
+        schedule=SchedulePlan.model_construct(steps_per_episode=d.value("train.steps_per_episode"),
                               total_steps=d.value("train.total_steps"), log_every=r.logging.every,
                               ckpt_every=d.value("ckpt.every"), eval_every=d.value("eval.every")),
         ckpt=ckpt, logging=_logging(r, source),
-        weight_sync=WeightSyncPlan(world_size=d.value("weight_sync.world_size"), method=d.value("weight_sync.method")))
+        weight_sync=WeightSyncPlan.model_construct(world_size=d.value("weight_sync.world_size"), method=d.value("weight_sync.method")))
 
 
 def _default_critic_optimizer() -> Any:
@@ -691,30 +693,30 @@ def _lower_sft(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagn
                     placement_group=None, scheduling="DEFAULT", ray_options=_opts(nproc, 0, on_cpu),
                     instances=instances)
     dt, e = r.data, r.eval
-    sft = SftRuntime(
+    sft = SftRuntime.model_construct(
         device=d.value("cluster.device"), dist_backend=d.value("dist.backend"), nnodes=nnodes, nproc_per_node=nproc,
         master_port=port, command=command, model=_model(r, source),
-        trainer=SftTrainerPlan(
-            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan(**a.mesh.model_dump()),
+        trainer=SftTrainerPlan.model_construct(
+            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
             micro_batch_size=t.micro_batch_size, grad_accum=d.value("actor.grad_accum"), batch_size=t.batch_size,
             max_epochs=t.max_epochs, packing=d.value("actor.packing"), sequence_parallel=a.sequence_parallel,
             offload=a.offload,
             optimizer=_optimizer(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
             aux_loss_coef=a.aux_loss_coef, freeze_moe_router=a.freeze.moe_router,
             freeze_visual_encoder=a.freeze.visual_encoder, seed=t.seed, full_determinism=t.full_determinism),
-        data=SftDataPlan(
+        data=SftDataPlan.model_construct(
             dataset=resolve_sources(dt.dataset, "data.dataset", source), probs=dt.dataset_probs, split=dt.split,
             input_key=dt.input_key, output_key=dt.output_key, chat_template=_chat_template(dt.chat_template, source),
             train_on_last_turn_only=dt.train_on_last_turn_only, image_key=dt.image_key,
             max_images_per_prompt=dt.max_images_per_prompt, max_len=dt.max_len, max_samples=dt.max_samples,
             dataloader_num_workers=dt.dataloader_num_workers, sample_count=d.value("data.sample_count")),
         eval_dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None, eval_split=e.split,
-        schedule=SftSchedulePlan(steps_per_epoch=d.value("train.steps_per_epoch"),
+        schedule=SftSchedulePlan.model_construct(steps_per_epoch=d.value("train.steps_per_epoch"),
                                  total_steps=d.value("train.total_steps"), log_every=r.logging.every,
                                  ckpt_every=d.value("ckpt.every"), eval_every=d.value("eval.every")),
         ckpt=_ckpt(r, d, source), logging=_logging(r, source))
     env = dict(r.env)
-    plan = Plan(
+    plan = Plan.model_construct(
         name=r.name, kind="sft", source=_source_path(source), recipe=r.model_dump(mode="json", by_alias=True),
         cluster=_cluster_plan(r, d, None, 1.0), derived=_derived_entries(d), placement_groups=[], roles=[role],
         gpu_map=gpu_map, env=env, runtime_env=_runtime_env(r, env, sft.ckpt, sft.logging), entrypoint=command, sft=sft)

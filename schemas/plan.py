@@ -40,6 +40,21 @@ DEVICE_SLOT_RESOURCE = "device_slot"
 """Custom Ray resource standing for one device on CPU clusters."""
 
 
+def plain(value: Any) -> Any:
+    """A plan (or any part of it) as JSON data: models become dicts of their fields in declaration order.
+
+    Used instead of pydantic's serializer so that compiling never builds the plan's core schema (DESIGN §8);
+    `lower()` builds every model with its declared types, and `from_json` validates everything it reads. Only
+    models and lists of models are converted; every other field already holds JSON data (tuples encode as lists),
+    so large maps (`gpu_map`, bundles) pass through untouched.
+    """
+    if isinstance(value, BaseModel):
+        return {k: plain(v) for k, v in value.__dict__.items()}
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel):
+        return [plain(v) for v in value]
+    return value
+
+
 def _compact(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
@@ -737,7 +752,7 @@ class Plan(PlanModel):
     # ------------------------------------------------------------------ identity and serialization
     def canonical_json(self, *, with_fingerprint: bool = True) -> str:
         """Sorted keys, no whitespace, UTF-8 text: equal plans give equal strings (the fingerprint's input)."""
-        data = self.model_dump(mode="json")
+        data = plain(self)
         if not with_fingerprint:
             data.pop("fingerprint")
         return _compact(data)
@@ -753,7 +768,7 @@ class Plan(PlanModel):
         """Canonical JSON. `pretty` (the default, used for plan files and golden files) puts each top-level key, and
         each item of a top-level list or map (a derived value, a role, a node of the GPU map, a runtime section) on
         its own line, compact within; keys are sorted either way, so the text is deterministic."""
-        data = self.model_dump(mode="json")
+        data = plain(self)
         return _pretty(data) if pretty else _compact(data)
 
     @classmethod

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from molt_compile.derive import derive
 from molt_compile.lower import lower
 from plan_support import rl
+from schemas.plan import Plan
 
 _LABEL = re.compile(r"^(.+)\[(\d+)\]$")
 
@@ -140,6 +141,8 @@ def test_lowering_invariants(r) -> None:
                 for k in range(0, len(nodes), size):
                     assert len(set(nodes[k:k + size])) == 1, (role, size, nodes)
 
-    # deterministic
+    # deterministic, and every field has its declared type (lower builds models without validating them)
     again, _ = lower(r, derive(r))
     assert again.fingerprint == plan.fingerprint
+    text = plan.to_json()
+    assert Plan.from_json(text).to_json() == text
