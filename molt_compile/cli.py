@@ -226,7 +226,7 @@ def lint(paths: tuple[str, ...], fmt: str) -> None:
     all_diags: list[Any] = []
     checked = fragments = 0
     lines: dict[str, list[str]] = {}
-    for f, r in zip(files, results):
+    for f, r in zip(files, results, strict=True):
         loaded = r.loaded
         own = loaded.own_keys if loaded else frozenset()
         fragment = loaded is not None and (

@@ -190,7 +190,7 @@ class _Builder:
             first_seen[key] = key_node
             out[key] = self.build(value_node, child, depth + 1)
             self._record(child, key_node, value_node)
-        for key_node, value_node in merged:
+        for _key_node, value_node in merged:
             # YAML merge keys (`<<: *base`): explicit keys win over merged ones.
             sources = value_node.value if str(value_node.tag) == _SEQ else [value_node]
             for src in sources:
@@ -337,7 +337,7 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
             diags.append(_diag("YAML001", f"YAML syntax error: {problem}{context}", file=file, line=line, col=col,
                                help=_syntax_help(problem), related=related))
     except RecursionError:
-        diags.append(_diag("YAML008", f"mappings and lists nested deeper than the parser can follow", file=file,
+        diags.append(_diag("YAML008", "mappings and lists nested deeper than the parser can follow", file=file,
                            help="flatten the document; recipe keys are at most a few levels deep"))
     except YAMLError as e:
         diags.append(_diag("YAML001", f"YAML syntax error: {e}", file=file))
@@ -573,7 +573,7 @@ def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: di
                            origin="--set", help=f"quote it if it is a string: --set {key}='\"{raw}\"'"))
         return
     target: Any = data
-    for i, seg in enumerate(segments[:-1]):
+    for seg in segments[:-1]:
         nxt = target[seg] if isinstance(target, list) and isinstance(seg, int) and seg < len(target) else (
             target.get(seg) if isinstance(target, dict) else None)
         if not isinstance(nxt, (dict, list)):
@@ -624,7 +624,7 @@ def load_recipe(path: Path | str, sets: Sequence[str] = ()) -> Loaded:
     keys: dict[str, Pos] = {}
     for layer in tree.layers:
         own = {k: v for k, v in layer.data.items() if k != "extends"}
-        for p, pos in layer.values.items():
+        for p in layer.values:
             if p in values and not p.startswith("extends"):
                 loaded.overridden.setdefault(p, []).append(values[p])
         _merge(data, own)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import types
 import typing
-from functools import lru_cache
+from functools import cache
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel
@@ -38,7 +38,7 @@ def model_fields_by_key(model: type[BaseModel]) -> dict[str, Any]:
     return _fields(model)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _fields(model: type[BaseModel]) -> dict[str, Any]:
     return {(f.alias or name): f for name, f in model.model_fields.items()}
 

@@ -230,7 +230,7 @@ def _range_help(model: Any, segments: list[Any], op: str, bound: Any) -> str:
 def _type_help(model: Any, segments: list[Any], expected: list[str]) -> str:
     doc = sw.field_doc(model, segments)
     if "a mapping" in expected:
-        return f"write it as an indented section of keys" + (f"; `{segments[-1]}`: {doc}" if doc else "")
+        return "write it as an indented section of keys" + (f"; `{segments[-1]}`: {doc}" if doc else "")
     return f"write {' or '.join(expected)}" + (f"; `{segments[-1]}`: {doc}" if doc else "")
 
 

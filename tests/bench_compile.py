@@ -47,8 +47,8 @@ def _measure(cmd: list[str], runs: int = RUNS) -> tuple[list[float], list[float]
 
 def import_breakdown(cli: list[str], recipe: str) -> dict[str, float]:
     """Cumulative import time (ms) of each top-level module a cold compile loads, largest first."""
-    code = ("import sys; from molt_compile.cli import main; sys.argv = ['molt-compile', %r]\n"
-            "try:\n    main()\nexcept SystemExit:\n    pass\n") % recipe
+    code = (f"import sys; from molt_compile.cli import main; sys.argv = ['molt-compile', {recipe!r}]\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\n")
     env = {**os.environ, "PYDANTIC_DISABLE_PLUGINS": "__all__", "COLUMNS": "120"}
     proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=ROOT, capture_output=True,
                           text=True, env=env)

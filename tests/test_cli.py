@@ -152,7 +152,7 @@ def test_compile_summary_is_printed(in_root):
 def test_lint_skips_base_fragments(in_root):
     result = run("lint", GOOD)
     compiled = [compile_recipe(Path(f"{GOOD}/{n}")) for n in ("child.yaml", "rl_min.yaml", "sft_min.yaml")]
-    assert f"checked 3 recipes: " in result.output
+    assert "checked 3 recipes: " in result.output
     assert "(2 base fragments not linted as jobs)" in result.output
     assert result.exit_code == (1 if any(c.exit_status for c in compiled) else 0)
 
