@@ -6,6 +6,7 @@ them are blockers (exit status 2), because nothing after an unreadable or schema
     YAML...    the file could not be read as plain YAML data
     LOAD...    files, `extends` and `--set`
     SCHEMA...  the merged data does not match Recipe v1 (`schemas/recipe.py`)
+    INTERNAL.. a pass of the compiler itself failed
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ or a list of the wrong length (`clip: [0.2]`)."""),
 lists the choices and suggests the closest one."""),
     Code("SCHEMA006", "bad-version", """`version` is missing or is not a version this compiler reads (1). Add
 `version: 1` at the top of the recipe."""),
+    Code("INTERNAL001", "internal-error", """A later pass (derive, rules, lower) raised an exception on a recipe that passed
+the schema. That is a bug in molt-compile, not in the recipe; the message names the pass and the exception.
+Set `MOLT_COMPILE_DEBUG=1` to get the traceback instead of this diagnostic."""),
     Code("SCHEMA007", "invalid-value", """A value of the right type that is still not allowed (a job name with capitals or
 underscores, a string too long)."""),
 )

@@ -51,6 +51,20 @@ def _optional_pass(module: str, attr: str) -> Callable[..., Any] | None:
         return None
 
 
+def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> Diagnostic:
+    """A crash of a later pass as a diagnostic, so that the user sees what broke instead of a traceback."""
+    import os
+    import traceback
+
+    if os.environ.get("MOLT_COMPILE_DEBUG"):
+        raise error
+    frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+    return Diagnostic(code="INTERNAL001", severity="error", name="internal-error", blocker=True, file=root_file,
+                      message=f"the {pass_name} pass failed: {type(error).__name__}: {error}{where}",
+                      help="a bug in molt-compile, not in the recipe; MOLT_COMPILE_DEBUG=1 shows the traceback")
+
+
 def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True) -> CompileResult:
     """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error."""
     loaded = load_recipe(Path(path), sets)
@@ -66,19 +80,29 @@ def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = 
         derive = _optional_pass("molt_compile.derive", "derive")
         run_rules = _optional_pass("molt_compile.rules", "run_rules")
         lower_fn = _optional_pass("molt_compile.lower", "lower")
+        root = loaded.source.root_file
         if derive is None:
             skipped.append("derive")
         else:
-            result.derived = derive(result.recipe, loaded.source)
+            try:
+                result.derived = derive(result.recipe, loaded.source)
+            except Exception as e:  # noqa: BLE001 - reported as INTERNAL001, see _internal_error
+                diags.add(_internal_error("derive", e, root))
         if run_rules is None or result.derived is None:
             skipped.append("rules")
         else:
-            diags.extend(run_rules(result.recipe, result.derived, loaded.source))
+            try:
+                diags.extend(run_rules(result.recipe, result.derived, loaded.source))
+            except Exception as e:  # noqa: BLE001
+                diags.add(_internal_error("rules", e, root))
         if lower:
             if lower_fn is None or result.derived is None:
                 skipped.append("lower")
             elif not diags.has_errors:
-                plan, lower_diags = lower_fn(result.recipe, result.derived, loaded.source)
+                try:
+                    plan, lower_diags = lower_fn(result.recipe, result.derived, loaded.source)
+                except Exception as e:  # noqa: BLE001
+                    plan, lower_diags = None, [_internal_error("lower", e, root)]
                 diags.extend(lower_diags)
                 result.plan = None if diags.has_errors else plan
     result.diagnostics = diags.sorted()

@@ -291,3 +291,34 @@ def test_json_schema_flags_what_an_editor_should(in_root):
     validator = jsonschema.Draft202012Validator(recipe_json_schema())
     for name in ("typo_nested.yaml", "bad_enum.yaml", "wrong_type.yaml", "out_of_range.yaml", "version_2.yaml"):
         assert list(validator.iter_errors(_raw_yaml(ROOT / BAD / name))), name
+
+
+# ----------------------------------------------------------------------------------------- compile_recipe
+def test_a_crashing_pass_is_a_diagnostic_not_a_traceback(in_root, monkeypatch):
+    import molt_compile.derive
+
+    def broken_derive(recipe, source=None):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(molt_compile.derive, "derive", broken_derive)
+    compiled = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+    assert compiled.exit_status == 2 and compiled.plan is None
+    (d,) = [d for d in compiled.diagnostics if d.code == "INTERNAL001"]
+    assert "derive pass failed: ZeroDivisionError: division by zero at test_cli.py:" in d.message
+    result = run(f"{GOOD}/rl_min.yaml")
+    assert result.exit_code == 2 and "error[INTERNAL001] internal-error" in result.output
+    monkeypatch.setenv("MOLT_COMPILE_DEBUG", "1")
+    with pytest.raises(ZeroDivisionError):
+        compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+
+
+def test_passes_run_in_order_and_stop_at_blockers(in_root):
+    ok = compile_recipe(Path(f"{GOOD}/rl_min.yaml"))
+    assert ok.skipped_passes == () and ok.recipe is not None and ok.derived is not None and ok.plan is not None
+    no_lower = compile_recipe(Path(f"{GOOD}/rl_min.yaml"), lower=False)
+    assert no_lower.plan is None and no_lower.derived is not None and no_lower.exit_status == 0
+    blocked = compile_recipe(Path(f"{BAD}/typo_nested.yaml"))
+    assert blocked.recipe is None and blocked.derived is None and blocked.exit_status == 2
+    rule_errors = compile_recipe(Path(f"{GOOD}/child.yaml"))
+    assert rule_errors.exit_status == 1 and rule_errors.derived is not None and rule_errors.plan is None
+    assert rule_errors.diagnostics == sorted(rule_errors.diagnostics, key=lambda d: d.sort_key())
