@@ -238,3 +238,24 @@ def test_engine_args_only_what_was_set() -> None:
 ])
 def test_placement_unit(sizes: list[int], g: int, unit: int) -> None:
     assert placement_unit(sizes, g) == unit
+
+
+# the shipped recipes (written by hand from the same scripts) lower to the same hand-written maps
+SHIPPED = {
+    "qwen3_4b_math.yaml": "rl_qwen3_4b_slurm",
+    "qwen3_4b_math_quickstart.yaml": "rl_qwen3_4b_quick",
+    "qwen3_6_35b_geo3k.yaml": "rl_qwen3_6_35b_slurm",
+    "omni3_30b_geo3k.yaml": "rl_omni3_30b",
+    "omni3_30b_distill.yaml": "rl_distill_omni3_30b",
+    "glm5_ep256.yaml": "rl_glm5_ep256",
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(SHIPPED))
+def test_shipped_recipe_gpu_map(recipe: str, monkeypatch) -> None:
+    from molt_compile.compile import compile_recipe
+
+    monkeypatch.chdir(ROOT)
+    result = compile_recipe(f"recipes/{recipe}")
+    assert result.plan is not None, [d.message for d in result.diagnostics if d.severity == "error"]
+    assert result.plan.gpu_map == EXPECTED_MAPS[SHIPPED[recipe]]
