@@ -9,8 +9,11 @@ Where the numbers come from:
   shapes are not in our references; values marked `# estimate` are taken from the nearest published sibling
   (Qwen3.5/Qwen3-Next, Nemotron-H, GLM-5 744B-A40B) and are good to ~10 %: enough for a memory estimate, never used
   for an exact divisibility check except `experts`, which the recipe tables state (GLM: 256, EP256).
-- GPU memory: the total `nvidia-smi` reports for each board (MiB / 1024), node profiles: the NVIDIA DGX/HGX
-  reference systems (logical CPUs as Ray counts them, i.e. hyper-threads).
+- GPU memory: the capacity PyTorch reports (`torch.cuda.get_device_properties(0).total_memory`, also the total in
+  its out-of-memory messages), which is what vLLM's `gpu_memory_utilization` multiplies; it is ~0.5 GiB below
+  `nvidia-smi`'s total. H200: measured on the lent H200 (nvidia-smi 143771 MiB, torch 150109880320 B = 139.8 GiB).
+  Others: the totals PyTorch prints in OOM messages on those boards (H100 79.1, A100-80GB 79.15, L40S 44.5 GiB);
+  B200 is an estimate. Node profiles: the NVIDIA DGX/HGX reference systems (logical CPUs as Ray counts them).
 """
 
 from __future__ import annotations
@@ -150,7 +153,7 @@ class GpuSpec:
 
     key: str
     memory_gib: float
-    """Device memory as `nvidia-smi` reports it (MiB / 1024)."""
+    """Device memory as PyTorch reports it (total_memory / 2**30); vLLM's utilization fraction applies to this."""
     bf16: bool
     gpus_per_node: int
     """GPUs of the reference node (DGX/HGX) — the default node profile."""
@@ -163,16 +166,17 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     g.key: g
     for g in (
-        # 81559 MiB per H100 SXM; DGX H100: 8 GPUs, 2 × Xeon 8480C (56 cores, 112 threads each).
-        GpuSpec("h100-80gb", 79.6, True, 8, 224, source="H100 SXM 80GB; DGX H100"),
-        # 143771 MiB per H200 SXM (141 GB HBM3e); HGX H200 nodes like DGX H100: 8 GPUs, 224 threads (estimate).
-        GpuSpec("h200-141gb", 140.4, True, 8, 224, source="H200 SXM 141GB; HGX H200", estimated=("cpus_per_node",)),
-        # 81920 MiB per A100 80GB SXM; DGX A100: 8 GPUs, 2 × EPYC 7742 (64 cores, 128 threads each).
-        GpuSpec("a100-80gb", 80.0, True, 8, 256, source="A100 SXM 80GB; DGX A100"),
-        # ~183 GB usable per B200 (180 GB HBM3e); DGX B200: 8 GPUs, 2 × Xeon 8570 (56 cores, 112 threads each).
-        GpuSpec("b200-180gb", 179.0, True, 8, 224, source="B200 180GB; DGX B200", estimated=("memory_gib",)),
-        # 46068 MiB per L40S; PCIe servers vary: 8 GPUs and 128 threads is a common OEM layout (estimate).
-        GpuSpec("l40s-48gb", 45.0, True, 8, 128, source="L40S 48GB; OEM 8-GPU PCIe server",
+        # H100 SXM 80GB (nvidia-smi 81559 MiB; torch 79.1 GiB); DGX H100: 8 GPUs, 2 × Xeon 8480C = 224 threads.
+        GpuSpec("h100-80gb", 79.1, True, 8, 224, source="H100 SXM 80GB; DGX H100"),
+        # H200 SXM 141GB: 139.8 GiB measured with torch on the lent H200; HGX H200 nodes: 8 GPUs, 224 threads (estimate).
+        GpuSpec("h200-141gb", 139.8, True, 8, 224, source="H200 SXM 141GB (measured); HGX H200",
+                estimated=("cpus_per_node",)),
+        # A100 SXM 80GB (nvidia-smi 81920 MiB; torch 79.15 GiB); DGX A100: 8 GPUs, 2 × EPYC 7742 = 256 threads.
+        GpuSpec("a100-80gb", 79.15, True, 8, 256, source="A100 SXM 80GB; DGX A100"),
+        # B200 180GB HBM3e; DGX B200: 8 GPUs, 2 × Xeon 8570 = 224 threads. Memory: nominal minus ~1 GiB (estimate).
+        GpuSpec("b200-180gb", 178.4, True, 8, 224, source="B200 180GB; DGX B200", estimated=("memory_gib",)),
+        # L40S 48GB (nvidia-smi 46068 MiB; torch 44.5 GiB); PCIe servers vary: 8 GPUs, 128 threads is common (estimate).
+        GpuSpec("l40s-48gb", 44.5, True, 8, 128, source="L40S 48GB; OEM 8-GPU PCIe server",
                 estimated=("gpus_per_node", "cpus_per_node")),
         # Every role on CPU "device slots" (tests, laptops): no device memory to check, node CPUs from the recipe.
         GpuSpec("cpu", 0.0, False, 0, None, source="CPU device slots; memory is host memory, not checked"),
