@@ -399,6 +399,56 @@ def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | 
         return None
 
 
+_PARSED: dict[tuple[str, str], tuple[_Layer | None, tuple[Diagnostic, ...]]] = {}
+"""(display path, text) -> the file's own layer and diagnostics. `lint` reads the same bases once per recipe;
+parsing dominates loading, so it is done once per process. Layers are never mutated (merging copies)."""
+
+
+def _parse_layer(text: str, file: str) -> tuple[_Layer | None, tuple[Diagnostic, ...]]:
+    key = (file, text)
+    if key not in _PARSED:
+        if len(_PARSED) > 256:
+            _PARSED.clear()
+        diags: list[Diagnostic] = []
+        layer = _build_layer(text, file, diags)
+        _PARSED[key] = (layer, tuple(diags))
+    return _PARSED[key]
+
+
+def _build_layer(text: str, file: str, diags: list[Diagnostic]) -> _Layer | None:
+    """One file's text -> its data and positions (no `extends` yet), or None with diagnostics."""
+    too_deep = _flow_too_deep(text)
+    if too_deep:
+        diags.append(_diag("YAML008", f"mappings and lists nested deeper than {MAX_DEPTH} levels", file=file,
+                           line=too_deep[0], col=too_deep[1],
+                           help="flatten the document; recipe keys are at most a few levels deep"))
+        return None
+    ok, node = _compose(text, file, diags)
+    if not ok:
+        return None
+    if node is None:
+        diags.append(_diag("LOAD003", f"`{file}` is empty: it holds no YAML document", file=file, line=1, col=1,
+                           help="a recipe starts with `version: 1`, `name: ...`, `kind: rl|sft`"))
+        return None
+    from ruamel.yaml.nodes import MappingNode
+
+    builder = _Builder(file, diags)
+    if not isinstance(node, MappingNode):
+        p = builder.pos(node)
+        what = "a list" if type(node).__name__ == "SequenceNode" else "a single value"
+        diags.append(_diag("LOAD004", f"the document is {what}; a recipe is a mapping of keys", file=file,
+                           line=p.line, col=p.col, help="start with `version: 1`, `name: ...`, `kind: rl|sft` at column 1"))
+        return None
+    try:
+        data = builder.build(node)
+    except _Abort as e:
+        diags.append(e.diag)
+        return None
+    if data is None:
+        return None
+    return _Layer(file, data, builder.values, builder.keys)
+
+
 class _Tree:
     """Loads a recipe and its bases depth-first into layers, detecting cycles."""
 
@@ -419,37 +469,10 @@ class _Tree:
         self.done.add(real)
         self.files.append(file)
         self.source.lines[file] = text.splitlines()
-        too_deep = _flow_too_deep(text)
-        if too_deep:
-            self.diags.append(_diag("YAML008", f"mappings and lists nested deeper than {MAX_DEPTH} levels", file=file,
-                                    line=too_deep[0], col=too_deep[1],
-                                    help="flatten the document; recipe keys are at most a few levels deep"))
+        layer, diags = _parse_layer(text, file)
+        self.diags.extend(diags)
+        if layer is None:
             return None
-        ok, node = _compose(text, file, self.diags)
-        if not ok:
-            return None
-        if node is None:
-            self.diags.append(_diag("LOAD003", f"`{file}` is empty: it holds no YAML document", file=file, line=1,
-                                    col=1, help="a recipe starts with `version: 1`, `name: ...`, `kind: rl|sft`"))
-            return None
-        from ruamel.yaml.nodes import MappingNode
-
-        builder = _Builder(file, self.diags)
-        if not isinstance(node, MappingNode):
-            p = builder.pos(node)
-            what = "a list" if type(node).__name__ == "SequenceNode" else "a single value"
-            self.diags.append(_diag("LOAD004", f"the document is {what}; a recipe is a mapping of keys",
-                                    file=file, line=p.line, col=p.col,
-                                    help="start with `version: 1`, `name: ...`, `kind: rl|sft` at column 1"))
-            return None
-        try:
-            data = builder.build(node)
-        except _Abort as e:
-            self.diags.append(e.diag)
-            return None
-        if data is None:
-            return None
-        layer = _Layer(file, data, builder.values, builder.keys)
         self._bases(layer, real, stack + ((real, file),))
         self.layers.append(layer)
         return layer
@@ -631,7 +654,7 @@ def load_recipe(path: Path | str, sets: Sequence[str] = ()) -> Loaded:
         values.update(layer.values)
         keys.update(layer.keys)
     if "extends" in root.data:
-        data["extends"] = root.data["extends"]
+        data["extends"] = _copy(root.data["extends"])
     present = _paths(data)
     values = {p: v for p, v in values.items() if p in present and (not p.startswith("extends") or v.file == root.file)}
     keys = {p: v for p, v in keys.items() if p in values}

@@ -321,3 +321,16 @@ def test_relative_display_path_outside_cwd(tmp_path, in_root):
     recipe.write_text("a: [\n")
     d = load_recipe(recipe).diagnostics[0]
     assert d.file == str(recipe) and os.path.isabs(d.file)
+
+
+def test_repeated_loads_do_not_share_or_leak_state(tmp_path):
+    (tmp_path / "base.yaml").write_text("env: {A: a}\nalgo: {reward_clip: [1, 2]}\n")
+    (tmp_path / "r.yaml").write_text("extends: [base.yaml]\nname: r\n")
+    first = load_recipe(tmp_path / "r.yaml", ["extends.0=other.yaml", "algo.reward_clip.0=9"])
+    assert first.diagnostics == [] and first.data["algo"]["reward_clip"] == [9, 2]
+    first.data["env"]["A"] = "changed"
+    second = load_recipe(tmp_path / "r.yaml")
+    assert second.data == {"env": {"A": "a"}, "algo": {"reward_clip": [1, 2]}, "name": "r",
+                           "extends": ["base.yaml"]}
+    (tmp_path / "base.yaml").write_text("env: {A: edited}\n")  # a changed file is parsed again
+    assert load_recipe(tmp_path / "r.yaml").data["env"] == {"A": "edited"}
