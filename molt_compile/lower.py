@@ -418,7 +418,6 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
     # 1. rollout engines (first, so whole-node mp bundles are not fragmented by 1-GPU bundles)
     ro = r.rollout
     per_engine = d.value("rollout.gpus_per_engine")
-    executor = d.value("rollout.executor")
     bundle_devs = d.value("rollout.bundle_gpus")
     n_bundles = d.value("rollout.bundles")
     unit = placement_unit([ro.mesh.tp], g) if bundle_devs == 1 and per_engine > 1 else 1

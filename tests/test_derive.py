@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from plan_support import PLAN_DATA, ROOT, from_file, rl, sft
 
 from molt_compile.derive import DISTILL_AGENT_PATH, Derived, derive
-from plan_support import PLAN_DATA, ROOT, from_file, rl, sft
 
 # ------------------------------------------------------------------------------ tables A and B (RL), hand values
 # file: (actor world, dp, grad_accum, ref exists, colocate, executor, gpus/engine, rollout gpus, fsdp gpus,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from plan_support import PLAN_DATA, ROOT, from_file
+
 from molt_compile.compile import CompileResult
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.diff import diff_results
 from molt_compile.lower import lower
-from plan_support import PLAN_DATA, ROOT, from_file
 
 OMNI = PLAN_DATA / "rl_omni3_30b.yaml"
 

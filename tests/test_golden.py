@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 
 import pytest
-
 from golden_update import GOLDEN, ROOT, compile_plan_json, golden_path, shipped_recipes
 
 RECIPES = shipped_recipes()

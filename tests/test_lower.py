@@ -4,10 +4,10 @@ clusters, SFT torchrun layout, and the runtime slices. Expected GPU maps are wri
 from __future__ import annotations
 
 import pytest
+from plan_support import PLAN_DATA, ROOT, lowered, rl, sft
 
 from molt_compile.derive import derive
 from molt_compile.lower import lower, placement_unit
-from plan_support import PLAN_DATA, ROOT, lowered, rl, sft
 
 
 def E(i: int) -> list[str]:

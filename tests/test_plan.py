@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from plan_support import PLAN_DATA, ROOT, lowered
 from pydantic import ValidationError
 
-from plan_support import PLAN_DATA, ROOT, lowered
 from schemas.plan import Plan
 
 RECIPES = ["rl_omni3_30b", "rl_qwen3_4b_slurm", "rl_glm5_ep256", "rl_distill_omni3_30b", "sft_qwen3_6_35b"]

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from plan_support import rl
 
 from molt_compile.derive import derive
 from molt_compile.lower import lower
-from plan_support import rl
 from schemas.plan import Plan
 
 _LABEL = re.compile(r"^(.+)\[(\d+)\]$")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from plan_support import PLAN_DATA, lowered
 from rich.console import Console
 
 from molt_compile.render_plan import grouped_nodes, node_summary, render_summary
-from plan_support import PLAN_DATA, lowered
 
 
 def _text(plan) -> str:
