@@ -17,10 +17,14 @@ from runtime.agents.base import (
     Trajectory,
     load_agent_runner,
 )
+from runtime.agents.chat_agent import ChatAgent, ChatAgentRunner, ChatContext
 from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
 
 __all__ = [
     "AgentLoadError",
+    "ChatAgent",
+    "ChatAgentRunner",
+    "ChatContext",
     "Env",
     "GenerateClient",
     "GenerateOutput",

@@ -171,7 +171,8 @@ class Runner(ABC):
         tokenizer: Tokenizer,
         client: GenerateClient,
         tools: list | None = None,
-    ) -> Trajectory: ...
+    ) -> Trajectory | list[Trajectory]:
+        """One episode: a trajectory, or several step-samples sharing one `rollout_id` (chat runners)."""
 
 
 # --------------------------------------------------------------------------------------------------- helpers
