@@ -241,6 +241,17 @@ def _string_help(path: str, value: Any) -> str:
     return ""
 
 
+def _with_overridden(d: Diagnostic, loaded: Loaded) -> Diagnostic:
+    """Name the base values that the offending value replaced: the user may be editing the wrong file."""
+    from dataclasses import replace
+
+    from molt_compile.diagnostics import Related
+
+    earlier = loaded.overridden.get(d.path, [])
+    notes = tuple(Related(d.path, p.file, p.line, p.col, "replaces the value set") for p in earlier)
+    return replace(d, related=d.related + notes) if notes else d
+
+
 def validate(loaded: Loaded) -> tuple[Any, list[Diagnostic]]:
     """Validate loaded data into `RlRecipe | SftRecipe`. Returns (recipe or None, new diagnostics)."""
     if loaded.data is None or not loaded.ok:
@@ -254,6 +265,7 @@ def validate(loaded: Loaded) -> tuple[Any, list[Diagnostic]]:
     try:
         recipe = model.model_validate(loaded.data)
     except ValidationError as e:
-        diags.extend(_map_errors(model, e.errors(include_url=False), loaded.data, where))
+        mapped = _map_errors(model, e.errors(include_url=False), loaded.data, where)
+        diags.extend(_with_overridden(d, loaded) for d in mapped)
         return None, diags
     return (None if diags else recipe), diags

@@ -134,3 +134,13 @@ def test_every_loader_code_is_documented():
     assert len({c.code for c in LOADER_CODES}) == len(LOADER_CODES)
     for c in LOADER_CODES:
         assert c.code[-3:].isdigit() and c.name == c.name.lower() and len(c.doc) > 40, c
+
+
+def test_error_names_the_base_value_it_replaced(tmp_path):
+    (tmp_path / "base.yaml").write_text("version: 1\nkind: rl\nrollout:\n  engines: 2\n")
+    (tmp_path / "r.yaml").write_text("extends: base.yaml\nname: x\nmodel: {path: /m}\ndata: {prompts: p}\n"
+                                     "rollout: {engines: 0}\n")
+    (d,) = schema_diags(tmp_path / "r.yaml")
+    assert (d.code, d.line) == ("SCHEMA003", 5)
+    assert [(r.file.endswith("base.yaml"), r.line, r.col, r.note) for r in d.related] == [
+        (True, 4, 12, "replaces the value set")]
