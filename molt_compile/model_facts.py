@@ -38,13 +38,15 @@ THD_ARCHITECTURES = frozenset({
 def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFacts | None:
     """Facts for a recipe's `model` (or `ref`/`critic`) section: `arch` from the catalog, else `path/config.json`.
 
+    An `arch` that is not a catalog key falls back to config.json too (rule MODEL004 reports the unknown key).
+
     `model_section` needs `path` and optionally `arch` (a pydantic section or a dict). None when neither works:
     the path is a hub name or a cluster path not visible here, or config.json is unreadable.
     """
     arch = _get(model_section, "arch")
     path = _get(model_section, "path")
-    if arch:
-        return MODELS.get(arch)
+    if arch and arch in MODELS:
+        return MODELS[arch]
     if not path:
         return None
     p = Path(path)

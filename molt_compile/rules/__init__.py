@@ -119,6 +119,7 @@ ALL_RULES: tuple[Rule, ...] = (
          BOTH),
     Rule("MODEL003", "vlm-context-parallel-freezes-visual-encoder", "info",
          packing.vlm_context_parallel_freezes_visual_encoder, BOTH),
+    Rule("MODEL004", "unknown-model-arch", "error", packing.unknown_model_arch, BOTH),
     Rule("MOE001", "moe-without-expert-parallel", "error", moe.moe_without_expert_parallel, BOTH),
     Rule("MOE002", "moe-with-tensor-parallel", "error", moe.moe_with_tensor_parallel, BOTH),
     Rule("MOE003", "experts-not-divisible-by-ep", "error", moe.experts_not_divisible_by_ep, BOTH),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, hf_fallback, model_facts
+from schemas.catalog import MODELS
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
@@ -224,3 +226,32 @@ def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iter
         yield diag("MODEL003", source, "actor.freeze.visual_encoder", f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
                    f"the visual encoder of {facts.key} is frozen (only the language model trains)",
                    "set actor.freeze.visual_encoder: true to say so", ["actor.mesh.cp"])
+
+
+def unknown_model_arch(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `model.arch`, when set, is a key of the model catalog (`schemas/catalog.py`).
+
+    ## Why it matters
+    The architecture decides MoE, VLM, MTP and backend rules and the memory estimate; a typo would silently turn
+    all of them off (or fall back to a config.json that may describe another model).
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8B-instruct}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    ```
+
+    ## References
+    schemas/catalog.py; molt_rules.md F6 (MoE detection), H9 (backend path)
+    """
+    arch = recipe.model.arch
+    if arch is not None and arch not in MODELS:
+        close = difflib.get_close_matches(arch.lower(), MODELS, n=1, cutoff=0.5)
+        yield diag("MODEL004", source, "model.arch", f"model.arch {arch!r} is not in the model catalog",
+                   (f"did you mean {close[0]!r}? " if close else "") + "or remove model.arch to read "
+                   "<model.path>/config.json; `molt-compile explain` lists the catalog")
