@@ -400,9 +400,15 @@ def rules(code: str | None) -> None:
             if row.code == wanted:
                 click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
                 return
+        from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
+
+        for place in PLACE_CODES:
+            if place.code == wanted:
+                click.echo(f"{place.code} {place.name} ({place.severity})\n\n{place.doc}")
+                return
         from molt_compile.schema_walk import closest
 
-        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES]
+        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES]
         guess = closest(wanted, known)
         click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
         if missing:
@@ -419,6 +425,10 @@ def rules(code: str | None) -> None:
         table.add_row(rule.code, rule.name, rule.severity, first)
     for row in LOADER_CODES:
         table.add_row(row.code, row.name, "error", row.doc.split(". ")[0].replace("\n", " "))
+    from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
+
+    for place in PLACE_CODES:
+        table.add_row(place.code, place.name, place.severity, place.doc.split(". ")[0].replace("\n", " "))
     _console().print(table)
     if missing:
         click.echo(f"molt-compile: {missing}", err=True)

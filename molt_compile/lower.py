@@ -71,6 +71,7 @@ class PlaceCode:
     code: str
     name: str
     doc: str
+    severity: str = "error"
 
 
 PLACE_CODES: tuple[PlaceCode, ...] = (
@@ -87,7 +88,7 @@ after the FSDP bundles (1 CPU each) took theirs. Lower rollout.runners or raise 
     PlaceCode("PLACE104", "group-split-across-nodes", """An EP or CP x TP group of consecutive ranks lands on two nodes
 although its size divides the node size: earlier groups left a node partly used. Intra-node dispatch (hybridep,
 deep_ep) across nodes fails with illegal memory access (§3.3). Give the FSDP group whole nodes (fewer or
-differently sized engines)."""),
+differently sized engines).""", "warning"),
     PlaceCode("PLACE105", "sft-layout-exceeds-cluster", """The SFT torchrun layout (actor.nodes x actor.gpus_per_node)
 needs more nodes or GPUs per node than the cluster has."""),
 )
