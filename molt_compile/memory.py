@@ -23,9 +23,10 @@ the experts — together every parameter lives on exactly one rank of `world`, s
     * logits in fp32 plus their log-softmax: 2 × 4 B × T × vocab / tp (not for the critic's scalar head).
 - runtime overhead: CUDA context, NCCL and allocator slack, 2 GiB (estimate).
 Colocated roles (ref/critic with `placement: colocate`) stay resident on the same GPUs and run one after another:
-their static memory adds up, activations count once (the largest).
+their static memory adds up, activations count once (the largest). A reference model / teacher whose architecture
+cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.
 
-vLLM engine GPU: vLLM may use `gpu_memory_utilization × GPU memory`. Weights in the engine dtype are split by
+vLLM engine GPU (`rollout.engine: vllm` only; the HF engine has no memory share): vLLM may use `gpu_memory_utilization × GPU memory`. Weights in the engine dtype are split by
 tp × pp (experts also by dp with expert_parallel); about 1.5 GiB goes to activations and CUDA graphs (estimate); the
 rest is KV cache, which must hold at least one `max_len` sequence (KV bytes/token from the catalog, KV heads split
 over tp), else vLLM refuses to start.
@@ -117,7 +118,8 @@ def estimate(recipe: Any, derived: Any, facts: Any, gpu: Any, ref_facts: Any = N
         if not together:
             mem = _role_memory(recipe, derived, role, ref_facts if role == "ref" and ref_facts else facts)
             groups.append(GpuGroupMemory((mem,), capacity))
-    engine = _engine_memory(recipe, facts, gpu) if recipe.kind == "rl" else None
+    vllm = recipe.kind == "rl" and recipe.rollout.engine == "vllm"
+    engine = _engine_memory(recipe, facts, gpu) if vllm else None
     return MemoryReport(tuple(groups), engine)
 
 
