@@ -80,7 +80,6 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import os
@@ -123,6 +122,8 @@ class Derived:
         try:
             return self._items[name]
         except KeyError:
+            import difflib  # noqa: PLC0415 - only for the error message
+
             close = difflib.get_close_matches(name, self._items, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise KeyError(f"no derived value {name!r}{hint}") from None

@@ -90,3 +90,22 @@ def test_two_processes_give_byte_identical_plans() -> None:
                              check=True)
         outs.append(res.stdout)
     assert outs[0] == outs[1] and len(outs[0]) > 10_000
+
+
+def test_every_plan_field_is_documented() -> None:
+    """Each field of every plan model is followed by its attribute docstring (the plan's documentation)."""
+    import ast
+
+    import schemas.plan as mod
+
+    tree = ast.parse(open(mod.__file__).read())
+    undocumented = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str) and nxt.value.value.strip()):
+                    undocumented.append(f"{cls.name}.{node.target.id}")
+    assert undocumented == []
