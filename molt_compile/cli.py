@@ -441,7 +441,12 @@ def main() -> None:
     # pydantic scans every installed distribution's entry points for plugins on first use; in an environment
     # with the runtime's hundreds of packages that costs more than validating a recipe. The compiler uses none.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
-    cli(prog_name="molt-compile")
+    try:
+        cli(prog_name="molt-compile")
+    except BrokenPipeError:
+        # The reader went away (`molt-compile lint recipes/ | head`): stop quietly, as other CLI tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":
