@@ -525,8 +525,9 @@ def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
             b.add(name, None, "dataset size unknown", ("data.prompt_count",))
     else:
         spe = count // ro.batch_size
-        b.add("train.steps_per_episode", spe, f"{count} prompts // rollout.batch_size {ro.batch_size} (B11)",
-              ("data.prompt_count", "rollout.batch_size"))
+        refill = "; fewer when dynamic filtering drops groups (backfilled with new prompts)" if r.algo.dynamic_filtering else ""
+        b.add("train.steps_per_episode", spe, f"{count} prompts // rollout.batch_size {ro.batch_size} (B11){refill}",
+              ("data.prompt_count", "rollout.batch_size", "algo.dynamic_filtering"))
         b.add("train.total_steps", spe * t.episodes, f"{spe} steps × episodes {t.episodes}",
               ("train.steps_per_episode", "train.episodes"))
         if t.force_on_policy:
