@@ -189,7 +189,7 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         click.echo(f"Slurm script written to {slurm_out}", err=fmt != "text")
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")
-        sys.exit(submit_fn(plan, address=address, follow=follow))
+        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow))
 
 
 # ------------------------------------------------------------------------------------------------ lint
