@@ -345,8 +345,8 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
         for column in ("name", "value", "reason", "inputs"):
             derived.add_column(column, overflow="fold")
         for dv in result.derived.values():
-            inputs = ", ".join(f"{i} ({_where(result, i)})" if i in result.source.positions else i
-                               for i in dv.inputs)
+            # An input is another derived value (shown by name) or a recipe key (shown with where it was set).
+            inputs = ", ".join(i if i in result.derived else f"{i} ({_where(result, i)})" for i in dv.inputs)
             derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
         console.print(derived)
     if result.diagnostics:
