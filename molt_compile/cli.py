@@ -300,6 +300,15 @@ def _where(result: Any, path: str) -> str:
     return text
 
 
+def _input_label(result: Any, model: Any, name: str) -> str:
+    """An input of a derived value: a recipe key with where it was set, or another derived value by name."""
+    from molt_compile import schema_walk as sw
+
+    segments: list[Any] = [int(s) if s.isdigit() else s for s in name.split(".")]
+    is_key = name not in result.derived and sw.type_at(model, segments)[0] is not None
+    return f"{name} ({_where(result, name)})" if is_key else name
+
+
 def _show(value: Any) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value)
@@ -345,8 +354,7 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
         for column in ("name", "value", "reason", "inputs"):
             derived.add_column(column, overflow="fold")
         for dv in result.derived.values():
-            # An input is another derived value (shown by name) or a recipe key (shown with where it was set).
-            inputs = ", ".join(i if i in result.derived else f"{i} ({_where(result, i)})" for i in dv.inputs)
+            inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
             derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
         console.print(derived)
     if result.diagnostics:
