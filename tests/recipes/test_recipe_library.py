@@ -69,3 +69,22 @@ def test_lint_recipes_dir_reports_no_errors_and_counts_every_recipe():
     assert len(shipped) >= 12
     assert report["summary"]["recipes"] == len(shipped)
     assert report["summary"]["fragments"] >= len(list((RECIPES_DIR / "base").glob("*.yaml")))
+
+
+@pytest.mark.parametrize("path", MOLT_SCRIPT_RECIPES, ids=lambda p: p.name)
+def test_recipe_renders_the_sbatch_its_header_promises(path, tmp_path):
+    """The header's `molt-compile recipes/x.yaml --slurm x.sbatch` works: a syntactically valid script that asks
+    Slurm for the nodes and GPUs of the Molt script it mirrors (read from the plan, never typed twice)."""
+    import subprocess
+
+    from molt_compile.slurm import render_sbatch
+
+    plan = compiled(path.name).plan
+    script = render_sbatch(plan)
+    assert f"#SBATCH --nodes={plan.cluster.nodes}\n" in script
+    assert f"#SBATCH --gpus-per-node={plan.cluster.gpus_per_node}\n" in script
+    assert f"#SBATCH --time={plan.recipe['launch']['slurm']['time']}\n" in script
+    sbatch = tmp_path / f"{path.stem}.sbatch"
+    sbatch.write_text(script)
+    checked = subprocess.run(["bash", "-n", str(sbatch)], capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stderr
