@@ -764,12 +764,13 @@ class Plan(PlanModel):
         """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
         return self.model_copy(update={"fingerprint": self.compute_fingerprint()})
 
-    def to_json(self, pretty: bool = True) -> str:
-        """Canonical JSON. `pretty` (the default, used for plan files and golden files) puts each top-level key, and
-        each item of a top-level list or map (a derived value, a role, a node of the GPU map, a runtime section) on
-        its own line, compact within; keys are sorted either way, so the text is deterministic."""
+    def to_json(self, indent: int | None = 1) -> str:
+        """Canonical JSON, keys sorted either way so the text is deterministic. `indent=None`: one compact line.
+        Otherwise (the default, used for plan and golden files) each top-level key, and each item of a top-level
+        list or map (a derived value, a role, a node of the GPU map, a runtime section), is on its own line,
+        compact within (the `indent` width itself is fixed at one space: the layout is the canonical one)."""
         data = plain(self)
-        return _pretty(data) if pretty else _compact(data)
+        return _compact(data) if indent is None else _pretty(data)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Plan:
