@@ -11,6 +11,10 @@ order they are created and the order decides fragmentation:
 4. controller, lock, two queues, generator, trainer driver (0 CPU, head node);
 5. agent runners, SPREAD, 1 CPU each.
 
+Deliberate differences from Molt: the actor always gets a PACK group (Molt skips it for one GPU per node, so its
+ranks land wherever Ray puts them), and the light actors of step 4 request 0 CPU instead of Ray's default (1 CPU to
+schedule), so they never hold up placement on a small cluster.
+
 The bin packing is a deterministic model of Ray's PACK: bundles go first-fit onto nodes in index order, in
 chunks of the largest EP / CP x TP group size that a node can hold (node-sorted rank order keeps such groups on
 one node, §3.3). What cannot be placed is a PLACE1xx diagnostic with the numbers and a fix, never a hang.
