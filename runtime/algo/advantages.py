@@ -119,12 +119,14 @@ def discounted_returns(rewards_t: Tensor, gamma: float) -> Tensor:
     """(B, T) G_t = Σ_{k≥t} γ^{k−t} r_k over *all* positions: the discount also runs across masked gaps."""
     if gamma == 1.0:
         return rewards_t.flip(1).cumsum(1).flip(1)
-    returns = torch.zeros_like(rewards_t)
-    running = torch.zeros_like(rewards_t[:, 0])
-    for t in reversed(range(rewards_t.size(1))):
-        running = rewards_t[:, t] + gamma * running
-        returns[:, t] = running
-    return returns
+    # Walk time-major (T, B) so each step touches one contiguous row instead of a strided column.
+    r = rewards_t.t().contiguous()
+    returns = torch.empty_like(r)
+    running = torch.zeros_like(r[0])
+    for t in reversed(range(r.size(0))):
+        running = r[t] + gamma * running
+        returns[t] = running
+    return returns.t()
 
 
 # --------------------------------------------------------------------------------------------------- estimators
@@ -160,17 +162,18 @@ def gae(
     mask = action_mask.float()
     r = token_rewards(rewards, action_mask, kl, kl_coef)
     v = values.float() * mask
-    advantages = torch.zeros_like(r)
-    next_value = torch.zeros_like(r[:, 0])
-    next_advantage = torch.zeros_like(r[:, 0])
-    for t in reversed(range(r.size(1))):
-        m = mask[:, t]
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        a_t = delta + gamma * lam * next_advantage
-        next_advantage = m * a_t + (1 - m) * next_advantage
-        next_value = m * v[:, t] + (1 - m) * next_value
-        advantages[:, t] = next_advantage
-    advantages = advantages * mask
+    # Time-major (T, B) copies: each step of the recursion reads and writes contiguous rows.
+    r_tm, v_tm, m_tm = r.t().contiguous(), v.t().contiguous(), mask.t().contiguous().bool()
+    adv_tm = torch.empty_like(r_tm)
+    next_value = torch.zeros_like(r_tm[0])
+    next_advantage = torch.zeros_like(r_tm[0])
+    for t in reversed(range(r_tm.size(0))):
+        m = m_tm[t]
+        a_t = r_tm[t] + gamma * next_value - v_tm[t] + (gamma * lam) * next_advantage
+        next_advantage = torch.where(m, a_t, next_advantage)
+        next_value = torch.where(m, v_tm[t], next_value)
+        adv_tm[t] = next_advantage
+    advantages = adv_tm.t() * mask
     return advantages, (advantages + v) * mask
 
 
