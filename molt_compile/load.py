@@ -595,27 +595,9 @@ def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: di
         diags.append(_diag("LOAD010", f"`--set {item}`: the value is not valid YAML ({reason})", path=key,
                            origin="--set", help=f"quote it if it is a string: --set {key}='\"{raw}\"'"))
         return
-    target: Any = data
-    for seg in segments[:-1]:
-        nxt = target[seg] if isinstance(target, list) and isinstance(seg, int) and seg < len(target) else (
-            target.get(seg) if isinstance(target, dict) else None)
-        if not isinstance(nxt, (dict, list)):
-            if not isinstance(target, dict):
-                nxt = None
-            else:
-                nxt = {}
-                target[seg] = nxt
-        target = nxt
-        if target is None:
-            break
-    last = segments[-1]
-    if isinstance(target, dict) and not isinstance(last, int):
-        target[last] = value
-    elif isinstance(target, list) and isinstance(last, int) and last < len(target):
-        target[last] = value
-    else:
+    if not _assign(data, segments, value):
         parent = ".".join(map(str, segments[:-1]))
-        diags.append(_diag("LOAD009", f"`--set {key}`: `{parent}` has no item {last} to set", path=key,
+        diags.append(_diag("LOAD009", f"`--set {key}`: `{parent}` has no item {segments[-1]} to set", path=key,
                            origin="--set", help=f"set the whole list instead: --set {parent}=[...]"))
         return
     for p in [p for p in values if p == key or p.startswith(key + ".")]:
@@ -625,6 +607,30 @@ def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: di
     values[key] = Pos(None, None, None, "--set")
     for p in _paths(value, key):
         values[p] = Pos(None, None, None, "--set")
+
+
+def _assign(data: dict[str, Any], segments: list[str | int], value: Any) -> bool:
+    """Set `value` at `segments`, creating missing mappings below the deepest existing collection. A list item
+    must already exist. Returns False, and changes nothing, when the path cannot be made."""
+    target: Any = data
+    depth = 0
+    while depth < len(segments) - 1:
+        seg = segments[depth]
+        present = (isinstance(target, dict) and seg in target) or (
+            isinstance(target, list) and isinstance(seg, int) and seg < len(target))
+        if not present or not isinstance(target[seg], (dict, list)):
+            break
+        target = target[seg]
+        depth += 1
+    first, *created = segments[depth:]
+    if any(isinstance(seg, int) for seg in created):
+        return False  # an index into a list that is not there
+    if isinstance(first, int) != isinstance(target, list) or (isinstance(first, int) and first >= len(target)):
+        return False
+    for seg in reversed(created):
+        value = {seg: value}
+    target[first] = value
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ entry point

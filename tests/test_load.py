@@ -334,3 +334,9 @@ def test_repeated_loads_do_not_share_or_leak_state(tmp_path):
                            "extends": ["base.yaml"]}
     (tmp_path / "base.yaml").write_text("env: {A: edited}\n")  # a changed file is parsed again
     assert load_recipe(tmp_path / "r.yaml").data["env"] == {"A": "edited"}
+
+
+def test_set_into_a_missing_list_changes_nothing(in_root):
+    loaded = load_recipe(Path("tests/data/good/rl_min.yaml"), ["algo.reward_clip.0=-2"])
+    assert [d.code for d in loaded.diagnostics] == ["LOAD009"]
+    assert "algo" not in loaded.data and "set the whole list" in loaded.diagnostics[0].help
