@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +20,7 @@ def shipped_recipes() -> list[Path]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def compiled(name: str):
     """`compile_recipe` of recipes/<name>, run from the project root like the CLI would be."""
     from molt_compile.compile import compile_recipe

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from recipe_files import RECIPES_DIR, compiled, shipped_recipes
 
 SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/recipe.schema.json"

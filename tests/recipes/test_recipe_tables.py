@@ -9,7 +9,6 @@ with the lowered plan (its GPU map and engine/trainer sections), so the two cann
 from __future__ import annotations
 
 import pytest
-
 from recipe_files import compiled
 
 # ------------------------------------------------------------------------------------------ table A + B (RL)
