@@ -79,22 +79,47 @@ class PlaceCode:
 
 
 PLACE_CODES: tuple[PlaceCode, ...] = (
-    PlaceCode("PLACE100", "cannot-lower", """A value the plan needs could not be derived (for example dp when the world
-size is not divisible by tp x cp, or no agent). The rule that explains why is reported too; fix that first."""),
-    PlaceCode("PLACE101", "bundle-larger-than-node", """One Ray bundle needs more GPUs than any node has: an mp or uni
+    PlaceCode(
+        "PLACE100",
+        "cannot-lower",
+        """A value the plan needs could not be derived (for example dp when the world
+size is not divisible by tp x cp, or no agent). The rule that explains why is reported too; fix that first.""",
+    ),
+    PlaceCode(
+        "PLACE101",
+        "bundle-larger-than-node",
+        """One Ray bundle needs more GPUs than any node has: an mp or uni
 vLLM engine (tp x dp GPUs in one bundle) or a role on nodes with too few GPUs. Ray would wait forever for the
-placement group (Molt I6/I7). Use the ray executor for engines that span nodes, lower tp x dp, or use bigger nodes."""),
-    PlaceCode("PLACE102", "cluster-full", """A placement group does not fit in what the groups created before it left
+placement group (Molt I6/I7). Use the ray executor for engines that span nodes, lower tp x dp, or use bigger nodes.""",
+    ),
+    PlaceCode(
+        "PLACE102",
+        "cluster-full",
+        """A placement group does not fit in what the groups created before it left
 free. Groups are placed in Molt's order (engines, then the FSDP groups), first-fit per node; the message gives the
-GPUs needed and free per node. Add nodes, fewer engines, or colocate the ref/critic."""),
-    PlaceCode("PLACE103", "cpus-exhausted", """A CPU-only actor (router, agent runner) finds no node with a free CPU
-after the FSDP bundles (1 CPU each) took theirs. Lower rollout.runners or raise cluster.cpus_per_node."""),
-    PlaceCode("PLACE104", "group-split-across-nodes", """An EP or CP x TP group of consecutive ranks lands on two nodes
+GPUs needed and free per node. Add nodes, fewer engines, or colocate the ref/critic.""",
+    ),
+    PlaceCode(
+        "PLACE103",
+        "cpus-exhausted",
+        """A CPU-only actor (router, agent runner) finds no node with a free CPU
+after the FSDP bundles (1 CPU each) took theirs. Lower rollout.runners or raise cluster.cpus_per_node.""",
+    ),
+    PlaceCode(
+        "PLACE104",
+        "group-split-across-nodes",
+        """An EP or CP x TP group of consecutive ranks lands on two nodes
 although its size divides the node size: earlier groups left a node partly used. Intra-node dispatch (hybridep,
 deep_ep) across nodes fails with illegal memory access (§3.3). Give the FSDP group whole nodes (fewer or
-differently sized engines).""", "warning"),
-    PlaceCode("PLACE105", "sft-layout-exceeds-cluster", """The SFT torchrun layout (actor.nodes x actor.gpus_per_node)
-needs more nodes or GPUs per node than the cluster has."""),
+differently sized engines).""",
+        "warning",
+    ),
+    PlaceCode(
+        "PLACE105",
+        "sft-layout-exceeds-cluster",
+        """The SFT torchrun layout (actor.nodes x actor.gpus_per_node)
+needs more nodes or GPUs per node than the cluster has.""",
+    ),
 )
 PLACE_CODE_NAMES = {c.code: c.name for c in PLACE_CODES}
 
@@ -103,8 +128,18 @@ RUNNER_MAX_RESTARTS = 3
 """Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
 its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
 SFT_MODULE = "runtime.sft"
-RUNTIME_ENV_EXCLUDES = (".git", ".venv", "ckpt", "runs", "__pycache__", ".pytest_cache", ".ruff_cache",
-                        ".hypothesis", ".mypy_cache", "*.sqsh")
+RUNTIME_ENV_EXCLUDES = (
+    ".git",
+    ".venv",
+    "ckpt",
+    "runs",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    ".mypy_cache",
+    "*.sqsh",
+)
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -131,7 +166,8 @@ class Placer:
 
     def _fits(self, n: int, devs: int, cpus: float) -> bool:
         return self.next_dev[n] + devs <= self.g and (
-            self.cpu_cap is None or self.cpu_used[n] + cpus <= self.cpu_cap + 1e-9)
+            self.cpu_cap is None or self.cpu_used[n] + cpus <= self.cpu_cap + 1e-9
+        )
 
     def _take(self, n: int, devs: int, cpus: float) -> list[int]:
         start = self.next_dev[n]
@@ -148,7 +184,9 @@ class Placer:
                 return n
         return None
 
-    def place_group(self, name: str, bundles: list[tuple[int, float]], unit: int) -> tuple[list[tuple[int, list[int]]], bool]:
+    def place_group(
+        self, name: str, bundles: list[tuple[int, float]], unit: int
+    ) -> tuple[list[tuple[int, list[int]]], bool]:
         """Place every bundle (devices, cpus) of one group, all or nothing. Returns (node, devices) per bundle and
         whether a chunk of `unit` consecutive bundles had to be split over nodes."""
         saved = (list(self.next_dev), list(self.cpu_used), self.first_open)
@@ -156,7 +194,7 @@ class Placer:
         split = False
         try:
             for start in range(0, len(bundles), max(1, unit)):
-                chunk = bundles[start:start + max(1, unit)]
+                chunk = bundles[start : start + max(1, unit)]
                 need_d = sum(d for d, _ in chunk)
                 need_c = sum(c for _, c in chunk)
                 node = self._first_fit(need_d, need_c) if len(chunk) > 1 else None
@@ -177,18 +215,27 @@ class Placer:
 
     def _failure(self, name: str, index: int, total: int, devs: int, cpus: float) -> PlaceError:
         if devs > self.g:
-            return PlaceError("PLACE101", f"placement group `{name}`: a bundle needs {devs} devices but a node has "
-                              f"{self.g}; Ray would wait forever",
-                              "use the ray executor for engines that span nodes, or lower tp x dp")
+            return PlaceError(
+                "PLACE101",
+                f"placement group `{name}`: a bundle needs {devs} devices but a node has "
+                f"{self.g}; Ray would wait forever",
+                "use the ray executor for engines that span nodes, or lower tp x dp",
+            )
         if self.cpu_cap is not None and cpus > self.cpu_cap:
-            return PlaceError("PLACE101", f"placement group `{name}`: a bundle needs {cpus:g} CPUs but a node has "
-                              f"{self.cpu_cap:g}", "raise cluster.cpus_per_node")
+            return PlaceError(
+                "PLACE101",
+                f"placement group `{name}`: a bundle needs {cpus:g} CPUs but a node has {self.cpu_cap:g}",
+                "raise cluster.cpus_per_node",
+            )
         free = [self.g - d for d in self.next_dev]
         free_total = sum(free)
-        return PlaceError("PLACE102", f"placement group `{name}` does not fit: bundle {index} of {total} needs "
-                          f"{devs} device(s) + {cpus:g} CPU and no node has room ({free_total} device(s) free in "
-                          f"total{_free_summary(free)})",
-                          "add nodes, use fewer/smaller engines, or colocate the ref/critic with the actor")
+        return PlaceError(
+            "PLACE102",
+            f"placement group `{name}` does not fit: bundle {index} of {total} needs "
+            f"{devs} device(s) + {cpus:g} CPU and no node has room ({free_total} device(s) free in "
+            f"total{_free_summary(free)})",
+            "add nodes, use fewer/smaller engines, or colocate the ref/critic with the actor",
+        )
 
     def place_cpu(self, cpus: float, prefer: int = 0) -> int | None:
         """A CPU-only actor: `prefer` first, then the next nodes round-robin."""
@@ -231,14 +278,24 @@ def placement_unit(group_sizes: list[int], devices_per_node: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _diag(code: str, message: str, help: str, path: str = "", source: Any = None,
-          severity: str = "error") -> Diagnostic:
+def _diag(
+    code: str, message: str, help: str, path: str = "", source: Any = None, severity: str = "error"
+) -> Diagnostic:
     file = line = col = None
     if source is not None and path:
         pos = source.pos(path)
         file, line, col = pos.file, pos.line, pos.col
-    return Diagnostic(code=code, severity=severity, message=message, path=path, file=file, line=line, col=col,
-                      help=help, name=PLACE_CODE_NAMES.get(code, ""))
+    return Diagnostic(
+        code=code,
+        severity=severity,
+        message=message,
+        path=path,
+        file=file,
+        line=line,
+        col=col,
+        help=help,
+        name=PLACE_CODE_NAMES.get(code, ""),
+    )
 
 
 def _instance(**fields: Any) -> InstancePlan:
@@ -264,8 +321,9 @@ def _role(**fields: Any) -> RolePlan:
 def _opts(device_units: float, cpus: float, on_cpu: bool) -> RayOptions:
     device_units, cpus = float(device_units), float(cpus)
     if on_cpu:
-        return RayOptions.model_construct(num_cpus=cpus, num_gpus=0.0,
-                                          resources={DEVICE_SLOT_RESOURCE: device_units} if device_units else {})
+        return RayOptions.model_construct(
+            num_cpus=cpus, num_gpus=0.0, resources={DEVICE_SLOT_RESOURCE: device_units} if device_units else {}
+        )
     return RayOptions.model_construct(num_cpus=cpus, num_gpus=device_units, resources={})
 
 
@@ -303,37 +361,72 @@ def _required(d: Derived, names: list[str], source: Any) -> list[Diagnostic]:
         dv = d.get(name)
         if dv is not None and dv.value is None:
             key = _BLAME.get(name.split(".", 1)[-1], "")
-            out.append(_diag("PLACE100", f"cannot lower: {name} is undefined ({dv.reason})",
-                             "fix the error reported for it", key, source))
+            out.append(
+                _diag(
+                    "PLACE100",
+                    f"cannot lower: {name} is undefined ({dv.reason})",
+                    "fix the error reported for it",
+                    key,
+                    source,
+                )
+            )
     return out
 
 
 def _optimizer(o: Any, warmup: int | None, total: int | None) -> OptimizerPlan:
-    return OptimizerPlan.model_construct(name=o.name, lr=o.lr, betas=list(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                         max_norm=o.max_norm, scheduler=o.scheduler, warmup_steps=warmup, total_steps=total,
-                         min_lr_ratio=o.min_lr_ratio, muon=o.muon.model_dump(mode="json") if o.name == "muon" else None)
+    return OptimizerPlan.model_construct(
+        name=o.name,
+        lr=o.lr,
+        betas=list(o.betas),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        max_norm=o.max_norm,
+        scheduler=o.scheduler,
+        warmup_steps=warmup,
+        total_steps=total,
+        min_lr_ratio=o.min_lr_ratio,
+        muon=o.muon.model_dump(mode="json") if o.name == "muon" else None,
+    )
 
 
 def _model(r: Any, source: Any) -> ModelPlan:
     m = r.model
-    return ModelPlan.model_construct(path=_model_path(m.path, "model.path", source), arch=m.arch, backend=m.backend,
-                     dtype=_DTYPES[m.param_dtype], attn=m.attn, gradient_checkpoint=m.gradient_checkpoint,
-                     disable_fast_tokenizer=m.disable_fast_tokenizer)
+    return ModelPlan.model_construct(
+        path=_model_path(m.path, "model.path", source),
+        arch=m.arch,
+        backend=m.backend,
+        dtype=_DTYPES[m.param_dtype],
+        attn=m.attn,
+        gradient_checkpoint=m.gradient_checkpoint,
+        disable_fast_tokenizer=m.disable_fast_tokenizer,
+    )
 
 
 def _ckpt(r: Any, d: Derived, source: Any) -> CkptPlan:
     c = r.ckpt
-    return CkptPlan.model_construct(dir=resolve_path(c.dir, "ckpt.dir", source), hf_dir=resolve_path(c.hf_dir, "ckpt.hf_dir", source),
-                    keep=c.keep, dcp_keep=d.value("ckpt.dcp_keep"), max_disk_gb=c.max_disk_gb, save_hf=c.save_hf,
-                    resume=c.resume, final_save=c.final_save, best_metric_key=c.best_metric_key,
-                    warm_resume_rollouts=c.warm_resume_rollouts)
+    return CkptPlan.model_construct(
+        dir=resolve_path(c.dir, "ckpt.dir", source),
+        hf_dir=resolve_path(c.hf_dir, "ckpt.hf_dir", source),
+        keep=c.keep,
+        dcp_keep=d.value("ckpt.dcp_keep"),
+        max_disk_gb=c.max_disk_gb,
+        save_hf=c.save_hf,
+        resume=c.resume,
+        final_save=c.final_save,
+        best_metric_key=c.best_metric_key,
+        warm_resume_rollouts=c.warm_resume_rollouts,
+    )
 
 
 def _logging(r: Any, source: Any) -> LoggingPlan:
     lg = r.logging
     tb = resolve_path(lg.tensorboard_dir, "logging.tensorboard_dir", source) if lg.tensorboard_dir else None
-    return LoggingPlan.model_construct(out_dir=f"runs/{r.name}", every=lg.every, tensorboard_dir=tb,
-                       wandb=lg.wandb.model_dump(mode="json") if lg.wandb is not None else None)
+    return LoggingPlan.model_construct(
+        out_dir=f"runs/{r.name}",
+        every=lg.every,
+        tensorboard_dir=tb,
+        wandb=lg.wandb.model_dump(mode="json") if lg.wandb is not None else None,
+    )
 
 
 def _runtime_env(r: Any, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPlan) -> dict[str, Any]:
@@ -350,21 +443,31 @@ def _runtime_env(r: Any, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPl
     return rt
 
 
-def _cluster_plan(r: Any, d: Derived, placer: Placer | None, cpus_needed: float) -> ClusterPlan:
+def _cluster_plan(r: Any, d: Derived, cpus_needed: float) -> ClusterPlan:
     c = r.cluster
     on_cpu = d.value("cluster.device") == "cpu"
     cpus = d.value("cluster.cpus_per_node")
     if cpus is None:
         cpus = max(1, math.ceil(cpus_needed - 1e-9))
     resources = {"CPU": float(cpus), (DEVICE_SLOT_RESOURCE if on_cpu else "GPU"): float(c.gpus_per_node)}
-    return ClusterPlan.model_construct(nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu=c.gpu, device=d.value("cluster.device"),
-                       device_resource=d.value("cluster.device_resource"), cpus_per_node=cpus,
-                       node_resources=resources, total_gpus=d.value("cluster.total_gpus"),
-                       used_gpus=d.value("cluster.used_gpus"))
+    return ClusterPlan.model_construct(
+        nodes=c.nodes,
+        gpus_per_node=c.gpus_per_node,
+        gpu=c.gpu,
+        device=d.value("cluster.device"),
+        device_resource=d.value("cluster.device_resource"),
+        cpus_per_node=cpus,
+        node_resources=resources,
+        total_gpus=d.value("cluster.total_gpus"),
+        used_gpus=d.value("cluster.used_gpus"),
+    )
 
 
 def _derived_entries(d: Derived) -> list[DerivedEntry]:
-    return [DerivedEntry.model_construct(name=dv.name, value=dv.value, reason=dv.reason, inputs=list(dv.inputs)) for dv in d.values()]
+    return [
+        DerivedEntry.model_construct(name=dv.name, value=dv.value, reason=dv.reason, inputs=list(dv.inputs))
+        for dv in d.values()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -402,10 +505,19 @@ def _lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagno
     env = dict(r.env)
     env.update(rl.agent.env)
     plan = Plan.model_construct(
-        name=r.name, kind="rl", source=_source_path(source), recipe=r.model_dump(mode="json", by_alias=True),
-        cluster=_cluster_plan(r, d, None, built.cpus_needed), derived=_derived_entries(d),
-        placement_groups=built.pgs, roles=built.roles, gpu_map=built.gpu_map, env=env,
-        runtime_env=_runtime_env(r, env, rl.ckpt, rl.logging), entrypoint=list(RL_ENTRYPOINT), rl=rl,
+        name=r.name,
+        kind="rl",
+        source=_source_path(source),
+        recipe=r.model_dump(mode="json", by_alias=True),
+        cluster=_cluster_plan(r, d, built.cpus_needed),
+        derived=_derived_entries(d),
+        placement_groups=built.pgs,
+        roles=built.roles,
+        gpu_map=built.gpu_map,
+        env=env,
+        runtime_env=_runtime_env(r, env, rl.ckpt, rl.logging),
+        entrypoint=list(RL_ENTRYPOINT),
+        rl=rl,
     )
     return plan.with_fingerprint(), warnings
 
@@ -427,8 +539,14 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
     n_bundles = d.value("rollout.bundles")
     unit = placement_unit([ro.mesh.tp], g) if bundle_devs == 1 and per_engine > 1 else 1
     placed, _ = placer.place_group("rollout", [(bundle_devs, 0.0)] * n_bundles, unit)
-    pgs.append(PlacementGroupPlan.model_construct(name="rollout", strategy="PACK", bundles=[_bundle(bundle_devs, 0, on_cpu)] * n_bundles,
-                                  bundle_nodes=[n for n, _ in placed]))
+    pgs.append(
+        PlacementGroupPlan.model_construct(
+            name="rollout",
+            strategy="PACK",
+            bundles=[_bundle(bundle_devs, 0, on_cpu)] * n_bundles,
+            bundle_nodes=[n for n, _ in placed],
+        )
+    )
     per_instance = 1 if bundle_devs > 1 or per_engine == 1 else per_engine
     instances = []
     for i in range(ro.engines):
@@ -439,10 +557,20 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
             gpu_map[n][dev].append(label)
         instances.append(_instance(index=i, label=label, node=devices[0][0], bundle_indices=idx, devices=devices))
     engine_units = d.value("rollout.engine_num_gpus")
-    roles.append(_role(name="rollout.engine", actor_class="RolloutEngine", count=ro.engines, num_gpus=engine_units,
-                          num_cpus=0, placement_group="rollout", scheduling="placement_group",
-                          ray_options=_opts(engine_units, 0, on_cpu), instances=instances,
-                          env=_engine_env(r, on_cpu)))
+    roles.append(
+        _role(
+            name="rollout.engine",
+            actor_class="RolloutEngine",
+            count=ro.engines,
+            num_gpus=engine_units,
+            num_cpus=0,
+            placement_group="rollout",
+            scheduling="placement_group",
+            ray_options=_opts(engine_units, 0, on_cpu),
+            instances=instances,
+            env=_engine_env(r, on_cpu),
+        )
+    )
 
     # 2. router
     roles.append(_cpu_role("router", "Router", 1, 1.0, placer, on_cpu, "DEFAULT"))
@@ -452,12 +580,18 @@ def _place_rl(r: Any, d: Derived, source: Any) -> tuple[_Built, list[Diagnostic]
         warnings += _place_fsdp(r, d, placer, gpu_map, pgs, roles, on_cpu, source)
 
     # 4. light actors on the head node; 5. runners
-    for name, cls in (("controller", "Controller"), ("lock", "EngineLock"), ("queue.rollout", "Queue"),
-                      ("queue.slots", "Queue"), ("generator", "Generator")):
+    for name, cls in (
+        ("controller", "Controller"),
+        ("lock", "EngineLock"),
+        ("queue.rollout", "Queue"),
+        ("queue.slots", "Queue"),
+        ("generator", "Generator"),
+    ):
         roles.append(_cpu_role(name, cls, 1, 0.0, placer, on_cpu, "DEFAULT"))
     agent_env = _agent_env(r, d)
-    roles.append(_cpu_role("runner", "AgentRunner", d.value("rollout.runners"), 1.0, placer, on_cpu, "SPREAD",
-                           env=agent_env))
+    roles.append(
+        _cpu_role("runner", "AgentRunner", d.value("rollout.runners"), 1.0, placer, on_cpu, "SPREAD", env=agent_env)
+    )
     if not r.eval.only:
         roles.append(_cpu_role("trainer", "TrainingDriver", 1, 0.0, placer, on_cpu, "DEFAULT"))
     return _Built(pgs, roles, gpu_map, max(placer.cpu_used) if placer.cpu_used else 0.0), warnings
@@ -474,23 +608,45 @@ def _engine_env(r: Any, on_cpu: bool) -> dict[str, str]:
     return env
 
 
-def _cpu_role(name: str, cls: str, count: int, cpus: float, placer: Placer, on_cpu: bool, scheduling: str,
-              env: dict[str, str] | None = None) -> RolePlan:
+def _cpu_role(
+    name: str,
+    cls: str,
+    count: int,
+    cpus: float,
+    placer: Placer,
+    on_cpu: bool,
+    scheduling: str,
+    env: dict[str, str] | None = None,
+) -> RolePlan:
     instances = []
     for i in range(count):
         node = placer.place_cpu(cpus, prefer=i if scheduling == "SPREAD" else 0)
         if node is None:
             free = placer.cpu_cap
-            raise PlaceError("PLACE103", f"{name}[{i}] needs {cpus:g} CPU but every node's {free:g} CPUs are taken "
-                             f"(FSDP bundles take 1 CPU each, runners and the router 1 each)",
-                             "lower rollout.runners or raise cluster.cpus_per_node")
+            raise PlaceError(
+                "PLACE103",
+                f"{name}[{i}] needs {cpus:g} CPU but every node's {free:g} CPUs are taken "
+                f"(FSDP bundles take 1 CPU each, runners and the router 1 each)",
+                "lower rollout.runners or raise cluster.cpus_per_node",
+            )
         instances.append(_instance(index=i, label=f"{name}[{i}]", node=node, bundle_indices=[], devices=[]))
-    return _role(name=name, actor_class=cls, count=count, num_gpus=0, num_cpus=cpus, placement_group=None,
-                    scheduling=scheduling, ray_options=_opts(0, cpus, on_cpu), instances=instances, env=env or {})
+    return _role(
+        name=name,
+        actor_class=cls,
+        count=count,
+        num_gpus=0,
+        num_cpus=cpus,
+        placement_group=None,
+        scheduling=scheduling,
+        ray_options=_opts(0, cpus, on_cpu),
+        instances=instances,
+        env=env or {},
+    )
 
 
-def _place_fsdp(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, roles: list, on_cpu: bool,
-                source: Any) -> list[Diagnostic]:
+def _place_fsdp(
+    r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, roles: list, on_cpu: bool, source: Any
+) -> list[Diagnostic]:
     mesh = r.actor.mesh
     sizes = [mesh.ep, mesh.cp * mesh.tp]
     g = r.cluster.gpus_per_node
@@ -506,8 +662,14 @@ def _place_fsdp(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, ro
     for pg_name, group_roles in groups:
         world = d.value(f"{group_roles[0][0]}.world")
         placed, _ = placer.place_group(pg_name, [(1, 1.0)] * world, unit)
-        pgs.append(PlacementGroupPlan.model_construct(name=pg_name, strategy="PACK", bundles=[_bundle(1, 1, on_cpu)] * world,
-                                      bundle_nodes=[n for n, _ in placed]))
+        pgs.append(
+            PlacementGroupPlan.model_construct(
+                name=pg_name,
+                strategy="PACK",
+                bundles=[_bundle(1, 1, on_cpu)] * world,
+                bundle_nodes=[n for n, _ in placed],
+            )
+        )
         for role, cls in group_roles:
             units = d.value(f"{role}.num_gpus")
             instances = []
@@ -515,29 +677,49 @@ def _place_fsdp(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, ro
                 node, devs = placed[rank]
                 label = f"{role}.rank[{rank}]"
                 gpu_map[node][devs[0]].append(label)
-                instances.append(_instance(index=rank, label=label, node=node, bundle_indices=[rank],
-                                              devices=[[node, devs[0]]]))
-            roles.append(_role(name=role, actor_class=cls, count=len(instances), num_gpus=units, num_cpus=units,
-                                  placement_group=pg_name, scheduling="placement_group",
-                                  ray_options=_opts(units, units, on_cpu), instances=instances))
+                instances.append(
+                    _instance(index=rank, label=label, node=node, bundle_indices=[rank], devices=[[node, devs[0]]])
+                )
+            roles.append(
+                _role(
+                    name=role,
+                    actor_class=cls,
+                    count=len(instances),
+                    num_gpus=units,
+                    num_cpus=units,
+                    placement_group=pg_name,
+                    scheduling="placement_group",
+                    ray_options=_opts(units, units, on_cpu),
+                    instances=instances,
+                )
+            )
         warnings += _split_groups(pg_name, [n for n, _ in placed], sizes, ("EP", "CP x TP"), g, source)
     return warnings
 
 
-def _split_groups(pg: str, nodes: list[int], sizes: list[int], names: tuple[str, ...], g: int,
-                  source: Any) -> list[Diagnostic]:
+def _split_groups(
+    pg: str, nodes: list[int], sizes: list[int], names: tuple[str, ...], g: int, source: Any
+) -> list[Diagnostic]:
     """PLACE104 for each group kind whose groups could have stayed on one node but did not."""
     out = []
     for size, what in zip(sizes, names, strict=True):
         if size <= 1 or g <= 0 or g % size:
             continue
-        split = [i for i in range(0, len(nodes) - size + 1, size) if len(set(nodes[i:i + size])) > 1]
+        split = [i for i in range(0, len(nodes) - size + 1, size) if len(set(nodes[i : i + size])) > 1]
         if split:
             first = split[0]
-            out.append(_diag("PLACE104", f"{what} group of ranks {first}-{first + size - 1} in `{pg}` spans nodes "
-                             f"{sorted(set(nodes[first:first + size]))} ({len(split)} group(s) split) although {size} "
-                             f"divides the node size {g}", "give the FSDP group whole nodes: change the engines' "
-                             "footprint so they fill whole nodes", "actor.mesh", source, "warning"))
+            out.append(
+                _diag(
+                    "PLACE104",
+                    f"{what} group of ranks {first}-{first + size - 1} in `{pg}` spans nodes "
+                    f"{sorted(set(nodes[first : first + size]))} ({len(split)} group(s) split) although {size} "
+                    f"divides the node size {g}",
+                    "give the FSDP group whole nodes: change the engines' footprint so they fill whole nodes",
+                    "actor.mesh",
+                    source,
+                    "warning",
+                )
+            )
     return out
 
 
@@ -554,88 +736,187 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
     if agent_path != DISTILL_AGENT_PATH:
         agent_path = resolve_path(agent_path, "agent.path", source)
     engines = EnginesPlan.model_construct(
-        kind=ro.engine, count=ro.engines, tp=ro.mesh.tp, pp=ro.mesh.pp, dp=ro.mesh.dp,
-        gpus_per_engine=d.value("rollout.gpus_per_engine"), executor=d.value("rollout.executor"),
-        expert_parallel=ro.expert_parallel, dtype=ro.dtype, max_model_len=d.value("rollout.max_model_len"),
-        gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager,
-        prefix_caching=ro.prefix_caching, seeds=[t.seed + i for i in range(ro.engines)],
-        router_policy=ro.router_policy, logprobs_mode=d.value("rollout.logprobs_mode"),
-        max_images_per_prompt=r.data.max_images_per_prompt, extra_engine_args=_engine_args(r))
-    sampling = SamplingPlan.model_construct(n_samples_per_prompt=ro.n_samples_per_prompt, max_new_tokens=ro.max_new_tokens,
-                            temperature=ro.temperature, top_p=ro.top_p, logprobs=d.value("rollout.logprobs"))
+        kind=ro.engine,
+        count=ro.engines,
+        tp=ro.mesh.tp,
+        pp=ro.mesh.pp,
+        dp=ro.mesh.dp,
+        gpus_per_engine=d.value("rollout.gpus_per_engine"),
+        executor=d.value("rollout.executor"),
+        expert_parallel=ro.expert_parallel,
+        dtype=ro.dtype,
+        max_model_len=d.value("rollout.max_model_len"),
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
+        prefix_caching=ro.prefix_caching,
+        seeds=[t.seed + i for i in range(ro.engines)],
+        router_policy=ro.router_policy,
+        logprobs_mode=d.value("rollout.logprobs_mode"),
+        max_images_per_prompt=r.data.max_images_per_prompt,
+        extra_engine_args=_engine_args(r),
+    )
+    sampling = SamplingPlan.model_construct(
+        n_samples_per_prompt=ro.n_samples_per_prompt,
+        max_new_tokens=ro.max_new_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        logprobs=d.value("rollout.logprobs"),
+    )
     e = r.eval
     eval_plan = EvalPlan.model_construct(
         enabled=d.value("eval.enabled"),
-        dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None, split=e.split,
-        every=d.value("eval.every"), at_start=e.at_start, only=e.only, batch_size=d.value("eval.batch_size"),
-        sampling=SamplingPlan.model_construct(n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
-                              max_new_tokens=d.value("eval.max_new_tokens"), temperature=d.value("eval.temperature"),
-                              top_p=d.value("eval.top_p"), logprobs=d.value("rollout.logprobs")))
+        dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None,
+        split=e.split,
+        every=d.value("eval.every"),
+        at_start=e.at_start,
+        only=e.only,
+        batch_size=d.value("eval.batch_size"),
+        sampling=SamplingPlan.model_construct(
+            n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
+            max_new_tokens=d.value("eval.max_new_tokens"),
+            temperature=d.value("eval.temperature"),
+            top_p=d.value("eval.top_p"),
+            logprobs=d.value("rollout.logprobs"),
+        ),
+    )
     dt = r.data
-    data = RlDataPlan.model_construct(prompts=resolve_sources(dt.prompts, "data.prompts", source), probs=dt.prompt_probs,
-                      split=dt.split, input_key=dt.input_key, label_key=dt.label_key, tools_key=dt.tools_key,
-                      image_key=dt.image_key, max_images_per_prompt=dt.max_images_per_prompt,
-                      apply_chat_template=dt.apply_chat_template, max_len=dt.max_len, max_samples=dt.max_samples,
-                      dataloader_num_workers=dt.dataloader_num_workers, prompt_count=d.value("data.prompt_count"))
+    data = RlDataPlan.model_construct(
+        prompts=resolve_sources(dt.prompts, "data.prompts", source),
+        probs=dt.prompt_probs,
+        split=dt.split,
+        input_key=dt.input_key,
+        label_key=dt.label_key,
+        tools_key=dt.tools_key,
+        image_key=dt.image_key,
+        max_images_per_prompt=dt.max_images_per_prompt,
+        apply_chat_template=dt.apply_chat_template,
+        max_len=dt.max_len,
+        max_samples=dt.max_samples,
+        dataloader_num_workers=dt.dataloader_num_workers,
+        prompt_count=d.value("data.prompt_count"),
+    )
     trainer = None
     if not e.only:
         trainer = TrainerPlan.model_construct(
-            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
-            micro_batch_size=t.micro_batch_size, grad_accum=d.value("actor.grad_accum"), batch_size=t.batch_size,
-            max_epochs=t.max_epochs, force_on_policy=t.force_on_policy,
+            world=d.value("actor.world"),
+            dp=d.value("actor.dp"),
+            mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=d.value("actor.grad_accum"),
+            batch_size=t.batch_size,
+            max_epochs=t.max_epochs,
+            force_on_policy=t.force_on_policy,
             dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
-            local_batch_size=d.value("actor.local_batch_size"), packing=d.value("actor.packing"),
-            sequence_parallel=a.sequence_parallel, offload=a.offload,
+            local_batch_size=d.value("actor.local_batch_size"),
+            packing=d.value("actor.packing"),
+            sequence_parallel=a.sequence_parallel,
+            offload=a.offload,
             shuffle_microbatches=d.value("actor.shuffle_microbatches"),
             optimizer=_optimizer(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
-            loss=LossPlan.model_construct(mode=a.loss.mode, clip_low=a.loss.clip[0], clip_high=a.loss.clip[1],
-                          dual_clip=a.loss.dual_clip, entropy_coef=a.loss.entropy_coef,
-                          aux_loss_coef=a.loss.aux_loss_coef),
-            freeze_moe_router=a.freeze.moe_router, freeze_visual_encoder=a.freeze.visual_encoder,
-            freezing_steps=a.freezing_steps, temperature=d.value("actor.temperature"),
-            routing_replay=t.routing_replay, full_determinism=t.full_determinism)
+            loss=LossPlan.model_construct(
+                mode=a.loss.mode,
+                clip_low=a.loss.clip[0],
+                clip_high=a.loss.clip[1],
+                dual_clip=a.loss.dual_clip,
+                entropy_coef=a.loss.entropy_coef,
+                aux_loss_coef=a.loss.aux_loss_coef,
+            ),
+            freeze_moe_router=a.freeze.moe_router,
+            freeze_visual_encoder=a.freeze.visual_encoder,
+            freezing_steps=a.freezing_steps,
+            temperature=d.value("actor.temperature"),
+            routing_replay=t.routing_replay,
+            full_determinism=t.full_determinism,
+        )
     ref = None
     if d.value("ref.exists"):
-        ref = RefPlan.model_construct(path=_model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
-                      colocated=d.value("ref.colocated"), world=d.value("ref.world"),
-                      dp=d.value("ref.dp") or 1, grad_accum=d.value("ref.grad_accum") or 1)
+        ref = RefPlan.model_construct(
+            path=_model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
+            colocated=d.value("ref.colocated"),
+            world=d.value("ref.world"),
+            dp=d.value("ref.dp") or 1,
+            grad_accum=d.value("ref.grad_accum") or 1,
+        )
     critic = None
     if d.value("critic.exists"):
         cr = r.critic
         crit_opt = cr.optimizer if cr is not None else _default_critic_optimizer()
         critic = CriticPlan.model_construct(
-            path=_model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path",
-                             source),
-            colocated=d.value("critic.colocated"), world=d.value("critic.world"), dp=d.value("critic.dp") or 1,
-            grad_accum=d.value("critic.grad_accum") or 1, value_clip=cr.value_clip if cr is not None else 0.2,
+            path=_model_path(
+                d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path", source
+            ),
+            colocated=d.value("critic.colocated"),
+            world=d.value("critic.world"),
+            dp=d.value("critic.dp") or 1,
+            grad_accum=d.value("critic.grad_accum") or 1,
+            value_clip=cr.value_clip if cr is not None else 0.2,
             max_epochs=d.value("critic.max_epochs"),
             optimizer=_optimizer(crit_opt, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),
-            freeze_moe_router=d.value("critic.freeze_moe_router"))
+            freeze_moe_router=d.value("critic.freeze_moe_router"),
+        )
     algo = AlgoPlan.model_construct(
-        estimator=al.estimator, gamma=al.gamma, lam=al.lam, whiten=al.whiten, reward_clip=list(al.reward_clip),
-        kl=KlPlan.model_construct(coef=d.value("algo.kl.coef"), estimator=d.value("algo.kl.estimator"),
-                  use_loss=d.value("algo.kl.use_loss"), target=al.kl.target, horizon=al.kl.horizon),
-        is_correction=IsCorrectionPlan.model_construct(level=al.is_correction.level, mode=al.is_correction.mode,
-                                       low=al.is_correction.threshold[0], high=al.is_correction.threshold[1]))
+        estimator=al.estimator,
+        gamma=al.gamma,
+        lam=al.lam,
+        whiten=al.whiten,
+        reward_clip=list(al.reward_clip),
+        kl=KlPlan.model_construct(
+            coef=d.value("algo.kl.coef"),
+            estimator=d.value("algo.kl.estimator"),
+            use_loss=d.value("algo.kl.use_loss"),
+            target=al.kl.target,
+            horizon=al.kl.horizon,
+        ),
+        is_correction=IsCorrectionPlan.model_construct(
+            level=al.is_correction.level,
+            mode=al.is_correction.mode,
+            low=al.is_correction.threshold[0],
+            high=al.is_correction.threshold[1],
+        ),
+    )
     ckpt = _ckpt(r, d, source)
     return RlRuntime.model_construct(
-        device=d.value("cluster.device"), dist_backend=d.value("dist.backend"), model=_model(r, source),
+        device=d.value("cluster.device"),
+        dist_backend=d.value("dist.backend"),
+        model=_model(r, source),
         engines=engines,
-        agent=AgentPlan.model_construct(path=agent_path, max_turns=d.value("agent.max_turns"), env=_agent_env(r, d),
-                        runners=d.value("rollout.runners"), max_restarts=RUNNER_MAX_RESTARTS),
-        data=data, sampling=sampling, eval=eval_plan,
-        generator=GeneratorPlan.model_construct(batch_size=ro.batch_size, generate_batch_size=d.value("rollout.generate_batch_size"),
-                                episodes=t.episodes,
-                                dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
-                                seed=t.seed),
-        queue=QueuePlan.model_construct(size=t.async_.queue_size, partial_rollout=t.async_.partial_rollout,
-                        force_sync=t.async_.force_sync),
-        trainer=trainer, ref=ref, critic=critic, algo=algo,
-        schedule=SchedulePlan.model_construct(steps_per_episode=d.value("train.steps_per_episode"),
-                              total_steps=d.value("train.total_steps"), log_every=r.logging.every,
-                              ckpt_every=d.value("ckpt.every"), eval_every=d.value("eval.every")),
-        ckpt=ckpt, logging=_logging(r, source),
-        weight_sync=WeightSyncPlan.model_construct(world_size=d.value("weight_sync.world_size"), method=d.value("weight_sync.method")))
+        agent=AgentPlan.model_construct(
+            path=agent_path,
+            max_turns=d.value("agent.max_turns"),
+            env=_agent_env(r, d),
+            runners=d.value("rollout.runners"),
+            max_restarts=RUNNER_MAX_RESTARTS,
+        ),
+        data=data,
+        sampling=sampling,
+        eval=eval_plan,
+        generator=GeneratorPlan.model_construct(
+            batch_size=ro.batch_size,
+            generate_batch_size=d.value("rollout.generate_batch_size"),
+            episodes=t.episodes,
+            dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
+            seed=t.seed,
+        ),
+        queue=QueuePlan.model_construct(
+            size=t.async_.queue_size, partial_rollout=t.async_.partial_rollout, force_sync=t.async_.force_sync
+        ),
+        trainer=trainer,
+        ref=ref,
+        critic=critic,
+        algo=algo,
+        schedule=SchedulePlan.model_construct(
+            steps_per_episode=d.value("train.steps_per_episode"),
+            total_steps=d.value("train.total_steps"),
+            log_every=r.logging.every,
+            ckpt_every=d.value("ckpt.every"),
+            eval_every=d.value("eval.every"),
+        ),
+        ckpt=ckpt,
+        logging=_logging(r, source),
+        weight_sync=WeightSyncPlan.model_construct(
+            world_size=d.value("weight_sync.world_size"), method=d.value("weight_sync.method")
+        ),
+    )
 
 
 def _default_critic_optimizer() -> Any:
@@ -648,10 +929,16 @@ def _engine_args(r: Any) -> dict[str, Any]:
     """vLLM engine arguments, only those the recipe set (Molt B16), under vLLM's own names."""
     ro = r.rollout
     args: dict[str, Any] = {}
-    optional = {"enable_chunked_prefill": ro.chunked_prefill, "async_scheduling": ro.async_scheduling,
-                "max_num_batched_tokens": ro.max_num_batched_tokens, "block_size": ro.block_size,
-                "attention_backend": ro.attention_backend, "mm_encoder_attn_backend": ro.mm_encoder_attn_backend,
-                "gdn_prefill_backend": ro.gdn_prefill_backend, "mamba_ssm_cache_dtype": ro.mamba_ssm_cache_dtype}
+    optional = {
+        "enable_chunked_prefill": ro.chunked_prefill,
+        "async_scheduling": ro.async_scheduling,
+        "max_num_batched_tokens": ro.max_num_batched_tokens,
+        "block_size": ro.block_size,
+        "attention_backend": ro.attention_backend,
+        "mm_encoder_attn_backend": ro.mm_encoder_attn_backend,
+        "gdn_prefill_backend": ro.gdn_prefill_backend,
+        "mamba_ssm_cache_dtype": ro.mamba_ssm_cache_dtype,
+    }
     args.update({k: v for k, v in optional.items() if v is not None})
     if ro.disable_custom_all_reduce:
         args["disable_custom_all_reduce"] = True
@@ -676,9 +963,16 @@ def _lower_sft(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagn
     diags = _required(d, ["actor.dp", "actor.grad_accum"], source)
     a, c, t = r.actor, r.cluster, r.train
     if a.nodes > c.nodes or a.gpus_per_node > c.gpus_per_node:
-        diags.append(_diag("PLACE105", f"SFT needs {a.nodes} node(s) x {a.gpus_per_node} GPUs but the cluster has "
-                           f"{c.nodes} x {c.gpus_per_node}", "lower actor.nodes / actor.gpus_per_node or grow the "
-                           "cluster", "actor.nodes", source))
+        diags.append(
+            _diag(
+                "PLACE105",
+                f"SFT needs {a.nodes} node(s) x {a.gpus_per_node} GPUs but the cluster has "
+                f"{c.nodes} x {c.gpus_per_node}",
+                "lower actor.nodes / actor.gpus_per_node or grow the cluster",
+                "actor.nodes",
+                source,
+            )
+        )
     if diags:
         return None, diags
     on_cpu = d.value("cluster.device") == "cpu"
@@ -688,42 +982,109 @@ def _lower_sft(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagn
     for n in range(nnodes):
         for g in range(nproc):
             gpu_map[n][g].append(f"sft.rank[{n * nproc + g}]")
-        instances.append(_instance(index=n, label=f"torchrun[{n}]", node=n, bundle_indices=[],
-                                      devices=[[n, g] for g in range(nproc)]))
+        instances.append(
+            _instance(
+                index=n, label=f"torchrun[{n}]", node=n, bundle_indices=[], devices=[[n, g] for g in range(nproc)]
+            )
+        )
     port = d.value("sft.master_port")
-    command = ["torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), "--node-rank", "{node_rank}",
-               "--master-addr", "{master_addr}", "--master-port", str(port), "-m", SFT_MODULE, PLAN_FILE_PLACEHOLDER]
-    role = _role(name="torchrun", actor_class="Torchrun", count=nnodes, num_gpus=nproc, num_cpus=0,
-                    placement_group=None, scheduling="DEFAULT", ray_options=_opts(nproc, 0, on_cpu),
-                    instances=instances)
+    command = [
+        "torchrun",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--node-rank",
+        "{node_rank}",
+        "--master-addr",
+        "{master_addr}",
+        "--master-port",
+        str(port),
+        "-m",
+        SFT_MODULE,
+        PLAN_FILE_PLACEHOLDER,
+    ]
+    role = _role(
+        name="torchrun",
+        actor_class="Torchrun",
+        count=nnodes,
+        num_gpus=nproc,
+        num_cpus=0,
+        placement_group=None,
+        scheduling="DEFAULT",
+        ray_options=_opts(nproc, 0, on_cpu),
+        instances=instances,
+    )
     dt, e = r.data, r.eval
     sft = SftRuntime.model_construct(
-        device=d.value("cluster.device"), dist_backend=d.value("dist.backend"), nnodes=nnodes, nproc_per_node=nproc,
-        master_port=port, command=command, model=_model(r, source),
+        device=d.value("cluster.device"),
+        dist_backend=d.value("dist.backend"),
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        master_port=port,
+        command=command,
+        model=_model(r, source),
         trainer=SftTrainerPlan.model_construct(
-            world=d.value("actor.world"), dp=d.value("actor.dp"), mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
-            micro_batch_size=t.micro_batch_size, grad_accum=d.value("actor.grad_accum"), batch_size=t.batch_size,
-            max_epochs=t.max_epochs, packing=d.value("actor.packing"), sequence_parallel=a.sequence_parallel,
+            world=d.value("actor.world"),
+            dp=d.value("actor.dp"),
+            mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
+            micro_batch_size=t.micro_batch_size,
+            grad_accum=d.value("actor.grad_accum"),
+            batch_size=t.batch_size,
+            max_epochs=t.max_epochs,
+            packing=d.value("actor.packing"),
+            sequence_parallel=a.sequence_parallel,
             offload=a.offload,
             optimizer=_optimizer(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
-            aux_loss_coef=a.aux_loss_coef, freeze_moe_router=a.freeze.moe_router,
-            freeze_visual_encoder=a.freeze.visual_encoder, seed=t.seed, full_determinism=t.full_determinism),
+            aux_loss_coef=a.aux_loss_coef,
+            freeze_moe_router=a.freeze.moe_router,
+            freeze_visual_encoder=a.freeze.visual_encoder,
+            seed=t.seed,
+            full_determinism=t.full_determinism,
+        ),
         data=SftDataPlan.model_construct(
-            dataset=resolve_sources(dt.dataset, "data.dataset", source), probs=dt.dataset_probs, split=dt.split,
-            input_key=dt.input_key, output_key=dt.output_key, chat_template=_chat_template(dt.chat_template, source),
-            train_on_last_turn_only=dt.train_on_last_turn_only, image_key=dt.image_key,
-            max_images_per_prompt=dt.max_images_per_prompt, max_len=dt.max_len, max_samples=dt.max_samples,
-            dataloader_num_workers=dt.dataloader_num_workers, sample_count=d.value("data.sample_count")),
-        eval_dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None, eval_split=e.split,
-        schedule=SftSchedulePlan.model_construct(steps_per_epoch=d.value("train.steps_per_epoch"),
-                                 total_steps=d.value("train.total_steps"), log_every=r.logging.every,
-                                 ckpt_every=d.value("ckpt.every"), eval_every=d.value("eval.every")),
-        ckpt=_ckpt(r, d, source), logging=_logging(r, source))
+            dataset=resolve_sources(dt.dataset, "data.dataset", source),
+            probs=dt.dataset_probs,
+            split=dt.split,
+            input_key=dt.input_key,
+            output_key=dt.output_key,
+            chat_template=_chat_template(dt.chat_template, source),
+            train_on_last_turn_only=dt.train_on_last_turn_only,
+            image_key=dt.image_key,
+            max_images_per_prompt=dt.max_images_per_prompt,
+            max_len=dt.max_len,
+            max_samples=dt.max_samples,
+            dataloader_num_workers=dt.dataloader_num_workers,
+            sample_count=d.value("data.sample_count"),
+        ),
+        eval_dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None,
+        eval_split=e.split,
+        schedule=SftSchedulePlan.model_construct(
+            steps_per_epoch=d.value("train.steps_per_epoch"),
+            total_steps=d.value("train.total_steps"),
+            log_every=r.logging.every,
+            ckpt_every=d.value("ckpt.every"),
+            eval_every=d.value("eval.every"),
+        ),
+        ckpt=_ckpt(r, d, source),
+        logging=_logging(r, source),
+    )
     env = dict(r.env)
     plan = Plan.model_construct(
-        name=r.name, kind="sft", source=_source_path(source), recipe=r.model_dump(mode="json", by_alias=True),
-        cluster=_cluster_plan(r, d, None, 1.0), derived=_derived_entries(d), placement_groups=[], roles=[role],
-        gpu_map=gpu_map, env=env, runtime_env=_runtime_env(r, env, sft.ckpt, sft.logging), entrypoint=command, sft=sft)
+        name=r.name,
+        kind="sft",
+        source=_source_path(source),
+        recipe=r.model_dump(mode="json", by_alias=True),
+        cluster=_cluster_plan(r, d, 1.0),
+        derived=_derived_entries(d),
+        placement_groups=[],
+        roles=[role],
+        gpu_map=gpu_map,
+        env=env,
+        runtime_env=_runtime_env(r, env, sft.ckpt, sft.logging),
+        entrypoint=command,
+        sft=sft,
+    )
     return plan.with_fingerprint(), []
 
 
