@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 from pathlib import Path
 
@@ -25,4 +26,5 @@ def compiled(name: str):
     """`compile_recipe` of recipes/<name>, run from the project root like the CLI would be."""
     from molt_compile.compile import compile_recipe
 
-    return compile_recipe(RECIPES_DIR / name)
+    with contextlib.chdir(ROOT):  # plan paths are relative to the compile-time working directory
+        return compile_recipe(RECIPES_DIR / name)
