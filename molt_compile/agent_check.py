@@ -118,9 +118,22 @@ def _prerender_false(cls: ast.ClassDef) -> bool:
     return False
 
 
-@lru_cache(maxsize=32)
 def inspect_agent(path: str) -> AgentInfo:
-    """Inspect the agent file at `path` (already resolved against the recipe's directory)."""
+    """Inspect the agent file at `path` (already resolved against the recipe's directory).
+
+    Cached per (path, modification time), so a long-lived process sees edits."""
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        stamp = None
+    return _inspect(path, stamp)
+
+
+inspect_agent.cache_clear = lambda: _inspect.cache_clear()  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=32)
+def _inspect(path: str, stamp: int | None) -> AgentInfo:
     p = Path(path)
     if not p.is_file():
         return AgentInfo(path, exists=False)

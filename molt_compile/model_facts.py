@@ -52,7 +52,11 @@ def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFac
     p = Path(path)
     if not p.is_absolute() and recipe_dir is not None:
         p = Path(recipe_dir) / p
-    return _from_config_dir(str(p))
+    try:
+        stamp = (p / "config.json").stat().st_mtime_ns
+    except OSError:
+        return None
+    return _from_config_dir(str(p), stamp)
 
 
 def _get(section: Any, key: str) -> Any:
@@ -62,7 +66,8 @@ def _get(section: Any, key: str) -> Any:
 
 
 @lru_cache(maxsize=64)
-def _from_config_dir(path: str) -> ModelFacts | None:
+def _from_config_dir(path: str, stamp: int) -> ModelFacts | None:
+    """Facts from `path/config.json`, cached per modification time `stamp`."""
     config_file = Path(path) / "config.json"
     try:
         cfg = json.loads(config_file.read_text())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +67,6 @@ def recipe_dir(source: SourceMap | None) -> Path | None:
     return Path(root).resolve().parent if root else None
 
 
-@lru_cache(maxsize=64)
 def _facts(path: str | None, arch: str | None, base: str | None):
     from molt_compile.model_facts import resolve_model  # noqa: PLC0415
 
