@@ -340,3 +340,38 @@ def test_set_into_a_missing_list_changes_nothing(in_root):
     loaded = load_recipe(Path("tests/data/good/rl_min.yaml"), ["algo.reward_clip.0=-2"])
     assert [d.code for d in loaded.diagnostics] == ["LOAD009"]
     assert "algo" not in loaded.data and "set the whole list" in loaded.diagnostics[0].help
+
+
+_KEYS = st.sampled_from(["a", "b", "c", "model", "path", "x1"])
+_SCALARS = st.one_of(st.integers(-5, 5), st.booleans(), st.none(), st.text("xyz", max_size=3))
+_VALUES = st.recursive(_SCALARS | st.lists(_SCALARS, max_size=3),
+                       lambda inner: st.dictionaries(_KEYS, inner, max_size=3), max_leaves=8)
+_DOCS = st.dictionaries(_KEYS, _VALUES, max_size=4)
+
+
+def _reference_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _reference_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(base=_DOCS, mid=_DOCS, child=_DOCS)
+def test_extends_is_a_deep_merge_where_later_wins(tmp_path, base, mid, child):
+    import json
+
+    (tmp_path / "base.yaml").write_text(json.dumps(base) + "\n")  # JSON is YAML
+    (tmp_path / "mid.yaml").write_text(json.dumps(mid) + "\n")
+    (tmp_path / "r.yaml").write_text(json.dumps({"extends": ["base.yaml", "mid.yaml"], **child}) + "\n")
+    loaded = load_recipe(tmp_path / "r.yaml")
+    assert loaded.diagnostics == []
+    expected = _reference_merge(_reference_merge(base, mid), child)
+    assert loaded.data == {**expected, "extends": ["base.yaml", "mid.yaml"]}
+    # Every value's position is in the last file that wrote that path.
+    from molt_compile.load import _paths
+
+    for path, pos in loaded.source.positions.items():
+        layers = [("base.yaml", base), ("mid.yaml", mid), ("r.yaml", {"extends": [], **child})]
+        last = [name for name, doc in layers if path in _paths(doc) or (path.startswith("extends") and name == "r.yaml")]
+        assert last and Path(pos.file).name == last[-1], (path, pos)
