@@ -64,6 +64,12 @@ class ChatAgentRunner(Runner):
             self._server = server
         return self._server
 
+    def close(self) -> None:
+        """Stop the loopback server (a later `execute` starts a new one)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
     async def execute(
         self,
         prompt: Any,

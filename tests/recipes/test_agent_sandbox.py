@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "recipes" / "agents"))
 from sandbox import SandboxLimits, run_python  # noqa: E402
@@ -195,3 +199,56 @@ def test_exceptions_in_the_code_are_reported():
 def test_oversized_code_is_refused_without_running():
     result = run("x = 1\n" * 20000, SandboxLimits(max_code_bytes=1000))
     assert result.setup_failed and "code too long" in result.observation()
+
+
+def test_scientific_libraries_are_available_inside_the_limits():
+    result = run("import numpy as np, sympy\nprint(np.linalg.norm([3, 4]), sympy.nsimplify(sympy.sqrt(8)))",
+                 SandboxLimits(timeout_s=60, cpu_s=60))
+    assert result.observation() == "5.0 2*sqrt(2)"
+
+
+ROOTLESS_SCRIPT = """
+import asyncio, sys
+sys.path.append(%r)
+from sandbox import SandboxLimits, run_python
+code = '''
+import os, socket
+try:
+    open(%r, 'w').write('x'); print('wrote host file')
+except OSError as e:
+    print('write', e.strerror)
+try:
+    socket.create_connection(('1.1.1.1', 80), 2); print('connected')
+except OSError as e:
+    print('net', e.strerror)
+print('uid', os.getuid())
+'''
+r = asyncio.run(run_python(code, SandboxLimits(timeout_s=30)))
+print(r.observation())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists(),
+                    reason="needs root (to become an unprivileged user), setpriv and a system python3")
+def test_rootless_mode_uses_user_namespaces():
+    """Started by an unprivileged user the sandbox enters a user namespace instead of switching uid; the same
+    containment holds. The system interpreter is used because the venv's may live under a 0700 home."""
+    repo = Path(__file__).resolve().parents[2]
+    agents = str(repo / "recipes" / "agents")
+    # A directory the unprivileged user *can* write on the host (checked below), outside any tmpfs the sandbox
+    # replaces: only the sandbox's read-only remount can stop the write.
+    host_dir = Path(tempfile.mkdtemp(prefix=".sandbox_rootless_", dir=repo))
+    try:
+        host_dir.chmod(0o777)
+        target = host_dir / "escape"
+        nobody = ["/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        control = subprocess.run(nobody + ["/usr/bin/touch", str(host_dir / "control")], capture_output=True)
+        assert control.returncode == 0 and (host_dir / "control").exists()
+        proc = subprocess.run(nobody + ["/usr/bin/python3", "-I", "-c", ROOTLESS_SCRIPT % (agents, str(target))],
+                              capture_output=True, text=True, timeout=120, cwd="/")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip().splitlines() == [
+            "write Read-only file system", "net Network is unreachable", "uid 1000"]  # uid of the nested userns
+        assert not target.exists()
+    finally:
+        shutil.rmtree(host_dir)

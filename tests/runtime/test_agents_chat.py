@@ -12,7 +12,7 @@ import pytest
 
 from runtime.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, SamplingParams, Trajectory
 
-pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,11 @@ class Recorder:
 
 
 def execute(runner, engine, tokenizer, prompt="What is 2+3?", *, max_tokens=8, max_length=1024, label="5"):
-    return asyncio.run(runner.execute(prompt, label, sampling=SamplingParams(max_tokens=max_tokens),
-                                      max_length=max_length, tokenizer=tokenizer, client=engine))
+    try:
+        return asyncio.run(runner.execute(prompt, label, sampling=SamplingParams(max_tokens=max_tokens),
+                                          max_length=max_length, tokenizer=tokenizer, client=engine))
+    finally:
+        runner.close()
 
 
 def action_logprobs(traj: Trajectory) -> list[list[float]]:
