@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,14 @@ def dv(derived: Any, name: str, default: Any = None) -> Any:
 
 
 def recipe_dir(source: SourceMap | None) -> Path | None:
+    """Directory of the root recipe file: relative data, model and agent paths are resolved against it."""
     root = getattr(source, "root_file", None)
-    return Path(root).resolve().parent if root else None
+    return _resolved_parent(root) if root else None
+
+
+@lru_cache(maxsize=256)
+def _resolved_parent(root: str) -> Path:
+    return Path(root).resolve().parent
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):
