@@ -56,12 +56,15 @@ def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnos
             continue
         lower, upper = t.batch_size // unit * unit, (t.batch_size // unit + 1) * unit
         fix = f"{lower} or {upper}" if lower else f"{upper}"
-        path = "train.batch_size" if role != "ref" else _ref_size_key(source)
-        who = "" if role == "actor" else f" (the {role} model's group)"
+        if role == "ref":  # a separately sized reference group: its size is what differs from the actor
+            path, who, size = _ref_size_key(source), " (the ref model's group)", ["ref.nodes", "ref.gpus_per_node"]
+            fix += f", or size the ref group so that its dp divides {t.batch_size}"
+        else:
+            path, who, size = "train.batch_size", "", ["actor.gpus_per_node", "actor.mesh"]
         yield diag("BATCH001", source, path,
                    f"train.batch_size {t.batch_size} is not a multiple of micro_batch_size {t.micro_batch_size} × "
                    f"{role} dp {dp} = {unit}{who}", f"set train.batch_size to {fix}",
-                   ["train.batch_size", "train.micro_batch_size", "actor.gpus_per_node", "actor.mesh"])
+                   ["train.batch_size", "train.micro_batch_size", *size])
 
 
 def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnostic]:
