@@ -159,9 +159,13 @@ class _Builder:
         from ruamel.yaml.nodes import ScalarNode
 
         self.keys[path] = self.pos(key_node)
-        # Block collections start on the next line; their key is the better place to point at.
-        flow = isinstance(value_node, ScalarNode) or getattr(value_node, "flow_style", False)
-        self.values[path] = self.pos(value_node if flow else key_node)
+        # Block collections start on the next line, and an empty value (`eval:`) has no text of its own: point
+        # at the key for those.
+        if isinstance(value_node, ScalarNode):
+            inline = value_node.value != "" or value_node.style is not None
+        else:
+            inline = bool(getattr(value_node, "flow_style", False))
+        self.values[path] = self.pos(value_node if inline else key_node)
 
     def _mapping(self, node: Any, path: str, depth: int) -> dict[str, Any] | None:
         tag = str(node.tag)

@@ -196,8 +196,14 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
                 if word and word not in expected:
                     expected.append(word)
             if expected:
+                help = _type_help(model, segments, expected)
+                if expected == ["a mapping"] and value is None:
+                    help = f"an empty `{segments[-1]}:` is null; write `{segments[-1]}: {{}}` for the defaults, or remove it"
+                elif expected == ["a string"] and isinstance(value, (int, float, bool)):
+                    shown = str(value).lower() if isinstance(value, bool) else value
+                    help = f'quote it: `{segments[-1]}: "{shown}"`'
                 diags.append(_error("SCHEMA002", f"`{path}` must be {' or '.join(expected)}, got {describe(value)}",
-                                    path, where.value(path), help=_type_help(model, segments, expected)))
+                                    path, where.value(path), help=help))
             else:
                 diags.append(_error("SCHEMA007", f"`{path}`: {err['msg']}", path, where.value(path)))
     return diags

@@ -144,3 +144,15 @@ def test_error_names_the_base_value_it_replaced(tmp_path):
     assert (d.code, d.line) == ("SCHEMA003", 5)
     assert [(r.file.endswith("base.yaml"), r.line, r.col, r.note) for r in d.related] == [
         (True, 4, 12, "replaces the value set")]
+
+
+def test_type_errors_have_specific_help(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\nname: t\nkind: rl\nmodel: {path: /m}\ndata: {prompts: p}\n"
+                      "env: {A: 1}\nrollout: {engines: 2.5}\neval:\n")
+    diags = {d.path: d for d in schema_diags(recipe)}
+    assert set(diags) == {"env.A", "rollout.engines", "eval"}
+    assert diags["env.A"].help == 'quote it: `A: "1"`'
+    assert diags["rollout.engines"].message == "`rollout.engines` must be a whole number, got `2.5`"
+    assert (diags["eval"].line, diags["eval"].col) == (8, 1)
+    assert "`eval: {}`" in diags["eval"].help
