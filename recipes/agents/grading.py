@@ -5,10 +5,10 @@
 
 The answer is the content of the *last* `\\boxed{...}` (or `\\fbox{...}`) or `<answer>...</answer>` in the response,
 whichever comes last; a response with neither form scores 0 (the format is part of the task). The label is the
-ground truth as text or a number (a list means "any of these"). Both sides are compared by math-verify
-(HuggingFace), a symbolic equivalence checker: `\\frac{1}{2}` = `0.5` = `1/2`, `1.5\\times10^{3}` = `1500`,
-`x=3` = `3`. Plain scientific notation (`6.02e23`), which LaTeX parsing reads as `6.02`, is rewritten to
-`6.02\\times10^{23}` first.
+ground truth as text or a number (a list means "any of these"; a `{"ground_truth": ...}` dict is unwrapped). Both
+sides are compared by math-verify (HuggingFace), a symbolic equivalence checker: `\\frac{1}{2}` = `0.5` = `1/2`,
+`1.5\\times10^{3}` = `1500`, `x=3` = `3`. Plain scientific notation (`6.02e23`), which LaTeX parsing reads as
+`6.02`, is rewritten to `6.02\\times10^{23}` first.
 
 Why a worker process: sympy can spin for minutes on adversarial answers (`\\boxed{9^{9^{9^9}}}`), partly inside C
 code that no signal interrupts, and math-verify's own timeout uses SIGALRM, which only works in a main thread. Agent
@@ -80,11 +80,21 @@ def grade_answer(response: str, label) -> bool:
     predicted = parse(_as_latex(answer), parsing_timeout=timeout)
     if not predicted:
         return False
-    for gold_text in label if isinstance(label, list) else [label]:
+    for gold_text in _gold_answers(label):
         gold = parse(_as_latex(str(gold_text)), parsing_timeout=timeout)
         if gold and verify(gold, predicted, timeout_seconds=timeout):
             return True
     return False
+
+
+def _gold_answers(label) -> list:
+    """The acceptable answers of a label: a value, a list of values, or a dataset `reward_model` dict such as
+    `{"ground_truth": "3", "style": "rule"}` (the geo3k / verl layout)."""
+    if isinstance(label, dict):
+        label = label.get("ground_truth", label.get("answer"))
+    if label is None:
+        return []
+    return list(label) if isinstance(label, (list, tuple)) else [label]
 
 
 # --------------------------------------------------------------------------------------------------- worker process

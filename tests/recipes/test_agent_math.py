@@ -43,6 +43,9 @@ from runtime.agents import GenerateOutput, SamplingParams, StepEnvRunner, load_a
     ("<answer></answer>", "42", False),
     # a list label means any of its items
     (r"\boxed{5}", ["4", "5"], True),
+    # a dataset reward_model dict is unwrapped (geo3k / verl layout); no ground truth means nothing matches
+    (r"\boxed{3}", {"ground_truth": "3", "style": "rule"}, True),
+    (r"\boxed{3}", {"style": "rule"}, False),
 ])
 def test_grade_answer(response, label, correct):
     assert grade_answer(response, label) is correct
