@@ -296,7 +296,7 @@ def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterato
         yield diag("BATCH008", source, "train.micro_batch_size",
                    f"each rank gets {per_rank} samples per step ({r.batch_size} × {r.n_samples_per_prompt} // dp "
                    f"{dp}), not a multiple of micro_batch_size {t.micro_batch_size}: "
-                   f"{per_rank % t.micro_batch_size} are dropped", "make samples per rank a multiple of "
+                   f"{per_rank % t.micro_batch_size} sample(s) per rank are dropped", "make samples per rank a multiple of "
                    "train.micro_batch_size", ["rollout.batch_size", "rollout.n_samples_per_prompt"])
 
 

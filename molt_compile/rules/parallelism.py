@@ -142,13 +142,13 @@ def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnos
     if not hf_fallback(recipe, facts):
         return
     why = "model.backend is hf" if recipe.model.backend == "hf" else \
-        f"{facts.architecture} has no AutoModel custom implementation (HF fallback)"
+        f"{facts.architecture} has no AutoModel custom implementation"
     axes = ("tp", "cp") if facts is not None and facts.is_moe else ("tp", "cp", "ep")
     for axis in axes:
         size = getattr(recipe.actor.mesh, axis)
         if size > 1:
             yield diag("PAR004", source, f"actor.mesh.{axis}",
-                       f"actor.mesh.{axis} {size} on the HF transformers path ({why}), which supports no TP/CP/EP",
+                       f"actor.mesh.{axis} {size} on the HF transformers fallback ({why}), which has no TP/CP/EP",
                        f"set actor.mesh.{axis}: 1 and scale with data parallelism", ["model.backend", "model.arch"])
 
 
