@@ -255,6 +255,8 @@ class StepEnvRunner(Runner):
             prompt=prompt, label=label, observation_text=observation, token_ids=list(prompt_ids),
             rollout_log_probs=[0.0] * len(prompt_ids) if sampling.logprobs else None, rollout_id=session_id,
         )
+        # Fixed for the episode: the logprob column must stay aligned even if an env swaps the sampling params.
+        want_logprobs = traj.rollout_log_probs is not None
         while True:
             remaining = max_length - len(traj.token_ids)
             if remaining <= 0:
@@ -263,7 +265,7 @@ class StepEnvRunner(Runner):
             turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, remaining))
             out = await client.generate(
                 traj.token_ids, max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
-                top_p=turn_sampling.top_p, session_id=session_id, logprobs=turn_sampling.logprobs,
+                top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs,
             )
             if not isinstance(out, GenerateOutput):
                 raise TypeError(f"engine client returned {type(out).__name__}, expected GenerateOutput")
@@ -290,7 +292,7 @@ class StepEnvRunner(Runner):
             traj.score = reward if result.score is None else scalar(result.score, f"{type(env).__name__}.step score")
             traj.info = dict(result.info or {})
 
-            traj.append_action(list(out.token_ids), list(out.logprobs) if sampling.logprobs else None)
+            traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None)
             traj.observation_text += action_text
             feedback_ids = await tokenize(tokenizer, result.observation)
             room = max_length - len(traj.token_ids)

@@ -155,13 +155,17 @@ def test_result_sampling_params_replace_the_cap_next_turn():
     class Shrink(Env):
         async def step(self, state):
             if state["turn"] == 0:
-                return Result(observation="|", terminated=False, sampling_params=SamplingParams(max_tokens=3))
+                return Result(observation="|", terminated=False,
+                              sampling_params=SamplingParams(max_tokens=3, logprobs=False))
             return Result()
 
     engine = ScriptedEngine(["abcdef", "abcdef"])
     traj = execute(StepEnvRunner(Shrink), engine, max_tokens=10)
     assert [c[1]["max_tokens"] for c in engine.calls] == [10, 3]
     assert traj.finish_reasons == ["stop", "length"] and traj.truncated is True
+    # the new params asked for no logprobs, but the episode's logprob column stays complete and aligned
+    assert [c[1]["logprobs"] for c in engine.calls] == [True, True]
+    assert traj.rollout_log_probs == expected_logprobs(traj)
 
 
 # --------------------------------------------------------------------------------------------------- budget
