@@ -210,8 +210,8 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
 def lint(paths: tuple[str, ...], fmt: str) -> None:
-    """Check every recipe under PATHS (*.yaml, recursively). Base fragments (under a `base/` directory, or files
-    that do not name a job) are checked as YAML but not as standalone jobs."""
+    """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
+    files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs."""
     import os
 
     from molt_compile.compile import compile_recipe

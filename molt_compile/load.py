@@ -67,13 +67,9 @@ class Loaded:
 
     @property
     def is_fragment(self) -> bool:
-        """A base fragment: lives under a `base/` directory, or does not name a job itself (no `name:` of its own;
-        a job's name is never inherited in practice). `lint` also treats a file that another recipe extends and
-        that lacks `kind` or `name` as a fragment."""
-        under_base = self.path is not None and "base" in Path(os.path.abspath(self.path)).parts[:-1]
-        if not self.parsed:
-            return under_base  # unreadable: nothing says what it is, so it is checked as a job
-        return under_base or "name" not in self.own_keys
+        """Lives under a `base/` directory: a base fragment, not a job. (`lint` also treats a file that another
+        recipe extends and that lacks `kind` or `name` as one; that needs the other files.)"""
+        return self.path is not None and "base" in Path(os.path.abspath(self.path)).parts[:-1]
 
 
 def display_path(path: Path) -> str:

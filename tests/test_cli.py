@@ -322,3 +322,10 @@ def test_passes_run_in_order_and_stop_at_blockers(in_root):
     rule_errors = compile_recipe(Path(f"{GOOD}/child.yaml"))
     assert rule_errors.exit_status == 1 and rule_errors.derived is not None and rule_errors.plan is None
     assert rule_errors.diagnostics == sorted(rule_errors.diagnostics, key=lambda d: d.sort_key())
+
+
+def test_lint_checks_a_job_that_forgot_its_name(tmp_path):
+    (tmp_path / "job.yaml").write_text("version: 1\nkind: rl\nmodel: {path: /m}\ndata: {prompts: p}\n")
+    result = run("lint", str(tmp_path))
+    assert result.exit_code == 1 and "missing required key `name`" in result.output
+    assert result.output.splitlines()[-1].startswith("checked 1 recipe: ")

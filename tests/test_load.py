@@ -257,6 +257,7 @@ def test_base_fragments_are_recognised(in_root):
     assert load_recipe(Path("tests/data/good/base/common.yaml")).is_fragment  # under base/
     assert not load_recipe(Path("tests/data/good/child.yaml")).is_fragment
     assert not load_recipe(Path("tests/data/good/rl_min.yaml")).is_fragment
+    assert not load_recipe(Path("tests/data/bad/cycle_b.yaml")).is_fragment  # only `lint` sees who extends it
 
 
 # ----------------------------------------------------------------------------------------- --set
