@@ -264,7 +264,7 @@ class StepEnvRunner(Runner):
                 break
             turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, remaining))
             out = await client.generate(
-                traj.token_ids, max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
+                list(traj.token_ids), max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
                 top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs,
             )
             if not isinstance(out, GenerateOutput):

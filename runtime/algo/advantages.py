@@ -141,6 +141,14 @@ def on_policy_distill(kl: Tensor, action_mask: Tensor, kl_coef: float) -> Tensor
     return -kl_coef * kl.float() * action_mask.float()
 
 
+def on_policy_distill_from_logprobs(student_log_probs: Tensor, teacher_log_probs: Tensor, action_mask: Tensor,
+                                    kl_coef: float, estimator: str = "k1") -> Tensor:
+    """(B, T) the same advantage from the two log-prob tensors: A_t = −β·k(log π_student, log π_teacher)·m_t."""
+    from runtime.algo.kl import kl_estimate
+
+    return on_policy_distill(kl_estimate(student_log_probs, teacher_log_probs, estimator), action_mask, kl_coef)
+
+
 def gae(
     rewards: Tensor,  # (B,) per-sample reward
     values: Tensor,  # (B, T) critic V(s_t) at collection time

@@ -17,6 +17,7 @@ from runtime.algo.advantages import (
     gae,
     grpo,
     on_policy_distill,
+    on_policy_distill_from_logprobs,
     reinforce,
     reinforce_baseline,
     rloo,
@@ -170,6 +171,13 @@ def test_gae_hand_computed_with_transparent_gap():
     adv, ret = gae(T([1.0]), T([[0.5, 0.2, 9.0, 0.4]]), T([[1, 1, 0, 1]]), None, 0.0, 0.9, 0.5)
     assert close(adv, [[-0.1265, 0.43, 0.0, 0.6]])
     assert close(ret, [[-0.1265 + 0.5, 0.43 + 0.2, 0.0, 0.6 + 0.4]])
+
+
+def test_on_policy_distill_from_student_and_teacher_logprobs():
+    # k1 = log π_s − log π_t = [-1 - (-1.5), -2 - (-1)] = [.5, -1]; β = .5 -> A = [-.25, .5]: the student is pushed
+    # up where the teacher is more likely (t1) and down where it is less likely (t0)
+    student, teacher = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -0.1]])
+    assert close(on_policy_distill_from_logprobs(student, teacher, T([[1, 1, 0]]), 0.5), [[-0.25, 0.5, 0.0]])
 
 
 def test_gae_requires_values():
