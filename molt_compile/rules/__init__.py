@@ -73,6 +73,8 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("DATA003", "local-data-file-missing", "warning", data_agent.local_data_file_missing, BOTH),
     Rule("DATA004", "images-on-text-model", "warning", data_agent.images_on_text_model, BOTH),
     Rule("DATA005", "local-model-path-missing", "warning", data_agent.local_model_path_missing, BOTH),
+    Rule("DATA006", "chat-rows-without-chat-template", "error", data_agent.chat_rows_without_chat_template),
+    Rule("DATA007", "data-key-missing-from-rows", "error", data_agent.data_key_missing_from_rows, BOTH),
     Rule("DEAD001", "dead-rollout-knob", "warning", dead_knobs.dead_rollout_knob),
     Rule("DEAD002", "freezing-steps-without-critic", "warning", dead_knobs.freezing_steps_without_critic),
     Rule("DEAD003", "discount-unused-by-estimator", "warning", dead_knobs.discount_unused_by_estimator),
