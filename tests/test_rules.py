@@ -204,3 +204,24 @@ def test_coverage_table_names_every_rule_and_only_real_ones():
     mentioned = set(re.findall(r"\b[A-Z]+[0-9]{3}\b", text)) - {"SCHEMA003", "SCHEMA004", "SCHEMA005"}
     mentioned = {c for c in mentioned if not c.startswith("PLACE1")}  # lower.py's codes
     assert mentioned == set(RULES_BY_CODE), sorted(mentioned ^ set(RULES_BY_CODE))
+
+
+def test_coverage_counts_match_the_item_rows():
+    """COVERAGE.md is edited by hand: its per-tier counts must agree with its item rows."""
+    text = (Path(__file__).parents[1] / "molt_compile/rules/COVERAGE.md").read_text()
+    items = text.split("## Items")[1].split("## Rules beyond")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in items.splitlines()
+            if line.startswith("| ") and not line.startswith("| item")]
+    assert len(rows) >= 140
+
+    def tier(t: str) -> str:
+        return "CLI" if t.startswith("CLI") else "IMPLICIT" if "IMPLICIT" in t else \
+            "LATE" if t in ("LATE", "EXT", "EXT/README") else "untagged"
+
+    counts: dict[str, list[int]] = {}
+    for _item, t, cov, _note in rows:
+        c = counts.setdefault(tier(t), [0, 0, 0, 0])
+        c[0] += 1
+        c[1 if re.search(r"[A-Z]+[0-9]{3}", cov) else 2 if cov != "—" else 3] += 1
+    for t, c in counts.items():
+        assert f"| {t} | {c[0]} | {c[1]} | {c[2]} | {c[3]} |" in text, (t, c)
