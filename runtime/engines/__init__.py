@@ -93,6 +93,14 @@ def engine_class(kind: str) -> type:
     raise ValueError(f"unknown engine kind {kind!r}")  # the plan schema allows only vllm|hf
 
 
+def _ray_executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[str, str]:
+    """With vLLM's ray executor the engine actor holds no device: vLLM starts one worker per bundle of the engine's
+    slice of the captured placement group (molt_rules.md §3.3), which it reads from these variables."""
+    if engines.executor != "ray":
+        return {}
+    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)), "VLLM_RAY_PER_WORKER_GPUS": "1"}
+
+
 def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None) -> list[Any]:
     """Create one engine actor per `role.instances` entry and wait until all have loaded the model."""
     import ray
@@ -107,7 +115,7 @@ def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placeme
             "num_gpus": opts.num_gpus,
             "resources": dict(opts.resources),
             "max_concurrency": ENGINE_MAX_CONCURRENCY,
-            "runtime_env": {"env_vars": dict(role.env)},
+            "runtime_env": {"env_vars": {**role.env, **_ray_executor_env(engines, inst.bundle_indices)}},
         }
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
