@@ -329,3 +329,18 @@ def test_lint_checks_a_job_that_forgot_its_name(tmp_path):
     result = run("lint", str(tmp_path))
     assert result.exit_code == 1 and "missing required key `name`" in result.output
     assert result.output.splitlines()[-1].startswith("checked 1 recipe: ")
+
+
+def test_rules_prints_one_rules_documentation():
+    try:
+        from molt_compile.rules import ALL_RULES
+    except ImportError:
+        assert run("rules", "AGENT001").exit_code == 2
+        return
+    import inspect
+
+    rule = ALL_RULES[0]
+    result = run("rules", rule.code.lower())
+    assert result.exit_code == 0
+    assert result.output.startswith(f"{rule.code} {rule.name} ({rule.severity})")
+    assert inspect.cleandoc(rule.check.__doc__).splitlines()[0] in result.output
