@@ -167,7 +167,7 @@ def render_github(diags: Iterable[Diagnostic]) -> str:
             props.append(f"line={d.line}")
         if d.col:
             props.append(f"col={d.col}")
-        props.append(f"title={_gh_escape_prop(d.code + (' ' + d.name if d.name else ''))}")
+        props.append(f"title={_gh_escape_prop(d.code)}")
         message = d.message + (f" ({d.path})" if d.path and d.path not in d.message else "")
         if d.help:
             message += f"\nhelp: {d.help}"
