@@ -22,8 +22,9 @@ before it execs the untrusted code:
 |                                | non-zero uid; both with PR_SET_NO_NEW_PRIVS, so setuid binaries do not elevate        |
 | secrets in the environment     | the code gets a minimal environment, not the runner's                                |
 
-On a root host the boot process uses the namespaces directly; otherwise it first enters a user namespace (needs
-unprivileged user namespaces, the default on current kernels). If any step fails the boot exits with code 125 and a
+On a root host the boot process uses the namespaces directly; otherwise (another user, or root without
+CAP_SYS_ADMIN as in a default container) it first enters a user namespace (needs user namespaces to be allowed,
+the default on current kernels). If any step fails the boot exits with code 125 and a
 "sandbox setup failed" message *before* running the code: the tool fails closed, never unconfined.
 The interpreter (`sys.executable` and its site-packages) must be readable by other users on a root host, because the
 code runs under a uid of its own.
@@ -307,17 +308,31 @@ def _set_limits(limits: dict) -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
 
 
+def _enter_namespaces(rootless: bool) -> bool:
+    """Unshare the mount, network, IPC, UTS and PID namespaces; returns whether a user namespace was needed.
+
+    Root normally has the capability to do it directly. Root *without* CAP_SYS_ADMIN (a default container) and any
+    other user go through a user namespace in which they are root."""
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
+    if not rootless:
+        try:
+            _unshare(flags)
+            return False
+        except PermissionError:
+            pass
+    outer_uid, outer_gid = os.getuid(), os.getgid()
+    _unshare(CLONE_NEWUSER)
+    _map_ids(0, outer_uid, outer_gid)  # root inside, to set up the namespaces below
+    _unshare(flags)
+    return True
+
+
 def _boot(config: dict) -> None:
     limits = config["limits"]
     code = sys.stdin.buffer.read(limits["max_code_bytes"] + 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller died or gave up: so do we
-    rootless = os.geteuid() != 0
+    rootless = _enter_namespaces(rootless=os.geteuid() != 0)
     uid = os.getuid() if rootless else config["uid"]
-    if rootless:
-        outer_uid, outer_gid = os.getuid(), os.getgid()
-        _unshare(CLONE_NEWUSER)
-        _map_ids(0, outer_uid, outer_gid)  # root inside, to set up the namespaces below
-    _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID)
     _make_filesystem_read_only(limits, [] if rootless else config["expose"])
     os.makedirs(WORK_DIR, mode=0o700)
     with open(os.path.join(WORK_DIR, "main.py"), "wb") as f:

@@ -252,3 +252,19 @@ def test_rootless_mode_uses_user_namespaces():
         assert not target.exists()
     finally:
         shutil.rmtree(host_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists(),
+                    reason="needs root and setpriv to drop CAP_SYS_ADMIN")
+def test_root_without_cap_sys_admin_falls_back_to_a_user_namespace():
+    """Root in a default container lacks CAP_SYS_ADMIN: the boot cannot unshare directly and must go through a
+    user namespace instead of failing (or running unconfined)."""
+    agents = str(Path(__file__).resolve().parents[2] / "recipes" / "agents")
+    target = Path(__file__).resolve().parents[2] / "CAPLESS_ESCAPE_TEST"
+    proc = subprocess.run(["/usr/bin/setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin", sys.executable,
+                           "-c", ROOTLESS_SCRIPT % (agents, str(target))],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines() == ["write Read-only file system", "net Network is unreachable",
+                                                "uid 1000"]
+    assert not target.exists()
