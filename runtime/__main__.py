@@ -2,7 +2,7 @@
 
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
-Exit status: 0 finished, 130 stopped by a signal, 2 unusable plan file.
+Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 2 unusable plan file.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         ray.init()
     try:
         result = run(plan, live=sys.stdout.isatty())
+    except Exception as exc:  # one clear line (Ray errors carry the remote traceback in their text)
+        cause = getattr(exc, "cause", None) or exc
+        print(f"run failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
     finally:
         if started_here:
             ray.shutdown()

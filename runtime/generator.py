@@ -151,6 +151,9 @@ class Generator:
         except asyncio.CancelledError:
             reason = "stopped"
             raise
+        except Exception:
+            reason = "error"  # the exception reaches the driver through the run() ref
+            raise
         finally:
             self._abandon_inflight()
             if reason != "stopped":

@@ -60,15 +60,16 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     rl = plan.rl
     stop = _StopFlag()
     # ------------------------------------------------------------------------------------------------ setup
+    resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
     sink = MetricsSink(Path(rl.logging.out_dir), Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
-                       else None, rl.schedule.total_steps, live)
+                       else None, rl.schedule.total_steps, live, append=resume_from is not None)
     pgs = create_placement_groups(plan)
     engines, router = start_rollout(plan, pgs)
     trainer = start_trainer_group(trainer_spec(plan), [actor_options(plan, "actor", r, pgs)
                                                        for r in range(rl.trainer.world)])
     step, consumed, last_ckpt, kl_coef = 0, 0, None, rl.algo.kl.coef
-    if rl.ckpt.resume and (found := ckpt.latest(rl.ckpt.dir)):
-        last_ckpt, state = str(found[0]), found[1]
+    if resume_from is not None:
+        last_ckpt, state = str(resume_from[0]), resume_from[1]
         trainer.load_checkpoint(last_ckpt)
         step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
@@ -85,6 +86,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         rollout_slots.put(step)
     lock = EngineLock.options(**role_options(plan, "lock")).remote()
     runners = start_runners(plan, router)
+    ray.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
         generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
     generator_done = generator.run.remote(step, consumed)
@@ -334,9 +336,15 @@ def start_rollout(plan: Plan, pgs: dict) -> tuple[list, object]:
 def start_runners(plan: Plan, router) -> list:
     rl = plan.rl
     cls = ray.remote(AgentRunnerActor)
-    return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts).remote(
+    # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
+    return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
+                        name=runner_name(plan, i)).remote(
         rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env))
-        for _ in range(rl.agent.runners)]
+        for i in range(rl.agent.runners)]
+
+
+def runner_name(plan: Plan, index: int) -> str:
+    return f"{plan.name}.runner[{index}]"
 
 
 def trainer_spec(plan: Plan) -> TrainerSpec:

@@ -32,7 +32,7 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class EndOfStream:
-    reason: str                    # "data_exhausted" | "total_steps" | "stopped"
+    reason: str                    # "data_exhausted" | "total_steps" | "error"
     accounting: dict[str, int] = field(default_factory=dict)   # prompts/consumed, prompts/trained, prompts/dropped/<reason>
 
 

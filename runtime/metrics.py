@@ -96,10 +96,10 @@ def is_documented(key: str) -> bool:
 class MetricsSink:
     """metrics.jsonl (one JSON object per record, always), TensorBoard (when configured), and a rich live line."""
 
-    def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool):
+    def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool, append: bool):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        self._file = open(self.path, "a")
+        self._file = open(self.path, "a" if append else "w")  # a resumed run continues its record
         self._tb = None
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter

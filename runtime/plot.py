@@ -32,10 +32,11 @@ def plot_run(metrics_path: Path, out_png: Path, title: str) -> Path:
     ax_r.legend(loc="lower right")
     ax_r.grid(alpha=0.3)
     for i, key in enumerate(TIMINGS):
-        pts = [(r["step"], r[key]) for r in train if key in r]
+        # The first step also waits for the engines' and the trainer's start-up; it would flatten the curves.
+        pts = [(r["step"], r[key]) for r in train[1:] if key in r]
         if pts:
             ax_t.plot(*zip(*pts, strict=True), label=key.removeprefix("timing/"), color=f"C{i}")
-    ax_t.set(xlabel="step", ylabel="seconds", title="timings per step")
+    ax_t.set(xlabel="step", ylabel="seconds", title="timings per step (from step 2)")
     ax_t.legend(loc="upper right", fontsize=8)
     ax_t.grid(alpha=0.3)
     fig.suptitle(title)

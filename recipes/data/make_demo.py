@@ -2,7 +2,8 @@
 
     python recipes/data/make_demo.py            # writes recipes/data/demo_math/{train,eval}.jsonl and model/
 
-The task is single-digit addition ("3+4=" -> "7"), rewarded 1 for the exact sum. A randomly initialised model
+The task is addition of two digits 0-4 ("3+4=" -> "7"; 25 facts, sums 0-8 are single tokens), rewarded 1 for
+the exact sum. A randomly initialised model
 never emits a number, so RL would have no signal; a few seconds of supervised warm-start on a *different* format
 mix teaches it to answer with digits and end the turn, leaving the sums themselves mostly wrong. The demo's RL
 run then has to learn the facts, which is what makes the reward rise.
@@ -18,13 +19,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent / "demo_math"
 SEED = 0
-WARM_START_STEPS = 60   # supervised steps; chosen so the sampled accuracy starts low (see the module docstring)
+MAX_OPERAND = 4
+WARM_START_STEPS = 40   # supervised steps; chosen so the sampled accuracy starts low (see the module docstring)
 
 
 def task_rows(rng: random.Random, n: int) -> list[dict]:
     rows = []
     for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
         rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return rows
 
@@ -73,10 +75,13 @@ def main() -> None:
 
     HERE.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
-    for name, n in (("train", 4096), ("eval", 64)):
-        with open(HERE / f"{name}.jsonl", "w") as f:
-            for row in task_rows(rng, n):
-                f.write(json.dumps(row) + "\n")
+    with open(HERE / "train.jsonl", "w") as f:
+        for row in task_rows(rng, 4096):
+            f.write(json.dumps(row) + "\n")
+    with open(HERE / "eval.jsonl", "w") as f:  # every fact once
+        for a in range(MAX_OPERAND + 1):
+            for b in range(MAX_OPERAND + 1):
+                f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=300)
     warm_start(model_dir, WARM_START_STEPS, SEED)
     print(f"demo data and warm-started model written to {HERE}")
