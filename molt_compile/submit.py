@@ -351,7 +351,9 @@ class LocalCluster:
         self.port = _free_port()
         self.token = secrets.token_hex(32)
         self.env = {**os.environ, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": f"127.0.0.1:{self.port}"}
+                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": f"127.0.0.1:{self.port}",
+                    # the raylet's wait for its dashboard agent; Ray's default is too short on a loaded machine
+                    "RAY_agent_register_timeout_ms": os.environ.get("RAY_agent_register_timeout_ms", "300000")}
         self.env.pop("RAY_AUTH_TOKEN_PATH", None)
         self.proc: subprocess.Popen | None = None
         self.log = self.temp_dir / "ray-head.log"
