@@ -75,6 +75,11 @@ def sbatch_quote(value: object, key: str = "") -> str:
     return shlex.quote(text)
 
 
+def comment_text(value: object) -> str:
+    """Text for a `#` comment line: control characters become `?`, so the comment cannot end early."""
+    return CONTROL.sub("?", str(value))
+
+
 def env_value(value: str) -> str:
     """A job env value as shell words: literal text quoted, `${env:NAME}` references expanded at run time."""
     parts: list[str] = []
@@ -143,6 +148,7 @@ def _template():
         keep_trailing_newline=True)
     env.filters["q"] = shell_quote
     env.filters["sbatch"] = sbatch_quote
+    env.filters["comment"] = comment_text
     return env.get_template("slurm.sbatch.j2")
 
 
@@ -191,6 +197,10 @@ def render_sbatch(plan: Plan) -> str:
     ray_port = int(slurm.get("ray_port", 6379))
     dashboard_port = int(slurm.get("dashboard_port", 8265))
     plan_json = plan.to_json().rstrip("\n")
+    for key, value in (("name", plan.name), *((f"launch.slurm.{k}", slurm.get(k)) for k in ("time", "account",
+                                                                                         "partition"))):
+        if value is not None:
+            sbatch_quote(value, key)  # refuses control characters, naming the key
     setup = [str(line) for line in slurm.get("setup") or []]
     for i, line in enumerate(setup):
         if "\x00" in line:

@@ -59,7 +59,7 @@ def test_sbatch_boots_two_node_ray_and_propagates_the_exit_status(slurm, cpu_pla
 
 def test_sbatch_reads_hostile_option_values_as_data(slurm, cpu_plan: Plan, tmp_path: Path) -> None:
     """sbatch itself parses the quoted #SBATCH values: the account arrives verbatim and nothing runs."""
-    marker = tmp_path / "INJECTED"
+    marker = tmp_path / "injected"  # lowercase: Slurm stores account names lowercased
     account = f"""a'; touch {marker}; echo '$(touch {marker})`touch {marker}`"""
     recipe = dict(cpu_plan.recipe)
     recipe["launch"] = {**recipe["launch"], "slurm": {**recipe["launch"]["slurm"], "account": account}}
