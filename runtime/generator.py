@@ -13,8 +13,9 @@ It runs as one async Ray actor next to the trainer loop (`reference/molt_rules.m
 
 It ends with `EndOfStream` after `total_steps` batches or when the episodes run out of prompts.
 
-Every dispatched prompt is accounted for: trained, or dropped with a reason (`prompts/dropped/<reason>`), including
-the groups still in flight when the run ends (`run_ended`). A group whose runner died is re-sent, up to the runner
+Every dispatched prompt is accounted for: put into a batch (`prompts/batched`; the trainer loop turns that into
+trained or `run_ended`), or dropped with a reason (`prompts/dropped/<reason>`), including the groups still in
+flight when the run ends (`run_ended`). A group whose runner died is re-sent, up to the runner
 restart budget, then dropped as `runner_lost`.
 """
 
@@ -105,7 +106,7 @@ class Generator:
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
         self.consumed = 0                         # prompts dispatched (each prompt is one group)
-        self.trained = 0                          # prompts whose group went into a batch
+        self.batched = 0                          # prompts whose group went into a batch (trained unless the run stops)
         self.prompts_dropped: Counter = Counter()  # reason -> prompts
         self.window = _Window()                   # drop/filter statistics since the last batch
         self.runner_failures = 0
@@ -137,7 +138,7 @@ class Generator:
                     await self.slots.put_async(step)
                     reason = "data_exhausted"
                     break
-                self.trained += len(results)
+                self.batched += len(results)
                 batch = concat([r.experience for r in results], self.pad_id)
                 metrics = self.window.flush(results, self)
                 await self.queue.put_async(RolloutBatch(
@@ -171,7 +172,7 @@ class Generator:
         return self.accounting()
 
     def accounting(self) -> dict[str, int]:
-        out = {"prompts/consumed": self.consumed, "prompts/trained": self.trained}
+        out = {"prompts/consumed": self.consumed, "prompts/batched": self.batched}
         out.update({f"prompts/dropped/{k}": v for k, v in sorted(self.prompts_dropped.items())})
         return out
 
@@ -329,7 +330,6 @@ class _Window:
         m["rollout/dynamic_filtering_pass_rate"] = len(batch) / groups
         m["rollout/runner_failures"] = float(gen.runner_failures)
         m["prompts/consumed"] = float(gen.consumed)
-        m["prompts/trained"] = float(gen.trained)
         m.update({f"rollout/info/{k}": v / max(self.info_count, 1) for k, v in self.info.items()})
         self.__init__()
         return m

@@ -91,6 +91,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
     generator_done = generator.run.remote(step, consumed)
     world = rl.trainer.world
+    prompts_trained = 0
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
     status = "finished"
@@ -154,6 +155,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         kl_ctl.update(mean_kl, real)
 
         # --- metrics, checkpoint ---
+        prompts_trained += int(batch.group_ids.unique().numel())
         metrics = {
             **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
             **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
@@ -162,7 +164,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             "queue/size": float(queue_size), "queue/depth": float(queue_depth),
             "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
             "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
-            "timing/policy_train": policy_train_s,
+            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained),
         }
         if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
             t0 = time.time()
@@ -174,6 +176,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             sink.log(step, metrics)
 
     # ------------------------------------------------------------------------------------------------ teardown
+    accounting = settle_accounting(accounting, prompts_trained)
     sink.close()
     if status == "finished":
         ray.get(generator_done)
@@ -247,6 +250,16 @@ def save_checkpoint(trainer, rl, step: int, prompts_consumed: int, kl_coef: floa
     ckpt.write_state(path, {"step": step, "prompts_consumed": prompts_consumed, "kl_coef": kl_coef})
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep)
     return str(path)
+
+
+def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int) -> dict[str, int]:
+    """Prompts the generator batched but this loop never trained (queued when a stop came) end as `run_ended`."""
+    acc = dict(generator_accounting)
+    untrained = acc.pop("prompts/batched", 0) - prompts_trained
+    if untrained:
+        acc["prompts/dropped/run_ended"] = acc.get("prompts/dropped/run_ended", 0) + untrained
+    acc["prompts/trained"] = prompts_trained
+    return acc
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:

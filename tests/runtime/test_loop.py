@@ -72,3 +72,13 @@ def test_checkpoint_latest_ignores_incomplete_saves_and_prune_keeps_newest(tmp_p
     assert path.name == "step_000010" and state["prompts_consumed"] == 80
     ckpt.prune(tmp_path, keep=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000010", "step_000015"]
+
+
+def test_batched_but_untrained_prompts_end_as_run_ended():
+    from runtime.loop import settle_accounting
+
+    # stopped with two batches of 8 groups still queued: 24 batched, 8 trained
+    acc = settle_accounting({"prompts/consumed": 30, "prompts/batched": 24, "prompts/dropped/run_ended": 6}, 8)
+    assert acc == {"prompts/consumed": 30, "prompts/trained": 8, "prompts/dropped/run_ended": 22}
+    assert settle_accounting({"prompts/consumed": 8, "prompts/batched": 8}, 8) == {"prompts/consumed": 8,
+                                                                                  "prompts/trained": 8}

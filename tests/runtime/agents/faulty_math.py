@@ -3,7 +3,8 @@
 - `Env.step` raises when the model answers "3" (a rollout-level fault: that rollout is dropped as agent_error, its
   group survives) and on every rollout of a prompt whose sum is 2 (0+2, 1+1, 2+0: 3 of the 25 facts; the whole
   group is lost: all_rollouts_dropped);
-- every step sleeps a little so that groups are in flight long enough for a runner to be killed under them.
+- every step sleeps 2 s, so generation is slower than training: the generator never waits for a slot and always
+  has groups in flight on every runner when the test kills one.
 """
 
 import asyncio
@@ -13,7 +14,7 @@ from runtime.agents import Env, Result, StepEnvRunner
 
 class FaultyAdditionEnv(Env):
     async def step(self, state: dict) -> Result:
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(2.0)
         answer = state["action_text"].replace("<|im_end|>", "").strip()
         if answer == "3" or str(state["label"]) == "2":
             raise RuntimeError(f"injected fault (answer {answer!r})")
