@@ -203,12 +203,22 @@ def _normalize_address(address: str) -> str:
     return address
 
 
+def alive_nodes(address: str, headers: dict[str, str]) -> list[dict[str, float]]:
+    """Total resources of every alive node, from the dashboard's state API."""
+    data = _http_json(f"{address}/api/v0/nodes?limit=10000&detail=false", headers, timeout=30.0)
+    rows = (((data or {}).get("data") or {}).get("result") or {}).get("result") or []
+    return [dict(r.get("resources_total") or {}) for r in rows if r.get("state") == "ALIVE"]
+
+
 def check_cluster(plan: Plan, address: str, headers: dict[str, str]) -> None:
     """Fail before submitting when the cluster cannot provide what the plan takes."""
     _http_json(f"{address}/api/version", headers)  # reachability and auth, with their own messages
-    data = _http_json(f"{address}/api/v0/nodes?limit=10000&detail=false", headers, timeout=30.0)
-    rows = (((data or {}).get("data") or {}).get("result") or {}).get("result") or []
-    nodes = [dict(r.get("resources_total") or {}) for r in rows if r.get("state") == "ALIVE"]
+    deadline = time.monotonic() + 30
+    while True:  # a head whose dashboard answers may not have registered its own node yet
+        nodes = alive_nodes(address, headers)
+        if nodes or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     missing = shortfall(plan, nodes)
     if missing:
         have = {}

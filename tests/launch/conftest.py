@@ -114,7 +114,7 @@ def start_ray_head(tmp: Path, *, num_cpus: int, resources: dict[str, float], tim
     temp_dir = Path(f"/tmp/mlt-rh-{secrets.token_hex(3)}")  # short: Ray's socket paths must stay < 108 bytes
     gcs_port, dash_port = free_port(), free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_agent_register_timeout_ms": "300000"}
+           "RAY_agent_register_timeout_ms": "300000", "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}  # jobs' python
     cmd = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--disable-usage-stats", f"--port={gcs_port}",
            f"--num-cpus={num_cpus}", "--num-gpus=0", f"--resources={json.dumps(resources)}",
            f"--temp-dir={temp_dir}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -129,12 +129,14 @@ def start_ray_head(tmp: Path, *, num_cpus: int, resources: dict[str, float], tim
     import urllib.request
 
     deadline = time.monotonic() + timeout
-    while True:  # ready when the Jobs API answers an authenticated request
+    while True:  # ready when the Jobs API answers an authenticated request and lists the head node alive
         assert proc.poll() is None, (tmp / "ray-head.log").read_text()[-3000:]
         try:
-            req = urllib.request.Request(f"{head.address}/api/version", headers={"Authorization": f"Bearer {token}"})
-            with urllib.request.urlopen(req, timeout=5):
-                return head
+            req = urllib.request.Request(f"{head.address}/api/v0/nodes?detail=false",
+                                         headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                if b'"ALIVE"' in resp.read():
+                    return head
         except OSError:
             pass
         if time.monotonic() > deadline:

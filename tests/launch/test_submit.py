@@ -1,0 +1,158 @@
+"""`--submit`: the Ray Jobs API against a real `ray start --head` on loopback (token auth on), the local cluster
+started for a plan, and the clear errors (wrong address, missing or wrong token, too small a cluster, a plan a
+local machine cannot run)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from molt_compile import submit as submit_mod
+from molt_compile.submit import submit
+from schemas.plan import Plan
+
+from .conftest import ROOT, compile_plan, free_port, with_entrypoint
+
+# A job that proves what it got: the plan file travelled with the working dir, the job env arrived.
+CHECK = ("import json, os, sys; plan = json.load(open(sys.argv[1])); "
+         "print('MOLT-JOB', plan['name'], plan['fingerprint'][:12], 'turns=' + os.environ['MAX_AGENT_TURNS']); "
+         "sys.exit(int(os.environ.get('MOLT_TEST_EXIT', '0')))")
+
+
+def _job_plan(demo_plan: Plan, exit_code: int = 0) -> Plan:
+    plan = with_entrypoint(demo_plan, ["python", "-c", CHECK, "{plan_file}"])
+    if exit_code:
+        plan = plan.model_copy(update={"env": {**plan.env, "MOLT_TEST_EXIT": str(exit_code)}}).with_fingerprint()
+    return plan
+
+
+@pytest.fixture
+def token_env(monkeypatch, ray_head, tmp_path):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token: the token comes only from the env
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", ray_head.token)
+    return ray_head
+
+
+@pytest.mark.slow
+def test_submit_then_status_and_logs(token_env, demo_plan: Plan, capsys) -> None:
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    plan = _job_plan(demo_plan)
+    assert submit(plan, address=token_env.address, follow=False) == 0
+    out = capsys.readouterr().out
+    job_id = out.split("submitted ", 1)[1].split()[0]
+    assert job_id.startswith(f"{plan.name}-{plan.fingerprint[:12]}-") and len(job_id.rsplit("-", 1)[1]) == 6
+    assert f"ray job logs --address {token_env.address} --follow {job_id}" in out
+    client = JobSubmissionClient(token_env.address, headers={"Authorization": f"Bearer {token_env.token}"})
+    deadline = time.monotonic() + 300
+    while not client.get_job_status(job_id).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job_id)
+        time.sleep(1)
+    logs = client.get_job_logs(job_id)
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED, logs
+    assert f"MOLT-JOB {plan.name} {plan.fingerprint[:12]} turns=1" in logs
+    info = client.get_job_info(job_id)
+    assert info.metadata["molt.fingerprint"] == plan.fingerprint
+    assert f".molt/plans/{plan.name}-{plan.fingerprint[:12]}.json" in info.entrypoint
+
+
+@pytest.mark.slow
+def test_follow_streams_logs_and_returns_a_failed_jobs_status(token_env, demo_plan: Plan, capsys) -> None:
+    plan = _job_plan(demo_plan, exit_code=3)
+    status = submit(plan, address=token_env.address, follow=True)
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert f"MOLT-JOB {plan.name} {plan.fingerprint[:12]} turns=1" in out
+    assert ": FAILED" in out
+
+
+@pytest.mark.slow
+def test_wrong_address_is_a_clear_error(token_env, demo_plan: Plan, capsys) -> None:
+    assert submit(demo_plan, address=f"http://127.0.0.1:{free_port()}", follow=False) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach a Ray dashboard at http://127.0.0.1:" in err and "help:" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_missing_and_wrong_tokens_are_clear_errors(token_env, demo_plan: Plan, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    assert submit(demo_plan, address=token_env.address, follow=False) == 2
+    err = capsys.readouterr().err
+    assert "requires an auth token and none was sent" in err and "RAY_AUTH_TOKEN" in err
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
+    assert submit(demo_plan, address=token_env.address, follow=False) == 2
+    assert "refused the auth token" in capsys.readouterr().err
+    # The token file Ray writes (~/.ray/auth_token) works as well as the variable.
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    token_file = Path(submit_mod.os.environ["HOME"]) / ".ray" / "auth_token"
+    token_file.parent.mkdir(parents=True)
+    token_file.write_text(token_env.token + "\n")
+    assert submit_mod.auth_token() == token_env.token
+
+
+@pytest.mark.slow
+def test_a_cluster_too_small_for_the_plan_is_refused_before_submitting(token_env, capsys) -> None:
+    plan = compile_plan("recipes/qwen3_4b_math.yaml")  # 16 GPUs on 2 nodes
+    assert submit(plan, address=token_env.address, follow=False) == 2
+    err = capsys.readouterr().err
+    assert "cannot run qwen3-4b-math" in err and "GPU 0 of the 16 the job takes" in err
+    assert "the plan needs 2 node(s) with CPU 224, GPU 8 each" in err
+
+
+# ------------------------------------------------------------------------------------------------ local
+def _ray_processes_in(temp_prefix: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if temp_prefix in line]
+
+
+@pytest.mark.slow
+def test_local_submit_runs_the_job_on_a_cluster_it_starts_and_stops(demo_plan: Plan, monkeypatch, capfd) -> None:
+    monkeypatch.chdir(ROOT)
+    started: list[submit_mod.LocalCluster] = []
+    real_init = submit_mod.LocalCluster.__init__
+
+    def spy(self, *a, **kw):
+        real_init(self, *a, **kw)
+        started.append(self)
+
+    monkeypatch.setattr(submit_mod.LocalCluster, "__init__", spy)
+    plan = _job_plan(demo_plan, exit_code=5)
+    assert submit(plan, address=None, follow=False) == 5
+    out, err = capfd.readouterr()
+    assert f"MOLT-JOB {plan.name} {plan.fingerprint[:12]} turns=1" in out
+    assert "starting a local Ray cluster for demo-math (CPU 5, device_slot 3)" in err
+    assert "preflight: ready" in out and "1/1 nodes, CPU 5/5, device_slot 3/3" in out
+    assert "exited with status 5" in err and "stopping the local Ray cluster" in err
+    (cluster,) = started
+    assert cluster.proc is not None and cluster.proc.poll() is not None  # the head was stopped ...
+    assert _ray_processes_in(str(cluster.temp_dir)) == []  # ... and every process of it is gone
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # kept for a failed job (status 5); ours to remove
+
+
+def test_local_submit_refuses_plans_this_machine_cannot_run(cpu_plan: Plan, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert submit(cpu_plan, address=None, follow=False) == 2
+    assert "needs 2 nodes; a local cluster is this one machine" in capsys.readouterr().err
+    gpu_plan = compile_plan("recipes/sft_qwen3_4b_quickstart.yaml")
+    assert submit(gpu_plan, address=None, follow=False) == 2
+    err = capsys.readouterr().err
+    assert "needs 8 GPU(s) (h100-80gb); this machine has 0" in err and "help:" in err
+
+
+def test_env_references_resolve_from_the_submitting_environment(demo_plan: Plan, monkeypatch, capsys) -> None:
+    env = {"WANDB_API_KEY": "${env:MOLT_TEST_KEY}", "PLAIN": "$HOME"}
+    monkeypatch.setenv("MOLT_TEST_KEY", "k3y")
+    assert submit_mod.resolve_env(env) == {"WANDB_API_KEY": "k3y", "PLAIN": "$HOME"}
+    monkeypatch.delenv("MOLT_TEST_KEY")
+    plan = demo_plan.model_copy(update={"env": {**demo_plan.env, **env}}).with_fingerprint()
+    assert submit(plan, address="http://127.0.0.1:1", follow=False) == 2
+    assert "env.WANDB_API_KEY refers to ${env:MOLT_TEST_KEY}, which is not set here" in capsys.readouterr().err
