@@ -184,9 +184,15 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         click.echo(f"plan written to {plan_out}", err=fmt != "text")
     if slurm_out:
         render_sbatch = _need("molt_compile.slurm", "render_sbatch")
+        try:
+            script = render_sbatch(plan)
+        except ValueError as err:  # SlurmRenderError: a value that no Slurm script can carry (names the key)
+            click.echo(f"molt-compile: error: cannot write the Slurm script: {err}", err=True)
+            sys.exit(2)
         slurm_out.parent.mkdir(parents=True, exist_ok=True)
-        slurm_out.write_text(render_sbatch(plan))
+        slurm_out.write_text(script)
         click.echo(f"Slurm script written to {slurm_out}", err=fmt != "text")
+        click.echo(_need("molt_compile.slurm", "submit_hint")(slurm_out), err=fmt != "text")
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")
         sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow))

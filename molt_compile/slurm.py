@@ -233,3 +233,14 @@ def render_sbatch(plan: Plan) -> str:
             raise SlurmRenderError(f"internal: the heredoc delimiter {values[key]} occurs "
                                    f"{lines.count(values[key])} times in the script")
     return script
+
+
+def submit_hint(path: object) -> str:
+    """How to submit a written script; says so when this machine has no Slurm (the script is still valid)."""
+    import shutil
+
+    hint = f"  submit it from the project root: sbatch {shlex.quote(str(path))}"
+    if shutil.which("sbatch") is None:
+        hint += ("\n  (sbatch is not installed on this machine: copy the project and the script to a Slurm login "
+                 "node, or test with .ci/slurm_up.sh, which starts a two-node Slurm here)")
+    return hint
