@@ -186,6 +186,8 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     trainer.shutdown()
     for handle in [generator, lock, *runners, *engines]:
         ray.kill(handle)
+    rollout_queue.shutdown()
+    rollout_slots.shutdown()
     for pg in pgs.values():
         ray.util.remove_placement_group(pg)
     stop.restore()
