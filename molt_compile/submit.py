@@ -241,6 +241,8 @@ def job_runtime_env(plan: Plan, root: Path, env: dict[str, str]) -> dict[str, An
     if working_dir and "://" not in str(working_dir):
         runtime_env["working_dir"] = str((root / working_dir).resolve())
     runtime_env["env_vars"] = {**resolve_env(dict(runtime_env.get("env_vars") or {})), **env}
+    # Slurm job dirs (logs, tokens) stay home; the plans under .molt/plans travel.
+    runtime_env["excludes"] = sorted({*runtime_env.get("excludes", []), ".molt/slurm"})
     return runtime_env
 
 
@@ -357,7 +359,8 @@ class LocalCluster:
 
     def __init__(self, plan: Plan, env: dict[str, str]) -> None:
         self.plan = plan
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-"))
+        # /tmp, not $TMPDIR: Ray's unix socket paths under the temp dir must stay under 108 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.port = _free_port()
         self.token = secrets.token_hex(32)
         self.env = {**os.environ, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,

@@ -98,7 +98,7 @@ def node_table(nodes: list[dict], keys: list[str]) -> str:
                      n.get("NodeManagerAddress", "?"), "alive" if n.get("Alive") else "dead",
                      *[num(res.get(k, 0.0)) for k in keys]])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 def _gcs_answers(address: str) -> bool:

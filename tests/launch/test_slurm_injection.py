@@ -5,7 +5,6 @@ injections try to create, while every value still reaches the job exactly as wri
 from __future__ import annotations
 
 import json
-import os
 import socket
 import stat
 import subprocess

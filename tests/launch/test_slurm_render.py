@@ -103,7 +103,7 @@ def test_every_shipped_recipe_renders_a_script_bash_accepts(tmp_path: Path, monk
 def test_node_ports_are_distinct_and_avoid_gcs_and_dashboard() -> None:
     table = node_ports(6379, 8265, 36)
     every = [p for name, ports in table.items() if name not in ("min_worker", "max_worker") for p in ports]
-    worker_ranges = list(zip(table["min_worker"], table["max_worker"]))
+    worker_ranges = list(zip(table["min_worker"], table["max_worker"], strict=True))
     for lo, hi in worker_ranges:
         every += range(lo, hi + 1)
     assert len(every) == len(set(every)), "two nodes share a port"

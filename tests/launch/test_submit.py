@@ -156,3 +156,20 @@ def test_env_references_resolve_from_the_submitting_environment(demo_plan: Plan,
     plan = demo_plan.model_copy(update={"env": {**demo_plan.env, **env}}).with_fingerprint()
     assert submit(plan, address="http://127.0.0.1:1", follow=False) == 2
     assert "env.WANDB_API_KEY refers to ${env:MOLT_TEST_KEY}, which is not set here" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_preflight_times_out_with_what_it_sees_and_what_the_plan_needs(ray_head, cpu_plan: Plan,
+                                                                       tmp_path: Path) -> None:
+    import os
+    import sys
+
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(cpu_plan.to_json())  # needs two nodes; the head is one
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": ray_head.token}
+    res = subprocess.run([sys.executable, "-m", "runtime.preflight", str(plan_file), "--address", ray_head.gcs,
+                          "--timeout", "5"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "error: after 5 s the cluster still lacks: 1 of the 2 nodes with CPU 3, device_slot 2 each" in res.stdout
+    assert "The plan needs 2 node(s) with CPU 3, device_slot 2 each; Ray sees:" in res.stdout
+    assert "alive  5    3" in res.stdout  # the head: CPU 5, device_slot 3 (more per node, but one node)
