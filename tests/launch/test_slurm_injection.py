@@ -187,3 +187,23 @@ def test_a_broken_setup_line_fails_its_step_with_a_clear_message(tmp_path: Path,
     assert "launch.slurm.setup[0] failed" in run.stderr
     assert "molt: the cluster did not come up" in run.stderr
     assert not list(stubs.glob("python-*.argv"))  # the step stopped before its command
+
+
+def test_sft_script_runs_torchrun_with_rank_master_and_plan_file_filled_in(tmp_path: Path, monkeypatch) -> None:
+    from .conftest import compile_plan
+
+    plan = compile_plan("recipes/sft_qwen3_4b.yaml")
+    root, stubs, env = _sandbox(tmp_path)
+    (stubs / "torchrun").write_text('#!/bin/bash\nprintf \'%s\\0\' "$@" > "$STUB_DIR/torchrun.argv"\nexit 0\n')
+    (stubs / "torchrun").chmod(stat.S_IRWXU)
+    env["SLURMD_NODENAME"] = "n2"  # the stub srun runs the node command once, here as the second node
+    job = tmp_path / "job.sbatch"
+    job.write_text(render_sbatch(plan))
+    run = subprocess.run(["bash", str(job)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    argv = (stubs / "torchrun.argv").read_bytes().decode().split("\0")[:-1]
+    assert argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--master-addr") + 1] == "127.0.0.1"
+    assert argv[argv.index("--nnodes") + 1] == str(plan.sft.nnodes)
+    assert argv[-1] == f".molt/slurm/{plan.name}-42/plan.json"
+    assert "--nodes=2 --ntasks=2" in job.read_text()
