@@ -110,6 +110,8 @@ class Generator:
         self.prompts_dropped: Counter = Counter()  # reason -> prompts
         self.window = _Window()                   # drop/filter statistics since the last batch
         self.runner_failures = 0
+        self.runners_down: set[int] = set()       # runners that died and are not back yet
+        self.runners_dead: set[int] = set()       # runners Ray will not restart any more
         self._next_runner = 0
         self._task: asyncio.Task | None = None
 
@@ -210,19 +212,47 @@ class Generator:
         self.inflight[asyncio.ensure_future(self._run_group(req))] = req
 
     async def _run_group(self, req: GroupRequest) -> GroupResult | str:
-        """Send a group to a runner; if the runner dies under it, re-send (to the next runner) within the budget."""
+        """Send a group to a live runner; if the runner dies under it, re-send it elsewhere within the budget."""
         for attempt in range(self.spec.max_dispatch_attempts):
-            runner = self.runners[(self._next_runner + attempt) % len(self.runners)]
+            index = await self._pick_runner()
             try:
-                return await runner.run_group.remote(req)
+                return await self.runners[index].run_group.remote(req)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 self.runner_failures += 1
-                logger.warning("group %d: runner failed (%s); re-dispatching (attempt %d)", req.group_id,
+                logger.warning("group %d: runner %d failed (%s); re-dispatching (attempt %d)", req.group_id, index,
                                type(exc).__name__, attempt + 2)
-                await asyncio.sleep(0.5 * (attempt + 1))
-            finally:
-                self._next_runner += 1
+                if index not in self.runners_down:
+                    self.runners_down.add(index)
+                    asyncio.ensure_future(self._watch_restart(index))
         return "runner_lost"
+
+    async def _pick_runner(self) -> int:
+        """Round-robin over the runners that are up; wait while all are restarting."""
+        while True:
+            if len(self.runners_dead) == len(self.runners):
+                raise RuntimeError(f"every agent runner died more than max_restarts={self.spec.max_dispatch_attempts - 1}"
+                                   " times; see the runner logs")
+            for _ in range(len(self.runners)):
+                index = self._next_runner % len(self.runners)
+                self._next_runner += 1
+                if index not in self.runners_down:
+                    return index
+            await asyncio.sleep(0.2)
+
+    async def _watch_restart(self, index: int) -> None:
+        """A dead runner is skipped until Ray has restarted it and it answers again; after two minutes without an
+        answer (Ray is out of restarts for it) it is given up for good."""
+        give_up_at = time.time() + 120
+        while True:
+            try:
+                await self.runners[index].pid.remote()
+                self.runners_down.discard(index)
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                if time.time() > give_up_at:
+                    self.runners_dead.add(index)
+                    return
+                await asyncio.sleep(0.5)
 
     def _accept(self, result: GroupResult | str) -> None:
         """Filters of §2.N: a group with no survivors is dropped; with dynamic filtering, incomplete groups and
