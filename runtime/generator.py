@@ -110,6 +110,7 @@ class Generator:
         self.prompts_dropped: Counter = Counter()  # reason -> prompts
         self.window = _Window()                   # drop/filter statistics since the last batch
         self.runner_failures = 0
+        self.runner_restarts = 0
         self.runners_down: set[int] = set()       # runners that died and are not back yet
         self.runners_dead: set[int] = set()       # runners Ray will not restart any more
         self._next_runner = 0
@@ -247,6 +248,7 @@ class Generator:
             try:
                 await self.runners[index].pid.remote()
                 self.runners_down.discard(index)
+                self.runner_restarts += 1
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 if time.time() > give_up_at:
@@ -359,6 +361,7 @@ class _Window:
         m["rollout/group_all_fail_rate"] = self.all_fail / groups
         m["rollout/dynamic_filtering_pass_rate"] = len(batch) / groups
         m["rollout/runner_failures"] = float(gen.runner_failures)
+        m["rollout/runner_restarts"] = float(gen.runner_restarts)
         m["prompts/consumed"] = float(gen.consumed)
         m.update({f"rollout/info/{k}": v / max(self.info_count, 1) for k, v in self.info.items()})
         self.__init__()

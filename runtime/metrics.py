@@ -35,6 +35,7 @@ METRICS: dict[str, str] = {
     "rollout/group_all_fail_rate": "fraction of finished groups whose rollouts all scored <= 0",
     "rollout/dynamic_filtering_pass_rate": "groups in the batch / groups finished since the previous batch",
     "rollout/runner_failures": "group dispatches that failed because a runner died (cumulative; re-dispatched)",
+    "rollout/runner_restarts": "dead runners that Ray restarted and that answer again (cumulative)",
     "rollout/info/<name>": "mean over finished rollouts of a numeric Result.info value of the agent",
     # ── prompts: the no-prompt-lost ledger (cumulative) ──
     "prompts/consumed": "prompts dispatched to the runners since the start (= trained + dropped)",
