@@ -473,6 +473,8 @@ def _run_local_torchrun(plan: Plan, plan_file: Path, root: Path, env: dict[str, 
         for key, value in subst.items():
             arg = arg.replace(key, value)
         argv.append(arg)
+    if argv and argv[0] == "torchrun":  # as entrypoint_command: this interpreter's torchrun, whatever PATH says
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
     _say(f"running {shlex.join(argv)}")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=root)
     try:
