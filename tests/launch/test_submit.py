@@ -203,7 +203,7 @@ def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd) -> None:
         assert result.exit_code == 0, result.output + out + err
         assert "finished at step 3" in out
         assert len((out_dir / "metrics.jsonl").read_text().splitlines()) == 3
-        assert "stopping the local Ray cluster" in err
+        assert "stopping the local Ray cluster" in result.output + err  # CliRunner captures sys.stderr
         (cluster,) = started
         assert _ray_processes_in(str(cluster.temp_dir)) == [] and not cluster.temp_dir.exists()
     finally:
