@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"{path}: cannot use this plan: {exc}", file=sys.stderr)
         return 2
+    if plan.kind == "sft" and plan.sft is not None and "WORLD_SIZE" in os.environ:  # a torchrun rank
+        from runtime.sft import main as sft_main
+
+        return sft_main([str(path)])
     if plan.kind != "rl" or plan.rl is None:
         print(f"{path}: kind {plan.kind!r} plans run under torchrun (`{' '.join(plan.entrypoint)}`), not this "
               "entrypoint", file=sys.stderr)
