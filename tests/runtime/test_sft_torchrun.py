@@ -2,15 +2,18 @@
 
 One run of 32 optimizer steps (1 epoch, checkpoints at 15 and 30, keep 1), then the same plan with
 `ckpt.resume: true`, which must continue at step 31 with the restored weights, optimizer and scheduler: its
-step-31 loss and LR equal the first run's.
+step-31 loss and LR equal the first run's. And SIGTERM mid-run: a clean stop with a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +26,7 @@ SETS = (f"name={NAME}", "train.max_epochs=1", "ckpt.every=15", "ckpt.keep=1",
         f"ckpt.dir={CKPT / 'state'}", f"ckpt.hf_dir={CKPT / 'hf'}")   # absolute: --set paths follow the cwd
 
 
-def torchrun(plan, plan_file: Path) -> subprocess.CompletedProcess:
+def torchrun_argv(plan, plan_file: Path) -> list[str]:
     from runtime.trainer import free_port
 
     plan_file.write_text(plan.to_json())
@@ -32,8 +35,15 @@ def torchrun(plan, plan_file: Path) -> subprocess.CompletedProcess:
     argv[argv.index("--master-port") + 1] = str(free_port())   # parallel test runs must not share the port
     assert argv[0] == "torchrun"
     argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+    return argv
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(plan, plan_file: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_argv(plan, plan_file), cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=420)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +109,35 @@ def test_resume_continues_the_step_count_from_the_dcp_checkpoint(runs) -> None:
     for r in resumed:   # same weights, optimizer moments, LR schedule and data order as the uninterrupted run
         assert r["train/lr"] == pytest.approx(by_step[r["step"]]["train/lr"], rel=1e-9)
         assert r["train/loss"] == pytest.approx(by_step[r["step"]]["train/loss"], rel=1e-4)
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
+    """SIGTERM to torchrun (it forwards it to the ranks): both ranks stop after the same step, save it, report."""
+    name = "test-sft-sigterm"
+    ckpt = ROOT / "ckpt" / name
+    for d in (ROOT / "runs" / name, ckpt):
+        shutil.rmtree(d, ignore_errors=True)
+    plan = compile_plan("recipes/demo_sft.yaml", f"name={name}", "ckpt.every=1000", f"ckpt.dir={ckpt / 'state'}",
+                        f"ckpt.hf_dir={ckpt / 'hf'}")
+    metrics = ROOT / plan.sft.logging.out_dir / "metrics.jsonl"
+    proc = subprocess.Popen(torchrun_argv(plan, tmp_path / "p.json"), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and len(read_metrics(metrics)) >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 3"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        last = read_metrics(metrics)[-1]["step"]
+        assert 3 <= last < plan.sft.schedule.total_steps
+        assert f"sft stopped at step {last}:" in out
+        saved = ckpt / "state" / f"step_{last:06d}"
+        assert json.loads((saved / "trainer_state.json").read_text())["step"] == last
+        assert not (ckpt / "hf").exists()    # a stopped run is resumed, not exported
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for d in (ROOT / "runs" / name, ckpt):
+            shutil.rmtree(d, ignore_errors=True)
