@@ -141,3 +141,26 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path: Path) -> None:
             proc.wait()
         for d in (ROOT / "runs" / name, ckpt):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_cli_submit_runs_the_sft_demo_locally_without_the_venv_on_path() -> None:
+    """`molt-compile recipes/demo_sft.yaml --submit` with no address: torchrun with the plan's nproc, this
+    interpreter's torch (PATH lacks the venv, as when molt-compile is called by its full path)."""
+    name = "test-sft-submit"
+    ckpt = ROOT / "ckpt" / name
+    for d in (ROOT / "runs" / name, ckpt):
+        shutil.rmtree(d, ignore_errors=True)
+    env = {**ENV, "PATH": "/usr/bin:/bin"}
+    env.pop("RAY_ADDRESS", None)
+    try:
+        run = subprocess.run([str(Path(sys.executable).parent / "molt-compile"), "recipes/demo_sft.yaml",
+                              "--set", f"name={name}", "--set", "train.max_epochs=1", "--set", "ckpt.every=-1",
+                              "--set", f"ckpt.dir={ckpt / 'state'}", "--set", f"ckpt.hf_dir={ckpt / 'hf'}",
+                              "--submit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "torch.distributed.run --nnodes 1 --nproc-per-node 2" in run.stdout + run.stderr
+        assert "sft finished at step 32" in run.stdout
+        assert (ckpt / "hf" / "config.json").is_file()
+    finally:
+        for d in (ROOT / "runs" / name, ckpt):
+            shutil.rmtree(d, ignore_errors=True)
