@@ -284,6 +284,9 @@ def run_sft(plan: Plan) -> SftResult:
     evals = load_examples([s.eval_dataset], tok, max_samples=d.max_samples, **data_kw) if s.eval_dataset else None
     log(f"data: {train.rows} rows, {len(train.examples)} trained, dropped {train.dropped or 'none'}"
         + (f"; eval {len(evals.examples)} rows" if evals else ""))
+    if evals is not None and not evals.examples:
+        log(f"note: no evaluable rows in {s.eval_dataset} (dropped: {evals.dropped}); eval is off")
+        evals = None
     if not train.examples:
         raise SftError(f"no trainable rows in {d.dataset} (dropped: {train.dropped})")
 
