@@ -23,6 +23,10 @@ setup:
 demo: setup
     {{bin}}/molt-compile recipes/demo_math.yaml --submit
 
+# The SFT demo: the tiny model learns to spell numbers, 2 FSDP2 ranks under torchrun (CPU, about a minute).
+demo-sft: setup
+    {{bin}}/molt-compile recipes/demo_sft.yaml --submit
+
 # Run the whole test suite (starts the test Slurm and local Ray clusters itself).
 test: setup
     {{bin}}/python -m pytest -q tests
