@@ -8,7 +8,7 @@ from loop_support import compile_plan, fresh_out_dirs, read_metrics
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 30
 SETS = (
     "name=test-e2e-hf",
     "rollout.engine=hf",

@@ -9,7 +9,7 @@ from loop_support import ROOT, compile_plan, fresh_out_dirs, read_metrics
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 30
 SETS = (
     "name=test-e2e-vllm",
     f"data.max_samples={STEPS * 8}",
