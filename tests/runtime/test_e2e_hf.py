@@ -12,6 +12,7 @@ STEPS = 30
 SETS = (
     "name=test-e2e-hf",
     "rollout.engine=hf",
+    "actor.optimizer.lr=5.0e-4",  # as recipes/demo_math_hf.yaml: at 1e-3 one hf run collapsed onto empty answers
     f"data.max_samples={STEPS * 8}",
     "eval.dataset=null",
     "ckpt.every=-1",
