@@ -157,7 +157,13 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
         if timed_out or truncated or proc.returncode is None:
             # Killing the boot process kills the sandbox's PID 1 (PDEATHSIG) and with it the whole PID namespace.
             _kill_group(proc.pid)
-        exit_code = await proc.wait()
+            # asyncio reports the exit only once stdout reaches EOF; a reader that stopped early may have paused
+            # the pipe (buffer full), so drain it. Everything that held the pipe died with the PID namespace.
+            try:
+                await asyncio.wait_for(proc.stdout.read(), 10)
+            except TimeoutError:
+                pass
+        exit_code = await asyncio.wait_for(proc.wait(), 10) if proc.stdout.at_eof() else proc.returncode
     text = bytes(output[: limits.max_output_bytes]).decode("utf-8", errors="replace")
     killed = timed_out or truncated
     return SandboxResult(output=text, exit_code=None if killed else exit_code, timed_out=timed_out,
@@ -277,11 +283,48 @@ def _expose(paths: list[str], staging_root: str) -> None:
         os.rmdir(staging_root)
 
 
-def _make_filesystem_read_only(limits: dict, expose: list[str]) -> None:
+def _outermost(paths: list[str]) -> list[str]:
+    return [p for p in paths if not any(p != q and p.startswith(q + "/") for q in paths)]
+
+
+def _under_private_tmpfs(path: str) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in _PRIVATE_TMPFS)
+
+
+def _set_aside(paths: list[str]) -> list[tuple[str, str]]:
+    """Bind the interpreter directories that a private tmpfs is about to hide (a checkout under /tmp, say) to a
+    staging tmpfs, so they can be moved back on top of it. Returns (stage, path) pairs for `_put_back`."""
+    hidden = _outermost(sorted(p for p in paths if os.path.isdir(p) and _under_private_tmpfs(os.path.abspath(p))))
+    if not hidden:
+        return []
+    # The staging tmpfs covers an existing directory that holds none of the interpreter and is not hidden itself.
+    staging = next(d for d in ("/mnt", "/media", "/srv", "/opt", "/home")
+                   if os.path.isdir(d) and not _under_private_tmpfs(d)
+                   and not any(p == d or p.startswith(d + "/") for p in paths))
+    _mount("tmpfs", staging, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0700")
+    staged = []
+    for i, path in enumerate(hidden):
+        stage = os.path.join(staging, str(i))
+        os.makedirs(stage)
+        _mount(path, stage, None, MS_BIND | MS_REC)
+        staged.append((stage, path))
+    return staged
+
+
+def _put_back(staged: list[tuple[str, str]]) -> None:
+    """Move the set-aside directories onto their own paths inside the private tmpfs, read-only."""
+    for stage, path in staged:
+        os.makedirs(path, exist_ok=True)
+        _mount(stage, path, None, MS_MOVE)
+        _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _kept_flags(path))
+
+
+def _make_filesystem_read_only(limits: dict, expose: list[str], rootless: bool) -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do here propagates to the host
+    set_aside = _set_aside(expose)
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits['tmpfs_bytes']},mode=1777")
-    if expose:
-        _expose(expose, "/tmp/.expose")
+    if not rootless:  # a rootless sandbox runs as the owner of a 0700 home anyway
+        _expose([p for p in expose if not _under_private_tmpfs(os.path.abspath(p))], "/tmp/.expose")
     for point in _mount_points():
         if point == "/tmp":
             continue  # the private tmpfs stays writable
@@ -296,6 +339,7 @@ def _make_filesystem_read_only(limits: dict, expose: list[str]) -> None:
         if os.path.isdir(path) and not os.path.islink(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
                    f"size={limits['tmpfs_bytes']},mode=1777")
+    _put_back(set_aside)
 
 
 def _set_limits(limits: dict) -> None:
@@ -333,7 +377,7 @@ def _boot(config: dict) -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller died or gave up: so do we
     rootless = _enter_namespaces(rootless=os.geteuid() != 0)
     uid = os.getuid() if rootless else config["uid"]
-    _make_filesystem_read_only(limits, [] if rootless else config["expose"])
+    _make_filesystem_read_only(limits, config["expose"], rootless)
     os.makedirs(WORK_DIR, mode=0o700)
     with open(os.path.join(WORK_DIR, "main.py"), "wb") as f:
         f.write(code)
