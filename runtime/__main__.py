@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from runtime.loop import run
+    from runtime.loop import run, unsupported_features
+
+    missing = unsupported_features(plan)
+    if missing:
+        print(f"{path}: not implemented by this runtime yet: {'; '.join(missing)}", file=sys.stderr)
+        return 2
 
     os.environ.update(plan.env)
     started_here = not os.environ.get("RAY_ADDRESS")

@@ -296,6 +296,36 @@ class _StopFlag:
             signal.signal(s, h)
 
 
+# ---------------------------------------------------------------------------------------------------- scope
+def unsupported_features(plan: Plan) -> list[str]:
+    """Plan settings this runtime does not implement yet, named by their recipe keys.
+
+    The compiler accepts them because Molt supports them; refusing here, before any actor starts, beats training
+    something other than what the recipe says. (Not a validation: every combination was checked at compile time.)
+    """
+    rl = plan.rl
+    found = []
+    if rl.critic is not None:
+        found.append("critic: (gae value model)")
+    if rl.ref is not None and not rl.ref.colocated:
+        found.append("ref.placement: separate")
+    if rl.trainer is None:
+        found.append("eval.only")
+    else:
+        t = rl.trainer
+        if (t.mesh.tp, t.mesh.cp, t.mesh.ep, t.mesh.pp) != (1, 1, 1, 1):
+            found.append(f"actor.mesh tp/cp/ep/pp = {t.mesh.tp}/{t.mesh.cp}/{t.mesh.ep}/{t.mesh.pp} (only 1/1/1/1)")
+        if t.packing:
+            found.append("actor.packing")
+        if t.dynamic_batch_max_tokens is not None:
+            found.append("train.dynamic_batch")
+        if t.routing_replay:
+            found.append("train.routing_replay")
+    if rl.data.max_images_per_prompt > 0:
+        found.append("data.max_images_per_prompt > 0 (VLM inputs)")
+    return found
+
+
 # ---------------------------------------------------------------------------------------------------- setup
 def create_placement_groups(plan: Plan) -> dict[str, object]:
     pgs = {p.name: placement_group(p.bundles, strategy=p.strategy, name=f"{plan.name}-{p.name}")
