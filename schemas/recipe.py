@@ -20,7 +20,7 @@ import ast
 import inspect
 import sys
 from functools import cache
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -43,7 +43,7 @@ def _attribute_docstrings(module_file: str) -> dict[str, dict[str, str]]:
         if not isinstance(node, ast.ClassDef):
             continue
         fields = docs.setdefault(node.name, {})
-        for stmt, following in zip(node.body, node.body[1:]):
+        for stmt, following in zip(node.body, node.body[1:], strict=False):
             if (
                 isinstance(stmt, ast.AnnAssign)
                 and isinstance(stmt.target, ast.Name)
@@ -694,5 +694,5 @@ class SftRecipe(_Common):
     """Evaluation."""
 
 
-Recipe = Annotated[Union[RlRecipe, SftRecipe], Field(discriminator="kind")]
+Recipe = Annotated[RlRecipe | SftRecipe, Field(discriminator="kind")]
 """A recipe: `kind: rl` or `kind: sft`."""
