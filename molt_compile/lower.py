@@ -258,9 +258,10 @@ def _free_summary(free: list[int]) -> str:
 def placement_unit(group_sizes: list[int], devices_per_node: int) -> int:
     """Bundles placed together so that groups of consecutive ranks stay on one node when they can.
 
-    A size that divides the node keeps its groups whole; a multiple of the node size asks for whole nodes; other
-    sizes cannot be aligned and are ignored. The unit is the lcm of those (capped at the largest when it exceeds
-    the node).
+    A size that divides the node keeps its groups whole; a multiple of the node size asks for whole nodes; a size
+    below the node that does not divide it keeps its groups whole only by leaving devices idle; larger sizes cannot
+    be aligned and are ignored. The unit is the lcm of those. When that exceeds the node, the sizes that divide the
+    node win (those are the groups PLACE104 warns about), else the largest size.
     """
     g = devices_per_node
     parts = []
@@ -274,7 +275,10 @@ def placement_unit(group_sizes: list[int], devices_per_node: int) -> int:
     if not parts:
         return 1
     unit = math.lcm(*parts)
-    return unit if unit <= g else max(parts)
+    if unit <= g:
+        return unit
+    dividing = [s for s in parts if g % s == 0]
+    return math.lcm(*dividing) if dividing else max(parts)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -234,7 +234,7 @@ def test_engine_args_only_what_was_set() -> None:
 
 @pytest.mark.parametrize(("sizes", "g", "unit"), [
     ([1, 1], 8, 1), ([8, 8], 8, 8), ([4, 2], 8, 4), ([256, 16], 8, 8), ([3], 8, 3), ([16], 8, 8),
-    ([4, 6], 8, 6), ([5], 4, 1),
+    ([4, 6], 8, 4), ([5], 4, 1), ([3, 2], 4, 2), ([3, 5], 8, 5),
 ])
 def test_placement_unit(sizes: list[int], g: int, unit: int) -> None:
     assert placement_unit(sizes, g) == unit
