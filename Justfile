@@ -23,6 +23,10 @@ setup:
 demo: setup
     {{bin}}/molt-compile recipes/demo_math.yaml --submit
 
+# The multi-turn tool demo: the tiny model learns to call a sandboxed Python tool (geo3k agent), about 7 minutes.
+demo-tool: setup
+    {{bin}}/molt-compile recipes/demo_tool.yaml --submit
+
 # The SFT demo: the tiny model learns to spell numbers, 2 FSDP2 ranks under torchrun (CPU, about a minute).
 demo-sft: setup
     {{bin}}/molt-compile recipes/demo_sft.yaml --submit
