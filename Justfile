@@ -51,4 +51,5 @@ bench: setup
 # Regenerate the JSON Schema and the golden plans (review the diff before committing).
 regen: setup
     {{bin}}/molt-compile schema > schemas/recipe.schema.json
+    {{bin}}/python -m molt_compile.rules.docs > molt_compile/rules/REFERENCE.md
     {{bin}}/python -m tests.golden_update

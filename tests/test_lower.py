@@ -259,3 +259,27 @@ def test_shipped_recipe_gpu_map(recipe: str, monkeypatch) -> None:
     result = compile_recipe(f"recipes/{recipe}")
     assert result.plan is not None, [d.message for d in result.diagnostics if d.severity == "error"]
     assert result.plan.gpu_map == EXPECTED_MAPS[SHIPPED[recipe]]
+
+
+@pytest.mark.parametrize(("value", "found"), [
+    ("recipes/agents/demo_math_chat.py", True),   # --set: relative to the working directory (the project root)
+    ("agents/demo_math_chat.py", False),          # ... not to the recipe file
+])
+def test_rules_and_lowering_resolve_a_set_path_alike(in_root, value, found) -> None:
+    """A path the compiler accepts is the path the runtime opens: AGENT002 checks the file lowering puts in the
+    plan (once they disagreed, and a run died when its runners started)."""
+    from molt_compile.compile import compile_recipe
+
+    result = compile_recipe(in_root / "recipes" / "demo_math.yaml", sets=[f"agent.path={value}"])
+    codes = {d.code for d in result.diagnostics}
+    assert ("AGENT002" not in codes) == found
+    if found:
+        assert (in_root / result.plan.rl.agent.path).is_file()
+
+
+def test_a_path_in_a_file_is_relative_to_that_file(in_root) -> None:
+    from molt_compile.compile import compile_recipe
+
+    result = compile_recipe(in_root / "recipes" / "demo_math.yaml")
+    assert result.plan.rl.agent.path == "recipes/agents/demo_math.py"
+    assert not [d for d in result.diagnostics if d.code.startswith(("AGENT", "DATA"))]

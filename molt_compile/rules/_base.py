@@ -63,15 +63,21 @@ def dv(derived: Any, name: str, default: Any = None) -> Any:
         return default
 
 
-def recipe_dir(source: SourceMap | None) -> Path | None:
-    """Directory of the root recipe file: relative data, model and agent paths are resolved against it."""
-    root = getattr(source, "root_file", None)
-    return _resolved_parent(root) if root else None
-
-
 @lru_cache(maxsize=256)
 def _resolved_parent(root: str) -> Path:
     return Path(root).resolve().parent
+
+
+def path_base(source: SourceMap | None, key: str) -> Path | None:
+    """Directory a relative path at `key` is resolved against, exactly as lowering does (`derive.resolve_path`): the
+    file that set it (a base resolves against itself), or the project root (the working directory) for `--set` and
+    defaults. None without a source map (a bare recipe in tests): path checks are skipped."""
+    if source is None or not getattr(source, "root_file", None):
+        return None
+    pos = source.pos(key)
+    if pos.layer == "file" and pos.file:
+        return _resolved_parent(pos.file)
+    return Path.cwd()
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):
@@ -82,7 +88,7 @@ def _facts(path: str | None, arch: str | None, base: str | None):
 
 def model_facts(recipe: Any, source: SourceMap | None):
     """Facts of the trained model (`model.arch`, else `model.path/config.json`), or None."""
-    base = recipe_dir(source)
+    base = path_base(source, "model.path")
     return _facts(recipe.model.path, recipe.model.arch, str(base) if base else None)
 
 
@@ -91,7 +97,7 @@ def role_facts(recipe: Any, source: SourceMap | None, role: str):
     section = getattr(recipe, role, None) if role != "actor" else None
     own_path = getattr(section, "path", None) if section is not None else None
     if own_path and own_path != recipe.model.path:
-        base = recipe_dir(source)
+        base = path_base(source, f"{role}.path")
         found = _facts(own_path, None, str(base) if base else None)
         if found is not None:
             return found

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from molt_compile.agent_check import inspect_agent
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, model_facts, recipe_dir
+from molt_compile.rules._base import diag, model_facts, path_base
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt")
 
@@ -110,18 +110,18 @@ def local_data_file_missing(recipe, derived, source) -> Iterator[Diagnostic]:
     ## References
     molt_rules.md A4, L3
     """
-    base = recipe_dir(source)
-    if base is None:
-        return
     keys = ["data.dataset" if recipe.kind == "sft" else "data.prompts", "eval.dataset"]
     for key in keys:
+        base = path_base(source, key)
+        if base is None:
+            return
         section, field = key.split(".")
         spec = getattr(getattr(recipe, section), field)
         for src in _sources(spec or ""):
             p = Path(src)
             if not p.is_absolute() and p.suffix.lower() in DATA_SUFFIXES and not (base / p).exists():
                 yield diag("DATA003", source, key, f"{key}: {src} does not exist (relative to {base})",
-                           "fix the path; relative paths are resolved against the recipe file's directory")
+                           "fix the path; a relative path is resolved against the file that sets it (the working directory for --set)")
 
 
 def images_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
@@ -180,11 +180,11 @@ def local_model_path_missing(recipe, derived, source) -> Iterator[Diagnostic]:
     ## References
     molt_rules.md A1, B9
     """
-    base = recipe_dir(source)
-    if base is None:
-        return
     keys = ["model.path"] + [f"{r}.path" for r in ("ref", "critic") if getattr(recipe, r, None) is not None]
     for key in keys:
+        base = path_base(source, key)
+        if base is None:
+            return
         section, field = key.split(".")
         value = getattr(getattr(recipe, section), field)
         if not value:
@@ -202,7 +202,7 @@ def _agent_file(recipe, source) -> Path | None:
     if agent is None:
         return None
     p = Path(agent.path)
-    base = recipe_dir(source)
+    base = path_base(source, "agent.path")
     return p if p.is_absolute() or base is None else base / p
 
 
@@ -235,7 +235,7 @@ def missing_agent(recipe, derived, source) -> Iterator[Diagnostic]:
 
 def agent_file_not_found(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
-    `agent.path` names an existing file (relative to the recipe file).
+    `agent.path` names an existing file (relative to the file that sets it; to the working directory for `--set`).
 
     ## Why it matters
     The agent ships with the recipe; every runner process imports it at start-up and the run dies there.
@@ -256,7 +256,7 @@ def agent_file_not_found(recipe, derived, source) -> Iterator[Diagnostic]:
     f = _agent_file(recipe, source)
     if f is not None and not inspect_agent(str(f)).exists:
         yield diag("AGENT002", source, "agent.path", f"agent.path {recipe.agent.path}: no such file ({f})",
-                   "fix the path; it is relative to the recipe file")
+                   "fix the path; it is relative to the file that sets it (the working directory for --set)")
 
 
 def agent_file_not_python(recipe, derived, source) -> Iterator[Diagnostic]:
@@ -457,9 +457,8 @@ def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnos
     """
     if recipe.data.apply_chat_template:
         return
-    base = recipe_dir(source)
     for key, src in _row_sources(recipe):
-        row = _first_row(base, src)
+        row = _first_row(path_base(source, key), src)
         if row is not None and isinstance(row.get(recipe.data.input_key), list):
             yield diag("DATA006", source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
                        f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
@@ -492,9 +491,8 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
     d = recipe.data
     wanted = [("data.input_key", d.input_key)]
     wanted.append(("data.output_key", d.output_key) if recipe.kind == "sft" else ("data.label_key", d.label_key))
-    base = recipe_dir(source)
     for key, src in _row_sources(recipe):
-        row = _first_row(base, src)
+        row = _first_row(path_base(source, key), src)
         missing = [(k, col) for k, col in wanted if row is not None and col and col not in row]
         for k, col in missing:  # the eval file is what differs when the training file has the column
             path, other = (k, key) if key.startswith("data.") else (key, k)
