@@ -49,7 +49,6 @@ class GeneratorSpec:
     prompt_probs: tuple[float, ...] | None
     input_key: str
     label_key: str | None
-    apply_chat_template: bool
     max_samples: int
     tokenizer_path: str
     n_samples_per_prompt: int
@@ -82,13 +81,6 @@ def read_jsonl(path: str, input_key: str, label_key: str | None, limit: int) -> 
             if len(rows) >= limit:
                 break
     return rows
-
-
-def render(tokenizer, prompt, apply_chat_template: bool):
-    if not apply_chat_template:
-        return prompt
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 class Generator:
@@ -288,7 +280,7 @@ class Generator:
 
     # ----------------------------------------------------------------------------------------------- prompts
     def _prompt_stream(self, skip: int) -> Iterator[tuple[object, object]]:
-        """Rendered (prompt, label) pairs, episode after episode, each episode in a seeded shuffled order.
+        """(prompt, label) pairs as the dataset holds them, episode after episode, each episode in a seeded shuffled order.
 
         The order depends only on the seed, so skipping the first `skip` items restores a resumed run's position.
         """
@@ -305,14 +297,14 @@ class Generator:
                     skip -= 1
                     continue
                 prompt, label = self.sources[s][i]
-                yield render(self.tokenizer, prompt, spec.apply_chat_template), label
+                yield prompt, label
 
     # ----------------------------------------------------------------------------------------------- eval
     async def _evaluate(self) -> dict[str, float]:
         spec = self.spec
         t0 = time.time()
-        reqs = [GroupRequest(-1 - i, render(self.tokenizer, p, spec.apply_chat_template), label, spec.eval_n_samples,
-                             spec.eval_sampling) for i, (p, label) in enumerate(self.eval_rows)]
+        reqs = [GroupRequest(-1 - i, p, label, spec.eval_n_samples, spec.eval_sampling)
+                for i, (p, label) in enumerate(self.eval_rows)]
         results = [r for r in await asyncio.gather(*(self._run_group(q) for q in reqs)) if not isinstance(r, str)]
         rewards = [x for r in results for x in r.rewards]
         scores = [x for r in results for x in r.scores]

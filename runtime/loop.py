@@ -384,7 +384,7 @@ def start_runners(plan: Plan, router) -> list:
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
     return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
                         name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env))
+        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template)
         for i in range(rl.agent.runners)]
 
 
@@ -418,7 +418,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
     ev = rl.eval
     return GeneratorSpec(
         prompt_paths=tuple(rl.data.prompts), prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
-        input_key=rl.data.input_key, label_key=rl.data.label_key, apply_chat_template=rl.data.apply_chat_template,
+        input_key=rl.data.input_key, label_key=rl.data.label_key,
         max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
         n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
         batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,
@@ -435,7 +435,8 @@ def probe_sequence(plan: Plan) -> list[int]:
     """A fixed token sequence for the post-sync check: the first prompt of the dataset, rendered, plus its label."""
     from transformers import AutoTokenizer
 
-    from runtime.generator import read_jsonl, render
+    from runtime.generator import read_jsonl
+    from runtime.runners import render
 
     rl = plan.rl
     tok = AutoTokenizer.from_pretrained(rl.model.path)

@@ -32,7 +32,7 @@ ROLLOUT_DROP_REASONS = ("agent_error", "aborted", "empty_tokens", "no_action_tok
 @dataclass(frozen=True)
 class GroupRequest:
     group_id: int                  # unique per dispatched prompt (also the prompt's index in consumption order)
-    prompt: Any                    # rendered prompt text (or chat messages for runners that render themselves)
+    prompt: Any                    # the dataset's prompt: text or chat messages (the runner renders it if needed)
     label: Any
     n: int                         # rollouts in the group
     sampling: SamplingParams
@@ -50,9 +50,17 @@ class GroupResult:
     errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
 
 
+def render(tokenizer, prompt, apply_chat_template: bool):
+    """The text a step runner starts from: the chat template applied to the prompt (a string is one user turn)."""
+    if not apply_chat_template:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 class AgentRunnerActor:
     def __init__(self, agent_path: str, tokenizer_path: str, client: GenerateClient, max_length: int,
-                 agent_env: dict[str, str]):
+                 agent_env: dict[str, str], apply_chat_template: bool):
         os.environ.update(agent_env)  # before the agent module's top-level code reads them
         from transformers import AutoTokenizer
 
@@ -60,20 +68,25 @@ class AgentRunnerActor:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.client = client
         self.max_length = max_length
+        self.apply_chat_template = apply_chat_template
         self.pad_id = self.tokenizer.pad_token_id
 
     def pid(self) -> int:
         return os.getpid()
 
     async def run_group(self, req: GroupRequest) -> GroupResult:
-        episodes = [self.runner.execute(req.prompt, req.label, sampling=req.sampling, max_length=self.max_length,
+        # Step runners get the rendered text; chat runners (PRERENDER_PROMPT False) get the dataset's messages and
+        # their loopback server renders them once, like an OpenAI-compatible endpoint would.
+        prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template) if self.runner.PRERENDER_PROMPT
+                  else req.prompt)
+        episodes = [self.runner.execute(prompt, req.label, sampling=req.sampling, max_length=self.max_length,
                                         tokenizer=self.tokenizer, client=self.client) for _ in range(req.n)]
         outcomes = await asyncio.gather(*episodes, return_exceptions=True)
         kept, dropped, errors = [], Counter(), []
         for out in outcomes:
             reason = _drop_reason(out)
             if reason is None:
-                kept.append(out)
+                kept.append(out if isinstance(out, list) else [out])
                 continue
             dropped[reason] += 1
             if reason == "agent_error":
@@ -83,34 +96,42 @@ class AgentRunnerActor:
 
 
 def _drop_reason(out) -> str | None:
+    """Why an episode cannot be trained on, or None. A chat episode may come as several step-samples (a list); one
+    bad sample drops the whole rollout, so that its reward is never counted from a partial trace."""
     if isinstance(out, GenerationAborted):
         return "aborted"
     if isinstance(out, BaseException):
         return "agent_error"
-    if not out.token_ids:
-        return "empty_tokens"
-    if out.num_action_tokens == 0:
-        return "no_action_tokens"
-    if out.rollout_log_probs is not None and len(out.rollout_log_probs) != len(out.token_ids):
-        return "logprob_misalign"
-    return None
+    for sample in out if isinstance(out, list) else [out]:
+        if not sample.token_ids:
+            return "empty_tokens"
+        if sample.num_action_tokens == 0:
+            return "no_action_tokens"
+        if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) != len(sample.token_ids):
+            return "logprob_misalign"
+    return None if out else "empty_tokens"
 
 
-def _group_result(req: GroupRequest, kept: list, dropped: Counter, errors: list[str], pad_id: int) -> GroupResult:
+def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors: list[str],
+                  pad_id: int) -> GroupResult:
+    """`kept`: per surviving rollout, its samples (one for step runners, one per segment for chat runners)."""
     if not kept:
         return GroupResult(req.group_id, None, [], [], dropped, {}, errors)
-    exp = from_token_lists([t.token_ids for t in kept], [t.action_ranges for t in kept],
-                           [t.rollout_log_probs or [] for t in kept], pad_id)
-    rewards = [float(t.reward) for t in kept]
-    scores = [float(t.score) for t in kept]
-    exp.rewards = torch.tensor(rewards, dtype=torch.float32)
-    exp.scores = torch.tensor(scores, dtype=torch.float32)
-    exp.truncated = torch.tensor([bool(t.truncated) for t in kept])
-    exp.group_ids = torch.full((len(kept),), req.group_id, dtype=torch.long)
-    exp.rollout_ids = req.group_id * req.n + torch.arange(len(kept))
+    samples = [t for rollout in kept for t in rollout]
+    exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
+                           [t.rollout_log_probs or [] for t in samples], pad_id)
+    exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
+    exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
+    exp.truncated = torch.tensor([bool(t.truncated) for t in samples])
+    exp.group_ids = torch.full((len(samples),), req.group_id, dtype=torch.long)
+    # Samples of one rollout share its id: the group estimators merge them back into one reward (algo/reward.py).
+    exp.rollout_ids = torch.tensor([req.group_id * req.n + i for i, rollout in enumerate(kept) for _ in rollout],
+                                   dtype=torch.long)
+    rewards = [float(rollout[0].reward) for rollout in kept]  # per rollout: the episode's reward, counted once
+    scores = [float(rollout[0].score) for rollout in kept]
     info: dict[str, float] = {}
-    for t in kept:
-        for k, v in (t.info or {}).items():
+    for rollout in kept:
+        for k, v in (rollout[0].info or {}).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 info[k] = info.get(k, 0.0) + float(v)
     return GroupResult(req.group_id, exp, rewards, scores, dropped, info, errors)

@@ -1,0 +1,68 @@
+"""The agent-runner actor's group logic, in-process (no Ray): prompts rendered only for step runners, chat
+episodes that come back as several step-samples, drops per rollout."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agents_fakes import ScriptedEngine
+
+from runtime.agents import SamplingParams
+from runtime.runners import AgentRunnerActor, GroupRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "recipes" / "data" / "demo_math" / "model"
+SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, top_p=1.0, logprobs=True)
+
+
+def actor(agent: Path, engine) -> AgentRunnerActor:
+    from transformers import AutoTokenizer
+
+    runner = AgentRunnerActor(str(agent), str(MODEL), engine, 64, {}, apply_chat_template=True)
+    engine.tokenizer = AutoTokenizer.from_pretrained(MODEL)  # the engine replies in the model's own tokens
+    return runner
+
+
+def run(actor: AgentRunnerActor, prompt, label, n: int):
+    return asyncio.run(actor.run_group(GroupRequest(7, prompt, label, n, SAMPLING)))
+
+
+def test_step_runner_gets_the_rendered_prompt():
+    engine = ScriptedEngine(["3<|im_end|>"])
+    runner = actor(ROOT / "recipes" / "agents" / "demo_math.py", engine)
+    result = run(runner, "1+2=", "3", 2)
+    rendered = runner.tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False,
+                                                    add_generation_prompt=True)
+    assert engine.calls[0][0] == runner.tokenizer.encode(rendered, add_special_tokens=False)
+    assert result.rewards == [1.0, 1.0] and result.experience.batch_size == 2
+    assert result.experience.rollout_ids.tolist() == [14, 15]
+
+
+def test_chat_episode_segments_are_samples_of_one_rollout():
+    engine = ScriptedEngine(["3<|im_end|>", "ok<|im_end|>"])
+    runner = actor(Path(__file__).parent / "agents" / "chat_two_segments.py", engine)
+    result = run(runner, [{"role": "user", "content": "1+2="}], "3", 3)
+    exp = result.experience
+    assert exp.batch_size == 6  # 3 rollouts x 2 segments
+    assert exp.rollout_ids.tolist() == [21, 21, 22, 22, 23, 23] and exp.group_ids.tolist() == [7] * 6
+    assert exp.rewards.tolist() == [1.0] * 6  # every sample carries its episode's reward ...
+    assert result.rewards == [1.0, 1.0, 1.0]  # ... counted once per rollout in the group's statistics
+    assert result.info == {"calls": 6.0}
+    # the chat server rendered the raw messages itself: the first call starts with the chat template
+    assert runner.tokenizer.decode(engine.calls[0][0]).startswith("<|im_start|>user\n1+2=")
+
+
+def test_a_failing_chat_episode_drops_only_its_rollout():
+    engine = ScriptedEngine(["boom<|im_end|>"])
+    runner = actor(Path(__file__).parent / "agents" / "chat_two_segments.py", engine)
+    result = run(runner, [{"role": "user", "content": "1+2="}], "3", 2)
+    assert result.experience is None and result.dropped == {"agent_error": 2}
+    assert all("agent failed on purpose" in e for e in result.errors)
+
+
+def test_episodes_without_action_tokens_are_dropped_with_a_reason():
+    engine = ScriptedEngine([""])  # an engine that generates nothing (an immediate end-of-turn is one token)
+    runner = actor(ROOT / "recipes" / "agents" / "demo_math.py", engine)
+    result = run(runner, "1+2=", "3", 2)
+    assert result.experience is None and result.dropped == {"no_action_tokens": 2}
