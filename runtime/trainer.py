@@ -19,12 +19,15 @@ import math
 import os
 import socket
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import ray
 import torch
 import torch.distributed as dist
 
 from runtime.experience import Experience
+
+if TYPE_CHECKING:
+    import ray
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,13 @@ class TrainerSpec:
     seed: int
     optimizer: OptimizerSpec
     loss: LossSpec
+
+
+def _ray():
+    """Ray, imported on first use: a rank itself needs only torch, so it also runs under torchrun (GPU checks)."""
+    import ray
+
+    return ray
 
 
 def free_port() -> int:
@@ -188,7 +198,8 @@ class PolicyWorker:
         for _ in range(spec.max_epochs):
             for window in _micro_batches(shard.batch_size, spec.micro_batch_size, spec.grad_accum):
                 # Global-token-mean normaliser: action tokens of this window on every rank (one all-reduce).
-                total = torch.tensor([float(sum(int(shard.action_mask[mb].sum()) for mb in window))])
+                total = torch.tensor([float(sum(int(shard.action_mask[mb].sum()) for mb in window))],
+                                     device=self.device)  # NCCL reduces device tensors only
                 dist.all_reduce(total)
                 for mb in window:
                     for k, v in self._micro_step(shard.select(mb), total.item(), kl_coef).items():
@@ -250,7 +261,7 @@ class PolicyWorker:
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        return [ray.put({k: v for k, v in sd.items() if torch.is_floating_point(v)})]
+        return [_ray().put({k: v for k, v in sd.items() if torch.is_floating_point(v)})]
 
     def save_checkpoint(self, path: str) -> None:
         from runtime.ckpt import save_sharded
@@ -281,14 +292,14 @@ class TrainerGroup:
     world: int
 
     def forward_logprobs(self, batch_ref) -> tuple[torch.Tensor, torch.Tensor | None]:
-        outs = ray.get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
+        outs = _ray().get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
         old = torch.cat([o for o, _ in outs])
         ref = torch.cat([r for _, r in outs]) if outs[0][1] is not None else None
         return old, ref
 
     def train(self, batch_ref, kl_coef: float) -> dict[str, float]:
         """Run the step on every rank; return token-weighted means over all ranks (lr, grad norm: rank 0's)."""
-        outs = ray.get([w.train.remote(batch_ref, kl_coef) for w in self.workers])
+        outs = _ray().get([w.train.remote(batch_ref, kl_coef) for w in self.workers])
         tokens = max(sum(o["tokens"] for o in outs), 1.0)
         means = {k.removesuffix("_x_tokens"): sum(o.get(k, 0.0) for o in outs) / tokens
                  for k in outs[0] if k.endswith("_x_tokens")}
@@ -297,25 +308,25 @@ class TrainerGroup:
         return means
 
     def full_state_dict_ref(self) -> ray.ObjectRef:
-        outs = ray.get([w.full_state_dict.remote() for w in self.workers])
+        outs = _ray().get([w.full_state_dict.remote() for w in self.workers])
         return outs[0][0]
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        return ray.get([w.probe_logprobs.remote(token_ids) for w in self.workers])[0]
+        return _ray().get([w.probe_logprobs.remote(token_ids) for w in self.workers])[0]
 
     def save_checkpoint(self, path: str) -> None:
-        ray.get([w.save_checkpoint.remote(path) for w in self.workers])
+        _ray().get([w.save_checkpoint.remote(path) for w in self.workers])
 
     def load_checkpoint(self, path: str) -> None:
-        ray.get([w.load_checkpoint.remote(path) for w in self.workers])
+        _ray().get([w.load_checkpoint.remote(path) for w in self.workers])
 
     def export_hf(self, out_dir: str) -> str | None:
-        return ray.get([w.export_hf.remote(out_dir) for w in self.workers])[0]
+        return _ray().get([w.export_hf.remote(out_dir) for w in self.workers])[0]
 
     def shutdown(self) -> None:
-        ray.get([w.shutdown.remote() for w in self.workers])
+        _ray().get([w.shutdown.remote() for w in self.workers])
         for w in self.workers:
-            ray.kill(w)
+            _ray().kill(w)
 
 
 def start_trainer_group(spec: TrainerSpec, actor_options: list[dict]) -> TrainerGroup:
@@ -323,16 +334,16 @@ def start_trainer_group(spec: TrainerSpec, actor_options: list[dict]) -> Trainer
 
     Rank 0 is created first; its node IP plus a free port on that node is the torch.distributed master.
     """
-    remote_cls = ray.remote(PolicyWorker)
-    probe = ray.remote(num_cpus=0)(_node_ip_and_port)
-    addr, port = ray.get(probe.options(**_placement_only(actor_options[0])).remote())
+    remote_cls = _ray().remote(PolicyWorker)
+    probe = _ray().remote(num_cpus=0)(_node_ip_and_port)
+    addr, port = _ray().get(probe.options(**_placement_only(actor_options[0])).remote())
     workers = [remote_cls.options(**actor_options[r]).remote(spec, r, addr, port) for r in range(spec.world)]
-    ray.get([w.ready.remote() for w in workers])
+    _ray().get([w.ready.remote() for w in workers])
     return TrainerGroup(workers=workers, world=spec.world)
 
 
 def _node_ip_and_port() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), free_port()
+    return _ray().util.get_node_ip_address(), free_port()
 
 
 def _placement_only(options: dict) -> dict:
