@@ -15,7 +15,9 @@ from runtime.agents import ChatAgent, ChatAgentRunner, ChatContext, Result
 
 class AdditionChat(ChatAgent):
     async def run(self, ctx: ChatContext) -> Result:
-        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        # The SDK's 5 s connect timeout is for the internet; on a busy 2-core machine the loopback server can take
+        # longer to accept. A retry is safe: the server answers an identical request from its cache.
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, timeout=600.0, max_retries=3)
         reply = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
         answer = (reply.choices[0].message.content or "").replace("<|im_end|>", "").strip()
         correct = answer == str(ctx.label).strip()
