@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -146,6 +146,36 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def warm_start(model_dir: str | Path, examples: Callable, steps: int, seed: int, lr: float = 3e-3) -> None:
+    """Supervised steps on masked tokens, saved in place: how the demos teach a random model a format offline.
+
+    `examples(rng, tokenizer)` returns one step's rows as (token ids, loss mask) pairs; the loss is the mean
+    next-token NLL over the masked-in tokens. Seeded (torch and `random.Random(seed)`), so the result is
+    byte-identical for the same arguments.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        seqs, masks = zip(*examples(rng, tok), strict=True)
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(model_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,41 +38,20 @@ def corpus() -> list[str]:
     return lines * 5 + [str(i) for i in range(100)]
 
 
-def warm_start(model_dir: Path, steps: int, seed: int) -> None:
-    """A few supervised steps on the answer tokens (format only: digits, then <|im_end|>)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = random.Random(seed)
-    for _ in range(steps):
-        rows = task_rows(rng, 32)
-        seqs, masks = [], []
-        for r in rows:
-            prompt = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True)
-            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            a_ids = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            seqs.append(p_ids + a_ids)
-            masks.append([0] * len(p_ids) + [1] * len(a_ids))
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(model_dir)
+def examples(rng: random.Random, tok) -> list[tuple[list[int], list[int]]]:
+    """One warm-start step: 32 chat-templated prompts, the loss on the answer tokens (digits, then <|im_end|>)."""
+    out = []
+    for r in task_rows(rng, 32):
+        prompt = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                         add_generation_prompt=True)
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        a_ids = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        out.append((p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)))
+    return out
 
 
 def main() -> None:
-    from runtime.tiny_model import build_tiny_model
+    from runtime.tiny_model import build_tiny_model, warm_start
 
     HERE.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
@@ -84,7 +63,7 @@ def main() -> None:
             for b in range(MAX_OPERAND + 1):
                 f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=300)
-    warm_start(model_dir, WARM_START_STEPS, SEED)
+    warm_start(model_dir, examples, WARM_START_STEPS, SEED)
     print(f"demo data and warm-started model written to {HERE}")
 
 

@@ -75,40 +75,21 @@ def episode_segments(row: dict, use_tool: bool, guess: str) -> list[tuple[str, b
             (boxed(row["answer"]) + END_OF_TURN, True)]
 
 
-def warm_start(model_dir: Path, steps: int, seed: int) -> None:
-    """Supervised steps on the action tokens of mixed episodes (tool call + copied answer, or an immediate guess)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rng = random.Random(seed)
+def examples(rng: random.Random, tok) -> list[tuple[list[int], list[int]]]:
+    """One warm-start step: 32 mixed episodes (tool call + copied answer, or an immediate wrong guess), the loss on
+    the action tokens only."""
     products = sorted({a * b for a, b in facts()})
-    for _ in range(steps):
-        seqs, masks = [], []
-        for row in task_rows(rng, 32):
-            ids = _encode(tok, _prompt(tok, row))
-            mask = [0] * len(ids)
-            guess = str(rng.choice([p for p in products if str(p) != row["answer"]]))
-            for text, is_action in episode_segments(row, rng.random() < TOOL_RATE, guess):
-                piece = _encode(tok, text)
-                ids += piece
-                mask += [int(is_action)] * len(piece)
-            seqs.append(ids)
-            masks.append(mask)
-        width = max(map(len, seqs))
-        ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
-        loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
-        attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    model.save_pretrained(model_dir)
+    out = []
+    for row in task_rows(rng, 32):
+        ids = _encode(tok, _prompt(tok, row))
+        mask = [0] * len(ids)
+        guess = str(rng.choice([p for p in products if str(p) != row["answer"]]))
+        for text, is_action in episode_segments(row, rng.random() < TOOL_RATE, guess):
+            piece = _encode(tok, text)
+            ids += piece
+            mask += [int(is_action)] * len(piece)
+        out.append((ids, mask))
+    return out
 
 
 def _prompt(tok, row: dict) -> str:
@@ -162,7 +143,7 @@ def measure(model_dir: Path, samples_per_fact: int = 4, seed: int = 1) -> dict[s
 
 
 def main() -> None:
-    from runtime.tiny_model import build_tiny_model
+    from runtime.tiny_model import build_tiny_model, warm_start
 
     HERE.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
@@ -173,7 +154,7 @@ def main() -> None:
         for a, b in facts():
             f.write(json.dumps({"prompt": f"{a}*{b}=", "answer": str(a * b)}) + "\n")
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=400)
-    warm_start(model_dir, WARM_START_STEPS, SEED)
+    warm_start(model_dir, examples, WARM_START_STEPS, SEED)
     print(f"demo data and warm-started model written to {HERE}")
     if "--measure" in sys.argv:
         print(measure(model_dir))
