@@ -30,3 +30,18 @@ def fresh_out_dirs(plan) -> None:
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def run_recipe(recipe: str, *sets: str):
+    """Compile, clear what an earlier run left, run on the current Ray instance: (plan, result, metric records)."""
+    from runtime.loop import run
+
+    plan = compile_plan(recipe, *sets)
+    fresh_out_dirs(plan)
+    result = run(plan, live=False)
+    return plan, result, read_metrics(result.metrics_path)
+
+
+def step_records(records: list[dict]) -> list[dict]:
+    """The per-step records (eval and run-summary records left out)."""
+    return [r for r in records if "rollout/reward_mean" in r]

@@ -5,7 +5,7 @@ the exact tokens). Real local Ray cluster, 2 FSDP2 ranks, queue depth 2, shorten
 from __future__ import annotations
 
 import pytest
-from loop_support import compile_plan, fresh_out_dirs, read_metrics
+from loop_support import run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,9 @@ SETS = (
 
 @pytest.fixture(scope="module")
 def chat_run(local_ray):
-    from runtime.loop import run
-
-    plan = compile_plan("recipes/demo_math.yaml", *SETS)
+    plan, result, records = run_recipe("recipes/demo_math.yaml", *SETS)
     assert plan.rl.agent.path.endswith("agents/demo_math_chat.py")
-    fresh_out_dirs(plan)
-    result = run(plan, live=False)
-    return result, [r for r in read_metrics(result.metrics_path) if "rollout/reward_mean" in r]
+    return result, step_records(records)
 
 
 def test_chat_agent_run_trains_every_prompt(chat_run):

@@ -4,7 +4,7 @@ with 2 FSDP2 ranks must raise the reward, and the engine must serve the trainer'
 from __future__ import annotations
 
 import pytest
-from loop_support import compile_plan, fresh_out_dirs, read_metrics
+from loop_support import run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +24,9 @@ SETS = (
 
 @pytest.fixture(scope="module")
 def hf_run(local_ray):
-    from runtime.loop import run
-
-    plan = compile_plan("recipes/demo_math.yaml", *SETS)
+    plan, result, records = run_recipe("recipes/demo_math.yaml", *SETS)
     assert plan.rl.engines.kind == "hf"
-    fresh_out_dirs(plan)
-    result = run(plan, live=False)
-    return result, [r for r in read_metrics(result.metrics_path) if "rollout/reward_mean" in r]
+    return result, step_records(records)
 
 
 def test_hf_engine_run_improves_reward(hf_run):

@@ -4,7 +4,7 @@ engine, 2 FSDP2 ranks, queue depth 2), shortened. One run, several properties, e
 from __future__ import annotations
 
 import pytest
-from loop_support import compile_plan, fresh_out_dirs, read_metrics
+from loop_support import run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
@@ -22,30 +22,21 @@ SETS = (
 
 @pytest.fixture(scope="module")
 def tool_run(local_ray):
-    from runtime.loop import run
-
-    plan = compile_plan("recipes/demo_tool.yaml", *SETS)
-    fresh_out_dirs(plan)
-    result = run(plan, live=False)
-    return plan, result, read_metrics(result.metrics_path)
-
-
-def steps(records):
-    return [r for r in records if "rollout/reward_mean" in r]
+    return run_recipe("recipes/demo_tool.yaml", *SETS)
 
 
 def test_runs_every_step_without_losing_a_prompt(tool_run):
     _, result, records = tool_run
     assert result.status == "finished" and result.step == STEPS
-    assert [r["step"] for r in steps(records)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in step_records(records)] == list(range(1, STEPS + 1))
     acc = result.accounting
     assert acc["prompts/consumed"] == acc["prompts/trained"] == STEPS * 8
-    assert all(r["rollout/runner_failures"] == 0 for r in steps(records))
+    assert all(r["rollout/runner_failures"] == 0 for r in step_records(records))
 
 
 def test_episodes_are_multi_turn_and_the_sandboxed_tool_runs(tool_run):
     _, _, records = tool_run
-    rows = steps(records)
+    rows = step_records(records)
     # the tool was called, it ran (a failed run feeds back an error, counted in tool_failures) ...
     assert sum(r["rollout/info/tool_calls"] for r in rows) / len(rows) > 0.3
     assert sum(r["rollout/info/tool_failures"] for r in rows) < 0.1 * sum(r["rollout/info/tool_calls"] for r in rows)
@@ -55,7 +46,7 @@ def test_episodes_are_multi_turn_and_the_sandboxed_tool_runs(tool_run):
 
 def test_rl_raises_tool_use_and_reward(tool_run):
     _, _, records = tool_run
-    rows = steps(records)
+    rows = step_records(records)
     first = {k: sum(r[k] for r in rows[:5]) / 5 for k in ("rollout/reward_mean", "rollout/info/tool_calls")}
     last = {k: sum(r[k] for r in rows[-5:]) / 5 for k in ("rollout/reward_mean", "rollout/info/tool_calls")}
     assert last["rollout/info/tool_calls"] > first["rollout/info/tool_calls"] + 0.2, (first, last)

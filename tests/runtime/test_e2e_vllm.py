@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loop_support import ROOT, compile_plan, fresh_out_dirs, read_metrics
+from loop_support import ROOT, run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
@@ -23,22 +23,13 @@ SETS = (
 
 @pytest.fixture(scope="module")
 def demo_run(local_ray):
-    from runtime.loop import run
-
-    plan = compile_plan("recipes/demo_math.yaml", *SETS)
-    fresh_out_dirs(plan)
-    result = run(plan, live=False)
-    return plan, result, read_metrics(result.metrics_path)
-
-
-def steps(records):
-    return [r for r in records if "rollout/reward_mean" in r]
+    return run_recipe("recipes/demo_math.yaml", *SETS)
 
 
 def test_runs_every_step_and_accounts_for_every_prompt(demo_run):
     plan, result, records = demo_run
     assert result.status == "finished" and result.step == STEPS
-    assert [r["step"] for r in steps(records)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in step_records(records)] == list(range(1, STEPS + 1))
     acc = result.accounting
     dropped = sum(v for k, v in acc.items() if k.startswith("prompts/dropped/"))
     assert acc["prompts/consumed"] == acc["prompts/trained"] + dropped == STEPS * 8
@@ -46,14 +37,14 @@ def test_runs_every_step_and_accounts_for_every_prompt(demo_run):
 
 def test_reward_improves(demo_run):
     _, _, records = demo_run
-    rewards = [r["rollout/reward_mean"] for r in steps(records)]
+    rewards = [r["rollout/reward_mean"] for r in step_records(records)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
     assert last > first + 0.08, f"mean reward of the first 5 steps {first:.3f}, of the last 10 {last:.3f}"
 
 
 def test_weight_sync_engines_serve_the_trainers_weights(demo_run):
     plan, _, records = demo_run
-    diffs = [r["weight_sync/logprob_diff_max"] for r in steps(records)]
+    diffs = [r["weight_sync/logprob_diff_max"] for r in step_records(records)]
     assert max(diffs) < 1e-4, diffs
     # ... and the weights did change (else a sync that does nothing would pass the probe too)
     from safetensors.torch import load_file
