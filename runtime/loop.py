@@ -225,20 +225,29 @@ def sync_weights(trainer, engines, lock, probe_ids: list[int], version: int) -> 
 
 
 def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
+    """Rollout statistics count each rollout once: a chat rollout may arrive as several step-samples that share its
+    id and reward (their generated tokens add up, one truncated sample truncates the rollout)."""
     mask = batch.action_mask
-    rewards, scores = batch.rewards, batch.scores
-    groups = batch.group_ids.unique()
-    group_std = [rewards[batch.group_ids == g].std(unbiased=False) for g in groups]
+    ids, sample_to_rollout = torch.unique(batch.rollout_ids, return_inverse=True)
+    n = len(ids)
+    first = torch.full((n,), batch.batch_size).scatter_reduce(0, sample_to_rollout, torch.arange(batch.batch_size),
+                                                              reduce="amin")
+    rewards, scores, group_ids = batch.rewards[first], batch.scores[first], batch.group_ids[first]
+    lengths = torch.zeros(n).index_add(0, sample_to_rollout, batch.response_length.float())
+    truncated = torch.zeros(n).scatter_reduce(0, sample_to_rollout, batch.truncated.float(), reduce="amax")
+    groups = group_ids.unique()
+    group_std = [rewards[group_ids == g].std(unbiased=False) for g in groups]
     diff = (batch.rollout_log_probs - old).abs() * mask
     return {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/score_mean": float(scores.mean()),
         "rollout/pass1": float((scores > 0).float().mean()),
-        "rollout/num_rollouts": float(batch.batch_size),
+        "rollout/num_rollouts": float(n),
+        "rollout/num_samples": float(batch.batch_size),
         "rollout/num_prompt_groups": float(len(groups)),
-        "rollout/response_length_mean": float(batch.response_length.float().mean()),
-        "rollout/truncated_rate": float(batch.truncated.float().mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/truncated_rate": float(truncated.mean()),
         "rollout/group_reward_std": float(torch.stack(group_std).mean()),
         "train/advantage_mean": float(algo.masked_mean(advantages, mask)),
         "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),

@@ -22,6 +22,7 @@ METRICS: dict[str, str] = {
     "rollout/score_mean": "mean score (last step's; dynamic filtering uses it) over the trained rollouts",
     "rollout/pass1": "fraction of trained rollouts with score > 0",
     "rollout/num_rollouts": "rollouts in the trained batch",
+    "rollout/num_samples": "training samples in the batch (a chat rollout whose history was rewritten gives several)",
     "rollout/num_prompt_groups": "prompt groups in the trained batch",
     "rollout/response_length_mean": "mean generated (action) tokens per trained rollout",
     "rollout/truncated_rate": "fraction of trained rollouts cut by the token budget or the env",

@@ -82,3 +82,22 @@ def test_batched_but_untrained_prompts_end_as_run_ended():
     assert acc == {"prompts/consumed": 30, "prompts/trained": 8, "prompts/dropped/run_ended": 22}
     assert settle_accounting({"prompts/consumed": 8, "prompts/batched": 8}, 8) == {"prompts/consumed": 8,
                                                                                   "prompts/trained": 8}
+
+
+def test_batch_metrics_count_a_multi_sample_rollout_once():
+    from runtime.loop import batch_metrics
+
+    # rollout 5 (group 0) arrives as two step-samples, rollouts 6 (group 0) and 9 (group 1) as one each
+    exp = from_token_lists([[1, 2, 3], [1, 2, 3, 4], [1, 2], [1, 2, 3]], [[(1, 3)], [(2, 4)], [(1, 2)], [(2, 3)]],
+                           [[], [], [], []], pad_id=0)
+    exp.rollout_ids = torch.tensor([5, 5, 6, 9])
+    exp.group_ids = torch.tensor([0, 0, 0, 1])
+    exp.rewards = torch.tensor([1.0, 1.0, 0.0, 0.5])
+    exp.scores = torch.tensor([1.0, 1.0, 0.0, 0.5])
+    exp.truncated = torch.tensor([False, True, False, False])
+    m = batch_metrics(exp, torch.zeros(4, 3), torch.zeros(4, 3))
+    assert m["rollout/num_rollouts"] == 3 and m["rollout/num_samples"] == 4 and m["rollout/num_prompt_groups"] == 2
+    assert m["rollout/reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3, not (1 + 1 + 0 + 0.5) / 4
+    assert m["rollout/response_length_mean"] == (4 + 1 + 1) / 3
+    assert abs(m["rollout/truncated_rate"] - 1 / 3) < 1e-6
+    assert m["rollout/group_reward_std"] == (0.5 + 0.0) / 2
