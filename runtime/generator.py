@@ -49,6 +49,7 @@ class GeneratorSpec:
     prompt_probs: tuple[float, ...] | None
     input_key: str
     label_key: str | None
+    tools_key: str | None                    # column of per-row tool schemas (rendered by the chat template)
     max_samples: int
     tokenizer_path: str
     n_samples_per_prompt: int
@@ -68,7 +69,9 @@ class GeneratorSpec:
     eval_sampling: SamplingParams | None
 
 
-def read_jsonl(path: str, input_key: str, label_key: str | None, limit: int) -> list[tuple[object, object]]:
+def read_jsonl(path: str, input_key: str, label_key: str | None, limit: int,
+               tools_key: str | None = None) -> list[tuple[object, object, list | None]]:
+    """(prompt, label, tools) of the first `limit` rows; label and tools None when their key is unset or absent."""
     rows = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -77,7 +80,8 @@ def read_jsonl(path: str, input_key: str, label_key: str | None, limit: int) -> 
             row = json.loads(line)
             if input_key not in row:
                 raise KeyError(f"{path}:{line_no}: row has no input key {input_key!r} (keys: {sorted(row)})")
-            rows.append((row[input_key], row.get(label_key) if label_key else None))
+            rows.append((row[input_key], row.get(label_key) if label_key else None,
+                         row.get(tools_key) if tools_key else None))
             if len(rows) >= limit:
                 break
     return rows
@@ -92,8 +96,9 @@ class Generator:
         self.queue, self.slots, self.lock = rollout_queue, rollout_slots, engine_lock
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
         self.pad_id = self.tokenizer.pad_token_id
-        self.sources = [read_jsonl(p, spec.input_key, spec.label_key, spec.max_samples) for p in spec.prompt_paths]
-        self.eval_rows = (read_jsonl(spec.eval_path, spec.input_key, spec.label_key, spec.max_samples)
+        self.sources = [read_jsonl(p, spec.input_key, spec.label_key, spec.max_samples, spec.tools_key)
+                        for p in spec.prompt_paths]
+        self.eval_rows = (read_jsonl(spec.eval_path, spec.input_key, spec.label_key, spec.max_samples, spec.tools_key)
                           if spec.eval_path else [])
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
@@ -190,7 +195,9 @@ class Generator:
                 if item is None:
                     exhausted = True
                     break
-                self._dispatch(GroupRequest(self.consumed, item[0], item[1], spec.n_samples_per_prompt, spec.sampling))
+                prompt, label, tools = item
+                self._dispatch(GroupRequest(self.consumed, prompt, label, spec.n_samples_per_prompt, spec.sampling,
+                                            tools=tools))
                 self.consumed += 1
             if not self.inflight:
                 break
@@ -279,8 +286,8 @@ class Generator:
         self.ready.clear()
 
     # ----------------------------------------------------------------------------------------------- prompts
-    def _prompt_stream(self, skip: int) -> Iterator[tuple[object, object]]:
-        """(prompt, label) pairs as the dataset holds them, episode after episode, each episode in a seeded shuffled order.
+    def _prompt_stream(self, skip: int) -> Iterator[tuple[object, object, list | None]]:
+        """(prompt, label, tools) rows as the dataset holds them, episode after episode, each in a seeded shuffled order.
 
         The order depends only on the seed, so skipping the first `skip` items restores a resumed run's position.
         """
@@ -296,15 +303,14 @@ class Generator:
                 if skip > 0:
                     skip -= 1
                     continue
-                prompt, label = self.sources[s][i]
-                yield prompt, label
+                yield self.sources[s][i]
 
     # ----------------------------------------------------------------------------------------------- eval
     async def _evaluate(self) -> dict[str, float]:
         spec = self.spec
         t0 = time.time()
-        reqs = [GroupRequest(-1 - i, p, label, spec.eval_n_samples, spec.eval_sampling)
-                for i, (p, label) in enumerate(self.eval_rows)]
+        reqs = [GroupRequest(-1 - i, p, label, spec.eval_n_samples, spec.eval_sampling, tools=tools)
+                for i, (p, label, tools) in enumerate(self.eval_rows)]
         results = [r for r in await asyncio.gather(*(self._run_group(q) for q in reqs)) if not isinstance(r, str)]
         rewards = [x for r in results for x in r.rewards]
         scores = [x for r in results for x in r.scores]

@@ -427,7 +427,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
     ev = rl.eval
     return GeneratorSpec(
         prompt_paths=tuple(rl.data.prompts), prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
-        input_key=rl.data.input_key, label_key=rl.data.label_key,
+        input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
         max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
         n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
         batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,
@@ -449,6 +449,7 @@ def probe_sequence(plan: Plan) -> list[int]:
 
     rl = plan.rl
     tok = AutoTokenizer.from_pretrained(rl.model.path)
-    prompt, label = read_jsonl(rl.data.prompts[0], rl.data.input_key, rl.data.label_key, 1)[0]
-    text = render(tok, prompt, rl.data.apply_chat_template) + ("" if label is None else str(label))
+    prompt, label, tools = read_jsonl(rl.data.prompts[0], rl.data.input_key, rl.data.label_key, 1,
+                                      rl.data.tools_key)[0]
+    text = render(tok, prompt, rl.data.apply_chat_template, tools) + ("" if label is None else str(label))
     return tok.encode(text, add_special_tokens=False)[-rl.data.max_len:]

@@ -37,6 +37,7 @@ class GroupRequest:
     n: int                         # rollouts in the group
     sampling: SamplingParams
     attempt: int = 0               # re-dispatches after a runner died
+    tools: list | None = None      # the row's tool schemas (`data.tools_key`), or None
 
 
 @dataclass
@@ -50,12 +51,13 @@ class GroupResult:
     errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
 
 
-def render(tokenizer, prompt, apply_chat_template: bool):
-    """The text a step runner starts from: the chat template applied to the prompt (a string is one user turn)."""
+def render(tokenizer, prompt, apply_chat_template: bool, tools: list | None = None):
+    """The text a step runner starts from: the chat template applied to the prompt (a string is one user turn),
+    with the row's tools when it has some (the template decides how the model sees them)."""
     if not apply_chat_template:
         return prompt
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
 
 class AgentRunnerActor:
@@ -77,10 +79,11 @@ class AgentRunnerActor:
     async def run_group(self, req: GroupRequest) -> GroupResult:
         # Step runners get the rendered text; chat runners (PRERENDER_PROMPT False) get the dataset's messages and
         # their loopback server renders them once, like an OpenAI-compatible endpoint would.
-        prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template) if self.runner.PRERENDER_PROMPT
-                  else req.prompt)
+        prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template, req.tools)
+                  if self.runner.PRERENDER_PROMPT else req.prompt)
         episodes = [self.runner.execute(prompt, req.label, sampling=req.sampling, max_length=self.max_length,
-                                        tokenizer=self.tokenizer, client=self.client) for _ in range(req.n)]
+                                        tokenizer=self.tokenizer, client=self.client, tools=req.tools)
+                    for _ in range(req.n)]
         outcomes = await asyncio.gather(*episodes, return_exceptions=True)
         kept, dropped, errors = [], Counter(), []
         for out in outcomes:

@@ -16,10 +16,10 @@ MODEL = ROOT / "recipes" / "data" / "demo_math" / "model"
 SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, top_p=1.0, logprobs=True)
 
 
-def actor(agent: Path, engine) -> AgentRunnerActor:
+def actor(agent: Path, engine, max_length: int = 64) -> AgentRunnerActor:
     from transformers import AutoTokenizer
 
-    runner = AgentRunnerActor(str(agent), str(MODEL), engine, 64, {}, apply_chat_template=True)
+    runner = AgentRunnerActor(str(agent), str(MODEL), engine, max_length, {}, apply_chat_template=True)
     engine.tokenizer = AutoTokenizer.from_pretrained(MODEL)  # the engine replies in the model's own tokens
     return runner
 
@@ -66,3 +66,38 @@ def test_episodes_without_action_tokens_are_dropped_with_a_reason():
     runner = actor(ROOT / "recipes" / "agents" / "demo_math.py", engine)
     result = run(runner, "1+2=", "3", 2)
     assert result.experience is None and result.dropped == {"no_action_tokens": 2}
+
+
+TOOLS = [{"type": "function", "function": {"name": "python", "description": "run code",
+                                           "parameters": {"type": "object", "properties": {"code": {"type": "string"}}}}}]
+
+
+def test_a_rows_tools_reach_a_chat_agent_and_its_tool_calls_come_back():
+    engine = ScriptedEngine(['<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call><|im_end|>'])
+    runner = actor(Path(__file__).parent / "agents" / "chat_sees_tools.py", engine, max_length=256)
+    sampling = SamplingParams(max_tokens=128, temperature=1.0, top_p=1.0, logprobs=True)  # room for the whole call
+    result = asyncio.run(runner.run_group(GroupRequest(3, [{"role": "user", "content": "run it"}], None, 2, sampling,
+                                                       tools=TOOLS)))
+    assert result.rewards == [1.0, 1.0]
+
+
+def test_step_runner_renders_the_rows_tools_with_the_chat_template():
+    from runtime.runners import render
+
+    class Template:
+        """Records what the chat template was given (the tiny model's template does not print tools)."""
+
+        def apply_chat_template(self, messages, tools=None, tokenize=False, add_generation_prompt=True):
+            return f"{messages}|{tools}"
+
+    assert render(Template(), "hi", True, TOOLS) == f"{[{'role': 'user', 'content': 'hi'}]}|{TOOLS}"
+    assert render(Template(), "hi", False, TOOLS) == "hi"  # no template: the text as the dataset holds it
+
+
+def test_generator_reads_tools_from_the_tools_key(tmp_path):
+    from runtime.generator import read_jsonl
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"q": "a", "y": 1, "t": [{"name": "x"}]}\n{"q": "b", "y": 2}\n')
+    assert read_jsonl(str(data), "q", "y", 10, "t") == [("a", 1, [{"name": "x"}]), ("b", 2, None)]
+    assert read_jsonl(str(data), "q", "y", 10) == [("a", 1, None), ("b", 2, None)]
