@@ -50,18 +50,19 @@ def examples(rng: random.Random, tok) -> list[tuple[list[int], list[int]]]:
     return out
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def main() -> None:
     from runtime.tiny_model import build_tiny_model, warm_start
 
     HERE.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(SEED)
-    with open(HERE / "train.jsonl", "w") as f:
-        for row in task_rows(rng, 4096):
-            f.write(json.dumps(row) + "\n")
-    with open(HERE / "eval.jsonl", "w") as f:  # every fact once
-        for a in range(MAX_OPERAND + 1):
-            for b in range(MAX_OPERAND + 1):
-                f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    write_jsonl(HERE / "train.jsonl", task_rows(random.Random(SEED), 4096))
+    write_jsonl(HERE / "eval.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)}  # every fact once
+                                      for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)])
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=300)
     warm_start(model_dir, examples, WARM_START_STEPS, SEED)
     print(f"demo data and warm-started model written to {HERE}")

@@ -18,7 +18,7 @@ Deterministic: the same seed gives byte-identical files (seeded data, tokenizer,
 
 from __future__ import annotations
 
-import json
+import asyncio
 import random
 import sys
 from pathlib import Path
@@ -102,7 +102,7 @@ def _encode(tok, text: str) -> list[int]:
 
 
 def measure(model_dir: Path, samples_per_fact: int = 4, seed: int = 1) -> dict[str, float]:
-    """Sampled (temperature 1) behaviour of the model on every fact, with the tool's output computed in-process:
+    """Sampled (temperature 1) behaviour of the model on every fact, the tool run in the agent's own sandbox:
     tool-call rate, accuracy after a tool call, overall accuracy. For choosing TOOL_RATE/WARM_START_STEPS only."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -130,10 +130,8 @@ def measure(model_dir: Path, samples_per_fact: int = 4, seed: int = 1) -> dict[s
             final = first
             if code is not None and geo3k.extract_answer(first) is None:
                 calls += 1
-                try:
-                    output = str(eval(code.strip().removeprefix("print(").removesuffix(")"), {}))  # noqa: S307
-                except Exception as exc:  # the sampled code may be malformed; the sandbox would report an error
-                    output = f"error: {exc}"
+                result = asyncio.run(geo3k.run_python(code, geo3k.Settings.from_env().limits))  # the agent's sandbox
+                output = result.observation()
                 ids += _encode(tok, first) + _encode(tok, geo3k.tool_observation(first, output))
                 final = turn(ids)
                 correct_after_call += int(geo3k.extract_answer(final) == row["answer"])
@@ -143,16 +141,13 @@ def measure(model_dir: Path, samples_per_fact: int = 4, seed: int = 1) -> dict[s
 
 
 def main() -> None:
+    from make_demo import write_jsonl
+
     from runtime.tiny_model import build_tiny_model, warm_start
 
     HERE.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(SEED)
-    with open(HERE / "train.jsonl", "w") as f:
-        for row in task_rows(rng, 4096):
-            f.write(json.dumps(row) + "\n")
-    with open(HERE / "eval.jsonl", "w") as f:  # every fact once
-        for a, b in facts():
-            f.write(json.dumps({"prompt": f"{a}*{b}=", "answer": str(a * b)}) + "\n")
+    write_jsonl(HERE / "train.jsonl", task_rows(random.Random(SEED), 4096))
+    write_jsonl(HERE / "eval.jsonl", [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in facts()])  # each once
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=400)
     warm_start(model_dir, examples, WARM_START_STEPS, SEED)
     print(f"demo data and warm-started model written to {HERE}")
