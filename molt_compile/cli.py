@@ -414,6 +414,12 @@ def rules(code: str | None) -> None:
             if row.code == wanted:
                 click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
                 return
+        from molt_compile import capability
+
+        if wanted == capability.CODE:
+            click.echo(f"{capability.CODE} {capability.NAME} (error)\n\n{capability.DOC}\n"
+                       f"## The capability table\n{capability.table_markdown()}")
+            return
         from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
 
         for place in PLACE_CODES:
@@ -422,7 +428,8 @@ def rules(code: str | None) -> None:
                 return
         from molt_compile.schema_walk import closest
 
-        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES]
+        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES] \
+            + [capability.CODE]
         guess = closest(wanted, known)
         click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
         if missing:
@@ -443,6 +450,10 @@ def rules(code: str | None) -> None:
 
     for place in PLACE_CODES:
         table.add_row(place.code, place.name, place.severity, place.doc.split(". ")[0].replace("\n", " "))
+    from molt_compile import capability
+
+    table.add_row(capability.CODE, capability.NAME, "error", "a setting this runtime does not implement on the "
+                  "recipe's device kind (the capability table)")
     _console().print(table)
     if missing:
         click.echo(f"molt-compile: {missing}", err=True)

@@ -14,8 +14,7 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   engines' logprobs, then pushes the full weights to every engine under the engine lock (engines paused, updated
   from one object-store copy, resumed), checks them with a probe (engine vs trainer logprobs on a fixed sequence),
   logs, evaluates when the generator sends an eval round, and checkpoints.
-- Not done here: critic/gae training, dynamic batching by token budget, sequence packing, NCCL weight broadcast
-  (the object store is used on every device), routing replay, warm-resume of untrained rollouts.
+- Not done here: what `schemas/capabilities.py` lists (the compiler refuses plans that ask for it, CAP001).
 
 The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
 """
@@ -303,36 +302,6 @@ class _StopFlag:
     def restore(self):
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-
-# ---------------------------------------------------------------------------------------------------- scope
-def unsupported_features(plan: Plan) -> list[str]:
-    """Plan settings this runtime does not implement yet, named by their recipe keys.
-
-    The compiler accepts them because Molt supports them; refusing here, before any actor starts, beats training
-    something other than what the recipe says. (Not a validation: every combination was checked at compile time.)
-    """
-    rl = plan.rl
-    found = []
-    if rl.critic is not None:
-        found.append("critic: (gae value model)")
-    if rl.ref is not None and not rl.ref.colocated:
-        found.append("ref.placement: separate")
-    if rl.trainer is None:
-        found.append("eval.only")
-    else:
-        t = rl.trainer
-        if (t.mesh.tp, t.mesh.cp, t.mesh.ep, t.mesh.pp) != (1, 1, 1, 1):
-            found.append(f"actor.mesh tp/cp/ep/pp = {t.mesh.tp}/{t.mesh.cp}/{t.mesh.ep}/{t.mesh.pp} (only 1/1/1/1)")
-        if t.packing:
-            found.append("actor.packing")
-        if t.dynamic_batch_max_tokens is not None:
-            found.append("train.dynamic_batch")
-        if t.routing_replay:
-            found.append("train.routing_replay")
-    if rl.data.max_images_per_prompt > 0:
-        found.append("data.max_images_per_prompt > 0 (VLM inputs)")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------- setup
