@@ -50,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                  resources={k: v for k, v in node.items() if k not in ("CPU", "GPU")}, include_dashboard=False,
                  runtime_env={"env_vars": dict(plan.env)}, log_to_driver=True)
     else:
-        ray.init()
+        # A Ray Job (the Jobs API, the Slurm script) brings the plan's env in its runtime_env; a plain driver on a
+        # cluster it did not start (smoke runs share one) gives it to its actors itself.
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+        ray.init(runtime_env=None if in_job else {"env_vars": dict(plan.env)})
     try:
         result = run(plan, live=sys.stdout.isatty())
     except Exception as exc:  # one clear line (Ray errors carry the remote traceback in their text)

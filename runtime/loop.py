@@ -71,6 +71,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         last_ckpt, state = str(resume_from[0]), resume_from[1]
         trainer.load_checkpoint(last_ckpt)
         step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
+        print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
     if step > 0:  # resumed weights must reach the engines before the first rollout
@@ -94,6 +95,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
     status = "finished"
+    last_eval_step = -1
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
 
@@ -113,6 +115,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             case EvalResult():
                 rollout_slots.put(step)
                 sink.log(step, msg.metrics)
+                last_eval_step = step
                 continue
             case RolloutBatch():
                 pass
@@ -176,9 +179,12 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
     # ------------------------------------------------------------------------------------------------ teardown
     accounting = settle_accounting(accounting, prompts_trained)
-    sink.close()
     if status == "finished":
         ray.get(generator_done)
+        if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
+            sink.log(step, ray.get(generator.evaluate.remote()))  # the final weights are evaluated too, as in SFT
+    sink.close()
+    if status == "finished":
         if rl.ckpt.final_save:
             trainer.export_hf(rl.ckpt.hf_dir)
     plot = plot_run(sink.path, Path(rl.logging.out_dir) / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
