@@ -132,9 +132,9 @@ def build_model(sp: SmokePlan) -> str:
 def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult], cluster: Any | None,
                root: Path) -> Verdict:
     """Run phase 1 then phase 2 of one smoke recipe (on `cluster`, a running LocalCluster, for RL plans)."""
-    from molt_compile import submit
-
     import shutil
+
+    from molt_compile import submit
 
     t0 = time.monotonic()
     plan1 = phases[1].plan

@@ -18,7 +18,7 @@ import pytest
 
 from molt_compile.compile import compile_recipe
 from molt_compile.smoke import SMOKE_STEPS, smoke_plan
-from molt_compile.smoke_run import build_model, prepare, run_smokes
+from molt_compile.smoke_run import build_model, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
