@@ -36,12 +36,15 @@ class Verdict:
     steps: int = 0
     tokens: float = 0.0
     rewards: list[float] = field(default_factory=list)
+    per_step: str = "rewards"       # what `rewards` holds: rollout rewards (RL) or the train loss (SFT)
     drops: dict[str, int] = field(default_factory=dict)
     resumed: bool = False
     eval_metrics: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
     log: str = ""
     compile_result: CompileResult | None = None
+    notes: list[str] = field(default_factory=list)
+    """What the smoke model stands in for (an architecture or tokenizer this machine cannot build)."""
 
     @property
     def ok(self) -> bool:
@@ -50,14 +53,15 @@ class Verdict:
     def lines(self) -> list[str]:
         head = f"smoke {self.recipe}: {self.status.upper()}"
         if self.status == "passed":
-            rewards = ", ".join(f"{r:.3f}" for r in self.rewards)
+            rewards = ", ".join(f"{r:.3f}" for r in self.rewards) or "none"
             ev = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.eval_metrics.items())) or "none"
-            return [f"{head} in {self.seconds:.0f} s", f"  roles started: {self.roles}",
+            return [f"{head} in {self.seconds:.0f} s", *(f"  note: {n}" for n in self.notes),
+                    f"  roles started: {self.roles}",
                     f"  steps done: {self.steps} (phase 1: 1 + checkpoint; phase 2: resumed "
                     f"{'yes' if self.resumed else 'NO'})",
-                    f"  tokens trained: {self.tokens:.0f}; rewards per step: {rewards}",
+                    f"  tokens trained: {self.tokens:.0f}; {self.per_step} per step: {rewards}",
                     f"  dropped: {self.drops or 'none'}; eval: {ev}", f"  logs: {self.log}"]
-        out = [f"{head} at {self.phase}: {self.detail}"]
+        out = [f"{head} at {self.phase}: {self.detail}", *(f"  note: {n}" for n in self.notes)]
         if self.log:
             out.append(f"  log: {self.log}")
         return out
@@ -75,6 +79,7 @@ def prepare(recipe: Path, sets: tuple[str, ...] = (), root: Path | None = None) 
         verdict.detail = "the recipe itself does not compile (diagnostics above)"
         return verdict, None, {}
     sp = smoke_plan(real.recipe, real.derived, real.source, root)
+    verdict.notes = list(sp.notes)
     err = build_model(sp)
     if err:
         verdict.phase, verdict.detail = "model", err
@@ -201,7 +206,9 @@ def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any, root: Path) -> Ver
     verdict.resumed = steps == list(range(1, SMOKE_STEPS + 1)) and _resumed(sp)
     train = [r for r in rows if _is_train_row(r)]
     verdict.tokens = sum(float(r.get("train/tokens", r.get("train/tokens_per_step", 0.0))) for r in train)
-    verdict.rewards = [float(r["rollout/reward_mean"]) for r in train if "rollout/reward_mean" in r]
+    metric = "rollout/reward_mean" if plan.kind == "rl" else "train/loss"
+    verdict.per_step = "rewards" if plan.kind == "rl" else "train loss"
+    verdict.rewards = [float(r[metric]) for r in train if metric in r]
     verdict.eval_metrics = {k: float(v) for r in rows for k, v in r.items() if k.startswith("eval/")
                             and isinstance(v, (int, float))}
     problems = []
