@@ -81,7 +81,7 @@ def _read_jsonl(path: Path, limit: int) -> tuple[list[dict], list[int]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{line_no}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict):
