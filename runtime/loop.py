@@ -62,7 +62,8 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     # ------------------------------------------------------------------------------------------------ setup
     resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
     sink = MetricsSink(Path(rl.logging.out_dir), Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
-                       else None, rl.schedule.total_steps, live, append=resume_from is not None)
+                       else None, rl.schedule.total_steps, live, append=resume_from is not None,
+                       wandb=rl.logging.wandb, config=plan.recipe)
     pgs = create_placement_groups(plan)
     engines, router = start_rollout(plan, pgs)
     trainer = start_trainer_group(trainer_spec(plan), [actor_options(plan, "actor", r, pgs)

@@ -328,7 +328,7 @@ def run_sft(plan: Plan) -> SftResult:
 
         sink = MetricsSink(Path(s.logging.out_dir),
                            Path(s.logging.tensorboard_dir) if s.logging.tensorboard_dir else None,
-                           total_steps, live=False, append=step > 0)
+                           total_steps, live=False, append=step > 0, wandb=s.logging.wandb, config=plan.recipe)
 
     def all_sum(values: list[float]) -> list[float]:
         buf = torch.tensor(values, dtype=torch.float64, device=device)
