@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-SCAN_BYTES = 16 << 20
-"""Row checks read at most this much of each JSON/JSONL file (a few tenths of a second); counts read it all."""
+SCAN_BYTES = 4 << 20
+"""Row checks parse at most this much of each JSON/JSONL file (about 30k rows, ~0.1-0.3 s on our machines);
+counts read the whole file (a line count, ~3 ms per MiB)."""
 
 
 @dataclass(frozen=True)

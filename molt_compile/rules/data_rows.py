@@ -122,7 +122,7 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
 def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
     Every row of a local .jsonl/.json data file (prompts, SFT dataset, eval dataset) parses as a JSON object, and a
-    local parquet/arrow/save_to_disk source has readable headers. Each file is checked up to its first 16 MiB.
+    local parquet/arrow/save_to_disk source has readable headers. Each file is checked up to its first 4 MiB.
 
     ## Why it matters
     The generator parses the rows when it starts; one bad line used to kill it with a bare `JSONDecodeError` that
@@ -159,7 +159,7 @@ def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
 def data_prompt_empty(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
     Rows of a local .jsonl/.json data file whose prompt (`data.input_key`) is empty: null, blank text, no messages,
-    or messages with only blank contents. Each file is checked up to its first 16 MiB.
+    or messages with only blank contents. Each file is checked up to its first 4 MiB.
 
     ## Why it matters
     An empty prompt still costs a rollout group (or an SFT row) but teaches nothing; usually it is a broken
