@@ -56,7 +56,9 @@ def open_rows(source: str, split: str, limit: int, columns: list[str] | None = N
     path_str, _, data_dir = source.partition("@")
     path = Path(path_str)
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json") and path.is_file():
+    if suffix in (".jsonl", ".json"):
+        if not path.is_file():
+            raise DataError(f"{path_str}: no such file (working directory {Path.cwd()})")
         if suffix == ".jsonl":
             return Rows(path_str, *_read_jsonl(path, limit))
         return Rows(path_str, _read_json(path, split, limit), None)

@@ -81,3 +81,8 @@ def test_rows_say_where_they_are(tmp_path):
     path.write_text("\n" + json.dumps(ROWS[0]) + "\n\n" + json.dumps(ROWS[1]) + "\n")
     rows = open_rows(str(path), "train", 10)
     assert [rows.where(i) for i in range(len(rows))] == [f"{path}:2", f"{path}:4"]
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"nope\.jsonl: no such file"):
+        read_prompts(str(tmp_path / "nope.jsonl"), "train", "prompt", None, None, 10)
