@@ -49,8 +49,8 @@ def source_facts(path: str, split: str) -> SourceFacts:
         st = p.stat()
     except FileNotFoundError:
         return SourceFacts(None, "not on this machine (counted at run time)")
-    except OSError as exc:
-        return SourceFacts(None, f"not readable at compile time ({exc.strerror or exc})")
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        return SourceFacts(None, f"not readable at compile time ({getattr(exc, 'strerror', None) or exc})")
     return _facts(str(p.resolve()), split, st.st_size, st.st_mtime_ns, p.is_dir())
 
 
@@ -145,10 +145,13 @@ class RowScan:
 def scan_json_rows(path: str, split: str, columns: tuple[str, ...], prompt_key: str | None) -> RowScan | None:
     """Check the rows of a local JSON/JSONL source; None when it is not one (or cannot be read)."""
     p = Path(path)
-    if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
+    try:
+        if p.suffix.lower() not in (".jsonl", ".json") or not p.is_file():
+            return None
+        st = p.stat()
+        return _scan(str(p.resolve()), split, columns, prompt_key, st.st_size, st.st_mtime_ns)
+    except (OSError, ValueError):  # unreadable, or a NUL byte in the path: nothing to say about its rows
         return None
-    st = p.stat()
-    return _scan(str(p.resolve()), split, columns, prompt_key, st.st_size, st.st_mtime_ns)
 
 
 @lru_cache(maxsize=64)

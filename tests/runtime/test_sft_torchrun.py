@@ -92,7 +92,8 @@ def test_hf_export_loads_and_reproduces_the_logged_eval_loss(runs) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     d = plan.sft.data
     evals = load_examples([str(ROOT / plan.sft.eval_dataset)], tok, input_key=d.input_key, output_key=d.output_key,
-                          max_len=d.max_len, max_samples=d.max_samples, last_turn_only=d.train_on_last_turn_only)
+                          max_len=d.max_len, max_samples=d.max_samples, last_turn_only=d.train_on_last_turn_only,
+                          split=plan.sft.eval_split)
     ids, attn, mask = collate(evals.examples, tok.pad_token_id)
     with torch.no_grad():
         nll = float(-(reply_logprobs(model, ids, attn) * mask[:, 1:]).sum() / mask[:, 1:].sum())
