@@ -177,7 +177,12 @@ class WandbRun:
         self.run.log(metrics, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() returns before wandb-core has flushed the run's transaction log; teardown waits for the service
+        # to exit, so the files are complete when the sink is closed (one run per process here).
+        wandb.teardown()
 
 
 def resolve_env_ref(ref: str) -> str | None:
