@@ -5,7 +5,7 @@
 names; `explain` resolves them to `file:line` through the SourceMap. A value that cannot be computed (a
 non-integral division, a dataset that cannot be counted) is `None` and its reason says why; the rules turn
 that into a diagnostic, derive itself never reports errors. Pure: no I/O except counting rows of a local
-json/jsonl dataset. Never imports torch, ray, vllm or transformers.
+dataset (molt_compile/datafiles.py). Never imports torch, ray, vllm or transformers.
 
 Access: `derived["actor.dp"].value`, `derived.value("actor.dp")`, `for dv in derived.values(): ...`.
 
@@ -65,7 +65,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `algo.is_correction.enabled` | IS correction level != off | B14, B31 |
 | `agent.path` | agent file, or the built-in distill agent for on_policy_distill | B2 |
 | `agent.max_turns` | MAX_AGENT_TURNS exported to runners | §1.4 |
-| `data.prompt_count` | prompts after the max_samples caps (counted in local json/jsonl files), else None | B11 |
+| `data.prompt_count` | prompts after the max_samples caps (local json/jsonl/parquet/arrow files, save_to_disk dirs), else None | B11 |
 | `train.steps_per_episode` | prompt_count // rollout.batch_size (trainer steps per pass) | B11 |
 | `train.total_steps` * | RL: steps_per_episode × episodes; SFT: steps_per_epoch × max_epochs | B11, M6 |
 | `train.optimizer_steps` | B11 max_steps (scheduler steps) | B11 |
@@ -81,13 +81,14 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from molt_compile.datafiles import source_facts
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -675,9 +676,9 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
 def count_rows(sources: list[str], max_samples: int, probs: Any, split: str) -> tuple[int | None, str]:
     """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
 
-    Counts local `.jsonl` (non-blank lines) and `.json` (a list, or a dict holding `split`) files. Anything else
-    (parquet, directories, hub names) is None with the reason: compiling must stay fast and must not import
-    datasets/pyarrow.
+    Counts local json/jsonl/parquet/arrow files and save_to_disk / DatasetDict directories from their headers
+    (`molt_compile/datafiles.py`: no datasets/pyarrow import). Anything else (hub names, paths not visible here) is
+    None with the reason.
     """
     if probs:
         return None, "interleaved with probabilities: the length depends on sampling"
@@ -699,21 +700,5 @@ def count_rows(sources: list[str], max_samples: int, probs: Any, split: str) -> 
 
 
 def _count_file(path: Path, split: str) -> tuple[int | None, str]:
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json"):
-        return None, "not a local json/jsonl file (counted at run time)"
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        return None, f"not readable at compile time ({exc.strerror or exc})"
-    if suffix == ".jsonl":
-        return sum(1 for line in data.splitlines() if line.strip()), "jsonl lines"
-    try:
-        obj = json.loads(data)
-    except ValueError:
-        return None, "not valid JSON"
-    if isinstance(obj, list):
-        return len(obj), "json list"
-    if isinstance(obj, dict) and isinstance(obj.get(split), list):
-        return len(obj[split]), f"json split {split}"
-    return None, "json is neither a list nor a dict with the split"
+    facts = source_facts(str(path), split)
+    return facts.rows, facts.how

@@ -429,8 +429,16 @@ def _logging(r: Any, source: Any) -> LoggingPlan:
         out_dir=f"runs/{r.name}",
         every=lg.every,
         tensorboard_dir=tb,
-        wandb=lg.wandb.model_dump(mode="json") if lg.wandb is not None else None,
+        wandb=_wandb(r) if lg.wandb is not None else None,
     )
+
+
+def _wandb(r: Any) -> dict[str, Any]:
+    """The wandb settings with Molt's defaults filled: project molt_train_rl / molt_train_sft, run name = job name."""
+    w = r.logging.wandb.model_dump(mode="json")
+    w["project"] = w["project"] or f"molt_train_{r.kind}"
+    w["run_name"] = w["run_name"] or r.name
+    return w
 
 
 def _runtime_env(r: Any, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPlan) -> dict[str, Any]:

@@ -22,7 +22,6 @@ restart budget, then dropped as `runner_lost`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import time
@@ -34,6 +33,7 @@ import ray
 import torch
 
 from runtime.agents import SamplingParams
+from runtime.datasource import read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.runners import GroupRequest, GroupResult
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 class GeneratorSpec:
     """The generator's slice of the plan (copied by runtime/loop.py; nothing is defaulted here)."""
 
-    prompt_paths: tuple[str, ...]
+    prompt_paths: tuple[str, ...]            # any format runtime/datasource.py reads
+    split: str                               # split of a source that is a dataset dict
     prompt_probs: tuple[float, ...] | None
     input_key: str
     label_key: str | None
@@ -63,28 +64,11 @@ class GeneratorSpec:
     seed: int
     max_dispatch_attempts: int               # a group is sent at most this many times (runner restarts)
     eval_path: str | None
+    eval_split: str
     eval_every: int                          # -1: never
     eval_at_start: bool
     eval_n_samples: int
     eval_sampling: SamplingParams | None
-
-
-def read_jsonl(path: str, input_key: str, label_key: str | None, limit: int,
-               tools_key: str | None = None) -> list[tuple[object, object, list | None]]:
-    """(prompt, label, tools) of the first `limit` rows; label and tools None when their key is unset or absent."""
-    rows = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if input_key not in row:
-                raise KeyError(f"{path}:{line_no}: row has no input key {input_key!r} (keys: {sorted(row)})")
-            rows.append((row[input_key], row.get(label_key) if label_key else None,
-                         row.get(tools_key) if tools_key else None))
-            if len(rows) >= limit:
-                break
-    return rows
 
 
 class Generator:
@@ -96,10 +80,10 @@ class Generator:
         self.queue, self.slots, self.lock = rollout_queue, rollout_slots, engine_lock
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
         self.pad_id = self.tokenizer.pad_token_id
-        self.sources = [read_jsonl(p, spec.input_key, spec.label_key, spec.max_samples, spec.tools_key)
+        self.sources = [read_prompts(p, spec.split, spec.input_key, spec.label_key, spec.tools_key, spec.max_samples)
                         for p in spec.prompt_paths]
-        self.eval_rows = (read_jsonl(spec.eval_path, spec.input_key, spec.label_key, spec.max_samples, spec.tools_key)
-                          if spec.eval_path else [])
+        self.eval_rows = (read_prompts(spec.eval_path, spec.eval_split, spec.input_key, spec.label_key,
+                                       spec.tools_key, spec.max_samples) if spec.eval_path else [])
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
         self.consumed = 0                         # prompts dispatched (each prompt is one group)

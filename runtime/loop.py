@@ -61,7 +61,8 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     # ------------------------------------------------------------------------------------------------ setup
     resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
     sink = MetricsSink(Path(rl.logging.out_dir), Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
-                       else None, rl.schedule.total_steps, live, append=resume_from is not None)
+                       else None, rl.schedule.total_steps, live, append=resume_from is not None,
+                       wandb=rl.logging.wandb, config=plan.recipe)
     pgs = create_placement_groups(plan)
     engines, router = start_rollout(plan, pgs)
     trainer = start_trainer_group(trainer_spec(plan), [actor_options(plan, "actor", r, pgs)
@@ -401,7 +402,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
     rl = plan.rl
     ev = rl.eval
     return GeneratorSpec(
-        prompt_paths=tuple(rl.data.prompts), prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
+        prompt_paths=tuple(rl.data.prompts), split=rl.data.split, prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
         input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
         max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
         n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
@@ -410,7 +411,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
         dynamic_filtering=tuple(rl.generator.dynamic_filtering) if rl.generator.dynamic_filtering else None,
         partial_rollout=rl.queue.partial_rollout, seed=rl.generator.seed,
         max_dispatch_attempts=rl.agent.max_restarts + 1,
-        eval_path=ev.dataset if ev.enabled else None, eval_every=ev.every or -1, eval_at_start=ev.at_start,
+        eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
         eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
     )
 
@@ -419,12 +420,12 @@ def probe_sequence(plan: Plan) -> list[int]:
     """A fixed token sequence for the post-sync check: the first prompt of the dataset, rendered, plus its label."""
     from transformers import AutoTokenizer
 
-    from runtime.generator import read_jsonl
+    from runtime.datasource import read_prompts
     from runtime.runners import render
 
     rl = plan.rl
     tok = AutoTokenizer.from_pretrained(rl.model.path)
-    prompt, label, tools = read_jsonl(rl.data.prompts[0], rl.data.input_key, rl.data.label_key, 1,
-                                      rl.data.tools_key)[0]
+    prompt, label, tools = read_prompts(rl.data.prompts[0], rl.data.split, rl.data.input_key, rl.data.label_key,
+                                        rl.data.tools_key, 1)[0]
     text = render(tok, prompt, rl.data.apply_chat_template, tools) + ("" if label is None else str(label))
     return tok.encode(text, add_special_tokens=False)[-rl.data.max_len:]

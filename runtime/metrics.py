@@ -7,7 +7,9 @@ the test uses to assert that every logged key is in the table. Times are seconds
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import time
 from pathlib import Path
 
@@ -96,9 +98,11 @@ def is_documented(key: str) -> bool:
 
 
 class MetricsSink:
-    """metrics.jsonl (one JSON object per record, always), TensorBoard (when configured), and a rich live line."""
+    """metrics.jsonl (one JSON object per record, always), TensorBoard and W&B (when configured), and a rich live
+    line."""
 
-    def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool, append: bool):
+    def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool, append: bool,
+                 wandb: dict | None, config: dict):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         self._file = open(self.path, "a" if append else "w")  # a resumed run continues its record
@@ -107,6 +111,7 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(tensorboard_dir))
+        self._wandb = WandbRun(wandb, out_dir, config, resume=append) if wandb is not None else None
         self._progress = None
         if live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -123,6 +128,8 @@ class MetricsSink:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, line=_summary(metrics))
 
@@ -135,7 +142,55 @@ class MetricsSink:
             self._progress.stop()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
         self._file.close()
+
+
+class WandbRun:
+    """One W&B run through the real `wandb` client, its files under `<out_dir>/wandb/`.
+
+    The API key is only ever a `${env:NAME}` reference in the plan, resolved here from this process's environment.
+    Online with a key; offline (`wandb sync <run dir>` uploads it later) without one, or whenever `WANDB_MODE` says
+    so. A resumed run continues the same run id (kept in `<out_dir>/wandb-run-id`).
+    """
+
+    def __init__(self, settings: dict, out_dir: Path, config: dict, resume: bool):
+        import wandb
+
+        key = resolve_env_ref(settings["key"])
+        mode = os.environ.get("WANDB_MODE") or ("online" if key else "offline")
+        id_file = out_dir / "wandb-run-id"
+        run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
+        id_file.write_text(run_id)
+        self.run = wandb.init(
+            project=settings["project"], entity=settings["entity"], group=settings["group"],
+            name=settings["run_name"], id=run_id, resume="allow" if resume else None, dir=str(out_dir), mode=mode,
+            config=config, settings=wandb.Settings(api_key=key, console="off", x_disable_stats=True,
+                                                   silent=True),
+        )
+        if mode == "offline":
+            print(f"wandb: offline run in {self.run.dir.removesuffix('/files')} (upload later with `wandb sync`)",
+                  flush=True)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        import wandb
+
+        self.run.finish()
+        # finish() returns before wandb-core has flushed the run's transaction log; teardown waits for the service
+        # to exit, so the files are complete when the sink is closed (one run per process here).
+        wandb.teardown()
+
+
+def resolve_env_ref(ref: str) -> str | None:
+    """`${env:NAME}` -> the value of NAME here (None when unset or empty)."""
+    m = re.fullmatch(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}", ref)
+    if m is None:
+        raise ValueError(f"logging.wandb.key must be an ${{env:NAME}} reference, got a literal of {len(ref)} characters")
+    return os.environ.get(m.group(1)) or None
 
 
 def _summary(m: dict[str, float]) -> str:

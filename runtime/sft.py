@@ -27,7 +27,6 @@ evaluated too (when the cadence does not land on it), so every run ends with an 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime.datasource import DataError, open_rows
 from schemas.plan import Plan, SftRuntime
 
 SFT_METRICS: dict[str, str] = {
@@ -118,39 +118,32 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int, last_turn
 
 
 def load_examples(paths: list[str], tokenizer, *, input_key: str, output_key: str | None, max_len: int,
-                  max_samples: int, last_turn_only: bool) -> LoadedData:
+                  max_samples: int, last_turn_only: bool, split: str) -> LoadedData:
+    """Tokenized examples of every source (any format runtime/datasource.py reads), at most `max_samples` rows."""
     out = LoadedData([])
     for path in paths:
-        p = Path(path)
-        if p.suffix != ".jsonl" or not p.is_file():
-            raise SftError(f"{path}: this runtime reads local .jsonl files only")
-        taken = 0
-        with open(p) as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                if taken >= max_samples or len(out.examples) + sum(out.dropped.values()) >= max_samples:
-                    break
-                taken += 1
-                out.rows += 1
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise SftError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-                if input_key not in row:
-                    raise SftError(f"{path}:{lineno}: no column {input_key!r} (data.input_key); "
-                                   f"the row has {sorted(row)}")
-                prompt = _as_messages(row[input_key], "user") or []
-                reply = _as_messages(row.get(output_key), "assistant") if output_key else []
-                messages = prompt + (reply or [])
-                if not any(m["role"] == "assistant" for m in messages):
-                    out.dropped["no_reply"] = out.dropped.get("no_reply", 0) + 1
-                    continue
-                ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
-                if ex is None:
-                    out.dropped["reply_beyond_max_len"] = out.dropped.get("reply_beyond_max_len", 0) + 1
-                    continue
-                out.examples.append(ex)
+        try:
+            rows = open_rows(path, split, max_samples - out.rows, [k for k in (input_key, output_key) if k])
+        except DataError as exc:
+            raise SftError(str(exc)) from None
+        for i, row in enumerate(rows):
+            out.rows += 1
+            if input_key not in row or row[input_key] is None:
+                raise SftError(f"{rows.where(i)}: no column {input_key!r} (data.input_key); "
+                               f"the row has {sorted(k for k, v in row.items() if v is not None)}")
+            prompt = _as_messages(row[input_key], "user") or []
+            reply = _as_messages(row.get(output_key), "assistant") if output_key else []
+            messages = prompt + (reply or [])
+            if not any(m["role"] == "assistant" for m in messages):
+                out.dropped["no_reply"] = out.dropped.get("no_reply", 0) + 1
+                continue
+            ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
+            if ex is None:
+                out.dropped["reply_beyond_max_len"] = out.dropped.get("reply_beyond_max_len", 0) + 1
+                continue
+            out.examples.append(ex)
+        if out.rows >= max_samples:
+            break
     return out
 
 
@@ -258,8 +251,9 @@ def run_sft(plan: Plan) -> SftResult:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     data_kw = dict(input_key=d.input_key, output_key=d.output_key, max_len=d.max_len,
                    last_turn_only=d.train_on_last_turn_only)
-    train = load_examples(d.dataset, tok, max_samples=d.max_samples, **data_kw)
-    evals = load_examples([s.eval_dataset], tok, max_samples=d.max_samples, **data_kw) if s.eval_dataset else None
+    train = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, **data_kw)
+    evals = (load_examples([s.eval_dataset], tok, max_samples=d.max_samples, split=s.eval_split, **data_kw)
+             if s.eval_dataset else None)
     log(f"data: {train.rows} rows, {len(train.examples)} trained, dropped {train.dropped or 'none'}"
         + (f"; eval {len(evals.examples)} rows" if evals else ""))
     if evals is not None and not evals.examples:
@@ -312,7 +306,7 @@ def run_sft(plan: Plan) -> SftResult:
 
         sink = MetricsSink(Path(s.logging.out_dir),
                            Path(s.logging.tensorboard_dir) if s.logging.tensorboard_dir else None,
-                           total_steps, live=False, append=step > 0)
+                           total_steps, live=False, append=step > 0, wandb=s.logging.wandb, config=plan.recipe)
 
     def all_sum(values: list[float]) -> list[float]:
         buf = torch.tensor(values, dtype=torch.float64, device=device)

@@ -58,14 +58,6 @@ def _trainer_mesh(plan: Plan, axis: str) -> int:
     return getattr(t.mesh, axis) if t is not None else 1
 
 
-def _rl_data_files(plan: Plan) -> list[str]:
-    return [*plan.rl.data.prompts, *([plan.rl.eval.dataset] if plan.rl.eval.dataset else [])]
-
-
-def _not_jsonl(paths: list[str]) -> bool:
-    return any(not p.endswith(".jsonl") for p in paths)
-
-
 def _mesh_rows(kind: str, section: Callable[[Plan], object]) -> tuple[Capability, ...]:
     def asks(axis: str) -> Callable[[Plan], bool]:
         def check(plan: Plan) -> bool:
@@ -119,12 +111,10 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("rl-full-determinism", "rl", "train.full_determinism", "deterministic kernels and seeding",
                lambda p: p.rl.trainer is not None and p.rl.trainer.full_determinism, "train.full_determinism: false",
                tracked="issue 13"),
-    Capability("rl-data-format", "rl", "data.prompts", "prompt or eval data that is not a JSONL file",
-               lambda p: _not_jsonl(_rl_data_files(p)), "a .jsonl file with one JSON object per line",
-               tracked="issue 14"),
-    Capability("rl-wandb", "rl", "logging.wandb", "logging to Weights & Biases",
-               lambda p: p.rl.logging.wandb is not None, "no `logging.wandb` (metrics.jsonl, "
-               "logging.tensorboard_dir and the PNG plot are written)", tracked="issue 14"),
+    Capability("rl-data-format", "rl", "data.prompts", "prompt data whose rows the compiler could not count (a hub "
+               "name, or a path not on this machine): the run needs its step count",
+               lambda p: p.rl.schedule.total_steps is None,
+               "a local jsonl/json/parquet/arrow file or save_to_disk directory", tracked="issue 14"),
     Capability("rl-rollout-dump", "rl", "train.rollout_dump_dir", "saving every rollout batch",
                lambda p: _recipe(p, "train", "rollout_dump_dir") is not None, "no `train.rollout_dump_dir`",
                tracked="issue 13"),
@@ -158,11 +148,10 @@ CAPABILITIES: tuple[Capability, ...] = (
                lambda p: p.sft.trainer.optimizer.name != "adam", "actor.optimizer.name: adam", tracked="issue 15"),
     Capability("sft-automodel", "sft", "model.backend", "the nemo-automodel training backend",
                lambda p: p.sft.model.backend == "automodel", "model.backend: hf", tracked="issue 16"),
-    Capability("sft-data-format", "sft", "data.dataset", "SFT data that is not a JSONL file whose rows the "
-               "compiler counted", lambda p: _not_jsonl(p.sft.data.dataset) or p.sft.schedule.total_steps is None,
-               "a local .jsonl file (the step count and the LR schedule come from its row count)", tracked="issue 14"),
-    Capability("sft-wandb", "sft", "logging.wandb", "logging to Weights & Biases",
-               lambda p: p.sft.logging.wandb is not None, "no `logging.wandb`", tracked="issue 14"),
+    Capability("sft-data-format", "sft", "data.dataset", "SFT data whose rows the compiler could not count (a hub "
+               "name, or a path not on this machine)", lambda p: p.sft.schedule.total_steps is None,
+               "a local jsonl/json/parquet/arrow file or save_to_disk directory (the step count and the LR schedule "
+               "come from its row count)", tracked="issue 14"),
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import sys
 from functools import cache
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 RECIPE_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
@@ -549,7 +550,7 @@ class Ckpt(Section):
 
 class Wandb(Section):
     project: str | None = None
-    """wandb project."""
+    """wandb project. None: molt_train_rl / molt_train_sft."""
     entity: str | None = None
     """wandb entity (organisation)."""
     group: str | None = None
@@ -557,7 +558,15 @@ class Wandb(Section):
     run_name: str | None = None
     """Run name. None: the recipe name."""
     key: str = "${env:WANDB_API_KEY}"
-    """API key, only as a reference to an environment variable."""
+    """API key, only as a reference to an environment variable: `${env:NAME}` (never the key itself)."""
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_reference(cls, v: str) -> str:
+        if not re.fullmatch(r"\$\{env:[A-Za-z_][A-Za-z0-9_]*\}", v):
+            # The message must not echo the value: it may be the secret itself.
+            raise ValueError("must be a reference ${env:NAME} to an environment variable, not the key itself")
+        return v
 
 
 class Logging(Section):

@@ -290,9 +290,9 @@ def test_json_split_dict_counts(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(("prompts", "why"), [
-    ("/nonexistent/x.jsonl", "not readable at compile time"),
-    ("/data/x.parquet", "not a local json/jsonl file"),
-    ("hub-org/some-dataset", "not a local json/jsonl file"),
+    ("/nonexistent/x.jsonl", "not on this machine"),
+    ("/data/x.parquet", "not on this machine"),
+    ("hub-org/some-dataset", "not on this machine"),
 ])
 def test_uncountable_datasets_give_none_with_reason(prompts: str, why: str) -> None:
     d = derive(rl(data={"prompts": prompts}))

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "ray", "vllm", "transformers")
+HEAVY = ("torch", "ray", "vllm", "transformers", "datasets", "pyarrow")
 
 
 def _imports(tree: ast.AST, module_level_only: bool) -> list[tuple[str, int]]:

@@ -77,10 +77,11 @@ def test_explain_smoke_shows_each_change_and_why():
 
 
 def test_unreadable_data_names_the_key_and_the_fix():
-    verdict, _, _ = prepare(Path("recipes/demo_math.yaml"), ("data.prompts=/nonexistent/train.jsonl",), ROOT)
+    # The eval set: unreadable training prompts cannot be counted, which the capability table refuses (rl-data-format).
+    verdict, _, _ = prepare(Path("recipes/demo_math.yaml"), ("eval.dataset=/nonexistent/eval.jsonl",), ROOT)
     assert verdict.status == "failed" and verdict.phase == "data"
-    assert "`data.prompts` (/nonexistent/train.jsonl) is not readable" in verdict.detail
-    assert "--set data.prompts=PATH" in verdict.detail
+    assert "`eval.dataset` (/nonexistent/eval.jsonl) is not readable" in verdict.detail
+    assert "--set eval.dataset=PATH" in verdict.detail
 
 
 def test_a_capability_refusal_is_reported_at_compile_time_before_anything_runs():

@@ -156,3 +156,12 @@ def test_type_errors_have_specific_help(tmp_path):
     assert diags["rollout.engines"].message == "`rollout.engines` must be a whole number, got `2.5`"
     assert (diags["eval"].line, diags["eval"].col) == (8, 1)
     assert "`eval: {}`" in diags["eval"].help
+
+
+def test_a_literal_wandb_key_is_refused_without_echoing_it(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("version: 1\nname: w\nkind: rl\nmodel: {path: /m}\ndata: {prompts: p.jsonl}\n"
+                      "logging:\n  wandb: {project: p, key: 0123456789abcdef-secret}\n")
+    diags = schema_diags(recipe)
+    assert [(d.code, d.path, d.line) for d in diags] == [("SCHEMA007", "logging.wandb.key", 7)]
+    assert "${env:NAME}" in diags[0].message and "secret" not in diags[0].message + diags[0].help

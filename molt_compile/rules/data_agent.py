@@ -7,7 +7,6 @@ recipe, so problems with it are errors.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -402,99 +401,3 @@ def chat_agent_without_chat_template(recipe, derived, source) -> Iterator[Diagno
         yield diag("AGENT007", source, "data.apply_chat_template", f"{recipe.agent.path} is a chat agent "
                    "(ChatAgentRunner), which needs chat-format rows", "set data.apply_chat_template: true",
                    ["agent.path"])
-
-
-# ---------------------------------------------------------------------------------------------- data rows
-def _first_row(base: Path | None, src: str) -> dict | None:
-    """The first row of a local .jsonl/.json source (relative to the recipe), or None when it cannot be read here."""
-    p = Path(src)
-    p = p if p.is_absolute() or base is None else base / p
-    try:
-        if p.suffix == ".jsonl":
-            with p.open(encoding="utf-8") as f:
-                line = next((ln for ln in f if ln.strip()), None)
-            row = json.loads(line) if line else None
-        elif p.suffix == ".json":
-            data = json.loads(p.read_text(encoding="utf-8"))
-            row = data[0] if isinstance(data, list) and data else None
-        else:
-            return None
-    except (OSError, ValueError):
-        return None
-    return row if isinstance(row, dict) else None
-
-
-def _row_sources(recipe) -> list[tuple[str, str]]:
-    """(recipe key, source) of the local row files the trainer or generator reads."""
-    d = recipe.data
-    keys = [("data.dataset", d.dataset)] if recipe.kind == "sft" else [("data.prompts", d.prompts)]
-    if recipe.eval.dataset:
-        keys.append(("eval.dataset", recipe.eval.dataset))
-    return [(k, src) for k, spec in keys for src in _sources(spec)]
-
-
-def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnostic]:
-    """## What it checks
-    RL: when the first row of a local prompt file holds a list of chat messages under `data.input_key`,
-    `data.apply_chat_template` is true.
-
-    ## Why it matters
-    Message lists must be rendered with the tokenizer's chat template; Molt raises "Dataset rows are chat messages:
-    pass --data.apply_chat_template" when the generator reads the first row, after the cluster is up.
-
-    ## Example
-    ```yaml
-    data: {prompts: data/chat_prompts.jsonl, input_key: messages, apply_chat_template: false}
-    ```
-
-    ## Use instead
-    ```yaml
-    data: {prompts: data/chat_prompts.jsonl, input_key: messages, apply_chat_template: true}
-    ```
-
-    ## References
-    molt_rules.md L2
-    """
-    if recipe.data.apply_chat_template:
-        return
-    for key, src in _row_sources(recipe):
-        row = _first_row(path_base(source, key), src)
-        if row is not None and isinstance(row.get(recipe.data.input_key), list):
-            yield diag("DATA006", source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
-                       f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
-                       "set data.apply_chat_template: true", [key, "data.input_key"])
-            return
-
-
-def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
-    """## What it checks
-    The columns the recipe names (`data.input_key`, and `label_key` for RL or `output_key` for SFT) exist in the
-    first row of each local .jsonl/.json data file.
-
-    ## Why it matters
-    A misspelled column is a `KeyError` when the first batch is built — after allocation, model loading and engine
-    start-up. Files that are not local (cluster paths, hub datasets) are not read.
-
-    ## Example
-    ```yaml
-    data: {prompts: data/prompts.jsonl, input_key: question}
-    ```
-
-    ## Use instead
-    ```yaml
-    data: {prompts: data/prompts.jsonl, input_key: prompt}
-    ```
-
-    ## References
-    molt_rules.md L2, A4
-    """
-    d = recipe.data
-    wanted = [("data.input_key", d.input_key)]
-    wanted.append(("data.output_key", d.output_key) if recipe.kind == "sft" else ("data.label_key", d.label_key))
-    for key, src in _row_sources(recipe):
-        row = _first_row(path_base(source, key), src)
-        missing = [(k, col) for k, col in wanted if row is not None and col and col not in row]
-        for k, col in missing:  # the eval file is what differs when the training file has the column
-            path, other = (k, key) if key.startswith("data.") else (key, k)
-            yield diag("DATA007", source, path, f"{k} {col!r} is not a column of {src} (first row has "
-                       f"{', '.join(sorted(row))})", f"set {k} to one of the columns, or fix {key}", [other])

@@ -95,9 +95,9 @@ def test_step_runner_renders_the_rows_tools_with_the_chat_template():
 
 
 def test_generator_reads_tools_from_the_tools_key(tmp_path):
-    from runtime.generator import read_jsonl
+    from runtime.datasource import read_prompts
 
     data = tmp_path / "rows.jsonl"
     data.write_text('{"q": "a", "y": 1, "t": [{"name": "x"}]}\n{"q": "b", "y": 2}\n')
-    assert read_jsonl(str(data), "q", "y", 10, "t") == [("a", 1, [{"name": "x"}]), ("b", 2, None)]
-    assert read_jsonl(str(data), "q", "y", 10) == [("a", 1, None), ("b", 2, None)]
+    assert read_prompts(str(data), "train", "q", "y", "t", 10) == [("a", 1, [{"name": "x"}]), ("b", 2, None)]
+    assert read_prompts(str(data), "train", "q", "y", None, 10) == [("a", 1, None), ("b", 2, None)]

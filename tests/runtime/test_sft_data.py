@@ -77,12 +77,12 @@ def test_load_examples_counts_what_it_drops(tok, tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     data = load_examples([str(path)], tok, input_key="prompt", output_key="response", max_len=40,
-                         max_samples=100, last_turn_only=False)
+                         max_samples=100, last_turn_only=False, split="train")
     assert data.rows == 6
     assert data.dropped == {"no_reply": 2, "reply_beyond_max_len": 1}
     assert [supervised_text(tok, e) for e in data.examples] == [["one" + END], ["two" + END], ["three" + END]]
     capped = load_examples([str(path)], tok, input_key="prompt", output_key="response", max_len=40,
-                           max_samples=2, last_turn_only=False)
+                           max_samples=2, last_turn_only=False, split="train")
     assert capped.rows == 2 and len(capped.examples) == 2
 
 
@@ -91,7 +91,40 @@ def test_a_missing_input_column_names_file_and_line(tok, tmp_path: Path) -> None
     path.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n" + json.dumps({"question": "a"}) + "\n")
     with pytest.raises(SftError, match=r"d\.jsonl:2: no column 'prompt'"):
         load_examples([str(path)], tok, input_key="prompt", output_key="response", max_len=40, max_samples=10,
-                      last_turn_only=False)
+                      last_turn_only=False, split="train")
+
+
+def test_a_malformed_line_names_file_and_line(tok, tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n\n" + '{"prompt": "a", "response": \n')
+    with pytest.raises(SftError, match=r"d\.jsonl:3: not valid JSON"):
+        load_examples([str(path)], tok, input_key="prompt", output_key="response", max_len=40, max_samples=10,
+                      last_turn_only=False, split="train")
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk", "dataset_dict"])
+def test_arrow_backed_formats_give_the_same_examples_as_jsonl(tok, tmp_path: Path, fmt: str) -> None:
+    import datasets
+
+    rows = [{"prompt": [{"role": "user", "content": f"spell {i}"}],
+             "response": [{"role": "assistant", "content": word}]} for i, word in enumerate(["zero", "one", "two"])]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = datasets.Dataset.from_list(rows)
+    if fmt == "parquet":
+        path, split = tmp_path / "d.parquet", "train"
+        ds.to_parquet(str(path))
+    elif fmt == "save_to_disk":
+        path, split = tmp_path / "d", "train"
+        ds.save_to_disk(str(path))
+    else:
+        path, split = tmp_path / "dd", "validation"
+        datasets.DatasetDict({"train": ds.select([0]), "validation": ds}).save_to_disk(str(path))
+    kw = dict(input_key="prompt", output_key="response", max_len=40, max_samples=10, last_turn_only=False)
+    want = load_examples([str(jsonl)], tok, split="train", **kw)
+    got = load_examples([str(path)], tok, split=split, **kw)
+    assert got.rows == 3 and [e.input_ids for e in got.examples] == [e.input_ids for e in want.examples]
+    assert [supervised_text(tok, e) for e in got.examples] == [["zero" + END], ["one" + END], ["two" + END]]
 
 
 def test_prompt_tokens_get_no_gradient_and_micro_batching_keeps_the_token_mean(tok) -> None:

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.slow
 NAME = "test-sft-torchrun"
 CKPT = ROOT / "ckpt" / NAME
 SETS = (f"name={NAME}", "train.max_epochs=1", "ckpt.every=15", "ckpt.keep=1",
-        f"ckpt.dir={CKPT / 'state'}", f"ckpt.hf_dir={CKPT / 'hf'}")   # absolute: --set paths follow the cwd
+        f"ckpt.dir={CKPT / 'state'}", f"ckpt.hf_dir={CKPT / 'hf'}",   # absolute: --set paths follow the cwd
+        "logging.wandb={project: molt-test-sft}")
 
 
 def torchrun_argv(plan, plan_file: Path) -> list[str]:
@@ -38,7 +39,7 @@ def torchrun_argv(plan, plan_file: Path) -> list[str]:
     return argv
 
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
 
 
 def torchrun(plan, plan_file: Path) -> subprocess.CompletedProcess:
@@ -91,7 +92,8 @@ def test_hf_export_loads_and_reproduces_the_logged_eval_loss(runs) -> None:
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     d = plan.sft.data
     evals = load_examples([str(ROOT / plan.sft.eval_dataset)], tok, input_key=d.input_key, output_key=d.output_key,
-                          max_len=d.max_len, max_samples=d.max_samples, last_turn_only=d.train_on_last_turn_only)
+                          max_len=d.max_len, max_samples=d.max_samples, last_turn_only=d.train_on_last_turn_only,
+                          split=plan.sft.eval_split)
     ids, attn, mask = collate(evals.examples, tok.pad_token_id)
     with torch.no_grad():
         nll = float(-(reply_logprobs(model, ids, attn) * mask[:, 1:]).sum() / mask[:, 1:].sum())
@@ -164,3 +166,15 @@ def test_cli_submit_runs_the_sft_demo_locally_without_the_venv_on_path() -> None
     finally:
         for d in (ROOT / "runs" / name, ckpt):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_rank_zero_logs_to_wandb_and_the_resume_continues_the_run(runs) -> None:
+    from wandb_files import read_run
+
+    plan, _, _, _, metrics = runs
+    run_dirs = sorted(p for p in (ROOT / plan.sft.logging.out_dir / "wandb").glob("offline-run-*") if p.is_dir())
+    assert len(run_dirs) == 2   # rank 0 only, once per torchrun
+    first, resumed = (read_run(p) for p in run_dirs)
+    assert (first["project"], first["name"]) == ("molt-test-sft", NAME) and resumed["id"] == first["id"]
+    logged = {h["_step"]: h["train/loss"] for r in (first, resumed) for h in r["history"] if "train/loss" in h}
+    assert logged == {r["step"]: r["train/loss"] for r in metrics if "train/loss" in r}
