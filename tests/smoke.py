@@ -8,6 +8,7 @@ compile time by the capability rule (CAP001: a setting this runtime does not imp
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -15,20 +16,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 
-SMOKE_SETS: dict[str, tuple[str, ...]] = {
-    # recipe -> --set overrides that point it at its smoke data (cluster paths are not readable here)
-}
+SMOKE_DATA = ROOT / "tests" / "data" / "smoke"
+MOLT_TMP = re.compile(r"\.tmp/([A-Za-z0-9_]+)/(train|eval)$")
+"""The launch recipes read Molt's `.tmp/<dataset>/<split>` directories; tests/data/smoke/<dataset>/<split> stands in."""
 
 
 def shipped() -> list[Path]:
     return sorted(p for p in RECIPES.glob("*.yaml"))
 
 
+def smoke_sets(recipe) -> tuple[str, ...]:
+    """`--set` overrides that point a validated recipe's data at its stand-in (none for local data)."""
+    sets = []
+    for key in ("data.dataset" if recipe.kind == "sft" else "data.prompts", "eval.dataset"):
+        section, name = key.split(".")
+        m = MOLT_TMP.search(getattr(getattr(recipe, section), name) or "")
+        if m:
+            sets.append(f"{key}={(SMOKE_DATA / m.group(1) / m.group(2)).relative_to(ROOT)}")
+    return tuple(sets)
+
+
 def run(names: list[str] | None = None, say=print):
+    from molt_compile.compile import compile_recipe
     from molt_compile.smoke_run import run_smokes
 
-    recipes = [p for p in shipped() if not names or p.name in names or p.stem in names]
-    items = [(p.relative_to(ROOT), SMOKE_SETS.get(p.name, ())) for p in recipes]
+    recipes = [p.relative_to(ROOT) for p in shipped() if not names or p.name in names or p.stem in names]
+    items = [(p, smoke_sets(compile_recipe(ROOT / p, lower=False).recipe)) for p in recipes]
     return run_smokes(items, root=ROOT, say=say)
 
 

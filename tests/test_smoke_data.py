@@ -4,29 +4,21 @@ tool/image keys, and the compiler counts the rows from the save_to_disk headers.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from molt_compile.compile import compile_recipe
+from tests.smoke import SMOKE_DATA as SMOKE
+from tests.smoke import smoke_sets
 
 ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "tests/data/smoke"
-TMP_PATH = re.compile(r"\.tmp/([A-Za-z0-9_]+)/(train|eval)$")
 LAUNCH = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if not p.name.startswith("demo_"))
 
 
 def _smoke_sets(recipe) -> list[str]:
-    keys = ["data.dataset" if recipe.kind == "sft" else "data.prompts", "eval.dataset"]
-    sets = []
-    for key in keys:
-        section, field = key.split(".")
-        value = getattr(getattr(recipe, section), field)
-        if value:
-            m = TMP_PATH.search(value)
-            assert m, f"{key} {value} is not a Molt .tmp dataset"
-            sets.append(f"{key}={(SMOKE / m.group(1) / m.group(2)).relative_to(ROOT)}")
+    sets = list(smoke_sets(recipe))
+    assert len(sets) == 1 + (recipe.eval.dataset is not None), "every Molt .tmp dataset has its stand-in"
     return sets
 
 
