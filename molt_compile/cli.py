@@ -25,6 +25,10 @@ import click
 SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
 """A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment."""
 _FORMATS = click.Choice(["text", "json", "github"])
+_ROOTS = click.option(
+    "--recipe-root", "roots", multiple=True, metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+    help="A directory of trusted recipes that `extends` may read, besides the recipe's own repository "
+         "(also $MOLT_RECIPE_ROOTS, `:`-separated). Repeatable.")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -148,13 +152,14 @@ def cli() -> None:
 @click.option("--submit", is_flag=True, help="Submit the plan as a Ray job (a local cluster without --address).")
 @click.option("--address", metavar="URL", help="Ray Jobs address (http://HOST:8265). Default: launch.ray.address.")
 @click.option("--follow", is_flag=True, help="With --submit: stream the job's logs until it ends.")
+@_ROOTS
 def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | None, slurm_out: Path | None,
-                submit: bool, address: str | None, follow: bool) -> None:
+                submit: bool, address: str | None, follow: bool, roots: tuple[Path, ...] = ()) -> None:
     """Validate RECIPE, print its diagnostics and a summary of its plan."""
     from molt_compile.compile import compile_recipe
     from molt_compile.render import count_line, render_json, summary_dict
 
-    result = compile_recipe(Path(recipe), sets)
+    result = compile_recipe(Path(recipe), sets, roots=roots)
     plan = result.plan
     status = result.exit_status
     wants_plan = bool(plan_out or slurm_out or submit)
@@ -215,7 +220,8 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @cli.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
-def lint(paths: tuple[str, ...], fmt: str) -> None:
+@_ROOTS
+def lint(paths: tuple[str, ...], fmt: str, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
     files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs."""
     import os
@@ -226,7 +232,7 @@ def lint(paths: tuple[str, ...], fmt: str) -> None:
     files, missing = _recipe_files(paths)
     if missing:
         raise click.UsageError(f"no such file or directory: {', '.join(missing)}")
-    results = [compile_recipe(f) for f in files]
+    results = [compile_recipe(f, roots=roots) for f in files]
     extended = {t for r in results if r.loaded for t in r.loaded.extends_targets}
     seen: set[tuple] = set()
     all_diags: list[Any] = []
@@ -328,7 +334,8 @@ def _show(value: Any) -> str:
 @cli.command()
 @click.argument("recipe")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
-def explain(recipe: str, sets: tuple[str, ...]) -> None:
+@_ROOTS
+def explain(recipe: str, sets: tuple[str, ...], roots: tuple[Path, ...] = ()) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
     means, then every derived value with its reason."""
     from rich.table import Table
@@ -336,7 +343,7 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
     from molt_compile import schema_walk as sw
     from molt_compile.compile import compile_recipe
 
-    result = compile_recipe(Path(recipe), sets, lower=False)
+    result = compile_recipe(Path(recipe), sets, lower=False, roots=roots)
     if result.recipe is None:
         _print_diagnostics(result.diagnostics, result, "text")
         sys.exit(result.exit_status or 2)
@@ -372,12 +379,13 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
 @cli.command()
 @click.argument("a")
 @click.argument("b")
-def diff(a: str, b: str) -> None:
+@_ROOTS
+def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
     """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
     from molt_compile.compile import compile_recipe
 
     diff_results = _need("molt_compile.diff", "diff_results")
-    results = [compile_recipe(Path(a)), compile_recipe(Path(b))]
+    results = [compile_recipe(Path(a), roots=roots), compile_recipe(Path(b), roots=roots)]
     for r in results:
         if r.exit_status == 2:
             _print_diagnostics(r.diagnostics, r, "text")

@@ -65,9 +65,11 @@ def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> 
                       help="a bug in molt-compile, not in the recipe; MOLT_COMPILE_DEBUG=1 shows the traceback")
 
 
-def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True) -> CompileResult:
-    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error."""
-    loaded = load_recipe(Path(path), sets)
+def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True,
+                   roots: Sequence[Path | str] = ()) -> CompileResult:
+    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
+    `roots`: extra recipe roots that `extends` may read from (see `load.recipe_roots`)."""
+    loaded = load_recipe(Path(path), sets, roots)
     diags = Diagnostics()
     diags.extend(loaded.diagnostics)
     result = CompileResult(source=loaded.source, loaded=loaded)

@@ -60,10 +60,10 @@ def test_ignore_suppresses_and_unused_ignore_is_reported(tmp_path):
     for sub in ("agents", "data"):
         shutil.copytree(BASE.parent / sub, tmp_path / sub)
     (tmp_path / "used.yaml").write_text(f"extends: {BASE}\ncluster: {{nodes: 2}}\nignore: {{PLACE007: spare node}}\n")
-    codes = {d.code for d in compile_recipe(tmp_path / "used.yaml", lower=False).diagnostics}
+    codes = {d.code for d in compile_recipe(tmp_path / "used.yaml", lower=False, roots=[BASE.parent]).diagnostics}
     assert "PLACE007" not in codes and "IGNORE002" not in codes
     (tmp_path / "unused.yaml").write_text(f"extends: {BASE}\nignore: {{PLACE007: spare node}}\n")
-    diags = compile_recipe(tmp_path / "unused.yaml", lower=False).diagnostics
+    diags = compile_recipe(tmp_path / "unused.yaml", lower=False, roots=[BASE.parent]).diagnostics
     assert [(d.code, d.path, d.line) for d in diags] == [("IGNORE002", "ignore.PLACE007", 2)]
 
 

@@ -48,7 +48,7 @@ def test_a_newline_in_an_sbatch_option_is_a_clear_error(tmp_path: Path, monkeypa
         "data": {"prompts": str(data / "train.jsonl")}, "eval": {"dataset": str(data / "eval.jsonl")},
         "launch": {"slurm": {"partition": "gpu\ntouch /tmp/pwned"}}}))
     out = tmp_path / "job.sbatch"
-    result = CliRunner().invoke(cli, [str(recipe), "--slurm", str(out)], prog_name="molt-compile")
+    result = CliRunner().invoke(cli, [str(recipe), "--slurm", str(out), "--recipe-root", str(ROOT)], prog_name="molt-compile")
     assert result.exit_code == 2, result.output
     assert "cannot write the Slurm script: launch.slurm.partition:" in result.output
     assert "control character" in result.output and "Traceback" not in result.output

@@ -109,7 +109,7 @@ def test_hostile_recipe_runs_nothing_and_every_value_arrives_verbatim(tmp_path: 
                                                                       monkeypatch) -> None:
     mark = tmp_path / "MARK"
     monkeypatch.chdir(ROOT)
-    result = compile_recipe(_recipe(tmp_path, mark, listening_port, listening_port + 1))
+    result = compile_recipe(_recipe(tmp_path, mark, listening_port, listening_port + 1), roots=[ROOT])
     assert result.plan is not None, [f"{d.code} {d.message}" for d in result.diagnostics]
     # Plan names are schema-checked ([a-z0-9-]); the renderer quotes them anyway.
     plan = result.plan.model_copy(update={"name": f"n$(touch {mark}-10)`touch {mark}-10`"}).with_fingerprint()
