@@ -596,7 +596,8 @@ def _paths(value: Any, prefix: str = "") -> set[str]:
 def _recipe_type(data: dict[str, Any]) -> Any:
     from schemas.recipe import Recipe, RlRecipe, SftRecipe
 
-    return {"rl": RlRecipe, "sft": SftRecipe}.get(data.get("kind"), Recipe)
+    kind = data.get("kind")
+    return {"rl": RlRecipe, "sft": SftRecipe}.get(kind, Recipe) if isinstance(kind, str) else Recipe
 
 
 def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: dict[str, Pos],

@@ -77,6 +77,10 @@ PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 Cadence = Annotated[int, Field(ge=-1)]
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+EnvName = Annotated[str, Field(pattern=ENV_NAME_PATTERN)]
+"""An environment variable name as POSIX shells accept it: `export A=B` and Ray's env_vars need no more, and a
+key holding `=` or a space cannot be exported (it used to compile and then fail at `--submit`)."""
 """A step cadence: N > 0 means every N steps, -1 means never. 0 is caught by rule CKPT001/EVAL001."""
 
 
@@ -318,7 +322,7 @@ class Agent(Section):
     """Python file that defines `AgentRunner` (relative to the recipe file)."""
     max_turns: PositiveInt = 1
     """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
-    env: dict[str, str] = {}
+    env: dict[EnvName, str] = {}
     """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
 
 
@@ -625,7 +629,7 @@ class _Common(Section):
     """Checkpoints."""
     logging: Logging = Logging()
     """Metrics and logs."""
-    env: dict[str, str] = {}
+    env: dict[EnvName, str] = {}
     """Job-wide environment variables. Secrets only by reference: `${env:NAME}`."""
     launch: Launch = Launch()
     """How the job is launched."""

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from fuzz_support import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -149,7 +150,7 @@ def test_errors_in_a_base_point_into_the_base(tmp_path):
     assert d.file.endswith("base.yaml") and d.line == 2
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.sampled_from(list("ab:-[]{}&*!#|>'\"\t\n ,?%@`19.")), max_size=80))
 def test_any_text_gives_diagnostics_not_exceptions(tmp_path, text):
     recipe = tmp_path / "fuzz.yaml"
