@@ -84,3 +84,16 @@ def test_messages_carry_the_numbers_and_related_positions():
     rel = {r.path: r for r in d.related}
     assert rel["train.micro_batch_size"].line is not None and rel["train.micro_batch_size"].file.endswith(
         "_base_rl.yaml")
+
+
+@pytest.mark.parametrize(("heads", "kv", "vocab", "tp", "ok"), [
+    (32, 8, 151936, 4, True), (32, 8, 151936, 16, True), (32, 8, 151936, 32, True),  # 16, 32: KV heads replicated
+    (32, 8, 151936, 3, False), (12, 2, 1000, 3, False), (12, 2, 1000, 4, True), (64, 1, 154880, 8, True),
+    (24, 8, 1000, 12, False), (48, 8, 1000, 12, False), (48, 12, 1000, 6, False),  # 1024 rows % 6
+    (48, 12, 3072, 6, True),
+])
+def test_vllm_shape_rule_follows_vllm(heads, kv, vocab, tp, ok):
+    """vLLM: heads % tp; kv % tp below kv heads, tp % kv from there (replication); padded-to-64 vocab % tp."""
+    from molt_compile.rules.shapes import _vllm_shape_problem
+
+    assert (_vllm_shape_problem(heads, kv, vocab, tp) is None) == ok
