@@ -587,7 +587,7 @@ class SlurmLaunch(Section):
     partition: str | None = None
     """Slurm partition."""
     time: str = "04:00:00"
-    """Wall-clock limit (HH:MM:SS or D-HH:MM:SS)."""
+    """Wall-clock limit in an sbatch `--time` format: minutes, HH:MM:SS, D-HH, D-HH:MM:SS, UNLIMITED (LAUNCH001)."""
     container_image: str | None = None
     """Pyxis/enroot container image. None: run on the host."""
     mounts: list[str] = []

@@ -97,3 +97,23 @@ def test_vllm_shape_rule_follows_vllm(heads, kv, vocab, tp, ok):
     from molt_compile.rules.shapes import _vllm_shape_problem
 
     assert (_vllm_shape_problem(heads, kv, vocab, tp) is None) == ok
+
+
+@pytest.mark.parametrize(("value", "ok"), [
+    ("90", True), ("90:30", True), ("04:00:00", True), ("2-12", True), ("2-12:30", True), ("2-12:30:15", True),
+    ("UNLIMITED", True), ("infinite", True), ("0", True),
+    ("2d", False), ("48h", False), ("1:2:3:4", False), ("2-", False), ("-1:00", False), ("4:00:00 ", False),
+    ("", False), ("2-1-3", False), ("1.5", False), ("04:00:00\n#SBATCH --x", False),
+])
+def test_slurm_time_accepts_exactly_sbatch_formats(value, ok):
+    from molt_compile.rules.launch import SLURM_TIME
+
+    assert bool(SLURM_TIME.fullmatch(value)) == ok
+
+
+@pytest.mark.parametrize(("value", "spelled"), [("2d", "2-00:00:00"), ("48h", "2-00:00:00"), ("90m", "01:30:00"),
+                                                ("1d 12h", "1-12:00:00"), ("soon", None), ("2x", None)])
+def test_slurm_time_help_spells_units_out(value, spelled):
+    from molt_compile.rules.launch import _slurm_time_in_words
+
+    assert _slurm_time_in_words(value) == spelled

@@ -1,0 +1,58 @@
+"""Launch settings that the scheduler would refuse after the job was written (issue 19)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag
+
+SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
+"""sbatch's `--time` formats, exactly: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, and UNLIMITED / INFINITE (any case, as Slurm compares them)."""
+_UNIT = re.compile(r"\s*(\d+)\s*(d|days?|h|hours?|m|min|minutes?|s|sec|seconds?)\s*", re.IGNORECASE)
+
+
+def _slurm_time_in_words(value: str) -> str | None:
+    """`2d`, `36h`, `90m`, `1d12h` -> the sbatch spelling (D-HH:MM:SS or HH:MM:SS), else None."""
+    parts = _UNIT.findall(value)
+    if not parts or "".join(f"{n}{u}" for n, u in parts).lower() != re.sub(r"\s", "", value).lower():
+        return None
+    seconds = sum(int(n) * {"d": 86400, "h": 3600, "m": 60, "s": 1}[u[0].lower()] for n, u in parts)
+    days, rest = divmod(seconds, 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
+def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `launch.slurm.time` is written in one of sbatch's `--time` formats: `minutes`, `minutes:seconds`,
+    `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`, `days-hours:minutes:seconds`, or `UNLIMITED` /
+    `INFINITE`.
+
+    ## Why it matters
+    The value is copied into `#SBATCH --time=...`. sbatch rejects anything else ("Invalid time limit
+    specification") when the script is submitted, after the compile said nothing: `2d` or `48h` look right and fail.
+
+    ## Example
+    ```yaml
+    launch: {slurm: {time: 2d}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {time: "2-00:00:00"}}
+    ```
+
+    ## References
+    Slurm sbatch(1) `--time`; molt_rules.md §5 (launch scripts); issue 19
+    """
+    value = recipe.launch.slurm.time
+    if SLURM_TIME.fullmatch(value):
+        return
+    spelled = _slurm_time_in_words(value)
+    yield diag("LAUNCH001", source, "launch.slurm.time",
+               f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
+               f'write `time: "{spelled}"`' if spelled else
+               'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
