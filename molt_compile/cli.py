@@ -200,7 +200,9 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         click.echo(_need("molt_compile.slurm", "submit_hint")(slurm_out), err=fmt != "text")
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")
-        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow))
+        job_root = result.source.job_root if result.source else None  # the plan's paths are relative to it
+        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow,
+                           root=Path(job_root) if job_root else None))
 
 
 # ------------------------------------------------------------------------------------------------ lint

@@ -80,14 +80,19 @@ ROOTS_ENV = "MOLT_RECIPE_ROOTS"
 """Extra recipe roots, separated by os.pathsep (`:`), added to `--recipe-root` and the project root."""
 
 
-def project_root(path: Path | str) -> Path:
-    """The root recipe's repository: its nearest ancestor directory holding `.git` or `pyproject.toml`, else the
-    recipe's own directory. Found from the path as given (not through symbolic links), so a link cannot move it."""
+def find_project(path: Path | str) -> Path | None:
+    """The root recipe's repository: its nearest ancestor directory holding `.git` or `pyproject.toml`, or None.
+    Found from the path as given (not through symbolic links), so a link cannot move it."""
     start = Path(os.path.abspath(path)).parent
     for directory in (start, *start.parents):
         if (directory / ".git").exists() or (directory / "pyproject.toml").is_file():
             return directory
-    return start
+    return None
+
+
+def project_root(path: Path | str) -> Path:
+    """The recipe's repository (`find_project`), else the recipe's own directory."""
+    return find_project(path) or Path(os.path.abspath(path)).parent
 
 
 def recipe_roots(path: Path | str, extra: Sequence[Path | str] = ()) -> tuple[Path, ...]:
@@ -691,7 +696,8 @@ def load_recipe(path: Path | str, sets: Sequence[str] = (), roots: Sequence[Path
     `extends` reads only `.yaml` files inside `recipe_roots(path, roots)`."""
     path = Path(path)
     diags: list[Diagnostic] = []
-    source = SourceMap(root_file=display_path(path))
+    project = find_project(path)
+    source = SourceMap(root_file=display_path(path), job_root=str(project) if project else None)
     tree = _Tree(diags, source, recipe_roots(path, roots))
     root = tree.load(path, (), None)
     loaded = Loaded(data=None, source=source, diagnostics=diags, files=tree.files, extends_targets=tree.targets,

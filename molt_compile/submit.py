@@ -65,13 +65,14 @@ def _say(msg: str) -> None:
     print(f"molt-compile: {msg}", file=sys.stderr, flush=True)
 
 
-def submit(plan: Plan, *, address: str | None, follow: bool) -> int:
-    """Run `plan` on the Ray cluster at `address` (Jobs API), or on a local cluster started for it."""
+def submit(plan: Plan, *, address: str | None, follow: bool, root: Path | None = None) -> int:
+    """Run `plan` on the Ray cluster at `address` (Jobs API), or on a local cluster started for it. `root`: the job
+    root that the plan's relative paths are relative to (the recipe's project root); default the working directory."""
     address = address or ((plan.recipe.get("launch") or {}).get("ray") or {}).get("address")
     try:
         if address:
-            return submit_remote(plan, address=address, follow=follow)
-        return run_local(plan)
+            return submit_remote(plan, address=address, follow=follow, root=root)
+        return run_local(plan, root=root)
     except LaunchError as err:
         _say(f"error: {err.message}")
         if err.help:
