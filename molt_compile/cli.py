@@ -339,7 +339,7 @@ def _show(value: Any) -> str:
 @_ROOTS
 def explain(recipe: str, sets: tuple[str, ...], roots: tuple[Path, ...] = ()) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
-    means, then every derived value with its reason."""
+    means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`)."""
     from rich.table import Table
 
     from molt_compile import schema_walk as sw
@@ -372,9 +372,39 @@ def explain(recipe: str, sets: tuple[str, ...], roots: tuple[Path, ...] = ()) ->
             inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
             derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
         console.print(derived)
+    for table in _catalog_tables():
+        console.print(table)
     if result.diagnostics:
         _print_diagnostics(result.diagnostics, result, "text")
     sys.exit(result.exit_status)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _catalog_tables() -> list[Any]:
+    """The model and GPU catalogs (schemas/catalog.py) as rich tables: the keys `model.arch` and `cluster.gpu` take."""
+    from rich.table import Table
+
+    from schemas.catalog import GPUS, MODELS
+
+    models = Table(title="model catalog: keys for model.arch (else <model.path>/config.json is read)",
+                   title_justify="left")
+    for column in ("model.arch", "checkpoint", "params (active)", "heads / kv", "experts", "notes"):
+        models.add_column(column, overflow="fold")
+    for m in MODELS.values():
+        params = _count(m.params_total) + (f" ({_count(m.params_active)})" if m.is_moe else "")
+        notes = ", ".join(n for n, on in (("VLM", m.is_vlm), ("MTP", m.has_mtp_head),
+                                          ("AutoModel", m.native_automodel)) if on)
+        models.add_row(m.key, m.hf_name, params, f"{m.heads} / {m.kv_heads}",
+                       f"{m.experts} top-{m.experts_per_token}" if m.is_moe else "-", notes)
+    gpus = Table(title="GPU catalog: keys for cluster.gpu", title_justify="left")
+    for column in ("cluster.gpu", "memory GiB", "GPUs per node", "CPUs per node"):
+        gpus.add_column(column)
+    for g in GPUS.values():
+        gpus.add_row(g.key, f"{g.memory_gib:g}", str(g.gpus_per_node), str(g.cpus_per_node or "-"))
+    return [models, gpus]
 
 
 # ------------------------------------------------------------------------------------------------ diff

@@ -117,3 +117,32 @@ def test_slurm_time_help_spells_units_out(value, spelled):
     from molt_compile.rules.launch import _slurm_time_in_words
 
     assert _slurm_time_in_words(value) == spelled
+
+
+@pytest.mark.parametrize(("text", "code", "says"), [
+    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}\nref:\n", "EST009", "`ref:` is empty (YAML null)"),
+    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}\n", "EST009", "the recipe has no `ref:` section"),
+    ("algo: {estimator: gae}\ncritic:\n", "EST002", "`critic:` is empty (YAML null)"),
+    ("algo: {estimator: on_policy_distill}\nref:\nagent: null\n", "EST004", "`ref:` is empty (YAML null)"),
+])
+def test_a_bare_section_is_told_it_is_empty(tmp_path, text, code, says):
+    """Issue 19: a bare `ref:` was told "the recipe has no `ref:` section" with a caret on that very line."""
+    shutil.copy(BASE, tmp_path / "_base_rl.yaml")
+    for sub in ("agents", "data"):
+        shutil.copytree(BASE.parent / sub, tmp_path / sub)
+    (tmp_path / "r.yaml").write_text("extends: _base_rl.yaml\n" + text)
+    found = [d for d in compile_recipe(tmp_path / "r.yaml", lower=False).diagnostics if d.code == code]
+    assert found and says in found[0].message, [(d.code, d.message) for d in found]
+    if "empty" in says:
+        assert "removes the section" in found[0].help
+
+
+@pytest.mark.parametrize(("arch", "says"), [("null", "model.arch is not set"),
+                                            ("qwen9-unknown", "model.arch `qwen9-unknown` is not a catalog key")])
+def test_memory_not_estimated_names_the_unknown_arch(tmp_path, arch, says):
+    shutil.copy(BASE, tmp_path / "_base_rl.yaml")
+    for sub in ("agents", "data"):
+        shutil.copytree(BASE.parent / sub, tmp_path / sub)
+    (tmp_path / "r.yaml").write_text(f"extends: _base_rl.yaml\nmodel: {{path: /lustre/models/custom, arch: {arch}}}\n")
+    (d,) = [d for d in compile_recipe(tmp_path / "r.yaml", lower=False).diagnostics if d.code == "MEM006"]
+    assert says in d.message
