@@ -1,4 +1,4 @@
-"""Launch settings that the scheduler would refuse after the job was written (issue 19)."""
+"""Launch settings that Slurm or Ray would refuse only after the job was written (issues 13, 19)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from schemas.recipe import ENV_NAME_PATTERN
+
+ENV_NAME = re.compile(ENV_NAME_PATTERN)
 
 SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
 """sbatch's `--time` formats, exactly: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
@@ -46,7 +49,7 @@ def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
     ```
 
     ## References
-    Slurm sbatch(1) `--time`; molt_rules.md §5 (launch scripts); issue 19
+    Slurm sbatch(1) `--time`; molt_rules.md §5 (launch scripts); DESIGN.md (Slurm); issue 19
     """
     value = recipe.launch.slurm.time
     if SLURM_TIME.fullmatch(value):
@@ -56,3 +59,46 @@ def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
                f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
                f'write `time: "{spelled}"`' if spelled else
                'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
+
+
+def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    In `launch.ray.runtime_env`, `env_vars` is a mapping of environment variable names (letters, digits, `_`, not
+    starting with a digit) to strings, and `excludes` is a list of strings.
+
+    ## Why it matters
+    The compiler merges both into the job's Ray runtime_env. Ray refuses other shapes when the job is submitted
+    ("runtime_env['env_vars'] must be of type Dict[str, str]"), and a name holding `=` cannot be exported; the
+    recipe's own `env:` is schema-checked the same way.
+
+    ## Example
+    ```yaml
+    launch: {ray: {runtime_env: {env_vars: {"NCCL_DEBUG=INFO": "1", RETRIES: 3}}}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {ray: {runtime_env: {env_vars: {NCCL_DEBUG: INFO, RETRIES: "3"}}}}
+    ```
+
+    ## References
+    Ray runtime_env docs (`env_vars: Dict[str, str]`); DESIGN.md (Ray cluster: runtime_env from the plan); issue 13.5
+    """
+    rt = recipe.launch.ray.runtime_env
+    env_vars, excludes = rt.get("env_vars"), rt.get("excludes")
+    path = "launch.ray.runtime_env"
+    if env_vars is not None and not isinstance(env_vars, dict):
+        yield diag("LAUNCH002", source, f"{path}.env_vars", "launch.ray.runtime_env.env_vars must be a mapping",
+                   "write env_vars: {NAME: value}")
+    for key, value in (env_vars.items() if isinstance(env_vars, dict) else ()):
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+                       f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
+                       "use letters, digits and `_`, not starting with a digit")
+        elif not isinstance(value, str):
+            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+                       f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
+                       f'quote it: {key}: "{value}"')
+    if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
+        yield diag("LAUNCH002", source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
+                   'write excludes: ["data/big", "*.bin"]')
