@@ -197,6 +197,11 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         slurm_out.parent.mkdir(parents=True, exist_ok=True)
         slurm_out.write_text(script)
         click.echo(f"Slurm script written to {slurm_out}", err=fmt != "text")
+        unset = [k for k in ("account", "partition") if not getattr(result.recipe.launch.slurm, k)]
+        if unset:  # legal, but on a shared cluster usually a mistake: say which defaults the job gets
+            keys = " and ".join(f"launch.slurm.{k}" for k in unset)
+            click.echo(f"warning: {keys} {'are' if len(unset) > 1 else 'is'} unset: the job gets the cluster's "
+                       f"default {' and '.join(unset)}", err=fmt != "text")
         click.echo(_need("molt_compile.slurm", "submit_hint")(slurm_out), err=fmt != "text")
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")

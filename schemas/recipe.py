@@ -586,6 +586,22 @@ class SlurmLaunch(Section):
     """Slurm account."""
     partition: str | None = None
     """Slurm partition."""
+    qos: str | None = None
+    """Slurm quality of service (`#SBATCH --qos`)."""
+    constraint: str | None = None
+    """Node features the job needs (`#SBATCH --constraint`, e.g. `h100&ib`)."""
+    mem: str | None = None
+    """Memory per node (`#SBATCH --mem`): a size such as `500G`, or `0` for all of it."""
+    output: str | None = None
+    """Path pattern of the job's stdout (`#SBATCH --output`, `%j` is the job id), relative to the submit directory."""
+    error: str | None = None
+    """Path pattern of the job's stderr (`#SBATCH --error`). None: with stdout."""
+    exclusive: bool = True
+    """Whole nodes for the job (`#SBATCH --exclusive`)."""
+    sbatch_options: list[str] = []
+    """Extra `#SBATCH` options the recipe owns, each `--name` or `--name=value` (LAUNCH003 checks them)."""
+    srun_options: list[str] = []
+    """Extra flags of every `srun` step, each one word such as `--mpi=none` (LAUNCH003 checks them)."""
     time: str = "04:00:00"
     """Wall-clock limit in an sbatch `--time` format: minutes, HH:MM:SS, D-HH, D-HH:MM:SS, UNLIMITED (LAUNCH001)."""
     container_image: str | None = None

@@ -111,6 +111,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("IGNORE003", "ignore-without-reason", "warning", ignores.ignore_without_reason, BOTH),
     Rule("LAUNCH001", "slurm-time-format", "error", launch.slurm_time_format, BOTH),
     Rule("LAUNCH002", "ray-runtime-env-shape", "error", launch.ray_runtime_env_shape, BOTH),
+    Rule("LAUNCH003", "slurm-option-shape", "error", launch.slurm_option_shape, BOTH),
     Rule("LOSS001", "dual-clip-not-above-one", "error", loss.dual_clip_not_above_one),
     Rule("LOSS002", "dual-clip-without-ppo", "error", loss.dual_clip_without_ppo),
     Rule("LOSS003", "cispo-clip-ceiling-below-one", "error", loss.cispo_clip_ceiling_below_one),

@@ -102,3 +102,72 @@ def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
     if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
         yield diag("LAUNCH002", source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
                    'write excludes: ["data/big", "*.bin"]')
+
+
+SCRIPT_SBATCH = {"job-name": "name", "nodes": "cluster.nodes", "ntasks-per-node": "", "gpus-per-node":
+                 "cluster.gpus_per_node", "time": "launch.slurm.time", "account": "launch.slurm.account",
+                 "partition": "launch.slurm.partition", "exclusive": "launch.slurm.exclusive",
+                 "qos": "launch.slurm.qos", "constraint": "launch.slurm.constraint", "mem": "launch.slurm.mem",
+                 "output": "launch.slurm.output", "error": "launch.slurm.error"}
+"""#SBATCH options the script writes itself -> the recipe key that sets them ("" when the plan decides)."""
+SCRIPT_SRUN = ("nodes", "ntasks", "ntasks-per-node", "nodelist", "w", "N", "n", "exclude", "x", "overlap",
+               "container-image", "container-mounts", "container-workdir", "no-container-mount-home")
+"""srun flags the script sets on its steps (placement of the Ray head and workers, the container)."""
+_SBATCH_OPTION = re.compile(r"--([a-z][a-z0-9-]*)(=.*)?")
+_SRUN_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9-]*)(=.*)?")
+_MEM = re.compile(r"\d+[KMGT]?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `launch.slurm.sbatch_options` items are one `--name` or `--name=value` each, not an option the script
+    already writes (use its key: `qos`, `mem`, ...); `launch.slurm.srun_options` items are one flag each, not one
+    that places the script's steps; `launch.slurm.mem` is a Slurm size (`500G`, `0`); no value holds a control
+    character.
+
+    ## Why it matters
+    sbatch reads `#SBATCH` lines itself: a second value of `--nodes` or `--time` silently overrides the plan's, a
+    newline would turn the rest of the line into shell code, and a malformed option fails only at submission. The
+    script's srun steps pin the Ray head and workers to nodes; a flag that changes that breaks the cluster.
+
+    ## Example
+    ```yaml
+    launch: {slurm: {mem: 500GB, sbatch_options: ["--time=1-00:00:00", "qos high"], srun_options: ["--nodes=2"]}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {mem: 500G, time: "1-00:00:00", qos: high, sbatch_options: ["--requeue"], srun_options: ["--mpi=none"]}}
+    ```
+
+    ## References
+    Slurm sbatch(1) and srun(1); molt_rules.md §5 (launch scripts); DESIGN.md (Slurm); issue 19
+    """
+    s = recipe.launch.slurm
+    for i, option in enumerate(s.sbatch_options):
+        m = _SBATCH_OPTION.fullmatch(option)
+        key = f"launch.slurm.sbatch_options.{i}"
+        if _CONTROL.search(option) or not m:
+            yield diag("LAUNCH003", source, key, f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
+                       'write one option per item, e.g. "--requeue" or "--comment=nightly"')
+        elif m.group(1) in SCRIPT_SBATCH:
+            owner = SCRIPT_SBATCH[m.group(1)]
+            yield diag("LAUNCH003", source, key, f"--{m.group(1)} is written by the script itself",
+                       f"set `{owner}` instead" if owner else "remove it: the plan decides it")
+    for i, flag in enumerate(s.srun_options):
+        m = _SRUN_FLAG.fullmatch(flag)
+        key = f"launch.slurm.srun_options.{i}"
+        if _CONTROL.search(flag) or not m:
+            yield diag("LAUNCH003", source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
+        elif m.group(1) in SCRIPT_SRUN:
+            yield diag("LAUNCH003", source, key, f"srun {flag.split('=')[0]} is set by the script's steps",
+                       "remove it: the script places the Ray head and workers itself")
+    if s.mem is not None and not _MEM.fullmatch(s.mem):
+        yield diag("LAUNCH003", source, "launch.slurm.mem", f"launch.slurm.mem `{s.mem}` is not a Slurm size",
+                   'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory')
+    for name in ("qos", "constraint", "output", "error", "account", "partition"):
+        value = getattr(s, name)
+        if value is not None and _CONTROL.search(value):
+            yield diag("LAUNCH003", source, f"launch.slurm.{name}",
+                       f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
