@@ -177,7 +177,10 @@ def _container_args(slurm: dict[str, Any]) -> list[str]:
     mounts = [str(m) for m in slurm.get("mounts") or []]
     # The project is mounted at the same path, so every path of the plan means the same inside the container.
     mount_words = shell_quote(",".join(mounts) + ",") if mounts else ""
-    return [f"--container-image={shell_quote(image)}", f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
+    # A named container is created by the first step on a node and reused by the later ones (pyxis), so the image
+    # is unpacked once per node for the whole job, not once per step; pyxis's default job scope removes it at the end.
+    return [f"--container-image={shell_quote(image)}", '--container-name="molt-$SLURM_JOB_ID"',
+            f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
             '--container-workdir="$MOLT_ROOT"', "--no-container-mount-home"]
 
 

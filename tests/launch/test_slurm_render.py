@@ -63,6 +63,9 @@ def test_account_partition_and_container_appear_only_when_set(cpu_plan: Plan) ->
     assert "#SBATCH --account=proj-17" in lines and "#SBATCH --partition=batch" in lines
     assert "--container-image='nvcr.io#nvidia/molt:1'" in script
     assert """--container-mounts=/lustre:/lustre,"$MOLT_ROOT:$MOLT_ROOT\"""" in script
+    # One container per node for the whole job: every step names the same one (pyxis reuses it).
+    steps = [line for line in script.splitlines() if "--container-image" in line]
+    assert len(steps) >= 2 and all('--container-name="molt-$SLURM_JOB_ID"' in line for line in steps)
     assert "--container-" not in render_sbatch(cpu_plan)
 
 
