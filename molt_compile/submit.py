@@ -358,8 +358,9 @@ class LocalCluster:
     (Ray's own handler then stops the node's processes). Free ports, own temp dir, own auth token: it never
     touches another Ray on the machine."""
 
-    def __init__(self, plan: Plan, env: dict[str, str]) -> None:
+    def __init__(self, plan: Plan, env: dict[str, str], cwd: Path | None = None) -> None:
         self.plan = plan
+        self.cwd = cwd  # of `ray start`; Ray's workers inherit it: the job root, where the plan's paths start
         # /tmp, not $TMPDIR: Ray's unix socket paths under the temp dir must stay under 108 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.port = _free_port()
@@ -390,7 +391,7 @@ class LocalCluster:
     def start(self) -> None:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(self.command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_detach_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=_detach_with_parent, cwd=self.cwd)
 
     def wait_ready(self, plan_file: Path, root: Path, timeout_s: float) -> None:
         """The readiness barrier of the Slurm script, against this cluster; fails early when the head dies."""
@@ -434,7 +435,7 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
     plan_file = write_plan_file(plan, root)
     if plan.kind == "sft":
         return _run_local_torchrun(plan, plan_file, root, env)
-    cluster = LocalCluster(plan, env)
+    cluster = LocalCluster(plan, env, cwd=root)
     res = ", ".join(f"{k} {v:g}" for k, v in sorted(plan.cluster.node_resources.items()))
     status = LAUNCH_FAILED
     t0 = time.monotonic()
