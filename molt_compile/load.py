@@ -13,7 +13,8 @@ mappings merge key by key, lists and scalars replace. A base reached twice (a di
 first position. `extends` reads only `.yaml`/`.yml` files inside the recipe roots (the root recipe's repository
 and the directories the user names, `recipe_roots`), checked on real paths before a target is opened, and only a
 recipe's lines are kept for carets: a hostile recipe cannot make the diagnostics print another file.
-`--set dotted.key=value` is applied last; its value is read as YAML and its key is checked against Recipe v1. Every problem is a Diagnostic (codes in `codes.py`), never an exception.
+`--set dotted.key=value` is applied last; its value is read as YAML and its key is checked against Recipe v1.
+Every problem is a Diagnostic (codes in `codes.py`), never an exception.
 """
 
 from __future__ import annotations
