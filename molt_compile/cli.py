@@ -25,6 +25,10 @@ import click
 SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
 """A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment."""
 _FORMATS = click.Choice(["text", "json", "github"])
+_ROOTS = click.option(
+    "--recipe-root", "roots", multiple=True, metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+    help="A directory of trusted recipes that `extends` may read, besides the recipe's own repository "
+         "(also $MOLT_RECIPE_ROOTS, `:`-separated). Repeatable.")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -150,8 +154,9 @@ def cli() -> None:
 @click.option("--follow", is_flag=True, help="With --submit: stream the job's logs until it ends.")
 @click.option("--smoke", is_flag=True, help="Run the recipe shrunk to this machine's CPUs: a random small model of "
               "its architecture, 2 steps, an eval, a checkpoint and a resume (`explain --smoke` shows the changes).")
+@_ROOTS
 def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | None, slurm_out: Path | None,
-                submit: bool, address: str | None, follow: bool, smoke: bool) -> None:
+                submit: bool, address: str | None, follow: bool, smoke: bool, roots: tuple[Path, ...] = ()) -> None:
     """Validate RECIPE, print its diagnostics and a summary of its plan."""
     from molt_compile.compile import compile_recipe
     from molt_compile.render import count_line, render_json, summary_dict
@@ -160,7 +165,7 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         if plan_out or slurm_out or submit:
             raise click.UsageError("--smoke runs the smoke recipe here; it takes no --plan-out, --slurm or --submit")
         sys.exit(_smoke(Path(recipe), sets, fmt))
-    result = compile_recipe(Path(recipe), sets)
+    result = compile_recipe(Path(recipe), sets, roots=roots)
     plan = result.plan
     status = result.exit_status
     wants_plan = bool(plan_out or slurm_out or submit)
@@ -198,10 +203,17 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         slurm_out.parent.mkdir(parents=True, exist_ok=True)
         slurm_out.write_text(script)
         click.echo(f"Slurm script written to {slurm_out}", err=fmt != "text")
+        unset = [k for k in ("account", "partition") if not getattr(result.recipe.launch.slurm, k)]
+        if unset:  # legal, but on a shared cluster usually a mistake: say which defaults the job gets
+            keys = " and ".join(f"launch.slurm.{k}" for k in unset)
+            click.echo(f"warning: {keys} {'are' if len(unset) > 1 else 'is'} unset: the job gets the cluster's "
+                       f"default {' and '.join(unset)}", err=fmt != "text")
         click.echo(_need("molt_compile.slurm", "submit_hint")(slurm_out), err=fmt != "text")
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")
-        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow))
+        job_root = result.source.job_root if result.source else None  # the plan's paths are relative to it
+        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow,
+                           root=Path(job_root) if job_root else None))
 
 
 def _smoke(recipe: Path, sets: tuple[str, ...], fmt: str) -> int:
@@ -232,7 +244,8 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @cli.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
-def lint(paths: tuple[str, ...], fmt: str) -> None:
+@_ROOTS
+def lint(paths: tuple[str, ...], fmt: str, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
     files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs."""
     import os
@@ -243,7 +256,7 @@ def lint(paths: tuple[str, ...], fmt: str) -> None:
     files, missing = _recipe_files(paths)
     if missing:
         raise click.UsageError(f"no such file or directory: {', '.join(missing)}")
-    results = [compile_recipe(f) for f in files]
+    results = [compile_recipe(f, roots=roots) for f in files]
     extended = {t for r in results if r.loaded for t in r.loaded.extends_targets}
     seen: set[tuple] = set()
     all_diags: list[Any] = []
@@ -346,15 +359,16 @@ def _show(value: Any) -> str:
 @click.argument("recipe")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
 @click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
-def explain(recipe: str, sets: tuple[str, ...], smoke: bool) -> None:
+@_ROOTS
+def explain(recipe: str, sets: tuple[str, ...], smoke: bool, roots: tuple[Path, ...] = ()) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
-    means, then every derived value with its reason."""
+    means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`)."""
     from rich.table import Table
 
     from molt_compile import schema_walk as sw
     from molt_compile.compile import compile_recipe
 
-    result = compile_recipe(Path(recipe), sets, lower=False)
+    result = compile_recipe(Path(recipe), sets, lower=False, roots=roots)
     if result.recipe is None:
         _print_diagnostics(result.diagnostics, result, "text")
         sys.exit(result.exit_status or 2)
@@ -383,9 +397,39 @@ def explain(recipe: str, sets: tuple[str, ...], smoke: bool) -> None:
             inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
             derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
         console.print(derived)
+    for table in _catalog_tables():
+        console.print(table)
     if result.diagnostics:
         _print_diagnostics(result.diagnostics, result, "text")
     sys.exit(result.exit_status)
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _catalog_tables() -> list[Any]:
+    """The model and GPU catalogs (schemas/catalog.py) as rich tables: the keys `model.arch` and `cluster.gpu` take."""
+    from rich.table import Table
+
+    from schemas.catalog import GPUS, MODELS
+
+    models = Table(title="model catalog: keys for model.arch (else <model.path>/config.json is read)",
+                   title_justify="left")
+    for column in ("model.arch", "checkpoint", "params (active)", "heads / kv", "experts", "notes"):
+        models.add_column(column, overflow="fold")
+    for m in MODELS.values():
+        params = _count(m.params_total) + (f" ({_count(m.params_active)})" if m.is_moe else "")
+        notes = ", ".join(n for n, on in (("VLM", m.is_vlm), ("MTP", m.has_mtp_head),
+                                          ("AutoModel", m.native_automodel)) if on)
+        models.add_row(m.key, m.hf_name, params, f"{m.heads} / {m.kv_heads}",
+                       f"{m.experts} top-{m.experts_per_token}" if m.is_moe else "-", notes)
+    gpus = Table(title="GPU catalog: keys for cluster.gpu", title_justify="left")
+    for column in ("cluster.gpu", "memory GiB", "GPUs per node", "CPUs per node"):
+        gpus.add_column(column)
+    for g in GPUS.values():
+        gpus.add_row(g.key, f"{g.memory_gib:g}", str(g.gpus_per_node), str(g.cpus_per_node or "-"))
+    return [models, gpus]
 
 
 def _explain_smoke(result: Any) -> int:
@@ -413,12 +457,13 @@ def _explain_smoke(result: Any) -> int:
 @cli.command()
 @click.argument("a")
 @click.argument("b")
-def diff(a: str, b: str) -> None:
+@_ROOTS
+def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
     """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
     from molt_compile.compile import compile_recipe
 
     diff_results = _need("molt_compile.diff", "diff_results")
-    results = [compile_recipe(Path(a)), compile_recipe(Path(b))]
+    results = [compile_recipe(Path(a), roots=roots), compile_recipe(Path(b), roots=roots)]
     for r in results:
         if r.exit_status == 2:
             _print_diagnostics(r.diagnostics, r, "text")

@@ -61,6 +61,11 @@ file). Paths in `extends` are relative to the file that contains them."""),
 closest key."""),
     Code("LOAD010", "set-bad-value", """The value of a `--set` override is not a valid YAML value (`--set a.b=[1,`).
 Quote strings that contain YAML syntax."""),
+    Code("LOAD011", "extends-outside-recipe-roots", """An `extends` entry (or the recipe itself, through a symbolic
+link) names a file outside the recipe roots, or a file that is not a `.yaml`/`.yml` recipe. The loader does not
+read it, so a recipe from an untrusted pull request cannot make the compiler print another file's lines. The recipe
+roots are the root recipe's repository (its nearest ancestor directory holding `.git` or `pyproject.toml`, else its
+own directory) and every directory named with `--recipe-root DIR` or in `MOLT_RECIPE_ROOTS` (separated by `:`)."""),
     Code("SCHEMA001", "unknown-key", """A key that this section does not have (usually a typo). The help suggests the
 closest key in the section, or the section where a key of that name lives."""),
     Code("SCHEMA002", "wrong-type", """A value of the wrong type (`nodes: eight`, a mapping where a list is expected)."""),

@@ -67,12 +67,13 @@ def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> 
 
 
 def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True,
-                   capabilities: bool = True) -> CompileResult:
+                   capabilities: bool = True, roots: Sequence[Path | str] = ()) -> CompileResult:
     """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
 
     `capabilities=False` skips the capability pass: the plan of a recipe this runtime cannot run (golden plans of
-    the launch recipes, lowering tests). Everything a user runs keeps it on."""
-    loaded = load_recipe(Path(path), sets)
+    the launch recipes, lowering tests). Everything a user runs keeps it on. `roots`: extra recipe roots that
+    `extends` may read from (see `load.recipe_roots`)."""
+    loaded = load_recipe(Path(path), sets, roots)
     diags = Diagnostics()
     diags.extend(loaded.diagnostics)
     result = CompileResult(source=loaded.source, loaded=loaded)

@@ -202,23 +202,42 @@ def _backend(b: _Builder, r: Any, source: Any) -> None:
 
 
 def resolve_path(value: str, key: str, source: Any = None) -> str:
-    """A path from the recipe, made relative to the project root (the working directory) when inside it.
+    """A path from the recipe as the plan writes it: relative to the job root (the recipe's project root, where the
+    job runs: `SourceMap.job_root`) when inside it, else absolute. The same from any working directory.
 
     A value written in a file is relative to that file (a base in `recipes/base/` resolves against itself); a
-    value from `--set` or a schema default is relative to the project root. Absolute paths stay absolute.
-    Deterministic: it never touches the file system.
+    value from `--set` or a schema default is relative to the job root (the recipe's directory when the recipe is
+    in no project). Absolute paths stay absolute. Without a source map (unit tests of bare recipes) the working
+    directory stands in for the job root. Never touches the file system.
     """
     if os.path.isabs(value):
         return os.path.normpath(value)
-    base = "."
-    if source is not None:
-        pos = source.pos(key)
-        if pos.layer == "file" and pos.file:
-            base = os.path.dirname(pos.file)
-    joined = os.path.normpath(os.path.join(base, value))
-    if joined == ".." or joined.startswith("../"):
-        return os.path.normpath(os.path.join(os.getcwd(), joined))
-    return joined.replace(os.sep, "/")
+    if source is None:
+        return plan_path(os.path.join(os.getcwd(), value), os.getcwd())
+    pos = source.pos(key)
+    root = getattr(source, "job_root", None)
+    if pos.layer == "file" and pos.file:
+        base = os.path.dirname(os.path.abspath(pos.file))
+    else:
+        base = root or os.path.dirname(os.path.abspath(source.root_file or "."))
+    return plan_path(os.path.join(base, value), root)
+
+
+def plan_path(absolute: str, root: str | None) -> str:
+    """An absolute path as the plan writes it: relative to `root` when inside it (posix), else absolute."""
+    absolute = os.path.normpath(absolute)
+    if root:
+        rel = os.path.relpath(absolute, root)
+        if rel != ".." and not rel.startswith(".." + os.sep):
+            return rel.replace(os.sep, "/")
+    return absolute
+
+
+def local_path(plan_value: str, source: Any = None) -> str:
+    """Where the compiler finds a plan path on this machine (to count rows, or to tell a local checkpoint from a
+    hub name): joined to the job root, which need not be the working directory."""
+    root = getattr(source, "job_root", None)
+    return os.path.join(root, plan_value) if root and not os.path.isabs(plan_value) else plan_value
 
 
 def resolve_sources(spec: str, key: str, source: Any = None) -> list[str]:
@@ -534,7 +553,7 @@ def _algo(b: _Builder, r: Any) -> None:
 def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
     ro, t, d = r.rollout, r.train, r.data
     count, why = count_rows(resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs,
-                            d.split)
+                            d.split, source)
     b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
     if count is None:
         for name in ("train.steps_per_episode", "train.total_steps", "train.optimizer_steps"):
@@ -644,7 +663,7 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
     b.add("cluster.used_gpus", world, f"the SFT world {world}", ("actor.world",))
     b.add("cluster.idle_gpus", total - world, f"cluster {total} - used {world}", ("cluster.total_gpus", "cluster.used_gpus"))
     count, why = count_rows(resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs,
-                            d.split)
+                            d.split, source)
     b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
     if count is None:
         b.add("train.steps_per_epoch", None, "dataset size unknown", ("data.sample_count",))
@@ -673,7 +692,8 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data counting
-def count_rows(sources: list[str], max_samples: int, probs: Any, split: str) -> tuple[int | None, str]:
+def count_rows(sources: list[str], max_samples: int, probs: Any, split: str,
+               source: Any = None) -> tuple[int | None, str]:
     """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
 
     Counts local json/jsonl/parquet/arrow files and save_to_disk / DatasetDict directories from their headers
@@ -686,7 +706,7 @@ def count_rows(sources: list[str], max_samples: int, probs: Any, split: str) -> 
     parts = []
     for src in sources:
         path_str = src.split("@", 1)[0]
-        n, why = _count_file(Path(path_str), split)
+        n, why = _count_file(Path(local_path(path_str, source)), split)
         if n is None:
             return None, f"{path_str}: {why}"
         capped = min(n, max_samples)

@@ -10,8 +10,11 @@ plain Python data is then built here from the node tree. That is where the loade
 
 `extends` (a path or a list, relative to the file that says it) is resolved depth-first; later layers win;
 mappings merge key by key, lists and scalars replace. A base reached twice (a diamond) is applied once, at its
-first position. `--set dotted.key=value` is applied last; its value is read as YAML and its key is checked
-against Recipe v1. Every problem is a Diagnostic (codes in `codes.py`), never an exception.
+first position. `extends` reads only `.yaml`/`.yml` files inside the recipe roots (the root recipe's repository
+and the directories the user names, `recipe_roots`), checked on real paths before a target is opened, and only a
+recipe's lines are kept for carets: a hostile recipe cannot make the diagnostics print another file.
+`--set dotted.key=value` is applied last; its value is read as YAML and its key is checked against Recipe v1.
+Every problem is a Diagnostic (codes in `codes.py`), never an exception.
 """
 
 from __future__ import annotations
@@ -70,6 +73,39 @@ class Loaded:
         """Lives under a `base/` directory: a base fragment, not a job. (`lint` also treats a file that another
         recipe extends and that lacks `kind` or `name` as one; that needs the other files.)"""
         return self.path is not None and "base" in Path(os.path.abspath(self.path)).parts[:-1]
+
+
+RECIPE_SUFFIXES = (".yaml", ".yml")
+"""A recipe file's name ends so; only such files are read through `extends` and shown in diagnostics."""
+ROOTS_ENV = "MOLT_RECIPE_ROOTS"
+"""Extra recipe roots, separated by os.pathsep (`:`), added to `--recipe-root` and the project root."""
+
+
+def find_project(path: Path | str) -> Path | None:
+    """The root recipe's repository: its nearest ancestor directory holding `.git` or `pyproject.toml`, or None.
+    Found from the path as given (not through symbolic links), so a link cannot move it."""
+    start = Path(os.path.abspath(path)).parent
+    for directory in (start, *start.parents):
+        if (directory / ".git").exists() or (directory / "pyproject.toml").is_file():
+            return directory
+    return None
+
+
+def project_root(path: Path | str) -> Path:
+    """The recipe's repository (`find_project`), else the recipe's own directory."""
+    return find_project(path) or Path(os.path.abspath(path)).parent
+
+
+def recipe_roots(path: Path | str, extra: Sequence[Path | str] = ()) -> tuple[Path, ...]:
+    """Directories whose recipes `extends` may read: the project root of `path`, the `extra` roots (the CLI's
+    `--recipe-root`) and those in $MOLT_RECIPE_ROOTS. Resolved (real paths), because targets are compared resolved."""
+    named = [*extra, *(p for p in os.environ.get(ROOTS_ENV, "").split(os.pathsep) if p.strip())]
+    roots = [project_root(path), *(Path(p).expanduser() for p in named)]
+    return tuple(dict.fromkeys(Path(os.path.realpath(r)) for r in roots))
+
+
+def _inside(real: Path, roots: Sequence[Path]) -> bool:
+    return any(real == r or real.is_relative_to(r) for r in roots)
 
 
 def display_path(path: Path) -> str:
@@ -452,9 +488,10 @@ def _build_layer(text: str, file: str, diags: list[Diagnostic]) -> _Layer | None
 class _Tree:
     """Loads a recipe and its bases depth-first into layers, detecting cycles."""
 
-    def __init__(self, diags: list[Diagnostic], source: SourceMap):
+    def __init__(self, diags: list[Diagnostic], source: SourceMap, roots: Sequence[Path]):
         self.diags = diags
         self.source = source
+        self.roots = tuple(roots)
         self.layers: list[_Layer] = []
         self.done: set[Path] = set()
         self.targets: list[Path] = []
@@ -463,12 +500,20 @@ class _Tree:
     def load(self, path: Path, stack: tuple[tuple[Path, str], ...], at: Diagnostic | None) -> _Layer | None:
         real = Path(os.path.realpath(path))
         file = display_path(path)
-        text = _read_file(path, file, self.diags, at, self.source.lines)
+        if at is None and real.exists() and not _inside(real, self.roots):
+            # The recipe itself is a symbolic link out of its repository (a planted recipes/x.yaml -> /etc/shadow).
+            self.diags.append(_diag("LOAD011", f"`{file}` links to a file outside the recipe roots; it was not read",
+                                    file=file, help="compile the file it links to, inside its own repository, or "
+                                    f"name that directory with --recipe-root DIR or {ROOTS_ENV}=DIR"))
+            return None
+        is_recipe = real.suffix in RECIPE_SUFFIXES
+        text = _read_file(path, file, self.diags, at, self.source.lines if is_recipe else None)
         if text is None:
             return None
         self.done.add(real)
         self.files.append(file)
-        self.source.lines[file] = text.splitlines()
+        if is_recipe:  # only a recipe's lines are ever shown under a diagnostic
+            self.source.lines[file] = text.splitlines()
         layer, diags = _parse_layer(text, file)
         self.diags.extend(diags)
         if layer is None:
@@ -506,11 +551,23 @@ class _Tree:
                 continue
             if target_real in self.done:
                 continue  # a diamond: the base was applied already, at its first position
+            outside = not _inside(target_real, self.roots)
+            # Checked before the file is opened; outside the roots not even its existence reaches the output.
+            if outside or (target_real.suffix not in RECIPE_SUFFIXES and target_real.is_file()):
+                why = ("is outside the recipe roots (" + ", ".join(f"`{r}`" for r in self.roots) + ")"
+                       if outside else "is not a `.yaml` recipe file")
+                self.diags.append(_diag("LOAD011", f"`extends` target `{target}` {why}; it was not read",
+                                        file=layer.file, line=p.line, col=p.col, path="extends", help=_ROOTS_HELP))
+                continue
             missing = _diag("LOAD006", f"`extends` target `{target}` is not a file (looked for "
                             f"`{display_path(target_path)}`)", file=layer.file, line=p.line, col=p.col,
                             path="extends", help="paths in `extends` are relative to the file that contains them")
             self.targets.append(target_real)
             self.load(target_path, stack, missing)
+
+
+_ROOTS_HELP = (f"extend recipes of this repository, or name another directory of trusted recipes with "
+               f"--recipe-root DIR or {ROOTS_ENV}=DIR")
 
 
 # ------------------------------------------------------------------------------------------------ merging
@@ -545,7 +602,8 @@ def _paths(value: Any, prefix: str = "") -> set[str]:
 def _recipe_type(data: dict[str, Any]) -> Any:
     from schemas.recipe import Recipe, RlRecipe, SftRecipe
 
-    return {"rl": RlRecipe, "sft": SftRecipe}.get(data.get("kind"), Recipe)
+    kind = data.get("kind")
+    return {"rl": RlRecipe, "sft": SftRecipe}.get(kind, Recipe) if isinstance(kind, str) else Recipe
 
 
 def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: dict[str, Pos],
@@ -634,12 +692,14 @@ def _assign(data: dict[str, Any], segments: list[str | int], value: Any) -> bool
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def load_recipe(path: Path | str, sets: Sequence[str] = ()) -> Loaded:
-    """Load `path` with its bases and `--set` overrides. Never raises on bad input: see `Loaded.diagnostics`."""
+def load_recipe(path: Path | str, sets: Sequence[str] = (), roots: Sequence[Path | str] = ()) -> Loaded:
+    """Load `path` with its bases and `--set` overrides. Never raises on bad input: see `Loaded.diagnostics`.
+    `extends` reads only `.yaml` files inside `recipe_roots(path, roots)`."""
     path = Path(path)
     diags: list[Diagnostic] = []
-    source = SourceMap(root_file=display_path(path))
-    tree = _Tree(diags, source)
+    project = find_project(path)
+    source = SourceMap(root_file=display_path(path), job_root=str(project) if project else None)
+    tree = _Tree(diags, source, recipe_roots(path, roots))
     root = tree.load(path, (), None)
     loaded = Loaded(data=None, source=source, diagnostics=diags, files=tree.files, extends_targets=tree.targets,
                     path=path)

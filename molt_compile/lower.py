@@ -29,7 +29,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
+from molt_compile.derive import (
+    DISTILL_AGENT_PATH,
+    Derived,
+    local_path,
+    plan_path,
+    resolve_path,
+    resolve_sources,
+)
 from molt_compile.diagnostics import Diagnostic
 from schemas.plan import (
     DEVICE_SLOT_RESOURCE,
@@ -347,12 +354,13 @@ def _model_path(value: str, key: str, source: Any) -> str:
     if os.path.isabs(value) or value.startswith(".") or value.count("/") > 1:
         return resolve_path(value, key, source)
     resolved = resolve_path(value, key, source)
-    return resolved if os.path.exists(resolved) else value
+    return resolved if os.path.exists(local_path(resolved, source)) else value
 
 
 def _source_path(source: Any) -> str:
+    """The recipe file as the plan names it: relative to the job root (see `derive.resolve_path`)."""
     root = getattr(source, "root_file", None)
-    return resolve_path(root, "", None) if root else ""
+    return plan_path(os.path.abspath(root), getattr(source, "job_root", None)) if root else ""
 
 
 _BLAME = {"dp": "actor.mesh", "grad_accum": "train.batch_size", "path": "agent"}

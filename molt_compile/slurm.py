@@ -36,6 +36,10 @@ PORT_BLOCK = 10 + WORKER_PORTS_PER_NODE
 """Ports of one node: the named ones, a few spare, then its Ray worker ports."""
 
 
+SBATCH_VALUE_KEYS = ("qos", "constraint", "mem", "output", "error")
+"""`launch.slurm` keys rendered as `#SBATCH --KEY=VALUE` when set (the option is named as the key)."""
+
+
 class SlurmRenderError(ValueError):
     """The plan holds a value that cannot go into a Slurm script (the message names the recipe key)."""
 
@@ -173,7 +177,10 @@ def _container_args(slurm: dict[str, Any]) -> list[str]:
     mounts = [str(m) for m in slurm.get("mounts") or []]
     # The project is mounted at the same path, so every path of the plan means the same inside the container.
     mount_words = shell_quote(",".join(mounts) + ",") if mounts else ""
-    return [f"--container-image={shell_quote(image)}", f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
+    # A named container is created by the first step on a node and reused by the later ones (pyxis), so the image
+    # is unpacked once per node for the whole job, not once per step; pyxis's default job scope removes it at the end.
+    return [f"--container-image={shell_quote(image)}", '--container-name="molt-$SLURM_JOB_ID"',
+            f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
             '--container-workdir="$MOLT_ROOT"', "--no-container-mount-home"]
 
 
@@ -197,8 +204,11 @@ def render_sbatch(plan: Plan) -> str:
     ray_port = int(slurm.get("ray_port", 6379))
     dashboard_port = int(slurm.get("dashboard_port", 8265))
     plan_json = plan.to_json().rstrip("\n")
+    sbatch_values = [(k, slurm[k]) for k in SBATCH_VALUE_KEYS if slurm.get(k) not in (None, "")]
     for key, value in (("name", plan.name), *((f"launch.slurm.{k}", slurm.get(k)) for k in ("time", "account",
-                                                                                         "partition"))):
+                                                                                         "partition")),
+                       *((f"launch.slurm.{k}", v) for k, v in sbatch_values),
+                       *((f"launch.slurm.sbatch_options[{i}]", v) for i, v in enumerate(slurm.get("sbatch_options") or []))):
         if value is not None:
             sbatch_quote(value, key)  # refuses control characters, naming the key
     setup = [str(line) for line in slurm.get("setup") or []]
@@ -210,7 +220,11 @@ def render_sbatch(plan: Plan) -> str:
         nodes=int(cluster.nodes),
         gpus_per_node=int(cluster.gpus_per_node) if cluster.device == "cuda" else 0,
         time=slurm.get("time") or "04:00:00", account=slurm.get("account"), partition=slurm.get("partition"),
-        env=_env_lines(plan), setup=setup, container_args=_container_args(slurm),
+        env=_env_lines(plan), setup=setup,
+        srun_args=[shell_quote(str(f)) for f in slurm.get("srun_options") or []],
+        container_args=_container_args(slurm) + [shell_quote(str(f)) for f in slurm.get("srun_options") or []],
+        exclusive=bool(slurm.get("exclusive", True)), sbatch_values=sbatch_values,
+        sbatch_options=[str(o) for o in slurm.get("sbatch_options") or []],
         num_cpus=num_cpus, num_gpus=num_gpus,
         resources_json=json.dumps({k: v for k, v in sorted(res.items())}, separators=(",", ":")) if res else "",
         node_resources_text=", ".join(f"{k} {v:g}" for k, v in sorted(cluster.node_resources.items())),

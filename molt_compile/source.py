@@ -25,6 +25,9 @@ class SourceMap:
 
     positions: dict[str, Pos] = field(default_factory=dict)
     root_file: str | None = None
+    job_root: str | None = None
+    """Absolute project root of the root recipe (`load.find_project`): every relative path in the plan is relative
+    to it, and the job runs there. None: the recipe is in no project, and the plan's paths are absolute."""
     lines: dict[str, list[str]] = field(default_factory=dict)
     """File name -> its source lines, for rendering carets."""
 

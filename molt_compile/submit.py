@@ -65,13 +65,14 @@ def _say(msg: str) -> None:
     print(f"molt-compile: {msg}", file=sys.stderr, flush=True)
 
 
-def submit(plan: Plan, *, address: str | None, follow: bool) -> int:
-    """Run `plan` on the Ray cluster at `address` (Jobs API), or on a local cluster started for it."""
+def submit(plan: Plan, *, address: str | None, follow: bool, root: Path | None = None) -> int:
+    """Run `plan` on the Ray cluster at `address` (Jobs API), or on a local cluster started for it. `root`: the job
+    root that the plan's relative paths are relative to (the recipe's project root); default the working directory."""
     address = address or ((plan.recipe.get("launch") or {}).get("ray") or {}).get("address")
     try:
         if address:
-            return submit_remote(plan, address=address, follow=follow)
-        return run_local(plan)
+            return submit_remote(plan, address=address, follow=follow, root=root)
+        return run_local(plan, root=root)
     except LaunchError as err:
         _say(f"error: {err.message}")
         if err.help:
@@ -357,10 +358,12 @@ class LocalCluster:
     (Ray's own handler then stops the node's processes). Free ports, own temp dir, own auth token: it never
     touches another Ray on the machine."""
 
-    def __init__(self, plan: Plan, env: dict[str, str], resources: dict[str, float] | None = None) -> None:
+    def __init__(self, plan: Plan, env: dict[str, str], resources: dict[str, float] | None = None,
+                 cwd: Path | None = None) -> None:
         self.plan = plan
         self.resources = dict(resources if resources is not None else plan.cluster.node_resources)
         """What the node declares: the plan's node, or more for a cluster several plans share (smoke runs)."""
+        self.cwd = cwd  # of `ray start`; Ray's workers inherit it: the job root, where the plan's paths start
         # /tmp, not $TMPDIR: Ray's unix socket paths under the temp dir must stay under 108 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.port = _free_port()
@@ -391,7 +394,7 @@ class LocalCluster:
     def start(self) -> None:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(self.command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_detach_with_parent)
+                                         stdin=subprocess.DEVNULL, preexec_fn=_detach_with_parent, cwd=self.cwd)
 
     def wait_ready(self, plan_file: Path, root: Path, timeout_s: float) -> None:
         """The readiness barrier of the Slurm script, against this cluster; fails early when the head dies."""
@@ -435,7 +438,7 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
     plan_file = write_plan_file(plan, root)
     if plan.kind == "sft":
         return _run_local_torchrun(plan, plan_file, root, env)
-    cluster = LocalCluster(plan, env)
+    cluster = LocalCluster(plan, env, cwd=root)
     res = ", ".join(f"{k} {v:g}" for k, v in sorted(plan.cluster.node_resources.items()))
     status = LAUNCH_FAILED
     t0 = time.monotonic()

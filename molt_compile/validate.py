@@ -114,7 +114,7 @@ def _check_version_kind(data: dict[str, Any], where: _Where) -> tuple[list[Diagn
         diags.append(_error("SCHEMA004", "missing key `kind`", "kind", where.root(),
                             help="add `kind: rl` (reinforcement learning) or `kind: sft` (supervised fine-tuning)"))
         return diags, None
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:  # a list or mapping is unhashable: test the type first
         guess = sw.closest(str(kind), list(kinds)) if isinstance(kind, str) else None
         diags.append(_error("SCHEMA005", f"`kind` must be `rl` or `sft`, got {describe(kind)}", "kind",
                             where.value("kind"), help=f"did you mean `{guess}`?" if guess else "use `kind: rl` or `kind: sft`"))
@@ -186,6 +186,11 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
             ctx = err.get("ctx", {})
             diags.append(_error("SCHEMA003", f"`{path}` has {ctx.get('actual_length', '?')} items; "
                                 f"{_len_words(ctx)}", path, where.value(path), help=_list_len_help(model, segments)))
+        elif kind == "string_pattern_mismatch" and err["loc"][-1] == "[key]":  # a mapping key: env names
+            diags.append(_error("SCHEMA007", f"`{value}` is not an environment variable name (in `{_dotted(segments[:-1])}`)",
+                                path, where.key(path),
+                                help="a name is letters, digits and `_`, not starting with a digit; the value goes "
+                                f"after the colon: `{_env_name_guess(str(value))}: ...`"))
         elif kind in ("string_pattern_mismatch", "string_too_long", "string_too_short"):
             diags.append(_error("SCHEMA007", f"`{path}` is not allowed: {err['msg'].lower()}; got {describe(value)}",
                                 path, where.value(path), help=_string_help(path, value)))
@@ -238,6 +243,11 @@ def _type_help(model: Any, segments: list[Any], expected: list[str]) -> str:
     if "a mapping" in expected:
         return "write it as an indented section of keys" + (f"; `{segments[-1]}`: {doc}" if doc else "")
     return f"write {' or '.join(expected)}" + (f"; `{segments[-1]}`: {doc}" if doc else "")
+
+
+def _env_name_guess(value: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", value.partition("=")[0]).strip("_") or "NAME"
+    return f"_{name}" if name[0].isdigit() else name
 
 
 def _string_help(path: str, value: Any) -> str:

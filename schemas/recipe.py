@@ -78,6 +78,10 @@ PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0.0, le=1.0)]
 Cadence = Annotated[int, Field(ge=-1)]
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+EnvName = Annotated[str, Field(pattern=ENV_NAME_PATTERN)]
+"""An environment variable name as POSIX shells accept it: `export A=B` and Ray's env_vars need no more, and a
+key holding `=` or a space cannot be exported (it used to compile and then fail at `--submit`)."""
 """A step cadence: N > 0 means every N steps, -1 means never. 0 is caught by rule CKPT001/EVAL001."""
 
 
@@ -319,7 +323,7 @@ class Agent(Section):
     """Python file that defines `AgentRunner` (relative to the recipe file)."""
     max_turns: PositiveInt = 1
     """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
-    env: dict[str, str] = {}
+    env: dict[EnvName, str] = {}
     """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
 
 
@@ -591,8 +595,24 @@ class SlurmLaunch(Section):
     """Slurm account."""
     partition: str | None = None
     """Slurm partition."""
+    qos: str | None = None
+    """Slurm quality of service (`#SBATCH --qos`)."""
+    constraint: str | None = None
+    """Node features the job needs (`#SBATCH --constraint`, e.g. `h100&ib`)."""
+    mem: str | None = None
+    """Memory per node (`#SBATCH --mem`): a size such as `500G`, or `0` for all of it."""
+    output: str | None = None
+    """Path pattern of the job's stdout (`#SBATCH --output`, `%j` is the job id), relative to the submit directory."""
+    error: str | None = None
+    """Path pattern of the job's stderr (`#SBATCH --error`). None: with stdout."""
+    exclusive: bool = True
+    """Whole nodes for the job (`#SBATCH --exclusive`)."""
+    sbatch_options: list[str] = []
+    """Extra `#SBATCH` options the recipe owns, each `--name` or `--name=value` (LAUNCH003 checks them)."""
+    srun_options: list[str] = []
+    """Extra flags of every `srun` step, each one word such as `--mpi=none` (LAUNCH003 checks them)."""
     time: str = "04:00:00"
-    """Wall-clock limit (HH:MM:SS or D-HH:MM:SS)."""
+    """Wall-clock limit in an sbatch `--time` format: minutes, HH:MM:SS, D-HH, D-HH:MM:SS, UNLIMITED (LAUNCH001)."""
     container_image: str | None = None
     """Pyxis/enroot container image. None: run on the host."""
     mounts: list[str] = []
@@ -634,7 +654,7 @@ class _Common(Section):
     """Checkpoints."""
     logging: Logging = Logging()
     """Metrics and logs."""
-    env: dict[str, str] = {}
+    env: dict[EnvName, str] = {}
     """Job-wide environment variables. Secrets only by reference: `${env:NAME}`."""
     launch: Launch = Launch()
     """How the job is launched."""

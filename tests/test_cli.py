@@ -227,6 +227,17 @@ def test_explain_shows_sources_and_docs(in_root):
     assert result.exit_code == compiled.exit_status
 
 
+def test_explain_lists_the_catalog_keys(in_root):
+    """Issue 19: MODEL004's and MEM006's help send the user to `explain` for the catalog keys; it did not list them."""
+    from schemas.catalog import GPUS, MODELS
+
+    out = run("explain", f"{GOOD}/child.yaml").output
+    catalog = out.split("model catalog: keys for model.arch")[1]
+    rows = {ln.split("│")[1].strip() for ln in catalog.splitlines() if ln.count("│") > 2}
+    assert set(MODELS) <= rows and set(GPUS) <= rows
+    assert "GPU catalog: keys for cluster.gpu" in catalog
+
+
 def test_explain_of_a_bad_recipe_prints_diagnostics(in_root):
     result = run("explain", f"{BAD}/typo_nested.yaml")
     assert result.exit_code == 2 and "SCHEMA001" in result.output

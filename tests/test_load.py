@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
+from fuzz_support import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -149,7 +151,7 @@ def test_errors_in_a_base_point_into_the_base(tmp_path):
     assert d.file.endswith("base.yaml") and d.line == 2
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.sampled_from(list("ab:-[]{}&*!#|>'\"\t\n ,?%@`19.")), max_size=80))
 def test_any_text_gives_diagnostics_not_exceptions(tmp_path, text):
     recipe = tmp_path / "fuzz.yaml"
@@ -376,3 +378,42 @@ def test_extends_is_a_deep_merge_where_later_wins(tmp_path, base, mid, child):
         layers = [("base.yaml", base), ("mid.yaml", mid), ("r.yaml", {"extends": [], **child})]
         last = [name for name, doc in layers if path in _paths(doc) or (path.startswith("extends") and name == "r.yaml")]
         assert last and Path(pos.file).name == last[-1], (path, pos)
+
+
+# ----------------------------------------------------------------------------------------- fuzz: --set and extends
+_SET_TEXT = st.text(alphabet=st.sampled_from(list("kind.=[]{}:,rlsft 1\"'-_aev")), max_size=24)
+_SET_VALUE = st.one_of(st.sampled_from(["[]", "{}", "[rl]", "{rl: 1}", "null", "1", "rl", '{"A=B": x}']), _SET_TEXT)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(items=st.lists(st.one_of(_SET_TEXT, st.builds("kind={}".format, _SET_VALUE),
+                                st.builds("env={}".format, _SET_VALUE)), max_size=3))
+def test_any_set_gives_diagnostics_not_exceptions(items):
+    """Issue 13.5: `--set kind=[rl]` raised in the schema lookup of the next `--set` and in validate."""
+    from molt_compile.validate import validate
+
+    loaded = load_recipe(Path(__file__).parents[1] / "recipes" / "demo_math.yaml", items)
+    recipe, diags = validate(loaded)
+    assert recipe is not None or diags or loaded.diagnostics
+
+
+_SEGMENTS = st.sampled_from(["..", ".", "base", "x.yaml", "etc", "passwd", "inside.yaml", "link.yaml", "/", "out"])
+
+
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(targets=st.lists(st.lists(_SEGMENTS, min_size=1, max_size=5).map("/".join), min_size=1, max_size=3))
+def test_extends_never_reads_outside_the_roots(tmp_path, targets, monkeypatch):
+    monkeypatch.delenv("MOLT_RECIPE_ROOTS", raising=False)
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        (repo / ".git").mkdir(parents=True)
+        (repo / "base").mkdir()
+        (repo / "base" / "inside.yaml").write_text("cluster: {nodes: 1}\n")
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "x.yaml").write_text("- secret\n")
+        (repo / "base" / "link.yaml").symlink_to(tmp_path / "out" / "x.yaml")
+    (repo / "base" / "r.yaml").write_text(f"extends: {json.dumps(targets)}\n")
+    loaded = load_recipe(repo / "base" / "r.yaml")
+    read = [Path(os.path.realpath(f)) for f in loaded.files]
+    assert all(p.is_relative_to(repo) and p.suffix == ".yaml" for p in read), read
+    assert set(loaded.source.lines) <= set(loaded.files)

@@ -3,6 +3,8 @@ clusters, SFT torchrun layout, and the runtime slices. Expected GPU maps are wri
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from plan_support import PLAN_DATA, ROOT, lowered, rl, sft
 
@@ -209,6 +211,7 @@ def test_rl_slice_paths_env_and_engine_args(monkeypatch) -> None:
 
 def test_paths_set_in_a_base_resolve_against_the_base(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("")  # the job root
     (tmp_path / "recipes" / "base").mkdir(parents=True)
     (tmp_path / "recipes" / "base" / "b.yaml").write_text("ckpt: {dir: ../../out/state}\nagent: {path: ag.py}\n")
     (tmp_path / "recipes" / "r.yaml").write_text(
@@ -283,3 +286,45 @@ def test_a_path_in_a_file_is_relative_to_that_file(in_root) -> None:
     result = compile_recipe(in_root / "recipes" / "demo_math.yaml")
     assert result.plan.rl.agent.path == "recipes/agents/demo_math.py"
     assert not [d for d in result.diagnostics if d.code.startswith(("AGENT", "DATA"))]
+
+
+def test_the_plan_is_the_same_from_any_working_directory(tmp_path, monkeypatch) -> None:
+    """Issue 19: `cd /tmp && molt-compile fresh/recipes/demo_math.yaml` wrote a cwd-relative `agent.path` and changed
+    the fingerprint. Every relative plan path is relative to the job root (the project root), where the job runs."""
+    from molt_compile.compile import compile_recipe
+
+    recipe = ROOT / "recipes" / "demo_math.yaml"
+    plans = []
+    for cwd in (ROOT, ROOT / "recipes" / "agents", tmp_path):
+        monkeypatch.chdir(cwd)
+        for path in (recipe, os.path.relpath(recipe, cwd)):
+            result = compile_recipe(path, sets=["ckpt.dir=out/ck", f"eval.dataset={ROOT}/recipes/data/demo_math/eval.jsonl"])
+            assert result.plan is not None, [d.message for d in result.diagnostics]
+            plans.append(result.plan)
+    assert len({p.to_json() for p in plans}) == 1 and len({p.fingerprint for p in plans}) == 1
+    plan = plans[0]
+    assert plan.source == "recipes/demo_math.yaml"
+    assert plan.rl.agent.path == "recipes/agents/demo_math.py" and (ROOT / plan.rl.agent.path).is_file()
+    assert plan.rl.data.prompts == ["recipes/data/demo_math/train.jsonl"] and plan.rl.data.prompt_count == 960
+    assert plan.rl.ckpt.dir == "out/ck"  # --set: relative to the job root, not the working directory
+    assert plan.rl.eval.dataset == f"{ROOT}/recipes/data/demo_math/eval.jsonl"  # absolute stays absolute
+
+
+def test_a_recipe_outside_any_project_gets_absolute_paths(tmp_path, monkeypatch) -> None:
+    from molt_compile.compile import compile_recipe
+
+    (tmp_path / "exp" / "agents").mkdir(parents=True)
+    (tmp_path / "exp" / "agents" / "a.py").write_text((ROOT / "recipes" / "agents" / "demo_math.py").read_text())
+    (tmp_path / "exp" / "r.yaml").write_text(
+        f"extends: {ROOT}/recipes/demo_math.yaml\nagent: {{path: agents/a.py}}\n")
+    fingerprints = set()
+    for cwd in (tmp_path, ROOT, tmp_path / "exp"):
+        monkeypatch.chdir(cwd)
+        result = compile_recipe(tmp_path / "exp" / "r.yaml", ["logging.tensorboard_dir=tb"], roots=[ROOT])
+        assert result.plan is not None, [d.message for d in result.diagnostics]
+        fingerprints.add(result.plan.fingerprint)
+        assert result.plan.rl.agent.path == str(tmp_path / "exp" / "agents" / "a.py")
+        assert result.plan.rl.logging.tensorboard_dir == str(tmp_path / "exp" / "tb")  # --set: the recipe's directory
+        assert result.plan.rl.ckpt.dir == str(ROOT / "ckpt" / "demo-math" / "state")  # relative to the base that set it
+        assert result.plan.rl.data.prompts == [str(ROOT / "recipes" / "data" / "demo_math" / "train.jsonl")]
+    assert len(fingerprints) == 1

@@ -34,7 +34,7 @@ def test_offload_and_colocation_change_the_sum(tmp_path):
     (tmp_path / "r.yaml").write_text(f"extends: {BASE}\nactor: {{offload: optimizer}}\n"
                                      "algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}\n"
                                      "ref: {placement: colocate}\n")
-    r = compile_recipe(tmp_path / "r.yaml", lower=False)
+    r = compile_recipe(tmp_path / "r.yaml", lower=False, roots=[BASE.parent])
     report = memory.estimate(r.recipe, r.derived, MODELS["qwen3-8b"], GPUS["h100-80gb"])
     (group,) = report.fsdp_groups
     actor, ref = group.roles

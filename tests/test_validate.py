@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,35 @@ def test_a_literal_wandb_key_is_refused_without_echoing_it(tmp_path):
     diags = schema_diags(recipe)
     assert [(d.code, d.path, d.line) for d in diags] == [("SCHEMA007", "logging.wandb.key", 7)]
     assert "${env:NAME}" in diags[0].message and "secret" not in diags[0].message + diags[0].help
+
+
+@pytest.mark.parametrize("kind", ["[]", "{}", "[rl]", "{rl: 1}", "1.5", "null"])
+def test_a_kind_of_any_shape_is_a_diagnostic(tmp_path, kind):
+    """Issue 13.5: an unhashable `kind` raised TypeError in validate (and in `--set`'s schema lookup)."""
+    (tmp_path / "r.yaml").write_text(f"version: 1\nname: x\nkind: {kind}\nmodel: {{path: /m}}\ndata: {{prompts: p}}\n")
+    for sets in ((), ("train.batch_size=4",)):
+        loaded = load_recipe(tmp_path / "r.yaml", sets)
+        recipe, diags = validate(loaded)
+        assert recipe is None and [(d.code, d.line) for d in diags] == [("SCHEMA005", 3)]
+
+
+def test_kind_set_to_a_list_is_a_diagnostic(in_root):
+    recipe, diags = validate(load_recipe("recipes/demo_math.yaml", ["kind=[rl]"]))
+    assert recipe is None and [d.code for d in diags] == ["SCHEMA005"]
+
+
+@pytest.mark.parametrize(("section", "key"), [("env", "A=B"), ("env", "1X"), ("env", "X Y"), ("env", ""),
+                                              ("agent.env", "PATH=/x"), ("agent.env", "é")])
+def test_env_keys_are_posix_names(in_root, section, key):
+    """Issue 13.5: `env: {"A=B": x}` compiled and then crashed `--submit`; now a positioned schema error."""
+    recipe, diags = validate(load_recipe("recipes/demo_math.yaml", [f"{section}={{{json.dumps(key)}: v}}"]))
+    assert recipe is None and [(d.code, d.path) for d in diags] == [("SCHEMA007", f"{section}.{key}")]
+    assert "not an environment variable name" in diags[0].message
+
+
+def test_env_key_error_points_at_the_key(tmp_path):
+    (tmp_path / "r.yaml").write_text("version: 1\nname: x\nkind: rl\nmodel: {path: /m}\ndata: {prompts: p}\n"
+                                     "env:\n  OK_1: a\n  \"A=B\": b\n")
+    _, diags = validate(load_recipe(tmp_path / "r.yaml"))
+    assert [(d.code, d.line, d.col) for d in diags] == [("SCHEMA007", 8, 3)]
+    assert "`A: ...`" in diags[0].help

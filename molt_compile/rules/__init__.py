@@ -26,6 +26,7 @@ from molt_compile.rules import (
     estimators,
     eval_ckpt,
     ignores,
+    launch,
     loss,
     memory,
     moe,
@@ -33,6 +34,7 @@ from molt_compile.rules import (
     packing,
     parallelism,
     placement,
+    shapes,
     vllm,
 )
 from molt_compile.rules._base import Rule
@@ -110,6 +112,9 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("IGNORE001", "unknown-code-in-ignore", "warning", ignores.unknown_code_in_ignore, BOTH),
     Rule("IGNORE002", "unused-ignore", "warning", ignores.unused_ignore, BOTH),
     Rule("IGNORE003", "ignore-without-reason", "warning", ignores.ignore_without_reason, BOTH),
+    Rule("LAUNCH001", "slurm-time-format", "error", launch.slurm_time_format, BOTH),
+    Rule("LAUNCH002", "ray-runtime-env-shape", "error", launch.ray_runtime_env_shape, BOTH),
+    Rule("LAUNCH003", "slurm-option-shape", "error", launch.slurm_option_shape, BOTH),
     Rule("LOSS001", "dual-clip-not-above-one", "error", loss.dual_clip_not_above_one),
     Rule("LOSS002", "dual-clip-without-ppo", "error", loss.dual_clip_without_ppo),
     Rule("LOSS003", "cispo-clip-ceiling-below-one", "error", loss.cispo_clip_ceiling_below_one),
@@ -153,6 +158,7 @@ ALL_RULES: tuple[Rule, ...] = (
          BOTH),
     Rule("PAR004", "hf-fallback-with-model-parallel", "error", parallelism.hf_fallback_with_model_parallel, BOTH),
     Rule("PAR005", "critic-with-sequence-parallel", "error", parallelism.critic_with_sequence_parallel),
+    Rule("PAR006", "actor-tp-does-not-split-heads", "error", shapes.actor_tp_does_not_split_the_model, BOTH),
     Rule("PLACE001", "gpus-exceed-cluster", "error", placement.gpus_exceed_cluster, BOTH),
     Rule("PLACE002", "role-wider-than-cluster", "error", placement.role_wider_than_cluster, BOTH),
     Rule("PLACE003", "colocated-role-size-mismatch", "error", placement.colocated_role_size_mismatch),
@@ -167,6 +173,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("VLLM006", "hf-engine-with-parallel-mesh", "error", vllm.hf_engine_with_parallel_mesh),
     Rule("VLLM007", "max-new-tokens-exceeds-context", "error", vllm.max_new_tokens_exceeds_context),
     Rule("VLLM008", "decode-context-parallel-not-dividing-tp", "error", vllm.decode_context_parallel_not_dividing_tp),
+    Rule("VLLM009", "rollout-tp-does-not-split-heads", "error", shapes.rollout_tp_does_not_split_the_model),
 )
 """Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower.py's PLACE1xx."""
 

@@ -7,9 +7,9 @@ A check is `check(recipe, derived, source) -> Iterable[Diagnostic]`. It never ra
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -63,21 +63,24 @@ def dv(derived: Any, name: str, default: Any = None) -> Any:
         return default
 
 
-@lru_cache(maxsize=256)
-def _resolved_parent(root: str) -> Path:
-    return Path(root).resolve().parent
+def _resolved_parent(file: str) -> Path:
+    # abspath as derive.resolve_path does (no cache: a display path is relative to the working directory of the
+    # moment, and tests change it)
+    return Path(os.path.abspath(file)).parent
 
 
 def path_base(source: SourceMap | None, key: str) -> Path | None:
     """Directory a relative path at `key` is resolved against, exactly as lowering does (`derive.resolve_path`): the
-    file that set it (a base resolves against itself), or the project root (the working directory) for `--set` and
-    defaults. None without a source map (a bare recipe in tests): path checks are skipped."""
+    file that set it (a base resolves against itself), or the job root (the recipe's project root; its directory
+    outside a project) for `--set` and defaults. None without a source map (a bare recipe in tests): path checks
+    are skipped."""
     if source is None or not getattr(source, "root_file", None):
         return None
     pos = source.pos(key)
     if pos.layer == "file" and pos.file:
         return _resolved_parent(pos.file)
-    return Path.cwd()
+    root = getattr(source, "job_root", None)
+    return Path(root) if root else _resolved_parent(source.root_file)
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):

@@ -8,6 +8,19 @@ from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import GROUP_ESTIMATORS, diag, dv, is_set
 
 
+def _no_section(source, section: str) -> str:
+    """Why a section is missing: never written, or written empty (`ref:` alone is YAML null, which removes it)."""
+    if is_set(source, section):
+        return f"`{section}:` is empty (YAML null), which means no {section} section"
+    return f"the recipe has no `{section}:` section"
+
+
+def _add_section(source, section: str, example: str) -> str:
+    if is_set(source, section):
+        return f"write `{section}: {example}` (an empty `{section}:` removes the section; `{section}: {{}}` keeps the defaults)"
+    return f"add `{section}: {example}`"
+
+
 def group_estimator_with_single_sample(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
     A group estimator (`rloo`, `reinforce_baseline`, `grpo`, `dr_grpo`) with `rollout.n_samples_per_prompt <= 1`.
@@ -64,8 +77,9 @@ def gae_without_critic_section(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     if recipe.algo.estimator == "gae" and recipe.critic is None:
         yield diag("EST002", source, "algo.estimator",
-                   "algo.estimator gae needs a value model, but the recipe has no `critic:` section",
-                   "add `critic: {placement: colocate}` (it shares the actor's GPUs), or choose another estimator",
+                   f"algo.estimator gae needs a value model, but {_no_section(source, 'critic')}",
+                   _add_section(source, "critic", "{placement: colocate}")
+                   + " (it shares the actor's GPUs), or choose another estimator",
                    ["critic"])
 
 
@@ -126,8 +140,8 @@ def distill_without_teacher(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     if recipe.ref is None:
         yield diag("EST004", source, "algo.estimator",
-                   "algo.estimator on_policy_distill needs a teacher, but the recipe has no `ref:` section",
-                   "add `ref: {path: <teacher checkpoint>}`", ["ref"])
+                   f"algo.estimator on_policy_distill needs a teacher, but {_no_section(source, 'ref')}",
+                   _add_section(source, "ref", "{path: <teacher checkpoint>}"), ["ref"])
     elif recipe.ref.path is None:
         yield diag("EST004", source, "ref",
                    "on_policy_distill: ref.path is unset, so the teacher would be the student itself "
@@ -291,8 +305,8 @@ def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
     coef = recipe.algo.kl.coef
     if coef > 0 and recipe.ref is None and recipe.algo.estimator != "on_policy_distill":
         yield diag("EST009", source, "algo.kl.coef",
-                   f"algo.kl.coef {coef} needs a reference model, but the recipe has no `ref:` section",
-                   "add `ref: {placement: colocate}`, or set algo.kl.coef: 0", ["ref"])
+                   f"algo.kl.coef {coef} needs a reference model, but {_no_section(source, 'ref')}",
+                   _add_section(source, "ref", "{placement: colocate}") + ", or set algo.kl.coef: 0", ["ref"])
 
 
 def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:

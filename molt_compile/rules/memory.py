@@ -231,6 +231,8 @@ def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
     if gpu is None or gpu.memory_gib <= 0:
         return
     if model_facts(recipe, source) is None:
-        yield diag("MEM006", source, "model.path",
-                   f"memory not estimated: {recipe.model.path} is not readable here and model.arch is not set",
-                   "set model.arch to a catalog key (molt-compile explain lists them)", ["model.arch"])
+        arch = recipe.model.arch
+        why = "model.arch is not set" if not arch else f"model.arch `{arch}` is not a catalog key (MODEL004)"
+        yield diag("MEM006", source, "model.arch" if arch else "model.path",
+                   f"memory not estimated: {recipe.model.path} is not readable here and {why}",
+                   "set model.arch to a catalog key (`molt-compile explain` lists them)", ["model.arch", "model.path"])

@@ -48,8 +48,19 @@ def test_a_newline_in_an_sbatch_option_is_a_clear_error(tmp_path: Path, monkeypa
         "data": {"prompts": str(data / "train.jsonl")}, "eval": {"dataset": str(data / "eval.jsonl")},
         "launch": {"slurm": {"partition": "gpu\ntouch /tmp/pwned"}}}))
     out = tmp_path / "job.sbatch"
-    result = CliRunner().invoke(cli, [str(recipe), "--slurm", str(out)], prog_name="molt-compile")
-    assert result.exit_code == 2, result.output
-    assert "cannot write the Slurm script: launch.slurm.partition:" in result.output
-    assert "control character" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(cli, [str(recipe), "--slurm", str(out), "--recipe-root", str(ROOT)], prog_name="molt-compile")
+    # Refused at compile time (LAUNCH003, at the key) rather than when the script is rendered.
+    assert result.exit_code == 1, result.output
+    assert "LAUNCH003" in result.output and "launch.slurm.partition holds a control character" in result.output
+    assert "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_a_script_without_account_or_partition_says_the_cluster_defaults_apply(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "job.sbatch"
+    result = _run(["recipes/demo_math.yaml", "--slurm", str(out)])
+    assert "warning: launch.slurm.account and launch.slurm.partition are unset" in result.output
+    result = _run(["recipes/demo_math.yaml", "--slurm", str(out), "--set", "launch.slurm.account=a",
+                   "--set", "launch.slurm.partition=p"])
+    assert result.exit_code == 0 and "are unset" not in result.output and "is unset" not in result.output

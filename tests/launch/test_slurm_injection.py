@@ -59,7 +59,7 @@ def _recipe(tmp: Path, mark: Path, port: int, dash_port: int) -> Path:
         "launch": {"slurm": {
             "ray_port": port, "dashboard_port": dash_port, "ready_timeout_s": 20,
             "account": f"a$(touch {mark}-4)`touch {mark}-4`'\"", "partition": f"p;touch {mark}-5",
-            "time": f"00:10:00$(touch {mark}-6)",
+            "time": "00:10:00",  # a hostile time is refused by LAUNCH001; the renderer's quoting is tested below
             "container_image": f"img'$(touch {mark}-7)'`touch {mark}-7`",
             "mounts": [f"/a:/b$(touch {mark}-8)", "/c:/d';touch " + f"{mark}-8"],
             # Setup lines are shell code the recipe asks to run: they must run exactly as written (once per step,
@@ -109,10 +109,14 @@ def test_hostile_recipe_runs_nothing_and_every_value_arrives_verbatim(tmp_path: 
                                                                       monkeypatch) -> None:
     mark = tmp_path / "MARK"
     monkeypatch.chdir(ROOT)
-    result = compile_recipe(_recipe(tmp_path, mark, listening_port, listening_port + 1))
+    result = compile_recipe(_recipe(tmp_path, mark, listening_port, listening_port + 1), roots=[ROOT])
     assert result.plan is not None, [f"{d.code} {d.message}" for d in result.diagnostics]
-    # Plan names are schema-checked ([a-z0-9-]); the renderer quotes them anyway.
-    plan = result.plan.model_copy(update={"name": f"n$(touch {mark}-10)`touch {mark}-10`"}).with_fingerprint()
+    # Plan names are schema-checked ([a-z0-9-]) and times rule-checked (LAUNCH001); the renderer quotes them anyway.
+    recipe = dict(result.plan.recipe)
+    recipe["launch"] = {**recipe["launch"], "slurm": {**recipe["launch"]["slurm"],
+                                                      "time": f"00:10:00$(touch {mark}-6)"}}
+    plan = result.plan.model_copy(update={"name": f"n$(touch {mark}-10)`touch {mark}-10`",
+                                          "recipe": recipe}).with_fingerprint()
     script = render_sbatch(plan)
     root, stubs, env = _sandbox(tmp_path)
     job = tmp_path / "job.sbatch"

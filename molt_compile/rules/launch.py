@@ -1,0 +1,173 @@
+"""Launch settings that Slurm or Ray would refuse only after the job was written (issues 13, 19)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import diag
+from schemas.recipe import ENV_NAME_PATTERN
+
+ENV_NAME = re.compile(ENV_NAME_PATTERN)
+
+SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|(?i:unlimited|infinite)")
+"""sbatch's `--time` formats, exactly: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+days-hours:minutes, days-hours:minutes:seconds, and UNLIMITED / INFINITE (any case, as Slurm compares them)."""
+_UNIT = re.compile(r"\s*(\d+)\s*(d|days?|h|hours?|m|min|minutes?|s|sec|seconds?)\s*", re.IGNORECASE)
+
+
+def _slurm_time_in_words(value: str) -> str | None:
+    """`2d`, `36h`, `90m`, `1d12h` -> the sbatch spelling (D-HH:MM:SS or HH:MM:SS), else None."""
+    parts = _UNIT.findall(value)
+    if not parts or "".join(f"{n}{u}" for n, u in parts).lower() != re.sub(r"\s", "", value).lower():
+        return None
+    seconds = sum(int(n) * {"d": 86400, "h": 3600, "m": 60, "s": 1}[u[0].lower()] for n, u in parts)
+    days, rest = divmod(seconds, 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{clock}" if days else clock
+
+
+def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `launch.slurm.time` is written in one of sbatch's `--time` formats: `minutes`, `minutes:seconds`,
+    `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`, `days-hours:minutes:seconds`, or `UNLIMITED` /
+    `INFINITE`.
+
+    ## Why it matters
+    The value is copied into `#SBATCH --time=...`. sbatch rejects anything else ("Invalid time limit
+    specification") when the script is submitted, after the compile said nothing: `2d` or `48h` look right and fail.
+
+    ## Example
+    ```yaml
+    launch: {slurm: {time: 2d}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {time: "2-00:00:00"}}
+    ```
+
+    ## References
+    Slurm sbatch(1) `--time`; molt_rules.md §5 (launch scripts); DESIGN.md (Slurm); issue 19
+    """
+    value = recipe.launch.slurm.time
+    if SLURM_TIME.fullmatch(value):
+        return
+    spelled = _slurm_time_in_words(value)
+    yield diag("LAUNCH001", source, "launch.slurm.time",
+               f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
+               f'write `time: "{spelled}"`' if spelled else
+               'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
+
+
+def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    In `launch.ray.runtime_env`, `env_vars` is a mapping of environment variable names (letters, digits, `_`, not
+    starting with a digit) to strings, and `excludes` is a list of strings.
+
+    ## Why it matters
+    The compiler merges both into the job's Ray runtime_env. Ray refuses other shapes when the job is submitted
+    ("runtime_env['env_vars'] must be of type Dict[str, str]"), and a name holding `=` cannot be exported; the
+    recipe's own `env:` is schema-checked the same way.
+
+    ## Example
+    ```yaml
+    launch: {ray: {runtime_env: {env_vars: {"NCCL_DEBUG=INFO": "1", RETRIES: 3}}}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {ray: {runtime_env: {env_vars: {NCCL_DEBUG: INFO, RETRIES: "3"}}}}
+    ```
+
+    ## References
+    Ray runtime_env docs (`env_vars: Dict[str, str]`); DESIGN.md (Ray cluster: runtime_env from the plan); issue 13.5
+    """
+    rt = recipe.launch.ray.runtime_env
+    env_vars, excludes = rt.get("env_vars"), rt.get("excludes")
+    path = "launch.ray.runtime_env"
+    if env_vars is not None and not isinstance(env_vars, dict):
+        yield diag("LAUNCH002", source, f"{path}.env_vars", "launch.ray.runtime_env.env_vars must be a mapping",
+                   "write env_vars: {NAME: value}")
+    for key, value in (env_vars.items() if isinstance(env_vars, dict) else ()):
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
+            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+                       f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
+                       "use letters, digits and `_`, not starting with a digit")
+        elif not isinstance(value, str):
+            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+                       f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
+                       f'quote it: {key}: "{value}"')
+    if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
+        yield diag("LAUNCH002", source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
+                   'write excludes: ["data/big", "*.bin"]')
+
+
+SCRIPT_SBATCH = {"job-name": "name", "nodes": "cluster.nodes", "ntasks-per-node": "", "gpus-per-node":
+                 "cluster.gpus_per_node", "time": "launch.slurm.time", "account": "launch.slurm.account",
+                 "partition": "launch.slurm.partition", "exclusive": "launch.slurm.exclusive",
+                 "qos": "launch.slurm.qos", "constraint": "launch.slurm.constraint", "mem": "launch.slurm.mem",
+                 "output": "launch.slurm.output", "error": "launch.slurm.error"}
+"""#SBATCH options the script writes itself -> the recipe key that sets them ("" when the plan decides)."""
+SCRIPT_SRUN = ("nodes", "ntasks", "ntasks-per-node", "nodelist", "w", "N", "n", "exclude", "x", "overlap",
+               "container-image", "container-mounts", "container-workdir", "no-container-mount-home")
+"""srun flags the script sets on its steps (placement of the Ray head and workers, the container)."""
+_SBATCH_OPTION = re.compile(r"--([a-z][a-z0-9-]*)(=.*)?")
+_SRUN_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9-]*)(=.*)?")
+_MEM = re.compile(r"\d+[KMGT]?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `launch.slurm.sbatch_options` items are one `--name` or `--name=value` each, not an option the script
+    already writes (use its key: `qos`, `mem`, ...); `launch.slurm.srun_options` items are one flag each, not one
+    that places the script's steps; `launch.slurm.mem` is a Slurm size (`500G`, `0`); no value holds a control
+    character.
+
+    ## Why it matters
+    sbatch reads `#SBATCH` lines itself: a second value of `--nodes` or `--time` silently overrides the plan's, a
+    newline would turn the rest of the line into shell code, and a malformed option fails only at submission. The
+    script's srun steps pin the Ray head and workers to nodes; a flag that changes that breaks the cluster.
+
+    ## Example
+    ```yaml
+    launch: {slurm: {mem: 500GB, sbatch_options: ["--time=1-00:00:00", "qos high"], srun_options: ["--nodes=2"]}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {mem: 500G, time: "1-00:00:00", qos: high, sbatch_options: ["--requeue"], srun_options: ["--mpi=none"]}}
+    ```
+
+    ## References
+    Slurm sbatch(1) and srun(1); molt_rules.md §5 (launch scripts); DESIGN.md (Slurm); issue 19
+    """
+    s = recipe.launch.slurm
+    for i, option in enumerate(s.sbatch_options):
+        m = _SBATCH_OPTION.fullmatch(option)
+        key = f"launch.slurm.sbatch_options.{i}"
+        if _CONTROL.search(option) or not m:
+            yield diag("LAUNCH003", source, key, f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
+                       'write one option per item, e.g. "--requeue" or "--comment=nightly"')
+        elif m.group(1) in SCRIPT_SBATCH:
+            owner = SCRIPT_SBATCH[m.group(1)]
+            yield diag("LAUNCH003", source, key, f"--{m.group(1)} is written by the script itself",
+                       f"set `{owner}` instead" if owner else "remove it: the plan decides it")
+    for i, flag in enumerate(s.srun_options):
+        m = _SRUN_FLAG.fullmatch(flag)
+        key = f"launch.slurm.srun_options.{i}"
+        if _CONTROL.search(flag) or not m:
+            yield diag("LAUNCH003", source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
+        elif m.group(1) in SCRIPT_SRUN:
+            yield diag("LAUNCH003", source, key, f"srun {flag.split('=')[0]} is set by the script's steps",
+                       "remove it: the script places the Ray head and workers itself")
+    if s.mem is not None and not _MEM.fullmatch(s.mem):
+        yield diag("LAUNCH003", source, "launch.slurm.mem", f"launch.slurm.mem `{s.mem}` is not a Slurm size",
+                   'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory')
+    for name in ("qos", "constraint", "output", "error", "account", "partition"):
+        value = getattr(s, name)
+        if value is not None and _CONTROL.search(value):
+            yield diag("LAUNCH003", source, f"launch.slurm.{name}",
+                       f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
