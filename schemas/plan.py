@@ -227,8 +227,8 @@ class EnginesPlan(PlanModel):
     max_model_len: int
     """Context length (data.max_len)."""
     max_num_seqs: int
-    """Sequences one engine decodes at once (hf engine: its KV-cache slots; more requests wait for a free one):
-    the requests the generator keeps in flight per engine, at most 256."""
+    """hf engine: sequences it decodes at once, one KV-cache slot each (more requests wait for a free slot): the
+    requests the generator keeps in flight per engine, at most 256. vLLM keeps its own max_num_seqs."""
     gpu_memory_utilization: float
     """vLLM memory fraction."""
     enforce_eager: bool

@@ -104,8 +104,7 @@ class HfEngine:
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool) -> GenerateOutput:
         if self._generator is None:
-            self._generator = threading.Thread(target=self._generate_forever, args=(asyncio.get_running_loop(),),
-                                               name=f"hf-engine-{self.index}-generate", daemon=True)
+            self._generator = threading.Thread(target=self._generate_forever, name=f"hf-engine-{self.index}-generate", daemon=True)
             self._generator.start()
         future = asyncio.get_running_loop().create_future()
         self.core.submit(Request(list(prompt_ids), max_tokens, temperature, top_p, handle=future))
@@ -146,7 +145,7 @@ class HfEngine:
         self._thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ generation thread
-    def _generate_forever(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _generate_forever(self) -> None:
         while not self._stopped:
             if not self.core.busy():
                 self._wake.wait()
@@ -157,10 +156,10 @@ class HfEngine:
                     finished = self.core.run_chunk()
             except Exception as exc:  # the requests in flight fail, the engine keeps serving
                 for r in self.core.abort_all():
-                    loop.call_soon_threadsafe(_settle, r.handle, None, exc)
+                    r.handle.get_loop().call_soon_threadsafe(_settle, r.handle, None, exc)
                 continue
             for r in finished:
-                loop.call_soon_threadsafe(_settle, r.handle, r, None)
+                r.handle.get_loop().call_soon_threadsafe(_settle, r.handle, r, None)
 
     @torch.inference_mode()
     def _score(self, token_ids: list[int]) -> list[float]:

@@ -146,6 +146,29 @@ def speed(out: dict) -> None:
         except Exception:
             out[name] = {"error": traceback.format_exc()[-3000:]}
         print(name, out[name], flush=True)
+    if "--profile" in sys.argv:
+        profile(model, prompt_lists, out)
+
+
+def profile(model, prompts, out: dict) -> None:
+    """Kernel time of eager decode steps (the same kernels a CUDA graph replays)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    core = hf_decode.DecodeCore(model, slots=BATCH, max_model_len=PROMPT + NEW, eos_ids=[], pad_id=0,
+                                raw_logprobs=False, cuda_graphs=False, chunk_steps=8)
+    reqs = [hf_decode.Request(p, NEW, 1.0, 1.0) for p in prompts]
+    for r in reqs:
+        core.submit(r)
+    core.run_chunk()  # prefill + 8 steps outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        core.run_chunk()
+        sync()
+    key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60)
+    out["profile_8_steps"] = table.splitlines()
+    print(table, flush=True)
 
 
 def main() -> None:
