@@ -194,6 +194,7 @@ class DecodeCore:
         self.batch_buckets = buckets(slots, 1)
         self.len_buckets = buckets(max_model_len, MIN_LEN_BUCKET)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graph_weights: list[int] = []  # parameter addresses the graphs were captured with
         self.graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.pending: list[Request] = []
         self.pending_lock = threading.Lock()
@@ -293,6 +294,8 @@ class DecodeCore:
         nb = bucket_of(live[-1] + 1, self.batch_buckets)
         length = bucket_of(reach, self.len_buckets)
         filter_top_p = any(self.active[s].top_p < 1 and self.active[s].temperature > 0 for s in live)
+        if self.graphs and [p.data_ptr() for p in self.model.parameters()] != self.graph_weights:
+            self.graphs.clear()  # weights were loaded into new tensors, not copied into the captured ones
         out_tokens = torch.empty((nb, steps), dtype=torch.long, device=self.device)
         out_logprobs = torch.empty((nb, steps), device=self.device)
         for k in range(steps):
@@ -344,6 +347,7 @@ class DecodeCore:
                 self._forward_decode(nb, length)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        self.graph_weights = [p.data_ptr() for p in self.model.parameters()]
         with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             self._forward_decode(nb, length)
         return graph
