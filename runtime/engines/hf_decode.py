@@ -239,6 +239,7 @@ class DecodeCore:
             return []
         self.free.sort()
         slots, self.free = self.free[:take], self.free[take:]
+        self.active.update(zip(slots, new, strict=True))  # from here on `abort_all` answers them if a step fails
         order = sorted(range(take), key=lambda i: len(new[i].prompt_ids))
         finished: list[Request] = []
         group: list[int] = []
@@ -278,7 +279,6 @@ class DecodeCore:
         self.temperature[slot_t], self.top_p[slot_t], self.greedy[slot_t] = temperature, top_p, greedy
         finished = []
         for r, s, tok, lp in zip(reqs, slots, tokens.tolist(), logprobs.tolist(), strict=True):
-            self.active[s] = r
             if self._append(r, [tok], [lp]):
                 finished.append(self._release(s))
         return finished

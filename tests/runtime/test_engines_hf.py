@@ -241,3 +241,13 @@ def test_core_stops_at_eos_and_limits(sharp_dir):
     assert context.token_ids == greedy(model, context.prompt_ids, 7)[: len(context.token_ids)]
     with pytest.raises(ValueError, match="prompt of 32 tokens"):
         core.submit(Request(list(range(32)), 4, 0.0, 1.0))
+
+
+def test_core_decodes_all_slots_together(sharp_dir):
+    """No per-batch cap below the plan's max_num_seqs: 100 requests of mixed settings share every decode step."""
+    core = core_for(sharp_dir, slots=100, chunk_steps=4)
+    reqs = [Request([3 + i % 50, 4 + i % 7], 8, (i % 3) * 0.5, 1.0 if i % 2 else 0.9) for i in range(100)]
+    for r in reqs:
+        core.submit(r)
+    core.run_chunk()
+    assert len(core.active) == 100 and all(len(r.token_ids) == 5 for r in reqs)  # prefill token + 4 steps
