@@ -12,6 +12,12 @@ Needs only torch and transformers (no Ray, no pydantic): `runtime/engines/hf_dec
    then 512 requests of mixed prompt lengths and limits through the 256 slots (continuous batching);
    `--profile`: the kernel-time table of 8 eager decode steps.
 Writes OUT_DIR/bench_hf_engine.json and prints it.
+
+Measured on one H200 (torch 2.11+cu130, transformers 5.17), three runs on three machines of that kind:
+core with CUDA graphs 22,916 / 23,030 / 22,591 tokens/s; `model.generate` at batch 256 3,710 / 2,993 / 2,200 (host-bound,
+varies with the machine's CPU): 6.2x / 7.7x / 10.3x. Core eager 7,461 / 8,576 / 5,136; top_p 0.9 16,924 / 17,005 /
+16,746 (the full-vocabulary sort); 512 mixed requests through 256 slots, first run, 9,756. KV cache 10.6 GiB, peak
+allocated 14.9 GiB. Check: greedy = generate on 7/7 prompts, logprob error 1.9e-6 (fp32, graphs on).
 """
 
 from __future__ import annotations
