@@ -251,3 +251,12 @@ def test_core_decodes_all_slots_together(sharp_dir):
         core.submit(r)
     core.run_chunk()
     assert len(core.active) == 100 and all(len(r.token_ids) == 5 for r in reqs)  # prefill token + 4 steps
+
+
+def test_core_serves_a_queue_longer_than_its_slots(sharp_dir):
+    """16 slots and 40 requests of different lengths and limits: every request completes, greedy = generate."""
+    core = core_for(sharp_dir, slots=16, chunk_steps=3)
+    reqs = drain(core, [Request([3 + i, 4 + i % 5], 2 + i % 7, 0.0, 1.0) for i in range(40)])
+    model = reference(sharp_dir)
+    for r in reqs[::7]:
+        assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens)
