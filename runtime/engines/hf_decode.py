@@ -230,6 +230,18 @@ class DecodeCore:
             finished += self._decode_chunk()
         return finished
 
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1, temperature 1: one causal forward, no cache."""
+        n = len(token_ids)
+        ids = torch.tensor([token_ids], device=self.device)
+        # a 4D mask is used as given (no mask building for our attention name); slot_attention runs causal SDPA
+        causal = torch.full((n, n), float("-inf"), device=self.device).triu(1).view(1, 1, n, n)
+        hidden = self.decoder(input_ids=ids, position_ids=torch.arange(n, device=self.device).unsqueeze(0),
+                              attention_mask=causal, use_cache=False).last_hidden_state
+        logits = self.lm_head(hidden[0, :-1]).float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
     # ------------------------------------------------------------------ prefill
     def _admit(self) -> list[Request]:
         with self.pending_lock:

@@ -161,12 +161,9 @@ class HfEngine:
             for r in finished:
                 r.handle.get_loop().call_soon_threadsafe(_settle, r.handle, r, None)
 
-    @torch.inference_mode()
     def _score(self, token_ids: list[int]) -> list[float]:
-        ids = torch.tensor([token_ids], device=self.device)
         with self._gate.forward():
-            logits = self.model(input_ids=ids).logits[0, :-1].float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+            return self.core.score(token_ids)
 
     def _load(self, state: dict[str, torch.Tensor]) -> None:
         self._gate.close()  # waits for the forward pass in progress; generation resumes after the load

@@ -10,7 +10,8 @@ Needs only torch and transformers (no Ray, no pydantic): `runtime/engines/hf_dec
    (temperature 1): `model.generate` at batch 256 (the baseline), then the core (CUDA graphs; eager; top_p 0.9),
    each timed on a second run after a warm-up run (the first run's time, CUDA-graph capture included, is recorded);
    then 512 requests of mixed prompt lengths and limits through the 256 slots (continuous batching);
-   `--profile`: the kernel-time table of 8 eager decode steps; `--continuous-only`: only the mixed requests.
+   `--profile`: the kernel-time table of 8 eager decode steps; `--continuous-only`: only the mixed requests;
+   `--check-only`: only 1.
 Writes OUT_DIR/bench_hf_engine.json and prints it.
 
 Measured on one H200 (torch 2.11+cu130, transformers 5.17), three runs on three machines of that kind:
@@ -109,7 +110,13 @@ def check(out: dict) -> None:
             if r.temperature == 0:
                 g = ref.generate(torch.tensor([r.prompt_ids], device=DEVICE), max_new_tokens=new, do_sample=False)
                 greedy_equal.append(g[0, len(r.prompt_ids):].tolist() == r.token_ids)
+    probe = reqs[2].prompt_ids + reqs[2].token_ids
+    with torch.inference_mode():
+        logits = ref(input_ids=torch.tensor([probe], device=DEVICE)).logits[0, :-1].float()
+    ref_score = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:], device=DEVICE)[:, None])[:, 0]
+    score_err = (torch.tensor(core.score(probe), device=DEVICE) - ref_score).abs().max().item()
     out["check"] = {"greedy_equal_generate": greedy_equal, "max_abs_logprob_error_fp32": lp_err,
+                    "max_abs_score_error_fp32": score_err,
                     "graphs_captured": len(core.graphs)}
 
 
@@ -219,7 +226,8 @@ def main() -> None:
     out: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
                  "transformers": __import__("transformers").__version__,
                  "shape": f"{BATCH} requests x ({PROMPT} prompt + {NEW} new)"}
-    for part in (speed,) if "--continuous-only" in sys.argv else (check, speed):
+    parts = (speed,) if "--continuous-only" in sys.argv else (check,) if "--check-only" in sys.argv else (check, speed)
+    for part in parts:
         try:
             part(out)
         except Exception:

@@ -198,6 +198,12 @@ def test_core_greedy_equals_generate_on_mixed_prompts(sharp_dir):
         assert (torch.tensor(r.logprobs) - teacher_forced(model, r)).abs().max().item() < CORE_TOL
 
 
+def test_core_score_is_the_teacher_forced_logprobs(sharp_dir):
+    ids = PROMPT + list(range(100, 140))
+    ref = logprobs_of(reference(sharp_dir), ids)
+    assert (torch.tensor(core_for(sharp_dir).score(ids)) - ref).abs().max().item() < CORE_TOL
+
+
 def test_core_requests_join_a_running_batch(sharp_dir):
     core = core_for(sharp_dir)
     first = [Request(p, 20, 0.0, 1.0) for p in MIXED_PROMPTS[:3]]
