@@ -125,10 +125,10 @@ PLACE_CODE_NAMES = {c.code: c.name for c in PLACE_CODES}
 
 RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
 RUNNER_MAX_RESTARTS = 3
-ENGINE_MAX_NUM_SEQS = 256
-"""Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
 """Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
 its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
+ENGINE_MAX_NUM_SEQS = 256
+"""Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
 SFT_MODULE = "runtime.sft"
 RUNTIME_ENV_EXCLUDES = (
     ".git",
