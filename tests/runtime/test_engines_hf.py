@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from runtime.agents.types import GenerateOutput  # noqa: E402
 from runtime.engines import RolloutEngine, start_engines  # noqa: E402
+from runtime.engines.hf_decode import DecodeCore, Request, top_p_filter  # noqa: E402
 from runtime.engines.hf_engine import HfEngine  # noqa: E402
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan  # noqa: E402
 from runtime.engines.vllm_engine import VllmEngine  # noqa: E402
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [5, 6, 7, 8, 9]
 LOGPROB_TOL = 1e-4  # same library and dtype as the reference: only batching/padding reorders float sums
+CORE_TOL = 1e-5  # the decode core in fp32 against a teacher-forced forward
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +140,129 @@ def test_pause_freezes_in_flight_requests_until_resume(engine):
     outs = ray.get(refs + [late], timeout=300)
     assert all(o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.token_ids) for o in outs)
     assert any(len(o.token_ids) == 300 for o in outs[:-1])
+
+
+# ---------------------------------------------------------------- the decode core, in process (no Ray)
+MIXED_PROMPTS = [[5, 6, 7, 8, 9], [3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [40, 41], [7] * 30, [99, 98, 97]]
+
+
+@pytest.fixture(scope="module")
+def sharp_dir(model_dir, tmp_path_factory):
+    """The tiny model with its matrices perturbed: its greedy continuations vary with the prompt (the tiny model's
+    own mostly repeat the last prompt token), so equal outputs are a real check."""
+    model = reference(model_dir)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.add_(0.15 * torch.randn(p.shape, generator=gen))
+    out = tmp_path_factory.mktemp("hf") / "sharp"
+    model.save_pretrained(out)
+    return out
+
+
+def core_for(model_dir, *, slots=8, max_model_len=128, eos_ids=(), raw=False, chunk_steps=5):
+    model = reference(model_dir)
+    return DecodeCore(model, slots=slots, max_model_len=max_model_len, eos_ids=eos_ids, pad_id=0, raw_logprobs=raw,
+                      cuda_graphs=False, chunk_steps=chunk_steps)
+
+
+def drain(core, requests, in_flight=()):
+    """Submit requests and run the core until every request (these and those already in flight) is done."""
+    for r in requests:
+        core.submit(r)
+    done = []
+    while core.busy():
+        done += core.run_chunk()
+    assert sorted(map(id, done)) == sorted(map(id, list(requests) + list(in_flight)))
+    return requests
+
+
+def teacher_forced(model, r, *, raw=False):
+    """log-probs of r's generated tokens under the distribution the engine samples from (or the raw one)."""
+    ids = torch.tensor([r.prompt_ids + r.token_ids])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, len(r.prompt_ids) - 1: -1].float()
+    if not raw and r.temperature > 0:
+        logits = top_p_filter(logits / r.temperature, torch.full((len(logits),), r.top_p))
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, len(r.prompt_ids):, None])[:, 0]
+
+
+def test_core_greedy_equals_generate_on_mixed_prompts(sharp_dir):
+    """Six prompts of lengths 1..30 in one continuous batch of 4 slots (so some wait and join between chunks)."""
+    core = core_for(sharp_dir, slots=4)
+    reqs = drain(core, [Request(p, 9 + 4 * i, 0.0, 1.0) for i, p in enumerate(MIXED_PROMPTS)])
+    model = reference(sharp_dir)
+    for r in reqs:
+        assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens) and r.finish_reason == "length"
+        assert (torch.tensor(r.logprobs) - teacher_forced(model, r)).abs().max().item() < CORE_TOL
+
+
+def test_core_score_is_the_teacher_forced_logprobs(sharp_dir):
+    ids = PROMPT + list(range(100, 140))
+    ref = logprobs_of(reference(sharp_dir), ids)
+    assert (torch.tensor(core_for(sharp_dir).score(ids)) - ref).abs().max().item() < CORE_TOL
+
+
+def test_core_requests_join_a_running_batch(sharp_dir):
+    core = core_for(sharp_dir)
+    first = [Request(p, 20, 0.0, 1.0) for p in MIXED_PROMPTS[:3]]
+    for r in first:
+        core.submit(r)
+    core.run_chunk()
+    assert all(0 < len(r.token_ids) < 20 for r in first)
+    late = drain(core, [Request(p, 12, 0.0, 1.0) for p in MIXED_PROMPTS[3:]], in_flight=first)
+    model = reference(sharp_dir)
+    for r in first + late:
+        assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens)
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_core_sampled_logprobs_are_exact(sharp_dir, raw):
+    """Mixed temperatures and top-p in one batch: each token's logprob is log-softmax(logits / T) after the top-p
+    cut (processed_logprobs) or of the plain logits (raw_logprobs), as a teacher-forced forward computes them."""
+    torch.manual_seed(0)
+    core = core_for(sharp_dir, raw=raw)
+    settings = [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (0.5, 0.6), (0.0, 1.0), (1.3, 0.95)]
+    reqs = drain(core, [Request(p, 24, t, tp) for p, (t, tp) in zip(MIXED_PROMPTS, settings, strict=True)])
+    model = reference(sharp_dir)
+    for r in reqs:
+        ref = teacher_forced(model, r, raw=raw)
+        assert torch.isfinite(ref).all(), "a token outside the top-p nucleus was sampled"
+        assert (torch.tensor(r.logprobs) - ref).abs().max().item() < CORE_TOL
+    assert len({tuple(r.token_ids) for r in reqs}) == len(reqs)
+
+
+def test_core_stops_at_eos_and_limits(sharp_dir):
+    model = reference(sharp_dir)
+    free_run = greedy(model, PROMPT, 20)
+    eos = next(t for i, t in enumerate(free_run) if i >= 4 and free_run.index(t) == i)
+    core = core_for(sharp_dir, eos_ids=[eos], max_model_len=32)
+    stop, length, context = drain(core, [Request(PROMPT, 20, 0.0, 1.0), Request(PROMPT, 3, 0.0, 1.0),
+                                         Request(list(range(3, 28)), 50, 0.0, 1.0)])
+    assert stop.token_ids == free_run[: free_run.index(eos) + 1] and stop.finish_reason == "stop"
+    assert length.token_ids == free_run[:3] and length.finish_reason == "length"
+    # 25 prompt tokens in a 32-token context: 7 new at most
+    assert context.finish_reason in ("length", "stop") and len(context.token_ids) <= 7
+    assert context.token_ids == greedy(model, context.prompt_ids, 7)[: len(context.token_ids)]
+    with pytest.raises(ValueError, match="prompt of 32 tokens"):
+        core.submit(Request(list(range(32)), 4, 0.0, 1.0))
+
+
+def test_core_decodes_all_slots_together(sharp_dir):
+    """No per-batch cap below the plan's max_num_seqs: 100 requests of mixed settings share every decode step."""
+    core = core_for(sharp_dir, slots=100, chunk_steps=4)
+    reqs = [Request([3 + i % 50, 4 + i % 7], 8, (i % 3) * 0.5, 1.0 if i % 2 else 0.9) for i in range(100)]
+    for r in reqs:
+        core.submit(r)
+    core.run_chunk()
+    assert len(core.active) == 100 and all(len(r.token_ids) == 5 for r in reqs)  # prefill token + 4 steps
+
+
+def test_core_serves_a_queue_longer_than_its_slots(sharp_dir):
+    """16 slots and 40 requests of different lengths and limits: every request completes, greedy = generate."""
+    core = core_for(sharp_dir, slots=16, chunk_steps=3)
+    reqs = drain(core, [Request([3 + i, 4 + i % 5], 2 + i % 7, 0.0, 1.0) for i in range(40)])
+    model = reference(sharp_dir)
+    for r in reqs[::7]:
+        assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens)
