@@ -65,6 +65,8 @@ class SmokePlan:
     work_dir: Path
     notes: list[str] = field(default_factory=list)
     has_eval: bool = False
+    root: Path = field(default_factory=Path.cwd)
+    """The job root: where the plan's relative paths start, the job's working directory."""
 
     def sets(self, phase: int) -> list[str]:
         return [c.as_set() for c in [*self.changes, *self.phase_changes[phase]]]
@@ -77,7 +79,9 @@ def cache_dir() -> Path:
 def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = None) -> SmokePlan:
     """The changes that shrink `recipe` (validated, RL or SFT) to a CPU smoke run; pure apart from reading files."""
     name = f"{recipe.name}-smoke"[:63]
-    work = ((work_root or Path.cwd()) / "runs" / "smoke" / name).resolve()
+    job_root = getattr(source, "job_root", None)
+    root = (work_root or (Path(job_root) if job_root else Path.cwd())).resolve()
+    work = root / "runs" / "smoke" / name
     out: list[Change] = []
 
     def change(key: str, old: Any, new: Any, why: str) -> None:
@@ -94,7 +98,7 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     else:
         phases = _rl(change, recipe, world, work, str(model_dir))
     has_eval = recipe.eval.dataset is not None
-    return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval)
+    return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root)
 
 
 def _world(recipe: Any) -> int:

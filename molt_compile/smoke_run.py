@@ -134,13 +134,13 @@ def build_model(sp: SmokePlan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- run
-def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult], cluster: Any | None,
-               root: Path) -> Verdict:
+def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult], cluster: Any | None) -> Verdict:
     """Run phase 1 then phase 2 of one smoke recipe (on `cluster`, a running LocalCluster, for RL plans)."""
     import shutil
 
     from molt_compile import submit
 
+    root = sp.root
     t0 = time.monotonic()
     plan1 = phases[1].plan
     section = plan1.rl if plan1.kind == "rl" else plan1.sft
@@ -180,7 +180,7 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
             verdict.drops = _drops(text)
     verdict.seconds = time.monotonic() - t0
     verdict.log = ", ".join(logs)
-    return _read_metrics(verdict, sp, phases[2].plan, root)
+    return _read_metrics(verdict, sp, phases[2].plan)
 
 
 def _torchrun_argv(plan: Any, plan_file: Path) -> list[str]:
@@ -197,9 +197,9 @@ def _torchrun_argv(plan: Any, plan_file: Path) -> list[str]:
     return argv
 
 
-def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any, root: Path) -> Verdict:
+def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any) -> Verdict:
     section = plan.rl if plan.kind == "rl" else plan.sft
-    path = root / section.logging.out_dir / "metrics.jsonl"
+    path = sp.root / section.logging.out_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     steps = sorted({int(r["step"]) for r in rows if "step" in r and _is_train_row(r)})
     verdict.steps = len(steps)
@@ -284,7 +284,6 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
     (each also said as it is reached when `announce`)."""
     from molt_compile import submit
 
-    root = (root or Path.cwd()).resolve()
     prepared = []
     for recipe, sets in items:
         t0 = time.monotonic()
@@ -294,7 +293,8 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
         if verdict.phase and announce:
             say("\n".join(verdict.lines()))
     runnable = [p for p in prepared if not p[0].phase]
-    rl_plans = [ph[k].plan for _, _, ph in runnable for k in (1, 2) if ph[k].plan.kind == "rl"]
+    rl_runs = [(sp, ph) for _, sp, ph in runnable if ph[1].plan.kind == "rl"]
+    rl_plans = [ph[k].plan for _, ph in rl_runs for k in (1, 2)]
     cluster = None
     try:
         if rl_plans:
@@ -302,14 +302,15 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
             for plan in rl_plans:
                 for key, amount in plan.cluster.node_resources.items():
                     resources[key] = max(resources.get(key, 0.0), amount)
-            cluster = submit.LocalCluster(rl_plans[0], {}, resources)
-            say(f"smoke: starting one local Ray cluster for {len(rl_plans) // 2} RL smoke run(s) "
+            root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
+            cluster = submit.LocalCluster(rl_plans[0], {}, resources, cwd=root)
+            say(f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
                 f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})")
             cluster.start()
             cluster.wait_ready(root / submit.write_plan_file(rl_plans[0], root), root, 600)
         for verdict, sp, phases in runnable:
             say(f"smoke {verdict.recipe}: running 2 phases ({sp.kind}) ...")
-            run_phases(verdict, sp, phases, cluster, root)
+            run_phases(verdict, sp, phases, cluster)
             if announce:
                 say("\n".join(verdict.lines()))
     except submit.LaunchError as err:

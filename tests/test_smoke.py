@@ -113,15 +113,19 @@ def test_just_smoke_passes_or_refuses_every_shipped_recipe(path, smoke_table):
 
 @pytest.mark.slow
 def test_a_recipe_outside_the_repository_smoke_runs_from_another_directory(tmp_path):
+    """Its agent and data beside it, run from a third directory: the plan's paths are absolute, the outputs land
+    under the working directory, and nothing is written into the repository."""
     outside = tmp_path / "project"
     (outside / "agents").mkdir(parents=True)
     shutil.copy(ROOT / "recipes/agents/demo_math.py", outside / "agents/demo_math.py")
-    shutil.copytree(ROOT / "recipes/data/demo_sft", outside / "data")
-    text = (ROOT / "recipes/demo_sft.yaml").read_text().replace("data/demo_sft/", "data/")
-    (outside / "sft.yaml").write_text(text)
+    shutil.copytree(ROOT / "recipes/data/demo_math", outside / "data")
+    text = (ROOT / "recipes/demo_math.yaml").read_text().replace("data/demo_math/", "data/")
+    (outside / "math.yaml").write_text(text.replace("name: demo-math", "name: outside-math"))
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", str(outside / "sft.yaml"), "--smoke"],
-                          capture_output=True, text=True, cwd=elsewhere, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", str(outside / "math.yaml"), "--smoke"],
+                          capture_output=True, text=True, cwd=elsewhere, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "PASSED" in proc.stdout and (elsewhere / "runs" / "smoke").is_dir()
+    assert "smoke math.yaml: PASSED" in proc.stdout and "resumed yes" in proc.stdout
+    assert (elsewhere / "runs" / "smoke" / "outside-math-smoke" / "phase2.log").is_file()
+    assert not (ROOT / "runs" / "smoke" / "outside-math-smoke").exists()
