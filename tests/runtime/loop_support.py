@@ -49,7 +49,7 @@ def step_records(records: list[dict]) -> list[dict]:
 
 def trainer_rl(world: int, *, ref: bool = True, model: dict | None = None, trainer: dict | None = None,
                optimizer: dict | None = None, loss: dict | None = None, kl: dict | None = None,
-               is_correction: dict | None = None):
+               is_correction: dict | None = None, device: str = "cpu", dist_backend: str = "gloo"):
     """The demo recipe's compiled `rl` section with a test's trainer settings: what `start_trainer_group` takes
     (a `PolicyWorker` takes its trainer/model/ref/algo/device/dist_backend sections). Paths are absolute, so it works
     from any directory; the model is the demo's tiny Qwen3 in fp32 with sdpa attention unless `model` says otherwise.
@@ -60,6 +60,7 @@ def trainer_rl(world: int, *, ref: bool = True, model: dict | None = None, train
     path = str(ROOT / "recipes/data/demo_math/model")
     t, a = rl.trainer, rl.algo
     return rl.model_copy(update={
+        "device": device, "dist_backend": dist_backend,
         "model": rl.model.model_copy(update={"path": path, "dtype": "float32", "attn": "sdpa",
                                              "gradient_checkpoint": "none", **(model or {})}),
         "trainer": t.model_copy(update={"world": world, "dp": world, **(trainer or {}),
