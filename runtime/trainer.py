@@ -20,7 +20,6 @@ What this module does not know: rollouts, engines, queues. It takes tensors and 
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -29,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from runtime import microbatch
+from runtime import fsdp, microbatch
 from runtime.experience import Experience
-from runtime.logprobs import attach, token_logprobs
+from runtime.logprobs import token_logprobs
 
 if TYPE_CHECKING:
     import ray
@@ -67,37 +66,10 @@ class PolicyWorker:
         dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
         torch.manual_seed(trainer.seed)
         self.mesh = dist.device_mesh.init_device_mesh(device, (trainer.world,), mesh_dim_names=("dp",))
-        self.model = self._build(model.path, trainable=True)
-        self.ref = self._build(ref.path, trainable=False) if ref is not None else None
-        opt = trainer.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
-        from transformers import get_scheduler
-
-        extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
-        self.scheduler = get_scheduler(opt.scheduler, self.optimizer, num_warmup_steps=opt.warmup_steps,
-                                       num_training_steps=opt.total_steps, scheduler_specific_kwargs=extra)
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
+        self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
+        self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
         self.optimizer_steps = 0
-
-    def _build(self, path: str, trainable: bool):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
-
-        m = self.model_plan
-        # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=m.attn)
-        model.to(self.device)
-        if trainable and m.gradient_checkpoint != "none":
-            model.gradient_checkpointing_enable()
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, m.dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp)
-        attach(model)  # chunked lm_head log-probs as an FSDP forward method
-        return model
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -219,15 +191,9 @@ class PolicyWorker:
         return stats
 
     def _optimizer_step(self) -> float:
-        max_norm = self.t.optimizer.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, self.t.optimizer.max_norm)
         self.optimizer_steps += 1
-        return float(grad_norm)
+        return grad_norm
 
     # ----------------------------------------------------------------------------------------------- weights
     def full_state_dict(self) -> list[ray.ObjectRef] | None:
