@@ -54,14 +54,16 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
 
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                       temperature: float, with_entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
-    """(B, L-1) log-probs of input_ids[:, 1:] (and entropy): decoder once, lm_head in chunks."""
+    """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy): decoder once, lm_head in chunks.
+
+    Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
+    could lose it to a later in-place op; the caller reshapes."""
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False).last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
-    lp, ent = head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
-                            with_entropy, chunk_tokens)
-    return lp.view(b, length - 1), (ent.view(b, length - 1) if ent is not None else None)
+    return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
+                         with_entropy, chunk_tokens)
 
 
 def attach(model) -> None:
@@ -106,10 +108,11 @@ def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature
 
     `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row.
     """
+    b, width = sequences.shape
     if not packed:
-        return _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens)
+        lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens)
+        return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)
     lengths = attention_mask.sum(-1)
     flat, positions = pack(sequences, lengths)
     lp, ent = _call(model, flat, None, positions, temperature, with_entropy, chunk_tokens)
-    width = sequences.shape[1]
-    return unpack(lp, lengths, width), (unpack(ent, lengths, width) if ent is not None else None)
+    return unpack(lp[None], lengths, width), (unpack(ent[None], lengths, width) if ent is not None else None)
