@@ -2,9 +2,9 @@
 
     python -m tests.bench trainer
 
-One `PolicyWorker` rank (FSDP2 world 1, gloo, fp32) on a small random Qwen3 (4 layers, hidden 256, vocabulary 4096),
-and a batch with skewed response lengths: 64 rows, most 40-100 tokens, one in eight 400-512 tokens. Each layout
-runs the step the loop runs (old log-probs forward, then `train`: 2 optimizer steps of micro 8 x accum 4 rows);
+One `PolicyWorker` rank (FSDP2 world 1, gloo, fp32) on a small random Qwen3 (2 layers, hidden 256, vocabulary 2048),
+and a batch with skewed response lengths: 32 rows, most 24-64 tokens, one in eight 256-320 tokens. Each layout
+runs the step the loop runs (old log-probs forward, then `train`: 2 optimizer steps of micro 8 x accum 2 rows);
 best of `REPEAT` wall times. tokens/s counts real (non-padding) tokens, so a layout that computes padding pays for
 it. The layouts:
 - padded: micro-batches of 8 rows, right-padded to their longest row;
@@ -21,7 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROWS, MICRO, ACCUM, MAX_TOKENS, REPEAT = 64, 8, 4, 1024, 3
+ROWS, MICRO, ACCUM, MAX_TOKENS, REPEAT = 32, 8, 2, 512, 2
 
 
 def _batch():
@@ -30,9 +30,9 @@ def _batch():
     from runtime.experience import from_token_lists
 
     g = torch.Generator().manual_seed(0)
-    lengths = [int(torch.randint(400, 513, (1,), generator=g)) if i % 8 == 3 else
-               int(torch.randint(40, 101, (1,), generator=g)) for i in range(ROWS)]
-    tokens = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
+    lengths = [int(torch.randint(256, 321, (1,), generator=g)) if i % 8 == 3 else
+               int(torch.randint(24, 65, (1,), generator=g)) for i in range(ROWS)]
+    tokens = [torch.randint(5, 2000, (n,), generator=g).tolist() for n in lengths]
     return from_token_lists(tokens, [[(16, n)] for n in lengths], [[] for _ in tokens], pad_id=0)
 
 
@@ -47,8 +47,8 @@ def run() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent / "runtime"))
     from loop_support import trainer_rl
 
-    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "molt_bench_trainer_model", seed=0, vocab_size=4096,
-                                 hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "molt_bench_trainer_model", seed=0, vocab_size=2048,
+                                 hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=64)
     base = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_epochs": 1, "temperature": 1.0, "seed": 0,
             "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None}
