@@ -852,6 +852,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
             temperature=d.value("actor.temperature"),
             routing_replay=t.routing_replay,
             full_determinism=t.full_determinism,
+            seed=t.seed,
         )
     ref = None
     if d.value("ref.exists"):

@@ -67,6 +67,14 @@ class Experience:
         per_rank = self.batch_size // world
         return self.select(slice(rank * per_rank, (rank + 1) * per_rank))
 
+    def trim(self) -> Experience:
+        """Cut the time axis to the longest row (rows are right-padded), so no all-padding column is computed."""
+        width = int(self.attention_mask.sum(-1).max())
+        if width >= self.sequences.shape[1]:
+            return self
+        return replace(self, **{k: v[:, :width if k in ("sequences", "attention_mask") else width - 1]
+                                for k, v in self.tensors().items() if v.dim() == 2})
+
 
 def concat(parts: Sequence[Experience], pad_id: int) -> Experience:
     width = max(p.sequences.shape[1] for p in parts)

@@ -10,7 +10,8 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
 - This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
   soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
   π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
-  optimizer windows of micro_batch × grad_accum with the global token-mean loss and the IS correction against the
+  optimizer windows of micro_batch × grad_accum rows (micro-batches of fixed rows or of a token budget, padded or
+  packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then pushes the full weights to every engine under the engine lock (engines paused, updated
   from one object-store copy, resumed), checks them with a probe (engine vs trainer logprobs on a fixed sequence),
   logs, evaluates when the generator sends an eval round, and checkpoints.
@@ -40,7 +41,7 @@ from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink
 from runtime.plot import plot_run
 from runtime.runners import AgentRunnerActor
-from runtime.trainer import LossSpec, OptimizerSpec, TrainerSpec, fill_for_training, start_trainer_group
+from runtime.trainer import fill_for_training, start_trainer_group
 from schemas.plan import Plan
 
 
@@ -65,7 +66,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
                        wandb=rl.logging.wandb, config=plan.recipe)
     pgs = create_placement_groups(plan)
     engines, router = start_rollout(plan, pgs)
-    trainer = start_trainer_group(trainer_spec(plan), [actor_options(plan, "actor", r, pgs)
+    trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs)
                                                        for r in range(rl.trainer.world)])
     step, consumed, last_ckpt, kl_coef = 0, 0, None, rl.algo.kl.coef
     if resume_from is not None:
@@ -375,23 +376,6 @@ def start_runners(plan: Plan, router) -> list:
 
 def runner_name(plan: Plan, index: int) -> str:
     return f"{plan.name}.runner[{index}]"
-
-
-def trainer_spec(plan: Plan) -> TrainerSpec:
-    rl, t = plan.rl, plan.rl.trainer
-    o, lo, isc = t.optimizer, t.loss, rl.algo.is_correction
-    return TrainerSpec(
-        model_path=rl.model.path, ref_path=rl.ref.path if rl.ref else None, dtype=rl.model.dtype,
-        attn=rl.model.attn, gradient_checkpoint=rl.model.gradient_checkpoint != "none", device=rl.device,
-        dist_backend=rl.dist_backend, world=t.world, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum,
-        max_epochs=t.max_epochs, temperature=t.temperature, seed=rl.generator.seed,
-        optimizer=OptimizerSpec(lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                max_norm=o.max_norm, scheduler=o.scheduler, warmup_steps=o.warmup_steps,
-                                total_steps=o.total_steps, min_lr_ratio=o.min_lr_ratio),
-        loss=LossSpec(mode=lo.mode, clip_low=lo.clip_low, clip_high=lo.clip_high, dual_clip=lo.dual_clip,
-                      entropy_coef=lo.entropy_coef, kl_estimator=rl.algo.kl.estimator, kl_use_loss=rl.algo.kl.use_loss,
-                      is_level=isc.level, is_mode=isc.mode, is_low=isc.low, is_high=isc.high),
-    )
 
 
 def _sampling(s) -> SamplingParams:

@@ -3,9 +3,10 @@
     torchrun --nnodes N --nproc-per-node P ... -m runtime.sft PLAN.json     (the plan's `sft.command`)
 
 `run_sft` is the whole job, top to bottom, identical on every rank: process group (the plan's backend) -> tokenizer
-and JSONL data (chat template, loss mask on assistant replies only) -> FSDP2 model (`fully_shard` per decoder layer,
-then the root; `reference/environment.md` §5) -> AdamW + scheduler -> epochs of optimizer steps, each `grad_accum`
-micro-batches of `micro_batch_size` rows per rank -> eval, DCP checkpoints, metrics -> HF export.
+and JSONL data (chat template, loss mask on assistant replies only) -> FSDP2 model, AdamW + scheduler (the FSDP core
+shared with the RL trainer, `runtime/fsdp.py`) -> epochs of optimizer steps, each `grad_accum` micro-batches of
+`micro_batch_size` rows per rank, packed into one row each with `actor.packing` -> eval, DCP checkpoints, metrics ->
+HF export.
 
 Every number comes from the plan's `sft` slice (batch sizes, accumulation, steps, cadences, optimizer); nothing is
 re-derived. The loss is Molt's global token mean (`runtime.algo.losses.sft_loss`): every rank divides its summed
@@ -19,7 +20,7 @@ count in the loss; with `train_on_last_turn_only` only the last one. Rows are cu
 assistant turn, or whose replies lie wholly beyond `max_len`, are dropped and counted (Molt keeps all-zero-mask
 rows with a warning; they train nothing, so dropping them changes no gradient).
 
-Not supported here (a clear error at start): packing, VLM (`image_key`), tp/cp/ep/pp > 1, dataset interleave
+Not supported here (a clear error at start): VLM (`image_key`), tp/cp/ep/pp > 1, dataset interleave
 probabilities, non-JSONL sources. SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
 DCP checkpoint when the plan has a checkpoint cadence, and exits 130. With an eval set, the last step is
 evaluated too (when the cadence does not land on it), so every run ends with an eval loss.
@@ -38,8 +39,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from runtime import fsdp
 from runtime.datasource import DataError, open_rows
-from schemas.plan import Plan, SftRuntime
+from runtime.logprobs import token_logprobs
+from schemas.plan import Plan
 
 SFT_METRICS: dict[str, str] = {
     "train/loss": "global-token-mean NLL of the reply tokens over the optimizer step (all micro-batches, all ranks)",
@@ -161,27 +164,10 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, attn, mask
 
 
-def reply_logprobs(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """(B, T-1) log p(ids[:, t+1] | ids[:, :t+1])."""
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    return -torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-
-
-# --------------------------------------------------------------------------------------------------- model
-def build_model(s: SftRuntime, mesh, device: torch.device):
-    """HF model in fp32 master weights, FSDP2-sharded per decoder layer and at the root (compute dtype from the plan)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(s.model.path, dtype=torch.float32, attn_implementation=s.model.attn)
-    model.to(device)
-    if s.model.gradient_checkpoint != "none":
-        model.gradient_checkpointing_enable()
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, s.model.dtype), reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model
+def reply_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, packed: bool = False) -> torch.Tensor:
+    """(B, T-1) log p(ids[:, t+1] | ids[:, :t+1]); the lm_head runs in chunks (`runtime/logprobs.py`), and with
+    `packed` the rows run as one packed row (no padding computed; 0 past each row's end)."""
+    return token_logprobs(model, ids, attn.bool(), 1.0, packed=packed)[0]
 
 
 # --------------------------------------------------------------------------------------------------- the loop
@@ -203,7 +189,7 @@ class SftResult:
 
 def run_sft(plan: Plan) -> SftResult:
     """The SFT job on this rank (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
-    from transformers import AutoTokenizer, get_scheduler
+    from transformers import AutoTokenizer
 
     from runtime import ckpt as ck
     from runtime.algo.losses import sft_loss
@@ -276,12 +262,8 @@ def run_sft(plan: Plan) -> SftResult:
                        f"{window} rows per rank x {world} ranks")
 
     # ---- model, optimizer, scheduler
-    model = build_model(s, mesh, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
-    scheduler = get_scheduler(opt.scheduler, optimizer, num_warmup_steps=opt.warmup_steps or 0,
-                              num_training_steps=opt.total_steps, scheduler_specific_kwargs=extra)
+    model = fsdp.build_model(s.model, s.model.path, mesh, device)
+    optimizer, scheduler = fsdp.build_optimizer(opt, model)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {world} ranks ({s.dist_backend}, {s.device}, "
         f"{s.model.dtype}); micro-batch {t.micro_batch_size} x accumulation {t.grad_accum} x dp {t.dp} = "
@@ -323,7 +305,7 @@ def run_sft(plan: Plan) -> SftResult:
         for b in range(n_batches):
             part = mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] or evals.examples[:1]
             ids, attn, mask = (x.to(device) for x in collate(part, pad_id))
-            lp = reply_logprobs(model, ids, attn)
+            lp = reply_logprobs(model, ids, attn, packed=t.packing)
             weight = 1.0 if mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] else 0.0
             nll += weight * float((-lp * mask[:, 1:]).sum())
             tokens += weight * float(mask[:, 1:].sum())
@@ -363,18 +345,12 @@ def run_sft(plan: Plan) -> SftResult:
             loss_sum = 0.0
             for ids, attn, mask in micro:
                 ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-                lp = reply_logprobs(model, ids, attn)
+                lp = reply_logprobs(model, ids, attn, packed=t.packing)
                 loss = sft_loss(lp, mask[:, 1:], global_num_tokens=global_tokens, dp_size=world)
                 loss.backward()
                 loss_sum += float(loss.detach()) / world
-            max_norm = opt.max_norm if opt.max_norm > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = fsdp.clipped_step(model, optimizer, scheduler, opt.max_norm)
             step += 1
             (step_loss, stop_votes) = all_sum([loss_sum, float(stop_requested[0])])
             step_times.append(time.perf_counter() - t0)

@@ -2,8 +2,13 @@
 
 Each `PolicyWorker` joins one torch.distributed world (gloo on CPU, NCCL on GPUs; rank 0's node is the master),
 shards every decoder layer and then the root (`reference/environment.md` §5), and owns the optimizer and scheduler.
-The driver (`runtime/loop.py`) calls every rank with the same object-store batch; each rank takes its contiguous
-shard, so concatenating the ranks' outputs in rank order restores the batch order.
+The driver (`runtime/loop.py`) calls every rank with the same object-store batch and hands each rank the plan's
+sections unchanged (`TrainerPlan`, `ModelPlan`, `RefPlan`, `AlgoPlan`). Each rank takes its rows (`runtime/microbatch.py`:
+a contiguous slice, or length-balanced rows under dynamic batching) and returns their indices with their log-probs.
+
+Micro-batches are `micro_batch_size` rows, or rows of at most `dynamic_batch_max_tokens` tokens; every rank runs the
+maximum count over ranks (empty fillers), because each FSDP forward is a collective. Each micro-batch is cut to its
+longest row, and with `packing` its rows run as one packed row (`runtime/logprobs.py`): no padding token is computed.
 
 Loss aggregation is Molt's global token mean (`reference/molt_rules.md` §6.4): inside an optimizer-step window,
 each rank sums its per-token losses and divides by the action-token count of the *whole* window (all micro-batches
@@ -15,7 +20,6 @@ What this module does not know: rollouts, engines, queues. It takes tensors and 
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from dataclasses import dataclass, replace
@@ -24,59 +28,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from runtime import fsdp, microbatch
 from runtime.experience import Experience
+from runtime.logprobs import token_logprobs
 
 if TYPE_CHECKING:
     import ray
 
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    max_norm: float            # <= 0: no clipping
-    scheduler: str             # transformers.get_scheduler name
-    warmup_steps: int
-    total_steps: int           # optimizer steps of the whole run
-    min_lr_ratio: float
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    mode: str                  # ppo | cispo | gspo
-    clip_low: float
-    clip_high: float
-    dual_clip: float | None
-    entropy_coef: float
-    kl_estimator: str          # k1 | k2 | k3
-    kl_use_loss: bool
-    is_level: str              # off | token | seq | geo
-    is_mode: str               # mask | clip | trunc
-    is_low: float
-    is_high: float
-
-
-@dataclass(frozen=True)
-class TrainerSpec:
-    """Everything a rank needs, copied from the plan's `rl` section by `runtime/loop.py` (never defaulted here)."""
-
-    model_path: str
-    ref_path: str | None       # None: no reference model
-    dtype: str                 # float32 | bfloat16 | float16: FSDP2 compute dtype (master weights stay fp32)
-    attn: str                  # attn_implementation
-    gradient_checkpoint: bool
-    device: str                # cpu | cuda
-    dist_backend: str          # gloo | nccl
-    world: int
-    micro_batch_size: int
-    grad_accum: int
-    max_epochs: int
-    temperature: float
-    seed: int
-    optimizer: OptimizerSpec
-    loss: LossSpec
+    from schemas.plan import AlgoPlan, ModelPlan, RefPlan, RlRuntime, TrainerPlan
 
 
 def _ray():
@@ -92,88 +51,79 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# --------------------------------------------------------------------------------------------------- math helpers
-def token_logprobs(model, sequences: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T-1) log π(sequences[:, t+1] | sequences[:, :t+1]) with logits / temperature, and optionally the entropy."""
-    logits = model(input_ids=sequences, attention_mask=attention_mask.long()).logits[:, :-1].float()
-    logits = logits / temperature
-    logz = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, sequences[:, 1:, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = logz - (probs * logits).sum(-1)
-    return picked - logz, entropy
-
-
-def _micro_batches(rows: int, micro: int, accum: int) -> list[list[slice]]:
-    """Optimizer-step windows of `micro * accum` rows, each a list of micro-batch slices."""
-    window = micro * accum
-    out = []
-    for w0 in range(0, rows, window):
-        w1 = min(w0 + window, rows)
-        out.append([slice(m0, min(m0 + micro, w1)) for m0 in range(w0, w1, micro)])
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- worker
 class PolicyWorker:
     """One FSDP2 rank: the policy (trained) and, when the plan has one, the reference (frozen, same process)."""
 
-    def __init__(self, spec: TrainerSpec, rank: int, master_addr: str, master_port: int):
-        self.spec, self.rank = spec, rank
+    def __init__(self, trainer: TrainerPlan, model: ModelPlan, ref: RefPlan | None, algo: AlgoPlan, device: str,
+                 dist_backend: str, rank: int, master_addr: str, master_port: int):
+        """The plan's sections as they are: `trainer` (batching, optimizer, loss), `model` (path, dtype, attention,
+        checkpointing), `ref` (None: no reference model), `algo` (KL estimator, IS correction)."""
+        self.t, self.model_plan, self.algo, self.rank = trainer, model, algo, rank
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(spec.world), LOCAL_RANK="0")
-        self.device = torch.device(spec.device if spec.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        dist.init_process_group(spec.dist_backend, rank=rank, world_size=spec.world)
-        torch.manual_seed(spec.seed)
-        self.mesh = dist.device_mesh.init_device_mesh(spec.device, (spec.world,), mesh_dim_names=("dp",))
-        self.model = self._build(spec.model_path, trainable=True)
-        self.ref = self._build(spec.ref_path, trainable=False) if spec.ref_path else None
-        opt = spec.optimizer
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                           weight_decay=opt.weight_decay)
-        from transformers import get_scheduler
-
-        extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
-        self.scheduler = get_scheduler(opt.scheduler, self.optimizer, num_warmup_steps=opt.warmup_steps,
-                                       num_training_steps=opt.total_steps, scheduler_specific_kwargs=extra)
+                          WORLD_SIZE=str(trainer.world), LOCAL_RANK="0")
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
+        torch.manual_seed(trainer.seed)
+        self.mesh = dist.device_mesh.init_device_mesh(device, (trainer.world,), mesh_dim_names=("dp",))
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
+        self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
+        self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
         self.optimizer_steps = 0
-
-    def _build(self, path: str, trainable: bool):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
-
-        # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=self.spec.attn)
-        model.to(self.device)
-        if trainable and self.spec.gradient_checkpoint:
-            model.gradient_checkpointing_enable()
-        if not trainable:
-            model.requires_grad_(False)
-            model.eval()
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.spec.dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=self.mesh, mp_policy=mp)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp)
-        return model
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
+    # ----------------------------------------------------------------------------------------------- batching
+    def _shard(self, batch: Experience) -> tuple[torch.Tensor, Experience, torch.Tensor]:
+        """This rank's row indices into `batch`, those rows, and their token lengths."""
+        lengths = batch.attention_mask.sum(-1)
+        rows = microbatch.rank_rows(lengths, self.t.world, balanced=self.t.dynamic_batch_max_tokens is not None)
+        rows = rows[self.rank]
+        return rows, batch.select(rows), lengths[rows]
+
+    def _same_count(self, batches: list[list[int]]) -> list[list[int] | None]:
+        """Pad to the largest micro-batch count over ranks: every FSDP rank must run as many forwards."""
+        count = torch.tensor([len(batches)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return microbatch.pad_to(batches, int(count.item()))
+
+    @staticmethod
+    def _part(shard: Experience, positions: list[int] | None) -> Experience:
+        """Rows of one micro-batch, cut to its longest row; None: a one-row filler that trains on nothing."""
+        if positions is None:
+            part = shard.select(torch.zeros(1, dtype=torch.long))
+            part.action_mask = torch.zeros_like(part.action_mask)
+        else:
+            part = shard.select(torch.tensor(positions, dtype=torch.long))
+        return part.trim()
+
+    def _logprobs(self, model, part: Experience, with_entropy: bool = False):
+        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
+                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing)
+
     # ----------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
-    def forward_logprobs(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's shard: (old log-probs of the current policy, reference log-probs or None), each (b, T-1)."""
-        shard = batch.shard(self.rank, self.spec.world)
-        old, ref = [], []
-        for (mb,) in _micro_batches(shard.batch_size, self.spec.micro_batch_size, 1):
-            seqs, attn = shard.sequences[mb].to(self.device), shard.attention_mask[mb].to(self.device)
-            old.append(token_logprobs(self.model, seqs, attn, self.spec.temperature)[0].cpu())
+    def forward_logprobs(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """This rank's rows of `batch`: (their indices, old log-probs of the current policy, reference log-probs or
+        None), each (b, T-1), zero past each row's end."""
+        t = self.t
+        rows, shard, lengths = self._shard(batch)
+        old = torch.zeros(shard.action_mask.shape)
+        ref = torch.zeros(shard.action_mask.shape) if self.ref is not None else None
+        whole = range(shard.batch_size)
+        for mb in self._same_count(microbatch.micro_batches(whole, lengths, t.micro_batch_size,
+                                                            t.dynamic_batch_max_tokens)):
+            part = self._part(shard, mb)
+            width = part.action_mask.shape[1]
+            lp = self._logprobs(self.model, part)[0].cpu()
+            if mb is not None:
+                old[mb, :width] = lp
             if self.ref is not None:
-                ref.append(token_logprobs(self.ref, seqs, attn, self.spec.temperature)[0].cpu())
-        return torch.cat(old), (torch.cat(ref) if self.ref is not None else None)
+                lp_ref = self._logprobs(self.ref, part)[0].cpu()
+                if mb is not None:
+                    ref[mb, :width] = lp_ref
+        return rows, old, ref
 
     @torch.no_grad()
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -185,24 +135,27 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------------- train
     def train(self, batch: Experience, kl_coef: float) -> dict[str, float]:
-        """max_epochs passes over this rank's shard, one optimizer step per window of micro_batch * grad_accum rows.
+        """max_epochs passes over this rank's rows, one optimizer step per window (micro_batch * grad_accum rows, or
+        the plan's local batch under dynamic batching), its micro-batches of fixed rows or of a token budget.
 
         Returns sums over this rank's micro-batches (token-weighted means are formed by the driver) plus rank-level
         scalars (lr, grad norm, optimizer steps).
         """
-        spec = self.spec
-        shard = batch.shard(self.rank, spec.world)
+        t = self.t
+        _, shard, lengths = self._shard(batch)
+        step_rows = t.micro_batch_size * t.grad_accum if t.dynamic_batch_max_tokens is None else t.local_batch_size
         sums: dict[str, float] = {}
         grad_norms = []
         self.model.train()
-        for _ in range(spec.max_epochs):
-            for window in _micro_batches(shard.batch_size, spec.micro_batch_size, spec.grad_accum):
+        for _ in range(t.max_epochs):
+            for window in microbatch.windows(shard.batch_size, step_rows):
                 # Global-token-mean normaliser: action tokens of this window on every rank (one all-reduce).
-                total = torch.tensor([float(sum(int(shard.action_mask[mb].sum()) for mb in window))],
+                total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())],
                                      device=self.device)  # NCCL reduces device tensors only
                 dist.all_reduce(total)
-                for mb in window:
-                    for k, v in self._micro_step(shard.select(mb), total.item(), kl_coef).items():
+                for mb in self._same_count(microbatch.micro_batches(window, lengths, t.micro_batch_size,
+                                                                    t.dynamic_batch_max_tokens)):
+                    for k, v in self._micro_step(self._part(shard, mb), total.item(), kl_coef).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -213,21 +166,20 @@ class PolicyWorker:
     def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float) -> dict[str, float]:
         from runtime import algo
 
-        ls = self.spec.loss
+        ls, isc, kl = self.t.loss, self.algo.is_correction, self.algo.kl
         dev = self.device
-        seqs, attn, mask = part.sequences.to(dev), part.attention_mask.to(dev), part.action_mask.to(dev)
-        logp, entropy = token_logprobs(self.model, seqs, attn, self.spec.temperature,
-                                       with_entropy=ls.entropy_coef != 0)
+        mask = part.action_mask.to(dev)
+        logp, entropy = self._logprobs(self.model, part, with_entropy=ls.entropy_coef != 0)
         old = part.old_log_probs.to(dev)
-        is_out = algo.is_correction(old, part.rollout_log_probs.to(dev), mask, level=ls.is_level, mode=ls.is_mode,
-                                    low=ls.is_low, high=ls.is_high)
-        use_kl_loss = ls.kl_use_loss and part.ref_log_probs is not None
+        is_out = algo.is_correction(old, part.rollout_log_probs.to(dev), mask, level=isc.level, mode=isc.mode,
+                                    low=isc.low, high=isc.high)
+        use_kl_loss = kl.use_loss and part.ref_log_probs is not None
         out = algo.actor_loss(
             logp, old, part.advantages.to(dev), mask, mode=ls.mode, clip_low=ls.clip_low, clip_high=ls.clip_high,
-            global_num_tokens=global_tokens, dp_size=self.spec.world, dual_clip=ls.dual_clip,
-            is_coef=None if ls.is_level == "off" else is_out.coef,
+            global_num_tokens=global_tokens, dp_size=self.t.world, dual_clip=ls.dual_clip,
+            is_coef=None if isc.level == "off" else is_out.coef,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
-            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=ls.kl_estimator,
+            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator,
             entropy=entropy, entropy_coef=ls.entropy_coef)
         out.loss.backward()
         # Per-micro-batch means, weighted by its action tokens so the driver can form batch-level token means.
@@ -239,15 +191,9 @@ class PolicyWorker:
         return stats
 
     def _optimizer_step(self) -> float:
-        max_norm = self.spec.optimizer.max_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm > 0 else math.inf)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, self.t.optimizer.max_norm)
         self.optimizer_steps += 1
-        return float(grad_norm)
+        return grad_norm
 
     # ----------------------------------------------------------------------------------------------- weights
     def full_state_dict(self) -> list[ray.ObjectRef] | None:
@@ -276,7 +222,7 @@ class PolicyWorker:
     def export_hf(self, out_dir: str) -> str | None:
         from runtime.ckpt import export_hf
 
-        return export_hf(out_dir, self.model, self.spec.model_path, self.rank)
+        return export_hf(out_dir, self.model, self.model_plan.path, self.rank)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -292,9 +238,15 @@ class TrainerGroup:
     world: int
 
     def forward_logprobs(self, batch_ref) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(old, ref or None) log-probs of the whole batch, (B, T-1) in batch order (ranks return their rows)."""
         outs = _ray().get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
-        old = torch.cat([o for o, _ in outs])
-        ref = torch.cat([r for _, r in outs]) if outs[0][1] is not None else None
+        rows = torch.cat([r for r, _, _ in outs])
+        old = torch.empty((rows.numel(), outs[0][1].shape[1]))
+        old[rows] = torch.cat([o for _, o, _ in outs])
+        if outs[0][2] is None:
+            return old, None
+        ref = torch.empty_like(old)
+        ref[rows] = torch.cat([r for _, _, r in outs])
         return old, ref
 
     def train(self, batch_ref, kl_coef: float) -> dict[str, float]:
@@ -329,17 +281,20 @@ class TrainerGroup:
             _ray().kill(w)
 
 
-def start_trainer_group(spec: TrainerSpec, actor_options: list[dict]) -> TrainerGroup:
-    """Create `spec.world` ranks (one Ray actor each, `actor_options[r]` from the plan's role), wait until built.
+def start_trainer_group(rl: RlRuntime, actor_options: list[dict]) -> TrainerGroup:
+    """Create `rl.trainer.world` ranks (one Ray actor each, `actor_options[r]` from the plan's role), wait until
+    built. Each rank gets the plan's sections it reads, unchanged.
 
     Rank 0 is created first; its node IP plus a free port on that node is the torch.distributed master.
     """
     remote_cls = _ray().remote(PolicyWorker)
     probe = _ray().remote(num_cpus=0)(_node_ip_and_port)
     addr, port = _ray().get(probe.options(**_placement_only(actor_options[0])).remote())
-    workers = [remote_cls.options(**actor_options[r]).remote(spec, r, addr, port) for r in range(spec.world)]
+    world = rl.trainer.world
+    workers = [remote_cls.options(**actor_options[r]).remote(rl.trainer, rl.model, rl.ref, rl.algo, rl.device,
+                                                             rl.dist_backend, r, addr, port) for r in range(world)]
     _ray().get([w.ready.remote() for w in workers])
-    return TrainerGroup(workers=workers, world=spec.world)
+    return TrainerGroup(workers=workers, world=world)
 
 
 def _node_ip_and_port() -> tuple[str, int]:

@@ -440,6 +440,8 @@ class TrainerPlan(PlanModel):
     """R3 routing replay."""
     full_determinism: bool
     """Full determinism."""
+    seed: int
+    """torch seed of every rank (train.seed)."""
 
 
 class RefPlan(PlanModel):

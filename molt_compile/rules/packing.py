@@ -10,6 +10,7 @@ from molt_compile.rules._base import diag, dv, hf_fallback, model_facts
 from schemas.catalog import MODELS
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
+CPU_PACKING_ATTN = ("sdpa", "eager")
 CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
 
 
@@ -19,11 +20,17 @@ def _packing(recipe, derived) -> bool:
 
 def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
-    `actor.packing: true` with `model.attn` other than te, flash_attention_2 or tilelang.
+    `actor.packing: true` with an attention implementation that cannot run packed batches on the cluster's device:
+    on a GPU cluster, `model.attn` other than te, flash_attention_2 or tilelang; on a `cluster.gpu: cpu` cluster,
+    other than sdpa or eager.
 
     ## Why it matters
-    Packed (varlen/THD) batches need an attention kernel that takes sequence offsets. Molt rejects other kernels in
-    its RL and SFT CLIs.
+    Packed (varlen/THD) batches need attention that keeps the packed sequences apart. On GPUs that is a kernel that
+    takes sequence offsets, and Molt rejects other kernels in its RL and SFT CLIs. There is no such kernel on CPU
+    (flash-attention, te and tilelang are CUDA-only); there this project's runtime packs through transformers'
+    packed-sequence mask instead: with position ids restarting at 0 per sequence and no attention mask, transformers
+    builds a block-diagonal causal mask that sdpa and eager attention apply (`masking_utils`
+    `find_packed_sequence_indices`). Only those two are tested equal to the padded path.
 
     ## Example
     ```yaml
@@ -33,7 +40,7 @@ def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diag
 
     ## Use instead
     ```yaml
-    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: flash_attention_2}
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, attn: flash_attention_2}  # on cluster.gpu: cpu, attn: sdpa
     actor: {packing: true}
     ```
 
@@ -41,7 +48,14 @@ def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diag
     molt_rules.md H2, §2.O item 10
     """
     attn = recipe.model.attn
-    if _packing(recipe, derived) and attn not in PACKING_ATTN:
+    if not _packing(recipe, derived):
+        return
+    if recipe.cluster.gpu == "cpu":
+        if attn not in CPU_PACKING_ATTN:
+            yield diag("PACK001", source, "model.attn", f"actor.packing on a cpu cluster needs attention sdpa or "
+                       f"eager (transformers' packed-sequence mask), got {attn}", "set model.attn: sdpa",
+                       ["actor.packing", "cluster.gpu"])
+    elif attn not in PACKING_ATTN:
         yield diag("PACK001", source, "model.attn", f"actor.packing needs attention te, flash_attention_2 or "
                    f"tilelang, got {attn}", "use flash_attention_2 (HF models) or te (AutoModel custom models)",
                    ["actor.packing"])

@@ -29,17 +29,25 @@ SMALL = ROOT / "recipes" / "data" / "demo_math" / "model"
 
 
 def spec(model_path: str, micro: int, accum: int, lr: float):
-    from runtime.trainer import LossSpec, OptimizerSpec, TrainerSpec
+    """The plan sections the ranks take (the demo's compiled `rl` section with this check's settings)."""
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    from loop_support import trainer_rl
 
-    return TrainerSpec(
-        model_path=model_path, ref_path=None, dtype="float32" if DRY_RUN else "bfloat16", attn="sdpa",
-        gradient_checkpoint=False, device="cpu" if DRY_RUN else "cuda", dist_backend="gloo" if DRY_RUN else "nccl",
-        world=2, micro_batch_size=micro, grad_accum=accum, max_epochs=1,
-        temperature=1.0, seed=0,
-        optimizer=OptimizerSpec(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=1.0,
-                                scheduler="constant", warmup_steps=0, total_steps=100, min_lr_ratio=0.1),
-        loss=LossSpec(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_estimator="k1",
-                      kl_use_loss=False, is_level="off", is_mode="mask", is_low=0.5, is_high=2.0))
+    return trainer_rl(
+        2, ref=False, model={"path": model_path, "dtype": "float32" if DRY_RUN else "bfloat16"},
+        trainer={"micro_batch_size": micro, "grad_accum": accum, "max_epochs": 1, "temperature": 1.0, "seed": 0,
+                 "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None},
+        optimizer={"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "max_norm": 1.0,
+                   "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+        loss={"mode": "ppo", "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "entropy_coef": 0.0},
+        kl={"estimator": "k1", "use_loss": False}, is_correction={"level": "off", "mode": "mask"},
+        device="cpu" if DRY_RUN else "cuda", dist_backend="gloo" if DRY_RUN else "nccl")
+
+
+def worker_of(rl, rank: int, port: int):
+    from runtime.trainer import PolicyWorker
+
+    return PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
 
 
 def batch(rows: int, length: int, vocab: int, seed: int):
@@ -64,14 +72,14 @@ def for_training(exp, old):
 def rank_main(rank: int, port: int, out: Path, big_model: str) -> None:
     import torch
 
-    from runtime.trainer import PolicyWorker, token_logprobs
+    from runtime.trainer import token_logprobs
 
     report: dict = {"rank": rank, "device": "cpu (dry run)" if DRY_RUN else torch.cuda.get_device_name(0)}
     sync = (lambda: None) if DRY_RUN else torch.cuda.synchronize
     # 1. correctness on the demo's tiny model
-    worker = PolicyWorker(spec(str(SMALL), micro=4, accum=2, lr=1e-3), rank, "127.0.0.1", port)
+    worker = worker_of(spec(str(SMALL), micro=4, accum=2, lr=1e-3), rank, port)
     exp = batch(16, 24, 250, seed=0)
-    old, _ = worker.forward_logprobs(exp)
+    _, old, _ = worker.forward_logprobs(exp)
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
@@ -86,7 +94,7 @@ def rank_main(rank: int, port: int, out: Path, big_model: str) -> None:
     before = float((old * exp.shard(rank, 2).action_mask).sum() / exp.shard(rank, 2).action_mask.sum())
     for _ in range(5):
         stats = worker.train(for_training(exp, full_old), 0.0)
-    after_old, _ = worker.forward_logprobs(exp)
+    _, after_old, _ = worker.forward_logprobs(exp)
     m = exp.shard(rank, 2).action_mask
     report["action_logprob_mean_before"] = before
     report["action_logprob_mean_after_5_steps"] = float((after_old * m).sum() / m.sum())
@@ -94,8 +102,8 @@ def rank_main(rank: int, port: int, out: Path, big_model: str) -> None:
     worker.shutdown()
 
     # 2. speed on a ~0.1 B model
-    worker = PolicyWorker(spec(big_model, micro=2 if DRY_RUN else 16, accum=2 if DRY_RUN else 8, lr=1e-5), rank,
-                          "127.0.0.1", port + 1)
+    worker = worker_of(spec(big_model, micro=2 if DRY_RUN else 16, accum=2 if DRY_RUN else 8, lr=1e-5), rank,
+                       port + 1)
     report["big_model_params"] = int(worker.ready())  # numel of the (sharded) DTensors is the global count
     exp = batch(8, 64, 250, seed=1) if DRY_RUN else batch(256, 512, 250, seed=1)
     rows = exp.sequences.shape[0]
@@ -103,7 +111,7 @@ def rank_main(rank: int, port: int, out: Path, big_model: str) -> None:
     for i in range(4):
         sync()
         t0 = time.perf_counter()
-        old, _ = worker.forward_logprobs(exp)
+        _, old, _ = worker.forward_logprobs(exp)
         sync()
         t1 = time.perf_counter()
         full_old = torch.zeros(rows, exp.sequences.shape[1] - 1)

@@ -45,3 +45,28 @@ def run_recipe(recipe: str, *sets: str):
 def step_records(records: list[dict]) -> list[dict]:
     """The per-step records (eval and run-summary records left out)."""
     return [r for r in records if "rollout/reward_mean" in r]
+
+
+def trainer_rl(world: int, *, ref: bool = True, model: dict | None = None, trainer: dict | None = None,
+               optimizer: dict | None = None, loss: dict | None = None, kl: dict | None = None,
+               is_correction: dict | None = None, device: str = "cpu", dist_backend: str = "gloo"):
+    """The demo recipe's compiled `rl` section with a test's trainer settings: what `start_trainer_group` takes
+    (a `PolicyWorker` takes its trainer/model/ref/algo/device/dist_backend sections). Paths are absolute, so it works
+    from any directory; the model is the demo's tiny Qwen3 in fp32 with sdpa attention unless `model` says otherwise.
+    """
+    from schemas.plan import RefPlan
+
+    rl = compile_plan("recipes/demo_math.yaml").rl
+    path = str(ROOT / "recipes/data/demo_math/model")
+    t, a = rl.trainer, rl.algo
+    return rl.model_copy(update={
+        "device": device, "dist_backend": dist_backend,
+        "model": rl.model.model_copy(update={"path": path, "dtype": "float32", "attn": "sdpa",
+                                             "gradient_checkpoint": "none", **(model or {})}),
+        "trainer": t.model_copy(update={"world": world, "dp": world, **(trainer or {}),
+                                        "optimizer": t.optimizer.model_copy(update=optimizer or {}),
+                                        "loss": t.loss.model_copy(update=loss or {})}),
+        "ref": RefPlan.model_construct(path=path, colocated=True, world=world, dp=world, grad_accum=1) if ref else None,
+        "algo": a.model_copy(update={"kl": a.kl.model_copy(update=kl or {}),
+                                     "is_correction": a.is_correction.model_copy(update=is_correction or {})}),
+    })

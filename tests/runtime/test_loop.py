@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime import ckpt
+from runtime import ckpt, microbatch
 from runtime.experience import concat, from_token_lists, pad_batch_to_multiple
 from runtime.metrics import METRICS, is_documented
-from runtime.trainer import _micro_batches
 
 
 def test_experience_masks_follow_action_ranges_shifted_by_one():
@@ -47,9 +46,30 @@ def test_concat_pads_to_the_widest_and_padding_rows_train_on_nothing():
 
 def test_micro_batch_windows():
     # 10 rows, micro 2, accum 2 -> windows of 4 rows: [0:2, 2:4], [4:6, 6:8], [8:10]
-    windows = _micro_batches(10, 2, 2)
-    assert [[(s.start, s.stop) for s in w] for w in windows] == [[(0, 2), (2, 4)], [(4, 6), (6, 8)], [(8, 10)]]
-    assert _micro_batches(3, 2, 1) == [[slice(0, 2)], [slice(2, 3)]]
+    windows = microbatch.windows(10, 4)
+    assert [microbatch.fixed_micro_batches(w, 2) for w in windows] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
+    assert [microbatch.fixed_micro_batches(w, 2) for w in microbatch.windows(3, 2)] == [[[0, 1]], [[2]]]
+
+
+def test_token_budget_micro_batches_first_fit_decreasing():
+    lengths = torch.tensor([5, 9, 3, 7, 4, 30])
+    bins = microbatch.token_budget_micro_batches(range(6), lengths, max_tokens=12)
+    # longest first: 30 alone (over the cap), 9+3, 7+5, 4
+    assert bins == [[5], [1, 2], [0, 3], [4]]
+    assert all(int(lengths[b].sum()) <= 12 for b in bins if len(b) > 1)
+    assert sorted(i for b in bins for i in b) == list(range(6))
+    assert microbatch.pad_to(bins, 6)[4:] == [None, None]
+
+
+def test_rank_rows_balance_tokens_with_equal_counts():
+    lengths = torch.tensor([100, 90, 80, 70, 10, 20, 30, 40])
+    contiguous = microbatch.rank_rows(lengths, 2, balanced=False)
+    assert [r.tolist() for r in contiguous] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    balanced = microbatch.rank_rows(lengths, 2, balanced=True)
+    assert [len(r) for r in balanced] == [4, 4]
+    assert sorted(torch.cat(balanced).tolist()) == list(range(8))
+    loads = [int(lengths[r].sum()) for r in balanced]
+    assert max(loads) - min(loads) <= 20, loads  # contiguous: 340 vs 100
 
 
 def test_metric_table_patterns():

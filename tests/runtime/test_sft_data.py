@@ -149,3 +149,28 @@ def test_prompt_tokens_get_no_gradient_and_micro_batching_keeps_the_token_mean(t
         parts.append(sft_loss(reply_logprobs(model, i, a), k[:, 1:], global_num_tokens=total))
     whole = -(reply_logprobs(model, ids, attn) * mask[:, 1:]).sum() / total
     assert torch.allclose(sum(parts), whole, rtol=1e-5)
+
+
+def test_packed_sft_micro_batch_has_the_padded_loss_and_gradients(tok) -> None:
+    """`actor.packing` in SFT: the rows of a micro-batch as one packed row give the padded NLL and gradients."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    exs = [encode_conversation(tok, [{"role": "user", "content": f"spell {n} " * (1 + n % 3)},
+                                     {"role": "assistant", "content": "x " * (n % 5 + 1)}], 64, False)
+           for n in range(5)]
+    ids, attn, mask = collate(exs, tok.pad_token_id)
+    assert len({int(n) for n in attn.sum(-1)}) > 1  # rows of different lengths: padding to skip
+
+    def loss_and_grads(packed: bool):
+        model.zero_grad()
+        loss = sft_loss(reply_logprobs(model, ids, attn, packed=packed), mask[:, 1:],
+                        global_num_tokens=mask[:, 1:].sum())
+        loss.backward()
+        return float(loss), [p.grad.clone() for p in model.parameters()]
+
+    padded_loss, padded_grads = loss_and_grads(False)
+    packed_loss, packed_grads = loss_and_grads(True)
+    assert abs(packed_loss - padded_loss) < 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(packed_grads, padded_grads, strict=True)) < 1e-5

@@ -1,0 +1,67 @@
+"""The FSDP2 core shared by the RL trainer ranks (`runtime/trainer.py`) and the SFT job (`runtime/sft.py`).
+
+Model build (HF model, fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the
+root, compute dtype from the plan: `reference/environment.md` §5; plus the chunked log-prob method of
+`runtime/logprobs.py`), the AdamW optimizer and its transformers scheduler from the plan's `OptimizerPlan`, and the
+clipped optimizer step. DCP save/load and the HF export are `runtime/ckpt.py`'s, used by both alike.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime.logprobs import attach
+
+if TYPE_CHECKING:
+    from schemas.plan import ModelPlan, OptimizerPlan
+
+
+def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True):
+    """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
+
+    A frozen model (a reference) is in eval mode without gradients and never checkpoints.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
+    model.to(device)
+    if trainable and model_plan.gradient_checkpoint != "none":
+        model.gradient_checkpointing_enable()
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    attach(model)  # chunked lm_head log-probs as an FSDP forward method
+    return model
+
+
+def build_optimizer(opt: OptimizerPlan, model) -> tuple[torch.optim.Optimizer, object]:
+    """AdamW and the plan's transformers scheduler (`warmup_steps` and `total_steps` exactly as the plan has them)."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
+    scheduler = get_scheduler(opt.scheduler, optimizer, num_warmup_steps=opt.warmup_steps,
+                              num_training_steps=opt.total_steps, scheduler_specific_kwargs=extra)
+    return optimizer, scheduler
+
+
+def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:
+    """Clip the gradient norm to `max_norm` (<= 0: no clipping), step optimizer and scheduler, zero the gradients;
+    returns the norm before clipping (a collective: every rank calls it)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)

@@ -1,0 +1,118 @@
+"""Token log-probs and entropy of a causal LM, padded or packed, without a (tokens x vocabulary) fp32 tensor.
+
+The decoder runs once; the lm_head, the temperature, the log-softmax and the entropy then run over chunks of
+`LOGPROB_CHUNK_TOKENS` positions. Under autograd each chunk is activation-checkpointed, so what stays alive for the
+backward is the (tokens x hidden) decoder output, not logits: peak logits memory is one chunk's, in the forward and
+in the backward alike. The numbers are those of the full-logits formula (same operations per position).
+
+Two layouts of the same rows:
+- padded: (b, w) right-padded `sequences` with their `attention_mask`, positions 0..w-1;
+- packed: the b rows concatenated into one (1, N) row, N = sum of lengths, `position_ids` restarting at 0 per row and
+  no attention mask. transformers' mask builder then detects the packed format from the position ids
+  (`masking_utils.find_packed_sequence_indices`, used only when attention_mask is None and there is no cache) and
+  makes the mask block-diagonal causal: sdpa/eager get that explicit mask (CPU), flash_attention_2 goes through its
+  varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
+  computed.
+Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+LOGPROB_CHUNK_TOKENS = 1024
+"""Positions per lm_head chunk: at vocabulary 152k and fp32 that is 0.6 GB of logits, not tokens x 0.6 MB.
+A memory/speed knob of this module only; the numbers do not depend on it."""
+
+
+def _chunk(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, ...]:
+    logits = head(hidden).float() / temperature          # (n, V): one chunk only
+    logz = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+    if not with_entropy:
+        return (picked,)
+    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return picked, entropy
+
+
+def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+                  chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
+    """(n,) log π(targets) and entropy (or None) from (n, hidden) states, chunk by chunk over the n positions."""
+    picked, entropy = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature, with_entropy)
+        out = checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args)
+        picked.append(out[0])
+        if with_entropy:
+            entropy.append(out[1])
+    return torch.cat(picked), (torch.cat(entropy) if with_entropy else None)
+
+
+def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
+                      temperature: float, with_entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
+    """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy): decoder once, lm_head in chunks.
+
+    Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
+    could lose it to a later in-place op; the caller reshapes."""
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state
+    b, length = input_ids.shape
+    flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
+    return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
+                         with_entropy, chunk_tokens)
+
+
+def attach(model) -> None:
+    """Give `model` a `lean_logprobs` method that FSDP2 treats as a forward (all-gathers the root's parameters,
+    embeddings and lm_head, around it: `register_fsdp_forward_method`; a no-op for a plain module)."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.lean_logprobs = functools.partial(_decoder_logprobs, model)
+    register_fsdp_forward_method(model, "lean_logprobs")
+
+
+def _call(model, *args):
+    fn = getattr(model, "lean_logprobs", None)
+    return fn(*args) if fn is not None else _decoder_logprobs(model, *args)
+
+
+def pack(sequences: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """(1, N) concatenated rows and their (1, N) per-row position ids (0..L_i-1 for row i)."""
+    keep = torch.arange(sequences.shape[1], device=sequences.device)[None, :] < lengths[:, None]
+    flat = sequences[keep]
+    starts = torch.cumsum(lengths, 0) - lengths
+    positions = torch.arange(flat.numel(), device=sequences.device) - torch.repeat_interleave(starts, lengths)
+    return flat[None, :], positions[None, :]
+
+
+def unpack(flat: Tensor, lengths: Tensor, width: int) -> Tensor:
+    """(1, N-1) packed next-token values -> (b, width-1) padded layout, 0 past each row's last scored token.
+
+    Row i's values sit at flat[off_i : off_i + L_i - 1]; the position off_i + L_i - 1 scores the next row's first
+    token across a boundary and is dropped.
+    """
+    starts = torch.cumsum(lengths, 0) - lengths
+    cols = torch.arange(width - 1, device=flat.device)[None, :]
+    valid = cols < (lengths[:, None] - 1)
+    index = (starts[:, None] + cols).clamp(max=flat.shape[1] - 1)
+    return torch.where(valid, flat[0][index], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False,
+                   packed: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
+    """(b, w-1) log π(sequences[:, t+1] | sequences[:, :t+1]) at logits / temperature, and optionally the entropy.
+
+    `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row.
+    """
+    b, width = sequences.shape
+    if not packed:
+        lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens)
+        return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)
+    lengths = attention_mask.sum(-1)
+    flat, positions = pack(sequences, lengths)
+    lp, ent = _call(model, flat, None, positions, temperature, with_entropy, chunk_tokens)
+    return unpack(lp[None], lengths, width), (unpack(ent[None], lengths, width) if ent is not None else None)

@@ -1,0 +1,143 @@
+"""GPU check of packed and token-budget micro-batches in the RL trainer rank (one GPU; not part of `just test`).
+
+    python3 tests/gpu/check_packing.py OUT_DIR
+    MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/check_packing.py OUT_DIR     (CPU, gloo, fp32, small: checks the script)
+
+One `PolicyWorker` (FSDP2 world 1, NCCL, bf16 compute, fp32 master weights) on a random Qwen3-shaped model, a batch
+with skewed lengths (7 in 8 rows short, 1 in 8 long), for each attention implementation available (flash_attention_2
+when flash-attn imports, and sdpa) and each layout (padded / packed / dynamic = packed by token budget):
+1. correctness: old log-probs and the first optimizer step's gradients against the padded layout (max abs diff of
+   log-probs on action tokens, max relative gradient difference); lr is 0, so every run sees the same weights;
+2. speed: best-of-3 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
+Writes OUT_DIR/packing_gpu.json and prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRY_RUN = os.environ.get("MOLT_GPU_CHECK_DRY_RUN") == "1"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+
+def skewed_batch(rows: int, short: tuple[int, int], long: tuple[int, int], vocab: int):
+    import torch
+
+    from runtime.experience import from_token_lists
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [int(torch.randint(*(long if i % 8 == 3 else short), (1,), generator=g)) for i in range(rows)]
+    tokens = [torch.randint(5, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+    return from_token_lists(tokens, [[(min(64, n // 4), n)] for n in lengths], [[] for _ in tokens], pad_id=0)
+
+
+def main() -> int:
+    import torch
+    from loop_support import trainer_rl
+
+    from runtime.tiny_model import build_tiny_model
+    from runtime.trainer import PolicyWorker, free_port
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    if DRY_RUN:
+        shape = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        rows, short, long, micro, accum, max_tokens = 16, (20, 60), (150, 200), 4, 2, 256
+    else:
+        shape = dict(vocab_size=32768, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16,
+                     num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+        rows, short, long, micro, accum, max_tokens = 64, (256, 1024), (3072, 4097), 4, 8, 8192
+    model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "molt_gpu_packing_model", seed=0, **shape)
+    batch = skewed_batch(rows, short, long, shape["vocab_size"])
+    mask = batch.action_mask
+    tokens = int(batch.attention_mask.sum())
+    attns = ["sdpa"]
+    try:
+        import flash_attn  # noqa: F401
+
+        attns.insert(0, "flash_attention_2")
+    except ImportError:
+        pass
+    if DRY_RUN:
+        attns = ["sdpa"]
+    base = {"micro_batch_size": micro, "grad_accum": accum, "max_epochs": 1, "temperature": 1.0, "seed": 0,
+            "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None}
+    layouts = {"padded": base, "packed": {**base, "packing": True},
+               "dynamic": {**base, "packing": True, "dynamic_batch_max_tokens": max_tokens,
+                           "local_batch_size": micro * accum}}
+    sync = (lambda: None) if DRY_RUN else torch.cuda.synchronize
+    report: dict = {"device": "cpu (dry run)" if DRY_RUN else torch.cuda.get_device_name(0), "rows": rows,
+                    "real_tokens": tokens, "padded_tokens": int(batch.sequences.numel()), "model": shape,
+                    "flash_attn_available": "flash_attention_2" in attns, "runs": {}}
+    port = free_port()
+    for attn in attns:
+        rls = {name: trainer_rl(
+            1, ref=False, model={"path": str(model_dir), "attn": attn,
+                                 "dtype": "float32" if DRY_RUN else "bfloat16"}, trainer=t,
+            optimizer={"lr": 0.0, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+            kl={"use_loss": False}, is_correction={"level": "off"},
+            device="cpu" if DRY_RUN else "cuda", dist_backend="gloo" if DRY_RUN else "nccl")
+            for name, t in layouts.items()}
+        rl = rls["padded"]
+        worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1",
+                              port)
+        port += 1
+        grads: list = []
+        real_step = worker._optimizer_step
+
+        def capture_then_step(real_step=real_step, worker=worker, grads=grads) -> float:
+            if not grads:
+                grads.append([p.grad.full_tensor().float().clone() for p in worker.model.parameters()])
+            return real_step()
+
+        reference = {}
+        for name, layout in rls.items():
+            worker.t = layout.trainer
+            grads.clear()
+            worker._optimizer_step = capture_then_step
+            times, peak = [], 0.0
+            for i in range(4):
+                if not DRY_RUN:
+                    torch.cuda.reset_peak_memory_stats()
+                sync()
+                t0 = time.perf_counter()
+                _, old, _ = worker.forward_logprobs(batch)
+                worker.train(replace(batch, old_log_probs=old, advantages=mask.float(),
+                                     rollout_log_probs=old * mask), 0.0)
+                sync()
+                if i > 0:
+                    times.append(time.perf_counter() - t0)
+                if not DRY_RUN:
+                    peak = max(peak, torch.cuda.max_memory_reserved() / 2**30)
+                if i == 0:
+                    first_old, first_grads = old, grads[0]
+            run = {"step_s_best": min(times), "tokens_per_s": tokens / min(times), "peak_reserved_gib": peak}
+            if name == "padded":
+                reference = {"old": first_old, "grads": first_grads}
+            else:
+                run["logprob_max_abs_diff_vs_padded"] = float(((first_old - reference["old"]).abs() * mask).max())
+                run["grad_max_rel_diff_vs_padded"] = max(
+                    float((a - b).norm() / b.norm().clamp(min=1e-12))
+                    for a, b in zip(first_grads, reference["grads"], strict=True))
+            report["runs"][f"{attn}/{name}"] = run
+        for name in ("packed", "dynamic"):
+            report["runs"][f"{attn}/{name}"]["speedup_vs_padded"] = (
+                report["runs"][f"{attn}/padded"]["step_s_best"] / report["runs"][f"{attn}/{name}"]["step_s_best"])
+        worker.shutdown()
+    text = json.dumps(report, indent=1)
+    print(text)
+    (out / "packing_gpu.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""Packed and token-budget micro-batches train exactly like padded fixed ones (fp32, CPU, real gloo FSDP2 ranks).
+
+For world 1 and 2, each rank builds one `PolicyWorker` and runs the same batch through three layouts: padded fixed
+micro-batches, packed fixed micro-batches, and packed micro-batches by token budget (with Molt's length-balanced
+rank shards). The old/ref log-probs, the loss sums and the gradients of every optimizer step must agree. The
+gradients are read at each optimizer step (the rank's `_optimizer_step` is replaced by a recorder that zeroes them),
+so the three runs start from the same weights.
+
+Also: the chunked lm_head path gives the full-logits numbers (log-probs, entropy, gradients) and never asks the
+lm_head for more than one chunk of positions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from loop_support import ROOT, trainer_rl
+
+from runtime import algo
+from runtime.experience import from_token_lists
+from runtime.logprobs import token_logprobs
+
+MODEL = str(ROOT / "recipes/data/demo_math/model")
+ROWS = 8
+
+
+def trainer_rl_for(world: int, **trainer):
+    # world 1: micro 2 x accum 2 = two optimizer-step windows of 4 rows; world 2: one window of 4 rows per rank.
+    return trainer_rl(
+        world, trainer={"micro_batch_size": 2, "grad_accum": 2, "max_epochs": 1, "temperature": 0.7, "seed": 0,
+                        "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None, **trainer},
+        optimizer=dict(lr=1e-2, max_norm=0.0, scheduler="constant", warmup_steps=0, total_steps=10),
+        loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.01),
+        kl=dict(estimator="k3", use_loss=True), is_correction=dict(level="token", mode="clip", low=0.8, high=1.2))
+
+
+def skewed_batch():
+    """Rows of 6..40 tokens (a few long ones), one or two action spans each."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [6, 40, 9, 7, 33, 8, 12, 10]
+    tokens = [torch.randint(5, 200, (n,), generator=g).tolist() for n in lengths]
+    ranges = [[(2, 4), (5, n)] if i % 2 else [(3, n)] for i, n in enumerate(lengths)]
+    return from_token_lists(tokens, ranges, [[] for _ in tokens], pad_id=0)
+
+
+def layouts(world: int) -> dict[str, object]:
+    """The trainer sections of the three layouts (the model, ref and algo sections are the same)."""
+    step_rows = 4  # rows per rank per optimizer step, as micro 2 x accum 2
+    return {
+        "padded": trainer_rl_for(world),
+        "packed": trainer_rl_for(world, packing=True),
+        # 30 tokens: the 33- and 40-token rows exceed it (a bin each), short rows share bins; ranks get unequal bin
+        # counts, so empty filler micro-batches are exercised.
+        "dynamic": trainer_rl_for(world, packing=True, dynamic_batch_max_tokens=30, local_batch_size=step_rows),
+    }
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, rls: dict) -> None:
+    torch.set_num_threads(1)
+    from runtime.trainer import PolicyWorker
+
+    rl = rls["padded"]
+    worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
+    steps: list[list[torch.Tensor]] = []
+
+    def record_step() -> float:
+        steps.append([p.grad.full_tensor().clone() for p in worker.model.parameters()])
+        worker.optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
+    worker._optimizer_step = record_step
+    batch = skewed_batch()
+    mask = batch.action_mask
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    results = {}
+    for name, rl in rls.items():
+        worker.t = rl.trainer
+        rows, old, ref = worker.forward_logprobs(batch)
+        # Each rank fills only its own rows (and trains only those); the rest stay 0.
+        old_full, ref_full = torch.zeros(mask.shape), torch.zeros(mask.shape)
+        old_full[rows], ref_full[rows] = old, ref
+        train_batch = replace(batch, old_log_probs=old_full, ref_log_probs=ref_full, advantages=advantages,
+                              rollout_log_probs=(old_full - 0.05) * mask)  # an engine that disagrees a little
+        steps.clear()
+        stats = worker.train(train_batch, kl_coef=0.05)
+        results[name] = {"rows": rows, "old": old, "ref": ref, "stats": stats, "grads": list(steps)}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    worker.shutdown()
+
+
+def _gather(results: list[dict], name: str):
+    old = torch.zeros(ROWS, skewed_batch().action_mask.shape[1])
+    for r in results:
+        old[r[name]["rows"]] = r[name]["old"]
+    sums = {k: sum(r[name]["stats"][k] for r in results) for k in results[0][name]["stats"]
+            if k.endswith("_x_tokens") or k == "tokens"}
+    return old, sums, results[0][name]["grads"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_and_token_budget_match_padded(world, tmp_path):
+    from runtime.trainer import free_port
+
+    mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), layouts(world)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    mask = skewed_batch().action_mask
+    old_p, sums_p, grads_p = _gather(results, "padded")
+    assert len(grads_p) == (2 if world == 1 else 1)  # optimizer steps
+    for name in ("packed", "dynamic"):
+        old, sums, grads = _gather(results, name)
+        assert torch.allclose(old * mask, old_p * mask, atol=1e-5), name
+        assert sums.keys() == sums_p.keys()
+        for k in sums:
+            assert abs(sums[k] - sums_p[k]) <= 1e-5 * max(1.0, abs(sums_p[k])), (name, k, sums[k], sums_p[k])
+        assert len(grads) == len(grads_p), name
+        for step, step_p in zip(grads, grads_p, strict=True):
+            worst = max((a - b).abs().max().item() for a, b in zip(step, step_p, strict=True))
+            assert worst < 1e-5, (name, worst)
+    assert max(g.abs().max().item() for g in grads_p[0]) > 1e-3  # the gradients are not trivially zero
+    assert sums_p["tokens"] == mask.sum().item()
+    if world == 2:  # the token-budget run balanced the shards by length, so rows moved between ranks
+        assert not torch.equal(results[0]["dynamic"]["rows"], results[0]["padded"]["rows"])
+
+
+def test_chunked_lm_head_matches_full_logits_and_stays_chunked():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    batch = skewed_batch()
+    seqs, attn, mask = batch.sequences, batch.attention_mask, batch.action_mask
+
+    def full_formula():
+        logits = model(input_ids=seqs, attention_mask=attn.long()).logits[:, :-1].float() / 0.7
+        logz = torch.logsumexp(logits, -1)
+        lp = logits.gather(-1, seqs[:, 1:, None]).squeeze(-1) - logz
+        return lp, logz - (torch.softmax(logits, -1) * logits).sum(-1)
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    lp_full, ent_full = full_formula()
+    g_full = grads(algo.global_token_mean(lp_full - 0.1 * ent_full, mask, mask.sum()))
+    rows_seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows_seen.append(o.shape[0]))
+    for packed in (False, True):
+        rows_seen.clear()
+        lp, ent = token_logprobs(model, seqs, attn, 0.7, with_entropy=True, packed=packed, chunk_tokens=16)
+        assert torch.allclose(lp * mask, lp_full * mask, atol=1e-5)
+        assert torch.allclose(ent * mask, ent_full * mask, atol=1e-5)
+        g = grads(algo.global_token_mean(lp - 0.1 * ent, mask, mask.sum()))
+        assert max((a - b).abs().max().item() for a, b in zip(g, g_full, strict=True)) < 1e-5
+        # lm_head sees (chunk, hidden) inputs only, forward and recomputed backward alike
+        assert rows_seen and max(rows_seen) <= 16 and len(rows_seen) > 2 * (attn.sum() // 16)
+    hook.remove()
