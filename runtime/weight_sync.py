@@ -1,0 +1,221 @@
+"""Streamed weight sync: trainer shards -> fixed-size buckets in the engine dtype -> broadcast to every engine worker.
+
+One dedicated process group (the plan's `weight_sync`) holds trainer rank 0 (group rank 0, the sender) and every
+engine worker (ranks `engine_rank_offsets[i] + j`). It is built from a TCPStore that trainer rank 0 hosts, without
+touching either side's default world: the trainer ranks have their FSDP world, each vLLM worker its own. gloo on CPU
+(so CI runs this exact code path), NCCL on GPUs.
+
+The sender and the receivers agree on the stream without exchanging anything per bucket: both sides hold the same
+`TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
+cut it into buckets with the same `bucket_layout`. Per sync:
+
+- every trainer rank walks the parameters in module order; each parameter's local shard is cast to the wire dtype
+  and then all-gathered (`DTensor.full_tensor()`), so the gather moves wire-dtype bytes and no rank ever holds more
+  than one full parameter plus one bucket (never the whole model, never fp32 unless the engine runs fp32);
+- rank 0 copies each full parameter into the current bucket and broadcasts a full bucket asynchronously, so the next
+  bucket's gather overlaps the previous bucket's transfer (at most two buckets alive);
+- each receiver posts the next bucket's receive before loading the current one (again two buffers), and loads each
+  bucket as it arrives (vLLM: `model.load_weights` inside the layer-wise reload; hf: `param.copy_`).
+
+Kept free of Ray and of vLLM: the vLLM worker extension and the hf engine import it as well.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+# A tied lm_head is one parameter in the trainer (named_parameters lists it once, as the embedding) but vLLM must
+# receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str              # torch dtype name on the wire, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass
+class SyncStats:
+    """One side's share of one sync (seconds, bytes). The driver merges the sender's and the receivers'."""
+
+    gather_s: float = 0.0      # sender: all-gather + cast + pack
+    transfer_s: float = 0.0    # time blocked on the broadcast (sender: waiting for sends, receiver: for data)
+    load_s: float = 0.0        # receiver: loading buckets into the model
+    bytes: int = 0
+    buckets: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gather_s": self.gather_s, "transfer_s": self.transfer_s, "load_s": self.load_s,
+                "bytes": float(self.bytes), "buckets": float(self.buckets)}
+
+
+def wire_metas(model: torch.nn.Module, dtype: str) -> list[TensorMeta]:
+    """What the sender will stream: floating parameters in module order, at their full (global) shapes."""
+    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in model.named_parameters()
+            if p.is_floating_point()]
+
+
+def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+    """Cut the stream into consecutive buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, m in enumerate(metas):
+        if current and size + m.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += m.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def join_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float):
+    """The weight-sync process group, independent of any default world; rank 0 hosts the store."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = PrefixStore("molt-weight-sync", TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                                                     wait_for_workers=False))
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, world, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world, opts)
+    raise ValueError(f"unknown weight-sync backend {backend!r}")  # the plan allows gloo|nccl only
+
+
+def _broadcast(group, tensor: torch.Tensor):
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
+
+
+# ----------------------------------------------------------------------------------------------------- sender
+@torch.no_grad()
+def _full_params(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Iterator[torch.Tensor]:
+    """Each floating parameter in full, in the wire dtype: cast the shard first, then all-gather (a collective:
+    every trainer rank must iterate in the same order)."""
+    for _, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        shard = p.detach().to(dtype)
+        full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
+        yield full.to(device)
+
+
+def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group,
+               device: torch.device) -> SyncStats:
+    """Stream the model out of its shards; `group` is None on the ranks that only take part in the gather."""
+    return send(_full_params(model, getattr(torch, metas[0].dtype), device), metas, bucket_bytes, group, device)
+
+
+def send(params: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
+         device: torch.device) -> SyncStats:
+    """Pack `params` (full tensors, in `metas` order and dtype, produced lazily) into buckets and broadcast them."""
+    stats = SyncStats()
+    params = iter(params)
+    pending = None  # (work, buffer) of the bucket in flight
+    for bucket in bucket_layout(metas, bucket_bytes):
+        t0 = time.perf_counter()
+        size = sum(metas[i].nbytes for i in bucket)
+        buf = torch.empty(size, dtype=torch.uint8, device=device) if group is not None else None
+        offset = 0
+        for i in bucket:
+            full = next(params)
+            if tuple(full.shape) != metas[i].shape:
+                raise RuntimeError(f"weight sync: {metas[i].name} has shape {tuple(full.shape)}, "
+                                   f"declared {metas[i].shape}")
+            if buf is not None:
+                n = metas[i].nbytes
+                buf[offset:offset + n].copy_(full.contiguous().view(-1).view(torch.uint8))
+                offset += n
+            del full
+        stats.gather_s += time.perf_counter() - t0
+        if group is None:
+            continue
+        t0 = time.perf_counter()
+        if pending is not None:
+            pending[0].wait()
+        pending = (_broadcast(group, buf), buf)
+        stats.transfer_s += time.perf_counter() - t0
+        stats.bytes += size
+        stats.buckets += 1
+    if pending is not None:
+        t0 = time.perf_counter()
+        pending[0].wait()
+        stats.transfer_s += time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------- receiver
+def unpack(buf: torch.Tensor, metas: list[TensorMeta], bucket: list[int], aliases: dict[str, str]
+           ) -> list[tuple[str, torch.Tensor]]:
+    """Views into one received bucket, HF-named; `aliases` (target -> source) adds tied names."""
+    out = []
+    offset = 0
+    for i in bucket:
+        m = metas[i]
+        t = buf[offset:offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
+        offset += m.nbytes
+        out.append((m.name, t))
+        out.extend((target, t) for target, source in aliases.items() if source == m.name)
+    return out
+
+
+def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.device,
+            load: Callable[[list[tuple[str, torch.Tensor]]], None], aliases: dict[str, str]) -> SyncStats:
+    """Receive every bucket and hand it to `load` as it arrives, the next receive already posted."""
+    stats = SyncStats()
+    layout = bucket_layout(metas, bucket_bytes)
+
+    def post(bucket: list[int]):
+        buf = torch.empty(sum(metas[i].nbytes for i in bucket), dtype=torch.uint8, device=device)
+        return _broadcast(group, buf), buf
+
+    nxt = post(layout[0])
+    for k, bucket in enumerate(layout):
+        work, buf = nxt
+        t0 = time.perf_counter()
+        work.wait()
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        stats.transfer_s += time.perf_counter() - t0
+        nxt = post(layout[k + 1]) if k + 1 < len(layout) else None
+        t0 = time.perf_counter()
+        load(unpack(buf, metas, bucket, aliases))
+        stats.load_s += time.perf_counter() - t0
+        stats.bytes += buf.numel()
+        stats.buckets += 1
+    return stats
+
+
+def tied_aliases(metas: list[TensorMeta], tied: bool) -> dict[str, str]:
+    """lm_head.weight -> the embedding, when tied and the trainer did not send it itself."""
+    names = {m.name for m in metas}
+    return {LM_HEAD: EMBED} if tied and LM_HEAD not in names and EMBED in names else {}
