@@ -19,15 +19,11 @@ import math
 import os
 import socket
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from runtime.experience import Experience
-
-if TYPE_CHECKING:
-    import ray
 
 
 @dataclass(frozen=True)
