@@ -268,7 +268,8 @@ class PolicyWorker:
 
         metas = weight_sync.wire_metas(self.model, dtype)
         group = getattr(self, "_sync_group", None) if self.rank == 0 else None
-        return weight_sync.send_model(self.model, metas, bucket_bytes, group, self.device).as_dict()
+        return weight_sync.send_model(self.model, metas, bucket_bytes, group, self.device, self.mesh.get_group(),
+                                      self.rank, self.spec.world).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
         from runtime.ckpt import save_sharded

@@ -115,45 +115,120 @@ def _broadcast(group, tensor: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------------------- sender
-@torch.no_grad()
-def _full_params(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> Iterator[torch.Tensor]:
-    """Each floating parameter in full, in the wire dtype: cast the shard first, then all-gather (a collective:
-    every trainer rank must iterate in the same order)."""
-    for _, p in model.named_parameters():
-        if not p.is_floating_point():
-            continue
-        shard = p.detach().to(dtype)
-        full = shard.full_tensor() if hasattr(shard, "full_tensor") else shard
-        yield full.to(device)
+def _chunk_rows(n: int, world: int) -> list[int]:
+    """Rows of dim 0 per rank under FSDP2's Shard(0) (torch.chunk: equal ceil-sized chunks, the tail may be short
+    or missing)."""
+    size = -(-n // world) if n else 0
+    return [max(0, min(size, n - r * size)) for r in range(world)]
 
 
-def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group,
-               device: torch.device) -> SyncStats:
+class ShardGather:
+    """Fills one bucket from the FSDP2 shards with one all-gather: each rank packs its local shards of the bucket's
+    parameters (cast to the wire dtype, each padded to the largest rank's rows) into one buffer, all ranks all-gather
+    it, and rank 0 reorders the rank-major result into full tensors in the bucket. Every rank must call it for every
+    bucket, in order."""
+
+    def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
+                 device: torch.device):
+        self.params = [p for _, p in model.named_parameters() if p.is_floating_point()]
+        if len(self.params) != len(metas):
+            raise RuntimeError(f"weight sync: {len(self.params)} parameters, {len(metas)} declared")
+        self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
+        self.dtype = getattr(torch, metas[0].dtype)
+
+    def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
+        placements = getattr(p, "placements", None)
+        if placements is None:
+            return p.detach(), False
+        if len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
+            raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
+        return p.detach().to_local(), placements[0].is_shard(0)
+
+    @torch.no_grad()
+    def __call__(self, bucket: list[int], buf: torch.Tensor | None) -> None:
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        sharded, whole = [], []  # (index, local piece, rows per rank, bytes per row, offset in the segment)
+        seg = 0
+        for i in bucket:
+            local, is_shard = self._local(self.params[i])
+            shape = self.metas[i].shape
+            if not is_shard:
+                whole.append((i, local))
+                continue
+            row_bytes = esize * (self.metas[i].nbytes // (esize * shape[0]) if shape[0] else 0)
+            rows = _chunk_rows(shape[0], self.world)
+            if local.shape[0] != rows[self.rank]:
+                raise RuntimeError(f"weight sync: {self.metas[i].name} shard has {local.shape[0]} rows, "
+                                   f"expected {rows[self.rank]} (FSDP2 chunking)")
+            sharded.append((i, local, rows, row_bytes, seg))
+            seg += rows[0] * row_bytes
+        if sharded:
+            send = torch.empty(seg, dtype=torch.uint8, device=self.device)
+            for _, local, rows, row_bytes, off in sharded:
+                n = rows[self.rank] * row_bytes
+                if n:
+                    send[off:off + n].view(self.dtype).copy_(local.reshape(-1))
+            recv = torch.empty(seg * self.world, dtype=torch.uint8, device=self.device)
+            import torch.distributed as dist
+
+            dist.all_gather_into_tensor(recv, send, group=self.group)
+            del send
+        if buf is None:
+            return
+        dest = {}
+        offset = 0
+        for i in bucket:
+            dest[i] = offset
+            offset += self.metas[i].nbytes
+        for i, _, rows, row_bytes, off in sharded:
+            at = dest[i]
+            for r in range(self.world):
+                n = rows[r] * row_bytes
+                buf[at:at + n].copy_(recv[r * seg + off:r * seg + off + n])
+                at += n
+        for i, local in whole:
+            n = self.metas[i].nbytes
+            buf[dest[i]:dest[i] + n].view(self.dtype).copy_(local.reshape(-1))
+
+
+def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group, device: torch.device,
+               gather_group, rank: int, world: int) -> SyncStats:
     """Stream the model out of its shards; `group` is None on the ranks that only take part in the gather."""
-    return send(_full_params(model, getattr(torch, metas[0].dtype), device), metas, bucket_bytes, group, device)
+    return send(ShardGather(model, metas, gather_group, rank, world, device), metas, bucket_bytes, group, device)
 
 
-def send(params: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
+def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
+                 device: torch.device) -> SyncStats:
+    """Stream full tensors (in `metas` order and dtype, produced lazily): a process that holds a whole model."""
+    it = iter(tensors)
+
+    def fill(bucket: list[int], buf: torch.Tensor | None) -> None:
+        offset = 0
+        for i in bucket:
+            full = next(it)
+            if tuple(full.shape) != metas[i].shape:
+                raise RuntimeError(f"weight sync: {metas[i].name} has shape {tuple(full.shape)}, "
+                                   f"declared {metas[i].shape}")
+            n = metas[i].nbytes
+            if buf is not None:
+                buf[offset:offset + n].view(full.dtype).copy_(full.reshape(-1))
+            offset += n
+
+    return send(fill, metas, bucket_bytes, group, device)
+
+
+def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[TensorMeta], bucket_bytes: int, group,
          device: torch.device) -> SyncStats:
-    """Pack `params` (full tensors, in `metas` order and dtype, produced lazily) into buckets and broadcast them."""
+    """Fill each bucket (`fill(bucket, buffer)`; buffer None where this process only helps gather) and broadcast
+    it asynchronously, so that filling the next bucket overlaps sending this one."""
     stats = SyncStats()
-    params = iter(params)
     pending = None  # (work, buffer) of the bucket in flight
     for bucket in bucket_layout(metas, bucket_bytes):
         t0 = time.perf_counter()
         size = sum(metas[i].nbytes for i in bucket)
         buf = torch.empty(size, dtype=torch.uint8, device=device) if group is not None else None
-        offset = 0
-        for i in bucket:
-            full = next(params)
-            if tuple(full.shape) != metas[i].shape:
-                raise RuntimeError(f"weight sync: {metas[i].name} has shape {tuple(full.shape)}, "
-                                   f"declared {metas[i].shape}")
-            if buf is not None:
-                n = metas[i].nbytes
-                buf[offset:offset + n].copy_(full.contiguous().view(-1).view(torch.uint8))
-                offset += n
-            del full
+        fill(bucket, buf)
         stats.gather_s += time.perf_counter() - t0
         if group is None:
             continue

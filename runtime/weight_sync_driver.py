@@ -104,7 +104,7 @@ class StateDictSender:
         receives = [e.receive_weights.remote(version) for e in self.engines]
         tensors = (state[m.name].detach().to(getattr(torch, m.dtype)) for m in self.metas)
         box: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: box.update(stats=weight_sync.send(
+        t = threading.Thread(target=lambda: box.update(stats=weight_sync.send_tensors(
             tensors, self.metas, self.bucket_bytes, self.group, torch.device("cpu"))))
         t.start()
         out = ray.get(receives)

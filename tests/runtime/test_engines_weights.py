@@ -43,7 +43,7 @@ def test_stream_over_gloo_delivers_every_tensor_in_the_wire_dtype():
         group = weight_sync.join_group("gloo", "127.0.0.1", port, rank, world, 30.0)
         if rank == 0:
             tensors = (state[m.name].to(torch.bfloat16) for m in metas)  # produced one at a time
-            stats[0] = weight_sync.send(tensors, metas, bucket, group, torch.device("cpu"))
+            stats[0] = weight_sync.send_tensors(tensors, metas, bucket, group, torch.device("cpu"))
         else:
             stats[rank] = weight_sync.receive(group, metas, bucket, torch.device("cpu"),
                                               lambda pairs: received[rank].update({n: t.clone() for n, t in pairs}),
@@ -100,3 +100,10 @@ def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
     gate.open()
     worker.join(timeout=5)
     assert len(steps) == 3
+
+
+def test_shard_rows_follow_fsdp2_chunking():
+    for n in (0, 1, 5, 7, 8, 100, 1003):
+        for world in (1, 2, 3, 4, 8):
+            chunks = [len(c) for c in torch.arange(n).chunk(world)] if n else []
+            assert weight_sync._chunk_rows(n, world) == chunks + [0] * (world - len(chunks)), (n, world)
