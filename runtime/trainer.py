@@ -263,7 +263,7 @@ class PolicyWorker:
         self._sync_group = weight_sync.join_group(backend, host, port, 0, world, timeout_s)
 
     def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]:
-        """Every rank must call this (each parameter is all-gathered); rank 0 broadcasts the buckets."""
+        """Every rank must call this (rank 0 gathers the shards bucket by bucket); rank 0 broadcasts the buckets."""
         from runtime import weight_sync
 
         metas = weight_sync.wire_metas(self.model, dtype)

@@ -9,9 +9,9 @@ The sender and the receivers agree on the stream without exchanging anything per
 `TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
 cut it into buckets with the same `bucket_layout`. Per sync:
 
-- every trainer rank walks the parameters in module order; each parameter's local shard is cast to the wire dtype
-  and then all-gathered (`DTensor.full_tensor()`), so the gather moves wire-dtype bytes and no rank ever holds more
-  than one full parameter plus one bucket (never the whole model, never fp32 unless the engine runs fp32);
+- every trainer rank packs its local shards of one bucket's parameters, cast to the wire dtype, into one buffer and
+  rank 0 gathers them (one collective per bucket, `ShardGather`), so the gather moves wire-dtype bytes and no rank
+  holds more than two buckets (never the whole model, never fp32 unless the engine runs fp32);
 - rank 0 copies each full parameter into the current bucket and broadcasts a full bucket asynchronously, so the next
   bucket's gather overlaps the previous bucket's transfer (at most two buckets alive);
 - each receiver posts the next bucket's receive before loading the current one (again two buffers), and loads each
@@ -53,7 +53,7 @@ class TensorMeta:
 class SyncStats:
     """One side's share of one sync (seconds, bytes). The driver merges the sender's and the receivers'."""
 
-    gather_s: float = 0.0      # sender: all-gather + cast + pack
+    gather_s: float = 0.0      # sender: cast + pack + gather of the shards
     transfer_s: float = 0.0    # time blocked on the broadcast (sender: waiting for sends, receiver: for data)
     load_s: float = 0.0        # receiver: loading buckets into the model
     bytes: int = 0
@@ -114,6 +114,42 @@ def _broadcast(group, tensor: torch.Tensor):
     return group.broadcast([tensor], opts)
 
 
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_SOLE_OWNER = _use_count(torch.empty(1))  # a tensor nothing else views (the probe itself adds one)
+
+
+class BufferPool:
+    """Byte buffers kept across buckets and syncs. A fresh large CPU allocation is mmap'ed and pays a page fault per
+    4 KiB on first touch — measured here as the largest single cost of a sync (a 400 MiB copy into new memory took
+    longer than broadcasting it). CUDA's caching allocator already reuses memory, so there the pool is a pass-through.
+    A buffer comes back only when nothing else still views it (vLLM's layer-wise reload keeps the views of a layer's
+    weights until the layer is complete)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int, device: torch.device, at_least: int = 0) -> torch.Tensor:
+        """A byte buffer of `max(nbytes, at_least)` or more; use `[:nbytes]` of it."""
+        if device.type == "cpu":
+            for i, b in enumerate(self._free):
+                if b.numel() >= nbytes:
+                    return self._free.pop(i)
+        # Headroom over the bucket size: a gathered bucket carries the shards' padding rows.
+        return torch.empty(max(nbytes, at_least + at_least // 8), dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.device.type == "cpu" and len(self._free) < self.keep and _use_count(buf) == _SOLE_OWNER:
+            self._free.append(buf)
+
+
+POOL = BufferPool()
+"""This process's buffers (a trainer rank, an hf engine actor or a vLLM worker is one sender or receiver)."""
+
+
 # ----------------------------------------------------------------------------------------------------- sender
 def _chunk_rows(n: int, world: int) -> list[int]:
     """Rows of dim 0 per rank under FSDP2's Shard(0) (torch.chunk: equal ceil-sized chunks, the tail may be short
@@ -123,17 +159,18 @@ def _chunk_rows(n: int, world: int) -> list[int]:
 
 
 class ShardGather:
-    """Fills one bucket from the FSDP2 shards with one all-gather: each rank packs its local shards of the bucket's
-    parameters (cast to the wire dtype, each padded to the largest rank's rows) into one buffer, all ranks all-gather
-    it, and rank 0 reorders the rank-major result into full tensors in the bucket. Every rank must call it for every
+    """Fills one bucket from the FSDP2 shards with one collective: each rank packs its local shards of the bucket's
+    parameters (cast to the wire dtype, each padded to the largest rank's rows) into one buffer, rank 0 gathers them
+    and reorders the rank-major result into full tensors in the bucket. Every rank must call it for every
     bucket, in order."""
 
     def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
-                 device: torch.device):
+                 device: torch.device, bucket_bytes: int):
         self.params = [p for _, p in model.named_parameters() if p.is_floating_point()]
         if len(self.params) != len(metas):
             raise RuntimeError(f"weight sync: {len(self.params)} parameters, {len(metas)} declared")
         self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
+        self.bucket_bytes = bucket_bytes
         self.dtype = getattr(torch, metas[0].dtype)
 
     def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -164,16 +201,21 @@ class ShardGather:
             sharded.append((i, local, rows, row_bytes, seg))
             seg += rows[0] * row_bytes
         if sharded:
-            send = torch.empty(seg, dtype=torch.uint8, device=self.device)
+            send_base = POOL.take(seg, self.device, at_least=self.bucket_bytes)
+            send = send_base[:seg]
             for _, local, rows, row_bytes, off in sharded:
                 n = rows[self.rank] * row_bytes
                 if n:
                     send[off:off + n].view(self.dtype).copy_(local.reshape(-1))
-            recv = torch.empty(seg * self.world, dtype=torch.uint8, device=self.device)
             import torch.distributed as dist
 
-            dist.all_gather_into_tensor(recv, send, group=self.group)
+            # A gather, not an all-gather: only rank 0 needs the full tensors.
+            recv_base = POOL.take(seg * self.world, self.device, self.bucket_bytes) if self.rank == 0 else None
+            recv = recv_base[:seg * self.world] if recv_base is not None else None
+            dist.gather(send, list(recv.view(self.world, seg)) if recv is not None else None, group=self.group,
+                        group_dst=0)
             del send
+            POOL.give(send_base)
         if buf is None:
             return
         dest = {}
@@ -190,12 +232,16 @@ class ShardGather:
         for i, local in whole:
             n = self.metas[i].nbytes
             buf[dest[i]:dest[i] + n].view(self.dtype).copy_(local.reshape(-1))
+        if sharded:
+            del recv
+            POOL.give(recv_base)
 
 
 def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group, device: torch.device,
                gather_group, rank: int, world: int) -> SyncStats:
     """Stream the model out of its shards; `group` is None on the ranks that only take part in the gather."""
-    return send(ShardGather(model, metas, gather_group, rank, world, device), metas, bucket_bytes, group, device)
+    return send(ShardGather(model, metas, gather_group, rank, world, device, bucket_bytes), metas, bucket_bytes,
+                group, device)
 
 
 def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
@@ -227,7 +273,8 @@ def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[Ten
     for bucket in bucket_layout(metas, bucket_bytes):
         t0 = time.perf_counter()
         size = sum(metas[i].nbytes for i in bucket)
-        buf = torch.empty(size, dtype=torch.uint8, device=device) if group is not None else None
+        base = POOL.take(size, device, at_least=bucket_bytes) if group is not None else None
+        buf = base[:size] if base is not None else None
         fill(bucket, buf)
         stats.gather_s += time.perf_counter() - t0
         if group is None:
@@ -235,7 +282,9 @@ def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[Ten
         t0 = time.perf_counter()
         if pending is not None:
             pending[0].wait()
-        pending = (_broadcast(group, buf), buf)
+            POOL.give(pending[1])
+        pending = (_broadcast(group, buf), base)
+        del buf
         stats.transfer_s += time.perf_counter() - t0
         stats.bytes += size
         stats.buckets += 1
@@ -243,6 +292,7 @@ def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[Ten
         t0 = time.perf_counter()
         pending[0].wait()
         stats.transfer_s += time.perf_counter() - t0
+        POOL.give(pending[1])
     if device.type == "cuda":
         torch.cuda.current_stream().synchronize()
     return stats
@@ -270,12 +320,13 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
     layout = bucket_layout(metas, bucket_bytes)
 
     def post(bucket: list[int]):
-        buf = torch.empty(sum(metas[i].nbytes for i in bucket), dtype=torch.uint8, device=device)
-        return _broadcast(group, buf), buf
+        size = sum(metas[i].nbytes for i in bucket)
+        base = POOL.take(size, device, at_least=bucket_bytes)
+        return _broadcast(group, base[:size]), base[:size], base
 
     nxt = post(layout[0])
     for k, bucket in enumerate(layout):
-        work, buf = nxt
+        work, buf, base = nxt
         t0 = time.perf_counter()
         work.wait()
         if device.type == "cuda":
@@ -287,6 +338,8 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
         stats.load_s += time.perf_counter() - t0
         stats.bytes += buf.numel()
         stats.buckets += 1
+        del buf
+        POOL.give(base)  # only if the loader kept no view of it
     return stats
 
 

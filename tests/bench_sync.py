@@ -9,7 +9,7 @@ run in the same session against the same actors, alternating, `REPEATS` syncs ea
 - old: every rank `get_model_state_dict(full_state_dict, cpu_offload)`, rank 0 `ray.put`s the whole model, the
   engine resolves it, writes a tmpfs safetensors file and every worker reloads it (`model_runner.reload_weights`)
   — the code this branch removed, kept here only as the baseline;
-- new: `WeightSyncLink.sync` (per-parameter gather in the engine dtype, 64 MiB buckets, gloo broadcast, bucket-wise
+- new: `WeightSyncLink.sync` (one shard gather per bucket in the engine dtype, 64 MiB buckets, gloo broadcast, bucket-wise
   `load_weights` in vLLM's layer-wise reload).
 
 Reported: seconds per sync (median), the ratio, the new path's gather/transfer/load split and GB/s, the peak RSS
