@@ -168,3 +168,45 @@ def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_d
         assert out.finish_reason == "stop" or len(out.token_ids) == 400
         assert len(out.logprobs) == len(out.token_ids)
     assert outs[-1].finish_reason in ("stop", "length") and len(outs[-1].token_ids) >= 1
+
+
+def test_layerwise_reload_no_longer_warns_about_computed_buffers():
+    """Why every sync logged "RotaryEmbedding: Failed to load weights": vLLM's layer-wise reload counts a layer's
+    non-persistent buffers as loadable, and a rotary layer has only its computed cos/sin cache. The engine marks such
+    layers as having nothing to load; the cache is still put back, and a layer with real weights still warns."""
+    import logging
+
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    from runtime.engines.vllm_worker import _ignore_computed_buffers
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.randn(4, 4), persistent=False)
+
+    def reload(fix: bool) -> tuple[list[str], bool]:
+        model = torch.nn.Module()
+        model.rotary, model.linear = Rotary(), torch.nn.Linear(4, 4)
+        cache = model.rotary.cos_sin_cache.clone()
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r: records.append(r.getMessage())
+        log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        log.addHandler(handler)
+        try:
+            record_metadata_for_reloading(model)
+            initialize_layerwise_reload(model)
+            if fix:
+                _ignore_computed_buffers(model)
+            finalize_layerwise_reload(model, None)  # nothing loaded: every layer falls back to its old tensors
+        finally:
+            log.removeHandler(handler)
+        return records, torch.equal(model.rotary.cos_sin_cache, cache)
+
+    before, _ = reload(fix=False)
+    assert "Rotary: Failed to load weights" in before
+    after, cache_kept = reload(fix=True)
+    assert cache_kept and "Rotary: Failed to load weights" not in after
+    assert "Linear: Failed to load weights" in after
