@@ -31,6 +31,10 @@ demo-tool: setup
 demo-sft: setup
     {{bin}}/molt-compile recipes/demo_sft.yaml --submit
 
+# Smoke-run every shipped recipe (or the named ones) shrunk to this machine's CPUs; prints recipe -> verdict.
+smoke *RECIPES: setup
+    {{bin}}/python -m tests.smoke {{RECIPES}}
+
 # Run the whole test suite (starts the test Slurm and local Ray clusters itself).
 test: setup
     {{bin}}/python -m pytest -q tests

@@ -148,12 +148,18 @@ def cli() -> None:
 @click.option("--submit", is_flag=True, help="Submit the plan as a Ray job (a local cluster without --address).")
 @click.option("--address", metavar="URL", help="Ray Jobs address (http://HOST:8265). Default: launch.ray.address.")
 @click.option("--follow", is_flag=True, help="With --submit: stream the job's logs until it ends.")
+@click.option("--smoke", is_flag=True, help="Run the recipe shrunk to this machine's CPUs: a random small model of "
+              "its architecture, 2 steps, an eval, a checkpoint and a resume (`explain --smoke` shows the changes).")
 def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | None, slurm_out: Path | None,
-                submit: bool, address: str | None, follow: bool) -> None:
+                submit: bool, address: str | None, follow: bool, smoke: bool) -> None:
     """Validate RECIPE, print its diagnostics and a summary of its plan."""
     from molt_compile.compile import compile_recipe
     from molt_compile.render import count_line, render_json, summary_dict
 
+    if smoke:
+        if plan_out or slurm_out or submit:
+            raise click.UsageError("--smoke runs the smoke recipe here; it takes no --plan-out, --slurm or --submit")
+        sys.exit(_smoke(Path(recipe), sets, fmt))
     result = compile_recipe(Path(recipe), sets)
     plan = result.plan
     status = result.exit_status
@@ -196,6 +202,17 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
     if submit:
         submit_fn = _need("molt_compile.submit", "submit")
         sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow))
+
+
+def _smoke(recipe: Path, sets: tuple[str, ...], fmt: str) -> int:
+    from molt_compile.smoke_run import run_smokes
+
+    (verdict,) = run_smokes([(recipe, sets)], say=lambda line: click.echo(line, err=True), announce=False)
+    result = verdict.compile_result
+    if result is not None and result.diagnostics:
+        _print_diagnostics([d for d in result.diagnostics if d.severity != "info"], result, fmt)
+    click.echo("\n".join(verdict.lines()))
+    return 0 if verdict.ok else 1
 
 
 # ------------------------------------------------------------------------------------------------ lint
@@ -328,7 +345,8 @@ def _show(value: Any) -> str:
 @cli.command()
 @click.argument("recipe")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
-def explain(recipe: str, sets: tuple[str, ...]) -> None:
+@click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
+def explain(recipe: str, sets: tuple[str, ...], smoke: bool) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
     means, then every derived value with its reason."""
     from rich.table import Table
@@ -340,6 +358,8 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
     if result.recipe is None:
         _print_diagnostics(result.diagnostics, result, "text")
         sys.exit(result.exit_status or 2)
+    if smoke:
+        sys.exit(_explain_smoke(result))
     console = _console(pipe_width=240)  # piped: one row per line, so that grep finds a key with its source
     model = type(result.recipe)
     table = Table(title=f"{result.source.root_file}: resolved values", title_justify="left")
@@ -366,6 +386,27 @@ def explain(recipe: str, sets: tuple[str, ...]) -> None:
     if result.diagnostics:
         _print_diagnostics(result.diagnostics, result, "text")
     sys.exit(result.exit_status)
+
+
+def _explain_smoke(result: Any) -> int:
+    from rich.table import Table
+
+    from molt_compile.smoke import smoke_plan
+
+    sp = smoke_plan(result.recipe, result.derived, result.source)
+    table = Table(title=f"{result.source.root_file}: the smoke pass (`--smoke`)", title_justify="left")
+    for column in ("key", "recipe", "smoke", "why"):
+        table.add_column(column, overflow="fold")
+    for phase, changes in ((0, sp.changes), (1, sp.phase_changes[1]), (2, sp.phase_changes[2])):
+        for c in changes:
+            table.add_row(c.key + (f" (phase {phase})" if phase else ""), _show(c.old), _show(c.new), c.why)
+    console = _console(pipe_width=200)
+    console.print(table)
+    for note in sp.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"model: {sp.model_spec['architecture']} {json.dumps(sp.model_spec['config'])} -> {sp.model_dir}")
+    click.echo(f"outputs: {sp.work_dir}; everything else is the recipe's own")
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ diff
@@ -414,6 +455,12 @@ def rules(code: str | None) -> None:
             if row.code == wanted:
                 click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
                 return
+        from molt_compile import capability
+
+        if wanted == capability.CODE:
+            click.echo(f"{capability.CODE} {capability.NAME} (error)\n\n{capability.DOC}\n"
+                       f"## The capability table\n{capability.table_markdown()}")
+            return
         from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
 
         for place in PLACE_CODES:
@@ -422,7 +469,8 @@ def rules(code: str | None) -> None:
                 return
         from molt_compile.schema_walk import closest
 
-        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES]
+        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES] \
+            + [capability.CODE]
         guess = closest(wanted, known)
         click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
         if missing:
@@ -443,6 +491,10 @@ def rules(code: str | None) -> None:
 
     for place in PLACE_CODES:
         table.add_row(place.code, place.name, place.severity, place.doc.split(". ")[0].replace("\n", " "))
+    from molt_compile import capability
+
+    table.add_row(capability.CODE, capability.NAME, "error", "a setting this runtime does not implement on the "
+                  "recipe's device kind (the capability table)")
     _console().print(table)
     if missing:
         click.echo(f"molt-compile: {missing}", err=True)

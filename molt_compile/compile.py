@@ -5,6 +5,7 @@
     derive    (derive.py)    every derived number with its inputs and a one-line reason
     rules     (rules/)       the catalog: every illegal combination, as diagnostics
     lower     (lower.py)     the Plan: placement groups, actors, GPU map, fingerprint
+    capability (capability.py) the plan against what this runtime implements on its device (CAP001)
 
 Load and validate errors are blockers (exit 2): nothing after them can run. Rule errors (exit 1) still let
 `explain` show the derived values, but no plan is produced.
@@ -65,8 +66,12 @@ def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> 
                       help="a bug in molt-compile, not in the recipe; MOLT_COMPILE_DEBUG=1 shows the traceback")
 
 
-def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True) -> CompileResult:
-    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error."""
+def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True,
+                   capabilities: bool = True) -> CompileResult:
+    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
+
+    `capabilities=False` skips the capability pass: the plan of a recipe this runtime cannot run (golden plans of
+    the launch recipes, lowering tests). Everything a user runs keeps it on."""
     loaded = load_recipe(Path(path), sets)
     diags = Diagnostics()
     diags.extend(loaded.diagnostics)
@@ -104,6 +109,10 @@ def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = 
                 except Exception as e:  # noqa: BLE001
                     plan, lower_diags = None, [_internal_error("lower", e, root)]
                 diags.extend(lower_diags)
+                if plan is not None and capabilities and not diags.has_errors:
+                    from molt_compile.capability import check_capabilities
+
+                    diags.extend(check_capabilities(plan, loaded.source))
                 result.plan = None if diags.has_errors else plan
     result.diagnostics = diags.sorted()
     result.exit_status = diags.exit_status()

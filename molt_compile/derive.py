@@ -18,6 +18,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `cluster.device_resource` * | Ray resource a device slot is: "GPU", or the custom "device_slot" on a CPU cluster | |
 | `cluster.total_gpus` * | nodes × gpus_per_node (device slots on a CPU cluster) | |
 | `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
+| `model.backend` | the training backend that runs: hf when set, or when the architecture has no AutoModel custom class | H9 |
 | `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
 | `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
@@ -180,11 +181,25 @@ def derive(recipe: Any, source: Any = None) -> Derived:
     b = _Builder()
     b.add("kind", recipe.kind, f"kind: {recipe.kind}", ("kind",))
     _cluster(b, recipe)
+    _backend(b, recipe, source)
     if recipe.kind == "sft":
         _sft(b, recipe, source)
     else:
         _rl(b, recipe, source)
     return Derived(b.items)
+
+
+def _backend(b: _Builder, r: Any, source: Any) -> None:
+    from molt_compile.rules._base import hf_fallback, model_facts
+
+    facts = model_facts(r, source)
+    if r.model.backend == "hf":
+        b.add("model.backend", "hf", "model.backend: hf", ("model.backend",))
+    elif hf_fallback(r, facts):
+        b.add("model.backend", "hf", f"{facts.key} has no AutoModel custom implementation: HF transformers (H9)",
+              ("model.backend", "model.arch", "model.path"))
+    else:
+        b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
 
 
 def resolve_path(value: str, key: str, source: Any = None) -> str:

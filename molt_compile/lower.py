@@ -393,12 +393,12 @@ def _optimizer(o: Any, warmup: int | None, total: int | None) -> OptimizerPlan:
     )
 
 
-def _model(r: Any, source: Any) -> ModelPlan:
+def _model(r: Any, d: Derived, source: Any) -> ModelPlan:
     m = r.model
     return ModelPlan.model_construct(
         path=_model_path(m.path, "model.path", source),
         arch=m.arch,
-        backend=m.backend,
+        backend=d.value("model.backend"),
         dtype=_DTYPES[m.param_dtype],
         attn=m.attn,
         gradient_checkpoint=m.gradient_checkpoint,
@@ -882,7 +882,7 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
     return RlRuntime.model_construct(
         device=d.value("cluster.device"),
         dist_backend=d.value("dist.backend"),
-        model=_model(r, source),
+        model=_model(r, d, source),
         engines=engines,
         agent=AgentPlan.model_construct(
             path=agent_path,
@@ -1035,7 +1035,7 @@ def _lower_sft(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagn
         nproc_per_node=nproc,
         master_port=port,
         command=command,
-        model=_model(r, source),
+        model=_model(r, d, source),
         trainer=SftTrainerPlan.model_construct(
             world=d.value("actor.world"),
             dp=d.value("actor.dp"),

@@ -357,8 +357,10 @@ class LocalCluster:
     (Ray's own handler then stops the node's processes). Free ports, own temp dir, own auth token: it never
     touches another Ray on the machine."""
 
-    def __init__(self, plan: Plan, env: dict[str, str]) -> None:
+    def __init__(self, plan: Plan, env: dict[str, str], resources: dict[str, float] | None = None) -> None:
         self.plan = plan
+        self.resources = dict(resources if resources is not None else plan.cluster.node_resources)
+        """What the node declares: the plan's node, or more for a cluster several plans share (smoke runs)."""
         # /tmp, not $TMPDIR: Ray's unix socket paths under the temp dir must stay under 108 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.port = _free_port()
@@ -372,7 +374,7 @@ class LocalCluster:
         self.log = self.temp_dir / "ray-head.log"
 
     def command(self) -> list[str]:
-        res = dict(self.plan.cluster.node_resources)
+        res = dict(self.resources)
         cpus = int(res.pop("CPU", self.plan.cluster.cpus_per_node))
         gpus = int(res.pop("GPU", 0))
         ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")

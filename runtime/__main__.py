@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"{path}: cannot use this plan: {exc}", file=sys.stderr)
         return 2
+    problems = startup_problems(plan)
+    if problems:
+        print(f"{path}: this plan cannot run on this build of the runtime: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     if plan.kind == "sft" and plan.sft is not None and "WORLD_SIZE" in os.environ:  # a torchrun rank
         from runtime.sft import main as sft_main
 
@@ -36,12 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from runtime.loop import run, unsupported_features
-
-    missing = unsupported_features(plan)
-    if missing:
-        print(f"{path}: not implemented by this runtime yet: {'; '.join(missing)}", file=sys.stderr)
-        return 2
+    from runtime.loop import run
 
     os.environ.update(plan.env)
     started_here = not os.environ.get("RAY_ADDRESS")
@@ -51,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
                  resources={k: v for k, v in node.items() if k not in ("CPU", "GPU")}, include_dashboard=False,
                  runtime_env={"env_vars": dict(plan.env)}, log_to_driver=True)
     else:
-        ray.init()
+        # A Ray Job (the Jobs API, the Slurm script) brings the plan's env in its runtime_env; a plain driver on a
+        # cluster it did not start (smoke runs share one) gives it to its actors itself.
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+        ray.init(runtime_env=None if in_job else {"env_vars": dict(plan.env)})
     try:
         result = run(plan, live=sys.stdout.isatty())
     except Exception as exc:  # one clear line (Ray errors carry the remote traceback in their text)
@@ -71,6 +73,26 @@ def main(argv: list[str] | None = None) -> int:
     if result.plot_path is not None:
         print(f"plot: {result.plot_path}")
     return 0 if result.status == "finished" else 130
+
+
+def startup_problems(plan) -> list[str]:
+    """What stops this runtime from running `plan`, before anything starts: empty for every plan this build's
+    compiler accepts (tests/runtime/test_startup.py holds that over mutated recipes).
+
+    The plan is checked against the runtime's own capability table (a plan compiled by another build of
+    molt-compile may ask for more), then every actor's slice of it is built, as `run` builds them."""
+    from schemas.capabilities import unimplemented
+
+    problems = [f"{c.key}: {c.what} (capability {c.id}; recompile: molt-compile reports it as CAP001)"
+                for c in unimplemented(plan)]
+    if problems or plan.kind != "rl":
+        return problems
+    from runtime.loop import generator_spec, trainer_spec
+
+    generator_spec(plan)
+    if plan.rl.trainer is not None:
+        trainer_spec(plan)
+    return problems
 
 
 if __name__ == "__main__":

@@ -306,6 +306,10 @@ class Generator:
                 yield self.sources[s][i]
 
     # ----------------------------------------------------------------------------------------------- eval
+    async def evaluate(self) -> dict[str, float]:
+        """An eval round outside the run (the driver's final one, after the last weight sync)."""
+        return await self._evaluate()
+
     async def _evaluate(self) -> dict[str, float]:
         spec = self.spec
         t0 = time.time()

@@ -12,10 +12,9 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
   optimizer windows of micro_batch × grad_accum with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
-  broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer logprobs on a fixed sequence),
-  logs, evaluates when the generator sends an eval round, and checkpoints.
-- Not done here: critic/gae training, dynamic batching by token budget, sequence packing, routing replay,
-  warm-resume of untrained rollouts.
+  broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
+  logprobs on a fixed sequence), logs, evaluates when the generator sends an eval round, and checkpoints.
+- Not done here: what `schemas/capabilities.py` lists (the compiler refuses plans that ask for it, CAP001).
 
 The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
 """
@@ -73,6 +72,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         last_ckpt, state = str(resume_from[0]), resume_from[1]
         trainer.load_checkpoint(last_ckpt)
         step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
+        print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
     link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines)
@@ -98,6 +98,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
     status = "finished"
+    last_eval_step = -1
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
 
@@ -117,6 +118,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             case EvalResult():
                 rollout_slots.put(step)
                 sink.log(step, msg.metrics)
+                last_eval_step = step
                 continue
             case RolloutBatch():
                 pass
@@ -180,9 +182,12 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
     # ------------------------------------------------------------------------------------------------ teardown
     accounting = settle_accounting(accounting, prompts_trained)
-    sink.close()
     if status == "finished":
         ray.get(generator_done)
+        if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
+            sink.log(step, ray.get(generator.evaluate.remote()))  # the final weights are evaluated too, as in SFT
+    sink.close()
+    if status == "finished":
         if rl.ckpt.final_save:
             trainer.export_hf(rl.ckpt.hf_dir)
     plot = plot_run(sink.path, Path(rl.logging.out_dir) / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
@@ -305,36 +310,6 @@ class _StopFlag:
     def restore(self):
         for s, h in self._previous.items():
             signal.signal(s, h)
-
-
-# ---------------------------------------------------------------------------------------------------- scope
-def unsupported_features(plan: Plan) -> list[str]:
-    """Plan settings this runtime does not implement yet, named by their recipe keys.
-
-    The compiler accepts them because Molt supports them; refusing here, before any actor starts, beats training
-    something other than what the recipe says. (Not a validation: every combination was checked at compile time.)
-    """
-    rl = plan.rl
-    found = []
-    if rl.critic is not None:
-        found.append("critic: (gae value model)")
-    if rl.ref is not None and not rl.ref.colocated:
-        found.append("ref.placement: separate")
-    if rl.trainer is None:
-        found.append("eval.only")
-    else:
-        t = rl.trainer
-        if (t.mesh.tp, t.mesh.cp, t.mesh.ep, t.mesh.pp) != (1, 1, 1, 1):
-            found.append(f"actor.mesh tp/cp/ep/pp = {t.mesh.tp}/{t.mesh.cp}/{t.mesh.ep}/{t.mesh.pp} (only 1/1/1/1)")
-        if t.packing:
-            found.append("actor.packing")
-        if t.dynamic_batch_max_tokens is not None:
-            found.append("train.dynamic_batch")
-        if t.routing_replay:
-            found.append("train.routing_replay")
-    if rl.data.max_images_per_prompt > 0:
-        found.append("data.max_images_per_prompt > 0 (VLM inputs)")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------------- setup

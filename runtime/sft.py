@@ -191,24 +191,6 @@ def build_model(s: SftRuntime, mesh, device: torch.device):
     return model
 
 
-def _unsupported(s: SftRuntime) -> list[str]:
-    t, d = s.trainer, s.data
-    out = []
-    if t.packing:
-        out.append("actor.packing (sequence packing)")
-    if d.image_key:
-        out.append("data.image_key (VLM SFT)")
-    if (t.mesh.tp, t.mesh.cp, t.mesh.ep, t.mesh.pp) != (1, 1, 1, 1):
-        out.append(f"actor.mesh tp/cp/ep/pp = {t.mesh.tp}/{t.mesh.cp}/{t.mesh.ep}/{t.mesh.pp} (only 1/1/1/1)")
-    if d.probs is not None:
-        out.append("data.dataset_probs (interleaving)")
-    if s.trainer.optimizer.name != "adam":
-        out.append(f"actor.optimizer.name {s.trainer.optimizer.name}")
-    if s.schedule.total_steps is None or s.trainer.optimizer.total_steps is None:
-        out.append("a dataset whose size the compiler could not count (local .jsonl only)")
-    return out
-
-
 # --------------------------------------------------------------------------------------------------- the loop
 @dataclass
 class SftResult:
@@ -235,10 +217,6 @@ def run_sft(plan: Plan) -> SftResult:
 
     s = plan.sft
     t, d, sched, opt = s.trainer, s.data, s.schedule, s.trainer.optimizer
-    problems = _unsupported(s)
-    if problems:
-        raise SftError("not supported by this SFT runtime: " + "; ".join(problems))
-
     # ---- signals: a flag, acted on between optimizer steps (all ranks agree through an all-reduce)
     stop_requested = [False]
 

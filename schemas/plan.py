@@ -192,7 +192,7 @@ class ModelPlan(PlanModel):
     arch: str | None
     """Catalog architecture key, when known."""
     backend: Literal["automodel", "hf"]
-    """Training backend."""
+    """The training backend that runs: hf when the recipe says so or the architecture has no AutoModel class."""
     dtype: Literal["bfloat16", "float16", "float32"]
     """FSDP compute dtype (torch name). Master weights stay fp32."""
     attn: str

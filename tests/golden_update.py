@@ -37,7 +37,7 @@ def compile_plan_json(recipe: Path) -> tuple[str | None, list[str]]:
     """The plan JSON of one recipe (compiled with the project root as working directory), or the errors."""
     from molt_compile.compile import compile_recipe
 
-    result = compile_recipe(recipe)
+    result = compile_recipe(recipe, capabilities=False)  # the lowering of every recipe, runnable here or not
     errors = [f"{d.code} {d.path}: {d.message}" for d in result.diagnostics if d.severity == "error"]
     return (result.plan.to_json() if result.plan is not None else None), errors
 

@@ -31,7 +31,14 @@ def reference() -> str:
             "| code | name | severity | kinds |", "|---|---|---|---|"]
     head += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
              for r in ALL_RULES]
-    return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES)
+    from molt_compile import capability
+
+    head.append(f"| [{capability.CODE}](#{capability.CODE.lower()}-{capability.NAME}) | {capability.NAME} | error | "
+                "rl, sft |")
+    cap_page = (f"## {capability.CODE} {capability.NAME}\n\nSeverity: **error** · applies to: rl and sft recipes "
+                f"(checked on the lowered plan)\n\n{capability.DOC.replace('## ', '### ')}\n"
+                f"### The capability table\n\n{capability.table_markdown()}\n")
+    return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES) + "\n" + cap_page
 
 
 if __name__ == "__main__":

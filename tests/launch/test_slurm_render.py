@@ -85,7 +85,7 @@ def test_every_shipped_recipe_renders_a_script_bash_accepts(tmp_path: Path, monk
     monkeypatch.chdir(ROOT)
     rendered = 0
     for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
-        result = compile_recipe(recipe.relative_to(ROOT))
+        result = compile_recipe(recipe.relative_to(ROOT), capabilities=False)
         if result.plan is None:
             continue  # recipes with rule errors have no plan (their own tests cover them)
         script = render_sbatch(result.plan)

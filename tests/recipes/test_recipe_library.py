@@ -18,6 +18,7 @@ def test_the_library_holds_the_twelve_molt_recipes():
 
 @pytest.mark.parametrize("path", shipped_recipes(), ids=lambda p: p.name)
 def test_recipe_compiles_without_errors(path):
+    """Without errors against Molt's rules (the capability pass aside: tests/test_capability.py)."""
     result = compiled(path.relative_to(RECIPES_DIR).as_posix())
     errors = [f"{d.code} {d.path}: {d.message}" for d in result.diagnostics if d.severity == "error"]
     assert errors == []
@@ -51,9 +52,10 @@ def test_bases_are_fragments_with_a_schema_line(path):
     assert loaded.is_fragment and "name" not in loaded.own_keys
 
 
-def test_lint_recipes_dir_reports_no_errors_and_counts_every_recipe():
-    """`molt-compile lint recipes/` is CI's dry run of the whole library: no errors, and it really looked at each
-    shipped recipe (the demo recipes included) and treated only recipes/base/* as fragments."""
+def test_lint_recipes_dir_reports_only_capability_errors_and_counts_every_recipe():
+    """`molt-compile lint recipes/` is CI's dry run of the whole library: it really looked at each shipped recipe
+    (the demo recipes included), treated only recipes/base/* as fragments, and its only errors are CAP001 (settings
+    this runtime does not implement yet, listed per recipe by tests/test_capability.py); the demos have none."""
     import json
     import subprocess
     import sys
@@ -61,9 +63,10 @@ def test_lint_recipes_dir_reports_no_errors_and_counts_every_recipe():
     proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", "lint", str(RECIPES_DIR), "--format", "json"],
                           capture_output=True, text=True, cwd=RECIPES_DIR.parent, timeout=300)
     report = json.loads(proc.stdout)
-    errors = [f"{d['file']}:{d['line']} {d['code']} {d['message']}" for d in report["diagnostics"]
-              if d["severity"] == "error"]
-    assert errors == [] and proc.returncode == 0, proc.stderr
+    errors = [d for d in report["diagnostics"] if d["severity"] == "error"]
+    assert {d["code"] for d in errors} <= {"CAP001"}, proc.stderr
+    assert not [d for d in errors if "/demo_" in d["file"]]
+    assert proc.returncode == (1 if errors else 0)
     shipped = shipped_recipes()
     assert len(shipped) >= 12
     assert report["summary"]["recipes"] == len(shipped)

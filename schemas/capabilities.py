@@ -1,0 +1,178 @@
+"""What this build of the runtime implements, per device kind: the capability table.
+
+Owned by the runtime, read by the compiler. Every row is one setting a recipe may ask for that the runtime in this
+repository cannot run (anywhere, or on some device kind). The compiler turns a row that a plan asks for into a
+CAP001 error at the recipe line that asks (`molt_compile/capability.py`), so a plan that compiles is a plan the
+runtime runs; the runtime itself keeps no refusal list (its start-up asserts this same table, which only fails for
+a plan compiled by another build). When a runtime issue lands, its rows leave this table.
+
+A row's `asks` reads the plan (the runtime's own input), `key` is the recipe key the diagnostic points at, and
+`devices` the device kinds (`cpu`, `cuda`) on which this build does implement it (empty: on none).
+Importable without torch, ray, vllm or transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from schemas.plan import Plan
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """One setting the runtime does not implement on (some) devices."""
+
+    id: str
+    """Stable id, kebab case (`rl-packing`)."""
+    kind: str
+    """Recipe kind it applies to: rl | sft."""
+    key: str
+    """The recipe key that asks for it (the diagnostic's position)."""
+    what: str
+    """What the recipe asks for, in words."""
+    asks: Callable[[Plan], bool]
+    """Whether a plan (of `kind`) asks for it."""
+    instead: str
+    """What to write instead, today."""
+    devices: frozenset[str] = frozenset()
+    """Device kinds on which this build implements it (empty: none)."""
+    tracked: str = ""
+    """Where the work to implement it is tracked."""
+
+
+def _recipe(plan: Plan, *path: str):
+    """A value of the resolved recipe the plan carries (keys the plan has no runtime field for)."""
+    node = plan.recipe
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _trainer_mesh(plan: Plan, axis: str) -> int:
+    t = plan.rl.trainer
+    return getattr(t.mesh, axis) if t is not None else 1
+
+
+def _rl_data_files(plan: Plan) -> list[str]:
+    return [*plan.rl.data.prompts, *([plan.rl.eval.dataset] if plan.rl.eval.dataset else [])]
+
+
+def _not_jsonl(paths: list[str]) -> bool:
+    return any(not p.endswith(".jsonl") for p in paths)
+
+
+def _mesh_rows(kind: str, section: Callable[[Plan], object]) -> tuple[Capability, ...]:
+    def asks(axis: str) -> Callable[[Plan], bool]:
+        def check(plan: Plan) -> bool:
+            trainer = section(plan)
+            return trainer is not None and getattr(trainer.mesh, axis) > 1
+        return check
+
+    names = {"tp": "tensor", "cp": "context", "ep": "expert"}
+    return tuple(
+        Capability(f"{kind}-trainer-{axis}", kind, f"actor.mesh.{axis}", f"{names[axis]} parallelism in the trainer "
+                   f"(actor.mesh.{axis} > 1)", asks(axis), f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
+                   tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)")
+        for axis in ("tp", "cp", "ep"))
+
+
+CAPABILITIES: tuple[Capability, ...] = (
+    # ---------------------------------------------------------------------------------------------------- RL
+    Capability("rl-critic", "rl", "critic", "a critic (value model) for the gae estimator",
+               lambda p: p.rl.critic is not None, "a critic-free estimator (algo.estimator: reinforce_baseline, "
+               "grpo, rloo, ...) and no `critic:` section", tracked="issue 14"),
+    Capability("rl-ref-separate", "rl", "ref.placement", "a reference or teacher model on its own GPUs",
+               lambda p: p.rl.ref is not None and not p.rl.ref.colocated, "ref.placement: colocate",
+               tracked="issue 14"),
+    Capability("rl-eval-only", "rl", "eval.only", "an evaluation-only run", lambda p: p.rl.trainer is None,
+               "eval.only: false (evaluation runs inside training, every eval.every steps)", tracked="issue 14"),
+    *_mesh_rows("rl", lambda p: p.rl.trainer),
+    Capability("rl-packing", "rl", "actor.packing", "sequence packing in the trainer",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.packing, "actor.packing: false",
+               tracked="issue 11"),
+    Capability("rl-dynamic-batch", "rl", "train.dynamic_batch", "micro-batches by token budget",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.dynamic_batch_max_tokens is not None,
+               "no `train.dynamic_batch` (fixed micro-batches of train.micro_batch_size)", tracked="issue 11"),
+    Capability("rl-routing-replay", "rl", "train.routing_replay", "MoE routing replay (R3)",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay, "train.routing_replay: false",
+               tracked="issue 16"),
+    Capability("rl-images", "rl", "data.max_images_per_prompt", "image inputs (vision-language RL)",
+               lambda p: p.rl.data.max_images_per_prompt > 0, "data.max_images_per_prompt: 0 (text prompts)",
+               tracked="issue 17"),
+    Capability("rl-automodel", "rl", "model.backend", "the nemo-automodel training backend",
+               lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
+               "model.backend: hf (HF transformers models under FSDP2)", tracked="issue 16"),
+    Capability("rl-offload", "rl", "actor.offload", "CPU offload of the optimizer or parameters",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.offload != "none", "actor.offload: none",
+               tracked="issue 11"),
+    Capability("rl-muon", "rl", "actor.optimizer.name", "the Muon optimizer",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.optimizer.name != "adam",
+               "actor.optimizer.name: adam", tracked="issue 15"),
+    Capability("rl-force-on-policy", "rl", "train.force_on_policy", "on-policy ratios forced to 1",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.force_on_policy,
+               "train.force_on_policy: false (π_old is computed by the trainer before each step)", tracked="issue 15"),
+    Capability("rl-full-determinism", "rl", "train.full_determinism", "deterministic kernels and seeding",
+               lambda p: p.rl.trainer is not None and p.rl.trainer.full_determinism, "train.full_determinism: false",
+               tracked="issue 13"),
+    Capability("rl-data-format", "rl", "data.prompts", "prompt or eval data that is not a JSONL file",
+               lambda p: _not_jsonl(_rl_data_files(p)), "a .jsonl file with one JSON object per line",
+               tracked="issue 14"),
+    Capability("rl-wandb", "rl", "logging.wandb", "logging to Weights & Biases",
+               lambda p: p.rl.logging.wandb is not None, "no `logging.wandb` (metrics.jsonl, "
+               "logging.tensorboard_dir and the PNG plot are written)", tracked="issue 14"),
+    Capability("rl-rollout-dump", "rl", "train.rollout_dump_dir", "saving every rollout batch",
+               lambda p: _recipe(p, "train", "rollout_dump_dir") is not None, "no `train.rollout_dump_dir`",
+               tracked="issue 13"),
+    Capability("rl-rollout-replay", "rl", "train.rollout_replay_dir", "training on replayed rollout batches",
+               lambda p: _recipe(p, "train", "rollout_replay_dir") is not None, "no `train.rollout_replay_dir`",
+               tracked="issue 13"),
+    Capability("rl-weight-check", "rl", "train.check_weight_update_equal", "the engine weight equality check",
+               lambda p: bool(_recipe(p, "train", "check_weight_update_equal")),
+               "train.check_weight_update_equal: false (every sync is checked by the log-prob probe)",
+               tracked="issue 13"),
+    Capability("rl-warm-resume", "rl", "ckpt.warm_resume_rollouts", "restoring untrained rollouts on resume",
+               lambda p: p.rl.ckpt.warm_resume_rollouts, "ckpt.warm_resume_rollouts: false", tracked="issue 13"),
+    Capability("rl-disk-cap", "rl", "ckpt.max_disk_gb", "a disk cap on checkpoints",
+               lambda p: p.rl.ckpt.max_disk_gb is not None, "no `ckpt.max_disk_gb` (ckpt.keep bounds the count)",
+               tracked="issue 13"),
+    Capability("rl-best-metric", "rl", "ckpt.best_metric_key", "keeping the best checkpoint by a metric",
+               lambda p: bool(p.rl.ckpt.best_metric_key), "no `ckpt.best_metric_key` (the newest ckpt.keep are kept)",
+               tracked="issue 13"),
+    # ---------------------------------------------------------------------------------------------------- SFT
+    *_mesh_rows("sft", lambda p: p.sft.trainer),
+    Capability("sft-packing", "sft", "actor.packing", "sequence packing in the SFT trainer",
+               lambda p: p.sft.trainer.packing, "actor.packing: false", tracked="issue 11"),
+    Capability("sft-offload", "sft", "actor.offload", "CPU offload of the optimizer or parameters",
+               lambda p: p.sft.trainer.offload != "none", "actor.offload: none", tracked="issue 11"),
+    Capability("sft-images", "sft", "data.image_key", "image inputs (VLM SFT)",
+               lambda p: p.sft.data.image_key is not None, "no `data.image_key`", tracked="issue 17"),
+    Capability("sft-interleave", "sft", "data.dataset_probs", "interleaving several datasets by probability",
+               lambda p: p.sft.data.probs is not None, "one dataset (or no `data.dataset_probs`)",
+               tracked="issue 14"),
+    Capability("sft-muon", "sft", "actor.optimizer.name", "the Muon optimizer",
+               lambda p: p.sft.trainer.optimizer.name != "adam", "actor.optimizer.name: adam", tracked="issue 15"),
+    Capability("sft-automodel", "sft", "model.backend", "the nemo-automodel training backend",
+               lambda p: p.sft.model.backend == "automodel", "model.backend: hf", tracked="issue 16"),
+    Capability("sft-data-format", "sft", "data.dataset", "SFT data that is not a JSONL file whose rows the "
+               "compiler counted", lambda p: _not_jsonl(p.sft.data.dataset) or p.sft.schedule.total_steps is None,
+               "a local .jsonl file (the step count and the LR schedule come from its row count)", tracked="issue 14"),
+    Capability("sft-wandb", "sft", "logging.wandb", "logging to Weights & Biases",
+               lambda p: p.sft.logging.wandb is not None, "no `logging.wandb`", tracked="issue 14"),
+)
+"""Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
+
+
+def device_of(plan: Plan) -> str:
+    section = plan.rl if plan.kind == "rl" else plan.sft
+    return section.device
+
+
+def unimplemented(plan: Plan) -> list[Capability]:
+    """The rows `plan` asks for that this build does not implement on the plan's device kind."""
+    device = device_of(plan)
+    return [c for c in CAPABILITIES if c.kind == plan.kind and device not in c.devices and c.asks(plan)]

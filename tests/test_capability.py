@@ -1,0 +1,103 @@
+"""The capability pass (CAP001): every row of the runtime's capability table is a compile error at its line.
+
+Data files live in tests/capability/: `<row id>.yaml` asks for that row (and marks each CAP001 line with
+`# E: CAP001`, other rows it needs included); `ok-*.yaml` asks for none. Every row has its file, so a row that is
+added without a test, or a predicate that stops firing, fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+
+import pytest
+
+from molt_compile.compile import compile_recipe
+from schemas.capabilities import CAPABILITIES, DEVICES
+
+ROOT = Path(__file__).resolve().parents[1]
+CAP_DIR = Path(__file__).parent / "capability"
+MARK = re.compile(r"#\s*E:\s*(CAP001)")
+FILES = sorted(CAP_DIR.glob("*.yaml"))
+
+LAUNCH_RECIPE_ROWS = {
+    # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
+    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-packing", "rl-routing-replay", "rl-automodel",
+                        "rl-offload", "rl-force-on-policy", "rl-data-format", "rl-wandb"},
+    "omni3_30b_distill.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel", "rl-images", "rl-routing-replay",
+                               "rl-force-on-policy", "rl-data-format", "rl-wandb"},
+    "omni3_30b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel", "rl-images", "rl-routing-replay",
+                             "rl-force-on-policy", "rl-data-format", "rl-wandb"},
+    "qwen3_4b_math.yaml": {"rl-packing", "rl-data-format", "rl-wandb"},
+    "qwen3_4b_math_quickstart.yaml": {"rl-packing", "rl-data-format", "rl-wandb"},
+    "qwen3_6_35b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel", "rl-images", "rl-routing-replay",
+                               "rl-force-on-policy", "rl-data-format", "rl-wandb"},
+    "qwen3_6_35b_geo3k_quickstart.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel", "rl-images",
+                                          "rl-routing-replay", "rl-data-format", "rl-wandb"},
+    "sft_omni3_30b.yaml": {"sft-trainer-cp", "sft-trainer-ep", "sft-automodel", "sft-images", "sft-data-format", "sft-wandb"},
+    "sft_qwen3_4b.yaml": {"sft-data-format", "sft-wandb"},
+    "sft_qwen3_4b_quickstart.yaml": {"sft-data-format", "sft-wandb"},
+    "sft_qwen3_6_35b.yaml": {"sft-trainer-ep", "sft-automodel", "sft-images", "sft-data-format",
+                             "sft-wandb"},
+    "sft_qwen3_6_35b_quickstart.yaml": {"sft-trainer-ep", "sft-automodel", "sft-images", "sft-data-format",
+                                        "sft-wandb"},
+    "demo_math.yaml": set(), "demo_math_hf.yaml": set(), "demo_tool.yaml": set(), "demo_sft.yaml": set(),
+}
+
+
+def _expected(path: Path) -> set[int]:
+    return {n for n, line in enumerate(path.read_text().splitlines(), start=1) if MARK.search(line)}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_capability_file_reports_exactly_the_marked_lines(path: Path):
+    result = compile_recipe(path)
+    errors = [d for d in result.diagnostics if d.severity == "error"]
+    assert all(d.code == "CAP001" for d in errors), [(d.code, d.line, d.message) for d in errors]
+    here = {d.line for d in errors if d.file and Path(d.file).resolve() == path.resolve()}
+    assert here == _expected(path), [(d.path, d.line, d.message) for d in errors]
+    assert len(here) == len(errors), "a CAP001 outside this file"
+    assert (result.plan is None) == bool(errors), "a recipe with CAP001 errors has no plan"
+    for d in errors:
+        assert d.name == "not-implemented-by-runtime" and d.help.startswith("write ")
+
+
+def test_every_row_has_its_file_and_ids_are_unique():
+    ids = [c.id for c in CAPABILITIES]
+    assert len(ids) == len(set(ids))
+    stems = {p.stem for p in FILES}
+    assert {c.id for c in CAPABILITIES} <= stems, sorted({c.id for c in CAPABILITIES} - stems)
+    assert stems - {c.id for c in CAPABILITIES} <= {p.stem for p in FILES if p.stem.startswith("ok-")}
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES, ids=lambda c: c.id)
+def test_row_points_at_a_recipe_key(cap):
+    from molt_compile import schema_walk as sw
+    from schemas.recipe import RlRecipe, SftRecipe
+
+    model = RlRecipe if cap.kind == "rl" else SftRecipe
+    assert sw.type_at(model, cap.key.split("."))[0] is not None, f"{cap.key} is not a key of a {cap.kind} recipe"
+    assert cap.devices <= set(DEVICES) and cap.instead and cap.what
+
+
+@pytest.mark.parametrize("recipe", sorted(LAUNCH_RECIPE_ROWS), ids=str)
+def test_shipped_recipe_names_exactly_its_unimplemented_settings(recipe):
+    with contextlib.chdir(ROOT):
+        result = compile_recipe(Path("recipes") / recipe)
+    errors = [d for d in result.diagnostics if d.severity == "error"]
+    assert {d.code for d in errors} <= {"CAP001"}
+    by_key = {c.key: c.id for c in CAPABILITIES if c.kind == result.recipe.kind}
+    assert {by_key[d.path] for d in errors} == LAUNCH_RECIPE_ROWS[recipe], [(d.path, d.message) for d in errors]
+    assert all(d.line is not None or d.path == "model.backend" for d in errors), "a CAP001 without its line"
+
+
+def test_rules_cli_documents_the_table(capsys):
+    from click.testing import CliRunner
+
+    from molt_compile.cli import cli
+
+    out = CliRunner().invoke(cli, ["rules", "CAP001"]).output
+    assert "not-implemented-by-runtime" in out
+    for cap in CAPABILITIES:
+        assert f"| {cap.id} |" in out
