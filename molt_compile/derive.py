@@ -59,7 +59,9 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `cluster.used_gpus` * | fsdp.total_gpus + rollout.total_gpus (SFT: actor.world) | J1 |
 | `cluster.idle_gpus` * | total - used (negative: over-subscribed) | J1 |
 | `weight_sync.world_size` | rollout.total_gpus + 1 (trainer rank 0 + every engine worker) | §3.2, I8 |
-| `weight_sync.method` | nccl on GPUs, object_store on CPU | DESIGN §6 |
+| `weight_sync.method` | nccl_broadcast on GPUs, gloo_broadcast on CPU | DESIGN §6 |
+| `weight_sync.engine_rank_offsets` | 1 + i × rollout.gpus_per_engine (engine i's first worker) | §3.2 |
+| `weight_sync.bucket_bytes` | 512 MiB on GPUs, 64 MiB on CPU | DESIGN §6 |
 | `algo.kl.coef`, `algo.kl.estimator`, `algo.kl.use_loss` | effective KL settings (on_policy_distill forces k1, no loss, coef 1.0) | B2 |
 | `algo.kl.adaptive` | adaptive KL controller (target set) | C9 |
 | `algo.is_correction.enabled` | IS correction level != off | B14, B31 |
@@ -511,11 +513,19 @@ def _gpu_totals(b: _Builder, r: Any) -> None:
     b.add("cluster.used_gpus", fsdp + vllm, f"FSDP {fsdp} + rollout {vllm} (J1)", ("fsdp.total_gpus", "rollout.total_gpus"))
     b.add("cluster.idle_gpus", total - fsdp - vllm, f"cluster {total} - used {fsdp + vllm}",
           ("cluster.total_gpus", "cluster.used_gpus"))
-    b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine GPUs (§3.2)", ("rollout.total_gpus",))
+    b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine workers (§3.2)", ("rollout.total_gpus",))
+    per_engine = b.v("rollout.gpus_per_engine")
+    b.add("weight_sync.engine_rank_offsets", [1 + i * per_engine for i in range(r.rollout.engines)],
+          f"rank 0 is the trainer; engine i's {per_engine} workers follow at 1 + i × {per_engine}",
+          ("rollout.engines", "rollout.gpus_per_engine"))
     on_cpu = r.cluster.gpu == "cpu"
-    b.add("weight_sync.method", "object_store" if on_cpu else "nccl",
-          "CPU: full weights through the Ray object store" if on_cpu else "GPU: NCCL broadcast from trainer rank 0",
+    b.add("weight_sync.method", "gloo_broadcast" if on_cpu else "nccl_broadcast",
+          "CPU: gloo broadcast from trainer rank 0" if on_cpu else "GPU: NCCL broadcast from trainer rank 0",
           ("cluster.gpu",))
+    # Buckets large enough that per-bucket latency is noise next to bandwidth, small enough that the two a sender or
+    # receiver holds are far below a GPU's memory headroom (checked by the weight-sync rule).
+    b.add("weight_sync.bucket_bytes", (64 if on_cpu else 512) << 20,
+          "CPU: 64 MiB buckets" if on_cpu else "GPU: 512 MiB buckets", ("cluster.gpu",))
 
 
 # ---------------------------------------------------------------------------------------------- algorithm

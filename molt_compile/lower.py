@@ -940,9 +940,17 @@ def _rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         ckpt=ckpt,
         logging=_logging(r, source),
         weight_sync=WeightSyncPlan.model_construct(
-            world_size=d.value("weight_sync.world_size"), method=d.value("weight_sync.method")
+            method=d.value("weight_sync.method"), world_size=d.value("weight_sync.world_size"),
+            engine_rank_offsets=d.value("weight_sync.engine_rank_offsets"),
+            bucket_bytes=d.value("weight_sync.bucket_bytes"),
+            master_port=0,  # a free port on trainer rank 0's node, chosen when the group forms
+            timeout_s=WEIGHT_SYNC_TIMEOUT_S,
         ),
     )
+
+
+WEIGHT_SYNC_TIMEOUT_S = 600
+"""Forming the weight-sync group waits for every engine to be up; one sync of a large model stays well under."""
 
 
 def _default_critic_optimizer() -> Any:

@@ -12,9 +12,9 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
   optimizer windows of micro_batch × grad_accum rows (micro-batches of fixed rows or of a token budget, padded or
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
-  engines' logprobs, then pushes the full weights to every engine under the engine lock (engines paused, updated
-  from one object-store copy, resumed), checks them with a probe (engine vs trainer logprobs on a fixed sequence),
-  logs, evaluates when the generator sends an eval round, and checkpoints.
+  engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
+  broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
+  logprobs on a fixed sequence), logs, evaluates when the generator sends an eval round, and checkpoints.
 - Not done here: what `schemas/capabilities.py` lists (the compiler refuses plans that ask for it, CAP001).
 
 The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
@@ -42,6 +42,7 @@ from runtime.metrics import MetricsSink
 from runtime.plot import plot_run
 from runtime.runners import AgentRunnerActor
 from runtime.trainer import fill_for_training, start_trainer_group
+from runtime.weight_sync_driver import WeightSyncLink
 from schemas.plan import Plan
 
 
@@ -76,8 +77,10 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
+    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines)
+    link.connect()
     if step > 0:  # resumed weights must reach the engines before the first rollout
-        sync_weights(trainer, engines, None, probe_ids, step)
+        sync_weights(link, trainer, engines, None, probe_ids, step)
 
     # Depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
     # Each slot token carries the trainer's latest step (the generator uses it for eval timing).
@@ -152,7 +155,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         step += 1
 
         # --- weight sync to every engine, under the engine lock, then the probe ---
-        sync_stats = sync_weights(trainer, engines, lock, probe_ids, step)
+        sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step)
         if rl.queue.force_sync:
             rollout_slots.put(step)
         mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
@@ -202,8 +205,9 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def sync_weights(trainer, engines, lock, probe_ids: list[int], version: int) -> dict[str, float]:
-    """Full weights -> object store once -> every engine, engines paused around the update; then the probe.
+def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int
+                 ) -> dict[str, float]:
+    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe.
 
     `lock` is None only before the generator exists (resume), when nothing can be generating.
     """
@@ -213,10 +217,8 @@ def sync_weights(trainer, engines, lock, probe_ids: list[int], version: int) -> 
     t1 = time.time()
     try:
         ray.get([e.pause.remote() for e in engines])
-        weights = trainer.full_state_dict_ref()
-        ray.get([e.update_weights.remote(weights, version) for e in engines])
+        stats = link.sync(version)
         ray.get([e.resume.remote() for e in engines])
-        del weights
     finally:
         if lock is not None:
             ray.get(lock.release.remote())
@@ -225,7 +227,7 @@ def sync_weights(trainer, engines, lock, probe_ids: list[int], version: int) -> 
     engine_lp = [torch.tensor(lp) for lp in ray.get([e.score.remote(probe_ids) for e in engines])]
     diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
     return {
-        "timing/broadcast_lock_wait": t1 - t0, "timing/broadcast_transfer": t2 - t1, "timing/broadcast": t2 - t0,
+        **stats, "timing/weight_sync_lock_wait": t1 - t0, "timing/weight_sync_total": t2 - t0,
         "timing/probe": time.time() - t2,
         "weight_sync/logprob_diff_max": float(diffs.max()), "weight_sync/logprob_diff_mean": float(diffs.mean()),
     }

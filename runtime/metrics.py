@@ -65,6 +65,9 @@ METRICS: dict[str, str] = {
     # ── weight sync ──
     "weight_sync/logprob_diff_max": "max |engine logprob - trainer logprob| on the fixed probe sequence after the sync",
     "weight_sync/logprob_diff_mean": "mean |engine logprob - trainer logprob| on the probe sequence",
+    "weight_sync/bytes": "bytes broadcast to the engines this sync (engine dtype)",
+    "weight_sync/buckets": "buckets broadcast this sync",
+    "weight_sync/gb_per_s": "weight_sync/bytes / timing/weight_sync, in GB/s",
     # ── queue ──
     "queue/size": "rollout queue depth (plan)",
     "queue/depth": "batches waiting in the rollout queue right after this one was taken",
@@ -74,9 +77,13 @@ METRICS: dict[str, str] = {
     "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
     "timing/make_experience": "old/ref log-prob forwards + advantages",
     "timing/policy_train": "policy update on the FSDP group",
-    "timing/broadcast_lock_wait": "time waiting for the engine lock before the weight sync",
-    "timing/broadcast_transfer": "gather + object-store put + engine update (pause/resume included)",
-    "timing/broadcast": "broadcast_lock_wait + broadcast_transfer",
+    "timing/weight_sync": "the streamed weight sync: every trainer rank gathers, rank 0 broadcasts buckets, every "
+                          "engine loads them (they overlap, so the parts below add up to more)",
+    "timing/weight_sync_gather": "trainer rank 0: all-gathering each parameter in the engine dtype and packing buckets",
+    "timing/weight_sync_transfer": "longest time a group member waited on a bucket broadcast",
+    "timing/weight_sync_load": "longest engine time spent loading received buckets into its model",
+    "timing/weight_sync_lock_wait": "time waiting for the engine lock before the weight sync",
+    "timing/weight_sync_total": "lock wait + pause + timing/weight_sync + resume",
     "timing/probe": "post-sync probe: engine score + trainer forward",
     "timing/ckpt": "checkpoint save",
     "timing/step_total": "wall time of the whole step, from the previous step's end",
@@ -199,7 +206,7 @@ def _summary(m: dict[str, float]) -> str:
                             ("train/is_filter_ratio", "is_filtered", "{:.2f}"),
                             ("weight_sync/logprob_diff_max", "sync_diff", "{:.1e}"),
                             ("timing/step_total", "step", "{:.2f}s"), ("timing/generation", "gen", "{:.2f}s"),
-                            ("timing/policy_train", "train", "{:.2f}s"), ("timing/broadcast", "sync", "{:.2f}s")):
+                            ("timing/policy_train", "train", "{:.2f}s"), ("timing/weight_sync", "sync", "{:.2f}s")):
         if key in m:
             parts.append(f"{label} {fmt.format(m[key])}")
     return "  ".join(parts)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from runtime.metrics import read_jsonl
 
-TIMINGS = ("timing/step_total", "timing/generation", "timing/policy_train", "timing/broadcast",
+TIMINGS = ("timing/step_total", "timing/generation", "timing/policy_train", "timing/weight_sync_total",
            "timing/actor_idle_wait", "timing/vllm_idle_wait")
 
 

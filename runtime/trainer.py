@@ -33,7 +33,6 @@ from runtime.experience import Experience
 from runtime.logprobs import token_logprobs
 
 if TYPE_CHECKING:
-    import ray
 
     from schemas.plan import AlgoPlan, ModelPlan, RefPlan, RlRuntime, TrainerPlan
 
@@ -196,18 +195,30 @@ class PolicyWorker:
         return grad_norm
 
     # ----------------------------------------------------------------------------------------------- weights
-    def full_state_dict(self) -> list[ray.ObjectRef] | None:
-        """Gather the full (unsharded) weights; rank 0 puts them in the object store once and returns [ref].
+    def weight_sync_metas(self, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+        """What `send_weights` streams (names, wire dtype, full shapes), read from the shards without a gather."""
+        from runtime import weight_sync
 
-        Every rank must call this (the gather is a collective). The ref is wrapped in a list so that Ray hands the
-        caller the reference instead of resolving it.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return [(m.name, m.dtype, m.shape) for m in weight_sync.wire_metas(self.model, dtype)]
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
-            return None
-        return [_ray().put({k: v for k, v in sd.items() if torch.is_floating_point(v)})]
+    def weight_sync_address(self) -> tuple[str, int]:
+        """This node's IP and a free port for the weight-sync store (rank 0 hosts it)."""
+        return _ray().util.get_node_ip_address(), free_port()
+
+    def open_weight_sync(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
+        """Rank 0 only: host the weight-sync store and join the group as its rank 0 (blocks until all joined)."""
+        from runtime import weight_sync
+
+        self._sync_group = weight_sync.join_group(backend, host, port, 0, world, timeout_s)
+
+    def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]:
+        """Every rank must call this (rank 0 gathers the shards bucket by bucket); rank 0 broadcasts the buckets."""
+        from runtime import weight_sync
+
+        metas = weight_sync.wire_metas(self.model, dtype)
+        group = getattr(self, "_sync_group", None) if self.rank == 0 else None
+        return weight_sync.send_model(self.model, metas, bucket_bytes, group, self.device, self.mesh.get_group(),
+                                      self.rank, self.t.world).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
         from runtime.ckpt import save_sharded
@@ -258,10 +269,6 @@ class TrainerGroup:
         means.update(tokens=tokens, lr=outs[0]["lr"], grad_norm=outs[0]["grad_norm"],
                      optimizer_steps=outs[0]["optimizer_steps"])
         return means
-
-    def full_state_dict_ref(self) -> ray.ObjectRef:
-        outs = _ray().get([w.full_state_dict.remote() for w in self.workers])
-        return outs[0][0]
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         return _ray().get([w.probe_logprobs.remote(token_ids) for w in self.workers])[0]

@@ -567,10 +567,20 @@ class LoggingPlan(PlanModel):
 
 
 class WeightSyncPlan(PlanModel):
+    method: Literal["gloo_broadcast", "nccl_broadcast"]
+    """How weights reach the engines after each step: every trainer rank all-gathers one parameter at a time (cast
+    to `engines.dtype` first), trainer rank 0 packs them into `bucket_bytes` buckets and broadcasts each over a
+    dedicated process group (gloo on CPU, NCCL on GPUs) to every engine worker, which loads it as it arrives."""
     world_size: int
-    """Trainer rank 0 + every engine device."""
-    method: Literal["nccl", "object_store"]
-    """How full weights reach the engines."""
+    """Members of the weight-sync group: trainer rank 0 + every engine worker."""
+    engine_rank_offsets: list[int]
+    """Group rank of engine i's first worker (its workers follow it)."""
+    bucket_bytes: int
+    """Size of one broadcast bucket; sender and each receiver hold at most two."""
+    master_port: int
+    """Port of the group's store on trainer rank 0's node (0: a free port chosen there at start)."""
+    timeout_s: int
+    """How long forming the group or one broadcast may take before the run fails."""
 
 
 class RlRuntime(PlanModel):

@@ -49,7 +49,7 @@ def _bench_depth(depth: int) -> dict[str, float]:
         return statistics.fmean(sum(r.get(k, 0.0) for k in keys) for r in steps)
 
     step, gen = mean("timing/step_total"), mean("timing/generation")
-    train, sync = mean("timing/make_experience", "timing/policy_train"), mean("timing/broadcast", "timing/probe")
+    train, sync = mean("timing/make_experience", "timing/policy_train"), mean("timing/weight_sync_total", "timing/probe")
     return {
         f"q{depth}/step_s": step, f"q{depth}/generation_s": gen, f"q{depth}/train_s": train,
         f"q{depth}/sync_s": sync, f"q{depth}/actor_idle_wait_s": mean("timing/actor_idle_wait"),

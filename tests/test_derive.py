@@ -334,7 +334,7 @@ def test_sft_eval_minus_one_is_once_per_epoch(tmp_path) -> None:
 def test_cpu_cluster() -> None:
     d = derive(rl(cluster={"gpu": "cpu", "gpus_per_node": 4}, actor={"gpus_per_node": 2}))
     assert d.value("cluster.device") == "cpu" and d.value("cluster.device_resource") == "device_slot"
-    assert d.value("dist.backend") == "gloo" and d.value("weight_sync.method") == "object_store"
+    assert d.value("dist.backend") == "gloo" and d.value("weight_sync.method") == "gloo_broadcast"
     assert d.value("cluster.cpus_per_node") is None
 
 

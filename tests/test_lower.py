@@ -163,7 +163,7 @@ def test_cpu_cluster_uses_device_slots() -> None:
     assert plan.cluster.cpus_per_node == 5
     assert plan.cluster.node_resources == {"CPU": 5.0, "device_slot": 4.0}
     assert plan.gpu_map == [[E(0), A(0), A(1), IDLE]]
-    assert plan.rl.dist_backend == "gloo" and plan.rl.weight_sync.method == "object_store"
+    assert plan.rl.dist_backend == "gloo" and plan.rl.weight_sync.method == "gloo_broadcast"
     assert plan.role("rollout.engine").env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 

@@ -124,6 +124,8 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("MEM004", "engine-kv-cache-too-small", "error", memory.engine_kv_cache_too_small),
     Rule("MEM005", "engine-memory-tight", "warning", memory.engine_memory_tight),
     Rule("MEM006", "memory-not-estimated", "info", memory.memory_not_estimated, BOTH),
+    Rule("MEM007", "weight-sync-buckets-exceed-engine-headroom", "error",
+         memory.weight_sync_buckets_exceed_engine_headroom),
     Rule("MODEL001", "attention-replaced-by-sdpa", "info", packing.attention_replaced_by_sdpa, BOTH),
     Rule("MODEL002", "vlm-context-parallel-without-cp-hook", "error", packing.vlm_context_parallel_without_cp_hook,
          BOTH),

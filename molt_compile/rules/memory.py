@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile import memory
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, model_facts, role_facts
+from molt_compile.rules._base import diag, dv, model_facts, role_facts
 from schemas.catalog import GPUS
 
 
@@ -236,3 +236,40 @@ def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
         yield diag("MEM006", source, "model.arch" if arch else "model.path",
                    f"memory not estimated: {recipe.model.path} is not readable here and {why}",
                    "set model.arch to a catalog key (`molt-compile explain` lists them)", ["model.arch", "model.path"])
+
+
+def weight_sync_buckets_exceed_engine_headroom(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    Two weight-sync buckets (`weight_sync.bucket_bytes` each: one being received, one being loaded) fit in the part
+    of an engine GPU that vLLM does not take, `(1 - gpu_memory_utilization) × GPU memory`.
+
+    ## Why it matters
+    vLLM pre-allocates its share (weights + KV cache) at start; the buckets of every weight sync are allocated
+    outside it. When they do not fit, the first sync fails with an out-of-memory error after a whole rollout and
+    training step, and every engine is left half-updated.
+
+    ## Example
+    ```yaml
+    cluster: {gpu: h100-80gb}
+    rollout: {engines: 2, gpu_memory_utilization: 0.99}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {gpu: h100-80gb}
+    rollout: {engines: 2, gpu_memory_utilization: 0.9}
+    ```
+
+    ## References
+    DESIGN §6 (weight sync), molt_rules.md B16
+    """
+    bucket = dv(derived, "weight_sync.bucket_bytes")
+    gpu = GPUS.get(recipe.cluster.gpu)
+    if recipe.rollout.engine != "vllm" or bucket is None or gpu is None or gpu.memory_gib <= 0:
+        return
+    headroom = (1 - recipe.rollout.gpu_memory_utilization) * gpu.memory_gib * 2**30
+    if 2 * bucket > headroom:
+        yield diag("MEM007", source, "rollout.gpu_memory_utilization",
+                   f"weight sync holds 2 × {memory.gib(bucket)} buckets per engine GPU, but gpu_memory_utilization "
+                   f"{recipe.rollout.gpu_memory_utilization} leaves {memory.gib(headroom)} of {gpu.memory_gib} GiB",
+                   "lower rollout.gpu_memory_utilization", ["cluster.gpu"])

@@ -23,8 +23,9 @@ Start them from the plan (LOOP's entry point):
   e.g. in tests); instance i is pinned to bundle `role.instances[i].bundle_indices[0]`.
 It returns once every engine has loaded its model (engines initialise concurrently).
 
-Weight sync (trainer side, per engine): `await engine.pause.remote()` (partial rollout: in-flight requests are
-frozen, not dropped), `await engine.update_weights.remote(ref, version)` with `ref = ray.put(full_hf_state_dict)`,
+Weight sync (`runtime.weight_sync`): once, `engine.join_weight_sync.remote(init)` makes every engine worker join
+the trainer's broadcast group; per sync `await engine.pause.remote()` (partial rollout: in-flight requests are
+frozen, not dropped), `engine.receive_weights.remote(version)` while the trainer ranks run `send_weights`,
 `await engine.resume.remote()`; then `engine.score.remote(probe_ids)` gives logprobs to compare with the trainer's.
 """
 
@@ -73,8 +74,13 @@ class RolloutEngine(Protocol):
         """Continue the requests frozen by `pause` and admit new ones."""
         ...
 
-    async def update_weights(self, weights: Any, version: int) -> float:
-        """Load a full HF-named state dict (a dict, or a Ray ObjectRef to one) in place; return the seconds it took."""
+    async def join_weight_sync(self, init: dict[str, Any]) -> None:
+        """Join the weight-sync group (`init`: transport, store address, world, this engine's rank offset, bucket size
+        and the stream's tensor list); returns once every member has joined."""
+        ...
+
+    async def receive_weights(self, version: int) -> dict[str, float]:
+        """Receive one streamed sync and load it in place, bucket by bucket; return transfer/load seconds and bytes."""
         ...
 
     async def weights_version(self) -> int:

@@ -46,11 +46,13 @@ def bench_kind(kind: str, model_dir: str, batch: int, tokens: int, repeats: int)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
              if k != "lm_head.weight"}
     model.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
-    ref = ray.put(state)
+    from runtime.weight_sync_driver import StateDictSender
+
+    sender = StateDictSender([engine], {k: tuple(v.shape) for k, v in state.items()}, "float32", 64 << 20)
     update_s = []
     for v in range(1, repeats + 1):
         t = time.perf_counter()
-        ray.get(engine.update_weights.remote(ref, v))
+        sender.push(state, v)
         update_s.append(time.perf_counter() - t)
     probe = [5, 6, 7] + list(range(100, 161))
     with torch.inference_mode():

@@ -29,7 +29,7 @@ import torch
 
 from runtime.agents.types import GenerateOutput
 from runtime.engines.hf_decode import DecodeCore, Request
-from runtime.engines.weights import LM_HEAD, complete_state_dict, resolve_weights, tied_embeddings
+from runtime.engines.weights import tied_embeddings
 
 if TYPE_CHECKING:
     from schemas.plan import EnginesPlan
@@ -126,12 +126,21 @@ class HfEngine:
             self._paused = False
             self._gate.open()
 
-    async def update_weights(self, weights: Any, version: int) -> float:
-        t0 = time.perf_counter()
-        state = complete_state_dict(await resolve_weights(weights), self.tied)
-        await asyncio.to_thread(self._load, state)
+    async def join_weight_sync(self, init: dict[str, Any]) -> None:
+        """Join the trainer's weight-sync group as rank `rank_offset` (blocks until every member has joined)."""
+        from runtime import weight_sync
+
+        self._sync = init
+        self._sync_metas = [weight_sync.TensorMeta(n, d, tuple(s)) for n, d, s in init["metas"]]
+        self._sync_group = await asyncio.to_thread(
+            weight_sync.join_group, init["backend"], init["master_address"], init["master_port"],
+            init["rank_offset"], init["world_size"], init["timeout_s"])
+
+    async def receive_weights(self, version: int) -> dict[str, float]:
+        """One sync: receive the streamed buckets and copy each into the model as it arrives."""
+        stats = await asyncio.to_thread(self._receive)
         self._version = version
-        return time.perf_counter() - t0
+        return stats
 
     async def weights_version(self) -> int:
         return self._version
@@ -165,16 +174,29 @@ class HfEngine:
         with self._gate.forward():
             return self.core.score(token_ids)
 
-    def _load(self, state: dict[str, torch.Tensor]) -> None:
+    @torch.no_grad()
+    def _receive(self) -> dict[str, float]:
+        from runtime import weight_sync
+
+        params = dict(self.model.named_parameters())  # a tied lm_head is the embedding: listed (and loaded) once
+        names = {m.name for m in self._sync_metas}
+        missing = [n for n in params if n not in names]
+        if missing:
+            raise ValueError(f"hf engine {self.index}: the trainer does not send {missing[:5]}")
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            for name, tensor in pairs:
+                if name not in params:
+                    raise ValueError(f"hf engine {self.index}: no parameter {name!r} to load")
+                params[name].copy_(tensor)
+
         self._gate.close()  # waits for the forward pass in progress; generation resumes after the load
         try:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            stats = weight_sync.receive(self._sync_group, self._sync_metas, self._sync["bucket_bytes"],
+                                        next(iter(params.values())).device, load, {})
         finally:
             self._gate.open()
-        missing = [k for k in missing if not (k == LM_HEAD and self.tied)]
-        if missing or unexpected:
-            raise ValueError(f"hf engine {self.index}: state dict does not match the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
+        return stats.as_dict()
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

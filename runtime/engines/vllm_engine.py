@@ -7,9 +7,11 @@ logprobs mode, prefix caching, the recipe's extra engine args); nothing is defau
   only, no detokenisation: the runners own the tokenizer.
 - `pause`/`resume` use vLLM's scheduler pause in `keep` mode: requests in flight are frozen and continue after the
   weight update (partial rollout), new requests queue.
-- `update_weights` writes the state dict to a tmpfs safetensors file that every worker loads in place
-  (`vllm_worker.WeightSyncExtension`), then resets the prefix cache *including* running requests: they are preempted
-  and their KV recomputed under the new weights, so no cached block of the old policy is ever reused.
+- Weight sync goes through vLLM's weight-transfer API with the `molt_broadcast` backend (`vllm_worker`):
+  `join_weight_sync` makes every worker join the trainer's broadcast group once; `receive_weights` runs one
+  start/update/finish round (each worker receives the buckets and loads them as they arrive), then resets the
+  prefix cache *including* running requests: they are preempted and their KV recomputed under the new weights, so
+  no cached block of the old policy is ever reused.
 - `score` uses `prompt_logprobs=0`: log-softmax of the raw logits, i.e. temperature 1, like the trainer's probe.
 
 vLLM's engine core is a spawned process (multiprocessing `spawn`): inside a Ray actor that is safe; a plain script
@@ -20,13 +22,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.agents.types import GenerateOutput
-from runtime.engines.weights import complete_state_dict, resolve_weights, save_for_reload, tied_embeddings
+from runtime.engines.weights import tied_embeddings
 
 if TYPE_CHECKING:
     from schemas.plan import EnginesPlan
@@ -40,6 +41,8 @@ class VllmEngine:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from runtime.engines import vllm_worker  # registers the weight-transfer backend in this process too
 
         self.index = index
         self.model_path = model_path
@@ -59,6 +62,7 @@ class VllmEngine:
             enable_prefix_caching=engines.prefix_caching,
             logprobs_mode=engines.logprobs_mode,
             worker_extension_cls="runtime.engines.vllm_worker.WeightSyncExtension",
+            weight_transfer_config={"backend": vllm_worker.BACKEND},
             **engines.extra_engine_args,
         )
         t0 = time.perf_counter()
@@ -66,8 +70,6 @@ class VllmEngine:
         self.init_s = time.perf_counter() - t0
         self._version = 0
         self._request_ids = itertools.count()
-        # Weights travel through tmpfs where there is one: the file is written and read once per sync.
-        self._sync_dir = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool) -> GenerateOutput:
@@ -108,21 +110,26 @@ class VllmEngine:
     async def resume(self) -> None:
         await self.engine.resume_generation()
 
-    async def update_weights(self, weights: Any, version: int) -> float:
-        t0 = time.perf_counter()
-        state = complete_state_dict(await resolve_weights(weights), self.tied)
-        path = Path(self._sync_dir) / f"molt-weights-{os.getpid()}-{self.index}-v{version}.safetensors"
-        try:
-            save_for_reload(state, path)
-            loaded = await self.engine.collective_rpc("molt_reload_weights", args=(str(path),))
-        finally:
-            path.unlink(missing_ok=True)
-        if any(n != len(state) for n in loaded):
-            raise RuntimeError(f"engine {self.index}: workers loaded {loaded} tensors of {len(state)}")
+    async def join_weight_sync(self, init: dict[str, Any]) -> None:
+        """Every worker joins the weight-sync group (blocks until the trainer's rank 0 and all peers have joined)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from runtime.weight_sync import TensorMeta, tied_aliases
+
+        aliases = tied_aliases([TensorMeta(n, d, tuple(s)) for n, d, s in init["metas"]], self.tied)
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={**init, "aliases": aliases}))
+
+    async def receive_weights(self, version: int) -> dict[str, float]:
+        """One sync: every worker receives the streamed buckets and loads them; worker 0's numbers are returned."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.start_weight_update()
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+        await self.engine.finish_weight_update()
         # Preempts running requests so their KV is recomputed with the new weights (see the module docstring).
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._version = version
-        return time.perf_counter() - t0
+        return (await self.engine.collective_rpc("molt_weight_sync_stats"))[0]
 
     async def weights_version(self) -> int:
         return self._version

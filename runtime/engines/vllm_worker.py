@@ -1,22 +1,123 @@
-"""Methods mixed into every vLLM worker (`worker_extension_cls`), reached with `AsyncLLM.collective_rpc(name, ...)`.
+"""The receiving end of the weight sync inside every vLLM worker, plugged into vLLM's own weight-transfer API.
 
-Kept free of Ray and of the rest of the runtime: vLLM imports this module inside its own worker processes.
+vLLM (0.32, CPU and CUDA builds) drives a refit as `init_weight_transfer_engine` once, then per sync
+`start_weight_update` / `update_weights` / `finish_weight_update`, each a `collective_rpc` to every worker, which
+hands it to the worker's `WeightTransferEngine` (chosen by `weight_transfer_config.backend`). Its built-in `nccl`
+backend needs CUDA (PyNccl) and its own trainer-side packing; `MoltBroadcastEngine` is registered next to it and
+speaks `runtime.weight_sync`'s stream instead (gloo on CPU, NCCL on GPUs), so the trainer needs no vLLM.
+
+Loading follows vLLM's layer-wise reload (what its own nccl backend does): `start_weight_update` moves every layer's
+weights to meta, each bucket is fed to `model.load_weights` as it arrives, and a layer is materialised and
+post-processed (the CPU backend's weight repacking included) once all its elements have arrived.
+
+Why the demo logged `RotaryEmbedding: Failed to load weights` on every sync: the layer-wise reload counts every
+parameter *and buffer* of a layer as loadable, and RotaryEmbedding owns one computed, non-persistent buffer
+(`cos_sin_cache`) that no checkpoint carries. Nothing loads into it, so `finalize_layerwise_reload` warns and puts
+the old cache back (which is correct: it depends on the config only). `_ignore_computed_buffers` marks such layers
+as having nothing to load, which takes the same put-back path without the warning.
+
+Kept free of Ray: vLLM imports this module inside its own worker processes (`worker_extension_cls`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+from runtime import weight_sync
+
+BACKEND = "molt_broadcast"
+
+
+@dataclass
+class MoltBroadcastInitInfo:
+    backend: str                       # gloo | nccl (the transport; the vLLM backend is always molt_broadcast)
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    timeout_s: float
+    bucket_bytes: int
+    metas: list[list[Any]]             # [name, dtype, shape] per tensor, the sender's stream order
+    aliases: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class MoltBroadcastUpdateInfo(WeightTransferUpdateInfo):
+    version: int
+
+
+class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadcastUpdateInfo]):
+    init_info_cls = MoltBroadcastInitInfo
+    update_info_cls = MoltBroadcastUpdateInfo
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.info: MoltBroadcastInitInfo | None = None
+        self.metas: list[weight_sync.TensorMeta] = []
+        self.last_stats: dict[str, float] = {}
+
+    def init_transfer_engine(self, init_info: MoltBroadcastInitInfo) -> None:
+        pc = self.parallel_config
+        rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
+        self.info = init_info
+        self.metas = [weight_sync.TensorMeta(n, d, tuple(s)) for n, d, s in init_info.metas]
+        self.group = weight_sync.join_group(init_info.backend, init_info.master_address, init_info.master_port,
+                                            rank, init_info.world_size, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        _ignore_computed_buffers(self.model)
+
+    def receive_weights(self, update_info: MoltBroadcastUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        if self.group is None or self.info is None:
+            raise RuntimeError("weight sync: update_weights before init_weight_transfer_engine")
+        with disable_mtp_completeness_check():
+            stats = weight_sync.receive(self.group, self.metas, self.info.bucket_bytes, self.device,
+                                        self.model.load_weights, self.info.aliases)
+        self.last_stats = {**stats.as_dict(), "version": float(update_info.version)}
+
+    def finish_weight_update(self) -> None:
+        import time
+
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        t0 = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)
+        self.last_stats["load_s"] = self.last_stats.get("load_s", 0.0) + time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _ignore_computed_buffers(model: torch.nn.Module) -> None:
+    """Layers whose only tensors are non-persistent buffers (RotaryEmbedding's cos/sin cache) load nothing."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if (info.can_load() and not any(True for _ in layer.parameters(recurse=False))
+                and info.kernel_tensors is not None
+                and set(info.kernel_tensors[1]) <= info.kernel_non_persistent_buffers):
+            info.load_numel_total = 0
+
+
+if BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(BACKEND, MoltBroadcastEngine)
+
 
 class WeightSyncExtension:
-    def molt_reload_weights(self, path: str) -> int:
-        """Load a safetensors state dict (HF names) into the running model in place; return the tensor count.
+    """Mixed into every vLLM worker (`worker_extension_cls`); importing it registers the backend above."""
 
-        `model_runner.reload_weights` re-runs the loader's post-processing, which the CPU backend needs: it repacks
-        linear weights after loading, so a plain `model.load_weights` after init fails there (environment.md §3).
-        The file is read in the worker rather than sent through `collective_rpc`, whose shared-memory broadcast to the
-        workers cannot pickle tensors ("cannot pickle memoryview objects").
-        """
-        from safetensors.torch import load_file
-
-        state = load_file(path)
-        self.model_runner.reload_weights(weights_iterator=iter(state.items()))
-        return len(state)
+    def molt_weight_sync_stats(self) -> dict[str, float]:
+        """The last sync's receive-side numbers on this worker (transfer, load seconds, bytes)."""
+        return dict(self.weight_transfer_engine.last_stats)

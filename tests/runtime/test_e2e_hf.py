@@ -40,3 +40,5 @@ def test_hf_engine_run_improves_reward(hf_run):
 def test_hf_engine_serves_the_trainers_weights(hf_run):
     _, steps = hf_run
     assert max(r["weight_sync/logprob_diff_max"] for r in steps) < 1e-4
+    # through the broadcast group, the same bytes every step
+    assert len({r["weight_sync/bytes"] for r in steps}) == 1 and steps[0]["weight_sync/bytes"] > 0

@@ -46,12 +46,23 @@ def test_weight_sync_engines_serve_the_trainers_weights(demo_run):
     plan, _, records = demo_run
     diffs = [r["weight_sync/logprob_diff_max"] for r in step_records(records)]
     assert max(diffs) < 1e-4, diffs
+    # every sync streamed the whole model in the engine dtype (fp32 here) through the broadcast group
+    n_bytes = sum(t.numel() * 4 for t in load_weights(ROOT / plan.rl.model.path).values())
+    for r in step_records(records):
+        assert r["weight_sync/bytes"] == n_bytes and r["weight_sync/buckets"] >= 1
+        assert 0 < r["timing/weight_sync_gather"] <= r["timing/weight_sync"] and r["weight_sync/gb_per_s"] > 0
     # ... and the weights did change (else a sync that does nothing would pass the probe too)
     from safetensors.torch import load_file
 
     before = load_file(ROOT / plan.rl.model.path / "model.safetensors")
     after = load_file(ROOT / plan.rl.ckpt.hf_dir / "model.safetensors")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3
+
+
+def load_weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
 
 
 def test_back_pressure_generator_never_more_than_queue_depth_ahead(demo_run):
@@ -73,7 +84,7 @@ def test_logged_keys_are_documented(demo_run):
     _, _, records = demo_run
     logged = {k for r in records for k in r if k != "time"}
     assert {"timing/vllm_idle_wait", "timing/actor_idle_wait", "train/is_filter_ratio", "eval/reward_mean",
-            "weight_sync/logprob_diff_max", "queue/depth", "rollout/reward_std"} <= logged
+            "weight_sync/logprob_diff_max", "timing/weight_sync_load", "queue/depth", "rollout/reward_std"} <= logged
     assert sorted(k for k in logged if not is_documented(k)) == []
 
 

@@ -19,6 +19,7 @@ from runtime.engines.hf_engine import HfEngine  # noqa: E402
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan  # noqa: E402
 from runtime.engines.vllm_engine import VllmEngine  # noqa: E402
 from runtime.tiny_model import build_tiny_model  # noqa: E402
+from runtime.weight_sync_driver import StateDictSender  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +44,13 @@ def engine(model_dir):
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def sender(engine, model_dir):
+    """The test process as trainer rank 0; small buckets so that one sync spans many of them."""
+    shapes = {n: tuple(p.shape) for n, p in reference(model_dir).named_parameters()}
+    return StateDictSender([engine], shapes, "float32", bucket_bytes=64 << 10)
+
+
 def reference(model_dir, state=None):
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     if state is not None:
@@ -65,7 +73,7 @@ def logprobs_of(model, ids):
 
 def test_both_engines_implement_the_protocol():
     for cls in (HfEngine, VllmEngine):
-        for name in ("generate", "score", "pause", "resume", "update_weights", "weights_version"):
+        for name in ("generate", "score", "pause", "resume", "join_weight_sync", "receive_weights", "weights_version"):
             assert callable(getattr(cls, name)), (cls, name)
     assert isinstance(HfEngine.__new__(HfEngine), RolloutEngine)
 
@@ -102,14 +110,14 @@ def test_sampled_logprobs_are_the_tempered_distribution(engine, model_dir):
     assert (torch.tensor(out.logprobs) - ref[-len(out.token_ids):]).abs().max().item() < LOGPROB_TOL
 
 
-def test_weight_update_then_score_matches_trainer(engine, model_dir):
+def test_weight_update_then_score_matches_trainer(engine, model_dir, sender):
     before = ray.get(engine.generate.remote(PROMPT, max_tokens=12, temperature=0.0, top_p=1.0, session_id="w",
                                             logprobs=False)).token_ids
     gen = torch.Generator().manual_seed(3)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in reference(model_dir).state_dict().items()
              if k != "lm_head.weight"}
     version = ray.get(engine.weights_version.remote()) + 1
-    ray.get(engine.update_weights.remote(ray.put(state), version))
+    sender.push(state, version)
     assert ray.get(engine.weights_version.remote()) == version
     trainer = reference(model_dir, {**state, "lm_head.weight": state["model.embed_tokens.weight"]})
     after = ray.get(engine.generate.remote(PROMPT, max_tokens=12, temperature=0.0, top_p=1.0, session_id="w",
@@ -117,11 +125,9 @@ def test_weight_update_then_score_matches_trainer(engine, model_dir):
     assert after != before and after == greedy(trainer, PROMPT, 12)[: len(after)]
     probe = PROMPT + list(range(100, 140))
     assert (torch.tensor(ray.get(engine.score.remote(probe))) - logprobs_of(trainer, probe)).abs().max() < LOGPROB_TOL
-    with pytest.raises(ray.exceptions.RayTaskError, match="unexpected"):
-        ray.get(engine.update_weights.remote({"model.not_a_weight": torch.zeros(1)}, version + 1))
     assert ray.get(engine.weights_version.remote()) == version
     original = {k: v for k, v in reference(model_dir).state_dict().items() if k != "lm_head.weight"}
-    ray.get(engine.update_weights.remote(original, version + 1))
+    sender.push(original, version + 1)
 
 
 def test_pause_freezes_in_flight_requests_until_resume(engine):

@@ -103,8 +103,10 @@ def test_router_reaches_the_hashed_engine(tmp_path):
 
         state = load_file(str(model_dir / "model.safetensors"))
         gen = torch.Generator().manual_seed(7)
-        ray.get(engines[1].update_weights.remote({k: v + 0.1 * torch.randn(v.shape, generator=gen)
-                                                  for k, v in state.items()}, 1))
+        from runtime.weight_sync_driver import StateDictSender
+
+        sender = StateDictSender([engines[1]], {k: tuple(v.shape) for k, v in state.items()}, "float32", 1 << 20)
+        sender.push({k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in state.items()}, 1)
         prompt = [5, 6, 7, 8]
         answers = [ray.get(e.generate.remote(prompt, max_tokens=8, temperature=0.0, top_p=1.0, session_id="probe",
                                              logprobs=False)).token_ids for e in engines]

@@ -20,6 +20,7 @@ from runtime.agents.types import GenerateOutput  # noqa: E402
 from runtime.engines import start_engines  # noqa: E402
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan  # noqa: E402
 from runtime.tiny_model import build_tiny_model  # noqa: E402
+from runtime.weight_sync_driver import StateDictSender  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,13 @@ def engine(model_dir):
         ray.get(handle.shutdown.remote())
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sender(engine, model_dir):
+    """The test process as trainer rank 0; small buckets so that one sync spans many of them."""
+    shapes = {n: tuple(p.shape) for n, p in hf_model(model_dir).named_parameters()}
+    return StateDictSender([engine], shapes, "float32", bucket_bytes=64 << 10)
 
 
 def hf_model(model_dir, state=None):
@@ -117,12 +125,13 @@ def test_sampled_logprobs_are_the_tempered_distribution(engine, model_dir):
     assert (torch.tensor(out.logprobs) - ref[-len(out.token_ids):]).abs().max().item() < LOGPROB_TOL
 
 
-def test_weight_update_changes_outputs_and_engine_matches_trainer(engine, model_dir):
+def test_weight_update_changes_outputs_and_engine_matches_trainer(engine, model_dir, sender):
     before = ray.get(engine.generate.remote(PROMPT, max_tokens=16, temperature=0.0, top_p=1.0, session_id="w",
                                             logprobs=False)).token_ids
     state = perturbed_state(model_dir, seed=1)
     version = ray.get(engine.weights_version.remote()) + 1
-    ray.get(engine.update_weights.remote(ray.put(state), version))
+    stats = sender.push(state, version)
+    assert stats["sent"]["buckets"] > 1 and stats["received"][0]["bytes"] == stats["sent"]["bytes"]
     assert ray.get(engine.weights_version.remote()) == version
     after = ray.get(engine.generate.remote(PROMPT, max_tokens=16, temperature=0.0, top_p=1.0, session_id="w",
                                            logprobs=False)).token_ids
@@ -134,12 +143,12 @@ def test_weight_update_changes_outputs_and_engine_matches_trainer(engine, model_
     assert diff < LOGPROB_TOL, diff
     # back to the checkpoint: the same session is served from the original weights again (prefix cache was reset)
     original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
-    ray.get(engine.update_weights.remote(original, version + 1))
+    sender.push(original, version + 1)
     assert ray.get(engine.generate.remote(PROMPT, max_tokens=16, temperature=0.0, top_p=1.0, session_id="w",
                                           logprobs=False)).token_ids == before
 
 
-def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_dir):
+def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_dir, sender):
     refs = [engine.generate.remote(PROMPT + [i], max_tokens=400, temperature=1.0, top_p=1.0, session_id=f"p{i}",
                                    logprobs=True) for i in range(4)]
     ray.get(engine.pause.remote())
@@ -151,7 +160,7 @@ def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_d
     # a weight sync while paused, as the trainer does with partial rollout
     state = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
     version = ray.get(engine.weights_version.remote()) + 1
-    ray.get(engine.update_weights.remote(state, version))
+    sender.push(state, version)
     ray.get(engine.resume.remote())
     outs = ray.get(refs + [late], timeout=120)
     for out in outs[:-1]:
@@ -159,3 +168,45 @@ def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_d
         assert out.finish_reason == "stop" or len(out.token_ids) == 400
         assert len(out.logprobs) == len(out.token_ids)
     assert outs[-1].finish_reason in ("stop", "length") and len(outs[-1].token_ids) >= 1
+
+
+def test_layerwise_reload_no_longer_warns_about_computed_buffers():
+    """Why every sync logged "RotaryEmbedding: Failed to load weights": vLLM's layer-wise reload counts a layer's
+    non-persistent buffers as loadable, and a rotary layer has only its computed cos/sin cache. The engine marks such
+    layers as having nothing to load; the cache is still put back, and a layer with real weights still warns."""
+    import logging
+
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    from runtime.engines.vllm_worker import _ignore_computed_buffers
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.randn(4, 4), persistent=False)
+
+    def reload(fix: bool) -> tuple[list[str], bool]:
+        model = torch.nn.Module()
+        model.rotary, model.linear = Rotary(), torch.nn.Linear(4, 4)
+        cache = model.rotary.cos_sin_cache.clone()
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda r: records.append(r.getMessage())
+        log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        log.addHandler(handler)
+        try:
+            record_metadata_for_reloading(model)
+            initialize_layerwise_reload(model)
+            if fix:
+                _ignore_computed_buffers(model)
+            finalize_layerwise_reload(model, None)  # nothing loaded: every layer falls back to its old tensors
+        finally:
+            log.removeHandler(handler)
+        return records, torch.equal(model.rotary.cos_sin_cache, cache)
+
+    before, _ = reload(fix=False)
+    assert "Rotary: Failed to load weights" in before
+    after, cache_kept = reload(fix=True)
+    assert cache_kept and "Rotary: Failed to load weights" not in after
+    assert "Linear: Failed to load weights" in after

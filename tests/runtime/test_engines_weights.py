@@ -1,61 +1,72 @@
-"""Weight-sync helpers: the tied lm_head is added for vLLM, tied tensors survive the safetensors hop, bad input is
-named; and the hf engine's step gate blocks forward passes while closed."""
+"""The weight-sync protocol (`runtime.weight_sync`) over a real gloo group between threads: buckets, packing, tied
+aliases, the lazily produced stream; and the hf engine's step gate blocks forward passes while closed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
 
-import pytest
 import torch
 
+from runtime import weight_sync
 from runtime.engines.hf_engine import _StepGate
-from runtime.engines.weights import (
-    EMBED,
-    LM_HEAD,
-    complete_state_dict,
-    resolve_weights,
-    save_for_reload,
-    tied_embeddings,
-)
+from runtime.engines.weights import tied_embeddings
+from runtime.trainer import free_port
+from runtime.weight_sync import EMBED, LM_HEAD, TensorMeta
 
 
-def test_tied_lm_head_is_added_only_when_tied_and_missing():
-    embed = torch.randn(10, 4)
-    state = {EMBED: embed, "model.norm.weight": torch.ones(4), "step": torch.tensor(3)}
-    tied = complete_state_dict(state, tied=True)
-    assert tied[LM_HEAD] is embed
-    assert "step" not in tied  # only floating-point tensors are weights
-    assert LM_HEAD not in complete_state_dict(state, tied=False)
-    own_head = torch.randn(10, 4)
-    assert complete_state_dict({**state, LM_HEAD: own_head}, tied=True)[LM_HEAD] is own_head
+def test_bucket_layout_is_consecutive_and_bounded():
+    metas = [TensorMeta(f"w{i}", "float32", (n,)) for i, n in enumerate([10, 10, 30, 5, 100, 1])]
+    # bytes 40, 40, 120, 20, 400, 4: a bucket closes before it would overflow; a larger tensor travels alone
+    assert weight_sync.bucket_layout(metas, bucket_bytes=100) == [[0, 1], [2], [3], [4], [5]]
+    assert weight_sync.bucket_layout(metas, bucket_bytes=1 << 20) == [list(range(len(metas)))]
 
 
-def test_save_for_reload_copies_shared_storage(tmp_path):
-    from safetensors.torch import load_file
+def test_tied_lm_head_is_aliased_only_when_tied_and_not_sent():
+    metas = [TensorMeta(EMBED, "float32", (10, 4)), TensorMeta("model.norm.weight", "float32", (4,))]
+    assert weight_sync.tied_aliases(metas, tied=True) == {LM_HEAD: EMBED}
+    assert weight_sync.tied_aliases(metas, tied=False) == {}
+    assert weight_sync.tied_aliases([*metas, TensorMeta(LM_HEAD, "float32", (10, 4))], tied=True) == {}
 
-    embed = torch.randn(10, 4)
-    path = tmp_path / "w.safetensors"
-    save_for_reload({EMBED: embed, LM_HEAD: embed, "x": embed[:2]}, path)  # plain save_file refuses shared storage
-    back = load_file(str(path))
-    assert torch.equal(back[EMBED], embed) and torch.equal(back[LM_HEAD], embed) and torch.equal(back["x"], embed[:2])
+
+def test_stream_over_gloo_delivers_every_tensor_in_the_wire_dtype():
+    gen = torch.Generator().manual_seed(0)
+    state = {EMBED: torch.randn(50, 8, generator=gen), "a.weight": torch.randn(8, 8, generator=gen),
+             "b.weight": torch.randn(300, generator=gen), "norm.weight": torch.randn(8, generator=gen)}
+    metas = [TensorMeta(n, "bfloat16", tuple(t.shape)) for n, t in state.items()]
+    port, world, bucket = free_port(), 3, 1024
+    received: dict[int, dict[str, torch.Tensor]] = {1: {}, 2: {}}
+    stats: dict[int, weight_sync.SyncStats] = {}
+
+    def member(rank: int) -> None:
+        group = weight_sync.join_group("gloo", "127.0.0.1", port, rank, world, 30.0)
+        if rank == 0:
+            tensors = (state[m.name].to(torch.bfloat16) for m in metas)  # produced one at a time
+            stats[0] = weight_sync.send_tensors(tensors, metas, bucket, group, torch.device("cpu"))
+        else:
+            stats[rank] = weight_sync.receive(group, metas, bucket, torch.device("cpu"),
+                                              lambda pairs: received[rank].update({n: t.clone() for n, t in pairs}),
+                                              {LM_HEAD: EMBED})
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert stats[0].buckets == len(weight_sync.bucket_layout(metas, bucket)) > 1
+    for rank in (1, 2):
+        got = received[rank]
+        assert set(got) == {*state, LM_HEAD}
+        assert all(torch.equal(got[n], state[n].to(torch.bfloat16)) for n in state)
+        assert torch.equal(got[LM_HEAD], got[EMBED])
+        assert stats[rank].bytes == stats[0].bytes == sum(m.nbytes for m in metas)
 
 
 def test_tied_embeddings_reads_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
     assert tied_embeddings(str(tmp_path))
     assert not tied_embeddings(str(tmp_path / "missing"))  # a hub name: nothing to add
-
-
-def test_resolve_weights_rejects_non_state_dicts():
-    with pytest.raises(TypeError, match="dict name -> torch.Tensor"):
-        asyncio.run(resolve_weights([torch.zeros(1)]))
-    with pytest.raises(TypeError, match="dict name -> torch.Tensor"):
-        asyncio.run(resolve_weights({"w": [1.0]}))
-    state = {"w": torch.zeros(1)}
-    assert asyncio.run(resolve_weights(state)) is state
 
 
 def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
@@ -89,3 +100,10 @@ def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
     gate.open()
     worker.join(timeout=5)
     assert len(steps) == 3
+
+
+def test_shard_rows_follow_fsdp2_chunking():
+    for n in (0, 1, 5, 7, 8, 100, 1003):
+        for world in (1, 2, 3, 4, 8):
+            chunks = [len(c) for c in torch.arange(n).chunk(world)] if n else []
+            assert weight_sync._chunk_rows(n, world) == chunks + [0] * (world - len(chunks)), (n, world)

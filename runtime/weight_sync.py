@@ -1,0 +1,349 @@
+"""Streamed weight sync: trainer shards -> fixed-size buckets in the engine dtype -> broadcast to every engine worker.
+
+One dedicated process group (the plan's `weight_sync`) holds trainer rank 0 (group rank 0, the sender) and every
+engine worker (ranks `engine_rank_offsets[i] + j`). It is built from a TCPStore that trainer rank 0 hosts, without
+touching either side's default world: the trainer ranks have their FSDP world, each vLLM worker its own. gloo on CPU
+(so CI runs this exact code path), NCCL on GPUs.
+
+The sender and the receivers agree on the stream without exchanging anything per bucket: both sides hold the same
+`TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
+cut it into buckets with the same `bucket_layout`. Per sync:
+
+- every trainer rank packs its local shards of one bucket's parameters, cast to the wire dtype, into one buffer and
+  rank 0 gathers them (one collective per bucket, `ShardGather`), so the gather moves wire-dtype bytes and no rank
+  holds more than two buckets (never the whole model, never fp32 unless the engine runs fp32);
+- rank 0 copies each full parameter into the current bucket and broadcasts a full bucket asynchronously, so the next
+  bucket's gather overlaps the previous bucket's transfer (at most two buckets alive);
+- each receiver posts the next bucket's receive before loading the current one (again two buffers), and loads each
+  bucket as it arrives (vLLM: `model.load_weights` inside the layer-wise reload; hf: `param.copy_`).
+
+Kept free of Ray and of vLLM: the vLLM worker extension and the hf engine import it as well.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+# A tied lm_head is one parameter in the trainer (named_parameters lists it once, as the embedding) but vLLM must
+# receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
+LM_HEAD = "lm_head.weight"
+EMBED = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: str              # torch dtype name on the wire, e.g. "bfloat16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+
+@dataclass
+class SyncStats:
+    """One side's share of one sync (seconds, bytes). The driver merges the sender's and the receivers'."""
+
+    gather_s: float = 0.0      # sender: cast + pack + gather of the shards
+    transfer_s: float = 0.0    # time blocked on the broadcast (sender: waiting for sends, receiver: for data)
+    load_s: float = 0.0        # receiver: loading buckets into the model
+    bytes: int = 0
+    buckets: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"gather_s": self.gather_s, "transfer_s": self.transfer_s, "load_s": self.load_s,
+                "bytes": float(self.bytes), "buckets": float(self.buckets)}
+
+
+def wire_metas(model: torch.nn.Module, dtype: str) -> list[TensorMeta]:
+    """What the sender will stream: floating parameters in module order, at their full (global) shapes."""
+    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in model.named_parameters()
+            if p.is_floating_point()]
+
+
+def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
+    """Cut the stream into consecutive buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, m in enumerate(metas):
+        if current and size + m.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += m.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def join_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float):
+    """The weight-sync process group, independent of any default world; rank 0 hosts the store."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = PrefixStore("molt-weight-sync", TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
+                                                     wait_for_workers=False))
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, world, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world, opts)
+    raise ValueError(f"unknown weight-sync backend {backend!r}")  # the plan allows gloo|nccl only
+
+
+def _broadcast(group, tensor: torch.Tensor):
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
+
+
+def _use_count(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_SOLE_OWNER = _use_count(torch.empty(1))  # a tensor nothing else views (the probe itself adds one)
+
+
+class BufferPool:
+    """Byte buffers kept across buckets and syncs. A fresh large CPU allocation is mmap'ed and pays a page fault per
+    4 KiB on first touch — measured here as the largest single cost of a sync (a 400 MiB copy into new memory took
+    longer than broadcasting it). CUDA's caching allocator already reuses memory, so there the pool is a pass-through.
+    A buffer comes back only when nothing else still views it (vLLM's layer-wise reload keeps the views of a layer's
+    weights until the layer is complete)."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int, device: torch.device, at_least: int = 0) -> torch.Tensor:
+        """A byte buffer of `max(nbytes, at_least)` or more; use `[:nbytes]` of it."""
+        if device.type == "cpu":
+            for i, b in enumerate(self._free):
+                if b.numel() >= nbytes:
+                    return self._free.pop(i)
+        # Headroom over the bucket size: a gathered bucket carries the shards' padding rows.
+        return torch.empty(max(nbytes, at_least + at_least // 8), dtype=torch.uint8, device=device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.device.type == "cpu" and len(self._free) < self.keep and _use_count(buf) == _SOLE_OWNER:
+            self._free.append(buf)
+
+
+POOL = BufferPool()
+"""This process's buffers (a trainer rank, an hf engine actor or a vLLM worker is one sender or receiver)."""
+
+
+# ----------------------------------------------------------------------------------------------------- sender
+def _chunk_rows(n: int, world: int) -> list[int]:
+    """Rows of dim 0 per rank under FSDP2's Shard(0) (torch.chunk: equal ceil-sized chunks, the tail may be short
+    or missing)."""
+    size = -(-n // world) if n else 0
+    return [max(0, min(size, n - r * size)) for r in range(world)]
+
+
+class ShardGather:
+    """Fills one bucket from the FSDP2 shards with one collective: each rank packs its local shards of the bucket's
+    parameters (cast to the wire dtype, each padded to the largest rank's rows) into one buffer, rank 0 gathers them
+    and reorders the rank-major result into full tensors in the bucket. Every rank must call it for every
+    bucket, in order."""
+
+    def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
+                 device: torch.device, bucket_bytes: int):
+        self.params = [p for _, p in model.named_parameters() if p.is_floating_point()]
+        if len(self.params) != len(metas):
+            raise RuntimeError(f"weight sync: {len(self.params)} parameters, {len(metas)} declared")
+        self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
+        self.bucket_bytes = bucket_bytes
+        self.dtype = getattr(torch, metas[0].dtype)
+
+    def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
+        placements = getattr(p, "placements", None)
+        if placements is None:
+            return p.detach(), False
+        if len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
+            raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
+        return p.detach().to_local(), placements[0].is_shard(0)
+
+    @torch.no_grad()
+    def __call__(self, bucket: list[int], buf: torch.Tensor | None) -> None:
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        sharded, whole = [], []  # (index, local piece, rows per rank, bytes per row, offset in the segment)
+        seg = 0
+        for i in bucket:
+            local, is_shard = self._local(self.params[i])
+            shape = self.metas[i].shape
+            if not is_shard:
+                whole.append((i, local))
+                continue
+            row_bytes = esize * (self.metas[i].nbytes // (esize * shape[0]) if shape[0] else 0)
+            rows = _chunk_rows(shape[0], self.world)
+            if local.shape[0] != rows[self.rank]:
+                raise RuntimeError(f"weight sync: {self.metas[i].name} shard has {local.shape[0]} rows, "
+                                   f"expected {rows[self.rank]} (FSDP2 chunking)")
+            sharded.append((i, local, rows, row_bytes, seg))
+            seg += rows[0] * row_bytes
+        if sharded:
+            send_base = POOL.take(seg, self.device, at_least=self.bucket_bytes)
+            send = send_base[:seg]
+            for _, local, rows, row_bytes, off in sharded:
+                n = rows[self.rank] * row_bytes
+                if n:
+                    send[off:off + n].view(self.dtype).copy_(local.reshape(-1))
+            import torch.distributed as dist
+
+            # A gather, not an all-gather: only rank 0 needs the full tensors.
+            recv_base = POOL.take(seg * self.world, self.device, self.bucket_bytes) if self.rank == 0 else None
+            recv = recv_base[:seg * self.world] if recv_base is not None else None
+            dist.gather(send, list(recv.view(self.world, seg)) if recv is not None else None, group=self.group,
+                        group_dst=0)
+            del send
+            POOL.give(send_base)
+        if buf is None:
+            return
+        dest = {}
+        offset = 0
+        for i in bucket:
+            dest[i] = offset
+            offset += self.metas[i].nbytes
+        for i, _, rows, row_bytes, off in sharded:
+            at = dest[i]
+            for r in range(self.world):
+                n = rows[r] * row_bytes
+                buf[at:at + n].copy_(recv[r * seg + off:r * seg + off + n])
+                at += n
+        for i, local in whole:
+            n = self.metas[i].nbytes
+            buf[dest[i]:dest[i] + n].view(self.dtype).copy_(local.reshape(-1))
+        if sharded:
+            del recv
+            POOL.give(recv_base)
+
+
+def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group, device: torch.device,
+               gather_group, rank: int, world: int) -> SyncStats:
+    """Stream the model out of its shards; `group` is None on the ranks that only take part in the gather."""
+    return send(ShardGather(model, metas, gather_group, rank, world, device, bucket_bytes), metas, bucket_bytes,
+                group, device)
+
+
+def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
+                 device: torch.device) -> SyncStats:
+    """Stream full tensors (in `metas` order and dtype, produced lazily): a process that holds a whole model."""
+    it = iter(tensors)
+
+    def fill(bucket: list[int], buf: torch.Tensor | None) -> None:
+        offset = 0
+        for i in bucket:
+            full = next(it)
+            if tuple(full.shape) != metas[i].shape:
+                raise RuntimeError(f"weight sync: {metas[i].name} has shape {tuple(full.shape)}, "
+                                   f"declared {metas[i].shape}")
+            n = metas[i].nbytes
+            if buf is not None:
+                buf[offset:offset + n].view(full.dtype).copy_(full.reshape(-1))
+            offset += n
+
+    return send(fill, metas, bucket_bytes, group, device)
+
+
+def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[TensorMeta], bucket_bytes: int, group,
+         device: torch.device) -> SyncStats:
+    """Fill each bucket (`fill(bucket, buffer)`; buffer None where this process only helps gather) and broadcast
+    it asynchronously, so that filling the next bucket overlaps sending this one."""
+    stats = SyncStats()
+    pending = None  # (work, buffer) of the bucket in flight
+    for bucket in bucket_layout(metas, bucket_bytes):
+        t0 = time.perf_counter()
+        size = sum(metas[i].nbytes for i in bucket)
+        base = POOL.take(size, device, at_least=bucket_bytes) if group is not None else None
+        buf = base[:size] if base is not None else None
+        fill(bucket, buf)
+        stats.gather_s += time.perf_counter() - t0
+        if group is None:
+            continue
+        t0 = time.perf_counter()
+        if pending is not None:
+            pending[0].wait()
+            POOL.give(pending[1])
+        pending = (_broadcast(group, buf), base)
+        del buf
+        stats.transfer_s += time.perf_counter() - t0
+        stats.bytes += size
+        stats.buckets += 1
+    if pending is not None:
+        t0 = time.perf_counter()
+        pending[0].wait()
+        stats.transfer_s += time.perf_counter() - t0
+        POOL.give(pending[1])
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------------- receiver
+def unpack(buf: torch.Tensor, metas: list[TensorMeta], bucket: list[int], aliases: dict[str, str]
+           ) -> list[tuple[str, torch.Tensor]]:
+    """Views into one received bucket, HF-named; `aliases` (target -> source) adds tied names."""
+    out = []
+    offset = 0
+    for i in bucket:
+        m = metas[i]
+        t = buf[offset:offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
+        offset += m.nbytes
+        out.append((m.name, t))
+        out.extend((target, t) for target, source in aliases.items() if source == m.name)
+    return out
+
+
+def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.device,
+            load: Callable[[list[tuple[str, torch.Tensor]]], None], aliases: dict[str, str]) -> SyncStats:
+    """Receive every bucket and hand it to `load` as it arrives, the next receive already posted."""
+    stats = SyncStats()
+    layout = bucket_layout(metas, bucket_bytes)
+
+    def post(bucket: list[int]):
+        size = sum(metas[i].nbytes for i in bucket)
+        base = POOL.take(size, device, at_least=bucket_bytes)
+        return _broadcast(group, base[:size]), base[:size], base
+
+    nxt = post(layout[0])
+    for k, bucket in enumerate(layout):
+        work, buf, base = nxt
+        t0 = time.perf_counter()
+        work.wait()
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        stats.transfer_s += time.perf_counter() - t0
+        nxt = post(layout[k + 1]) if k + 1 < len(layout) else None
+        t0 = time.perf_counter()
+        load(unpack(buf, metas, bucket, aliases))
+        stats.load_s += time.perf_counter() - t0
+        stats.bytes += buf.numel()
+        stats.buckets += 1
+        del buf
+        POOL.give(base)  # only if the loader kept no view of it
+    return stats
+
+
+def tied_aliases(metas: list[TensorMeta], tied: bool) -> dict[str, str]:
+    """lm_head.weight -> the embedding, when tied and the trainer did not send it itself."""
+    names = {m.name for m in metas}
+    return {LM_HEAD: EMBED} if tied and LM_HEAD not in names and EMBED in names else {}
