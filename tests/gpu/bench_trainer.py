@@ -1,0 +1,149 @@
+"""The trainer rank against the plain baseline, in one process on one GPU (issue 11's benchmark; not in `just test`).
+
+    python3 tests/gpu/bench_trainer.py OUT_DIR [--baseline PATH/plain_baseline.py]
+    MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/bench_trainer.py OUT_DIR     (CPU, tiny: checks the script)
+
+Same random Qwen3-1.7B-shaped model (bf16 compute, full activation checkpointing) and the same 4 x 4096 tokens:
+1. plain PyTorch + transformers (`shared/bench/plain_baseline.py`: fused AdamW, cross-entropy over every token);
+2. this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, the PPO loss over every token as actions,
+   chunked lm_head log-probs): its optimizer step (`train`) over micro-batches of 4 rows, padded and packed.
+Then a batch with skewed lengths (4 rows in 16 long, the rest short, the same 16 x 4096 padded shape): the baseline
+computes the padding, the packed trainer does not. Tokens/s count real tokens; MFU uses 790 TFLOP/s (bf16 dense).
+Writes OUT_DIR/trainer_gpu.json and prints it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRY_RUN = os.environ.get("MOLT_GPU_CHECK_DRY_RUN") == "1"
+PEAK_FLOPS = 790e12
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+
+def _baseline(path: Path):
+    spec = importlib.util.spec_from_file_location("plain_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _batch(lengths: list[int], vocab: int, width: int):
+    import torch
+
+    from runtime.experience import from_token_lists
+
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(5, vocab - 1, (n,), generator=g).tolist() for n in lengths]
+    batch = from_token_lists(tokens, [[(1, n)] for n in lengths], [[] for _ in tokens], pad_id=0)
+    if batch.sequences.shape[1] < width:  # the baseline's padded width, so both see the same shape
+        pad = width - batch.sequences.shape[1]
+        batch = replace(batch, **{f: torch.nn.functional.pad(getattr(batch, f), (0, pad))
+                                  for f in ("sequences", "attention_mask", "action_mask", "rollout_log_probs")})
+    return batch
+
+
+def main() -> int:
+    import torch
+    from loop_support import trainer_rl
+
+    from runtime.trainer import PolicyWorker, free_port
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    args = sys.argv[2:]
+    baseline_path = Path(args[args.index("--baseline") + 1]) if "--baseline" in args else \
+        ROOT.parent / "shared" / "bench" / "plain_baseline.py"
+    plain = _baseline(baseline_path)
+    cfg = plain.qwen3_1p7b_config()
+    rows, seq, steps = 4, 4096, 3
+    if DRY_RUN:
+        from transformers import Qwen3Config
+
+        cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+        rows, seq, steps = 2, 64, 1
+    from transformers import Qwen3ForCausalLM
+
+    model_dir = Path(tempfile.gettempdir()) / "molt_gpu_bench_trainer_model"
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir)
+    del model
+    report: dict = {"device": "cpu (dry run)" if DRY_RUN else torch.cuda.get_device_name(0), "rows": rows,
+                    "seq": seq, "layers": cfg.num_hidden_layers, "runs": {}}
+    flops = plain.model_flops_per_step(cfg, n_params, rows, seq)
+    if not DRY_RUN:
+        t = plain.plain_train_step_seconds(cfg, batch=rows, seq=seq)
+        report["runs"]["plain/uniform"] = {"step_s": t, "tokens_per_s": rows * seq / t, "mfu": flops / t / PEAK_FLOPS}
+        torch.cuda.empty_cache()
+        real = seq * rows + (seq // 8) * rows * 3  # the skewed batch below: 16 rows padded to 4096
+        t = plain.plain_train_step_seconds(cfg, batch=rows * 4, seq=seq, steps=2, warmup=1)
+        report["runs"]["plain/skewed"] = {"step_s": t, "tokens_per_s": real / t, "real_tokens": real}
+        torch.cuda.empty_cache()
+    device = "cpu" if DRY_RUN else "cuda"
+    sync = (lambda: None) if DRY_RUN else torch.cuda.synchronize
+    uniform = _batch([seq] * rows, cfg.vocab_size, seq)
+    skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
+    skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
+    port = free_port()
+    for name, batch, packing, micro in (("uniform/padded", uniform, False, rows), ("uniform/packed", uniform, True, rows),
+                                        ("skewed/packed", skewed, True, rows)):
+        n = batch.batch_size
+        rl = trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": "sdpa",
+                                             "dtype": "float32" if DRY_RUN else "bfloat16",
+                                             "gradient_checkpoint": "full"},
+                        trainer={"micro_batch_size": micro, "grad_accum": n // micro, "max_epochs": 1,
+                                 "temperature": 1.0,
+                                 "packing": packing, "dynamic_batch_max_tokens": None, "local_batch_size": None},
+                        optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+                        kl={"use_loss": False}, is_correction={"level": "off"}, device=device,
+                        dist_backend="gloo" if DRY_RUN else "nccl")
+        worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+        port += 1
+        mask = batch.action_mask
+        step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
+                             rollout_log_probs=torch.zeros(mask.shape))
+        if not DRY_RUN:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(steps + 1):
+            sync()
+            t0 = time.perf_counter()
+            worker.train(step_batch, 0.0)
+            sync()
+            if i > 0 or DRY_RUN:
+                times.append(time.perf_counter() - t0)
+        best = min(times)
+        real = int(batch.attention_mask.sum())
+        run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
+               "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
+        if not DRY_RUN:
+            run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        report["runs"][name] = run
+        worker.shutdown()
+        del worker
+        if not DRY_RUN:
+            torch.cuda.empty_cache()
+    for name, run in report["runs"].items():  # each against the plain baseline on the same batch
+        base = report["runs"].get(f"plain/{name.split('/')[0]}")
+        if base is not None:
+            run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
+    text = json.dumps(report, indent=1)
+    print(text)
+    (out / "trainer_gpu.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
