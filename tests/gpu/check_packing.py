@@ -57,7 +57,9 @@ def main() -> int:
                      num_attention_heads=16, num_key_value_heads=8, head_dim=128)
         rows, short, long, micro, accum, max_tokens = 64, (256, 1024), (3072, 4097), 4, 8, 8192
     model_dir = build_tiny_model(Path(tempfile.gettempdir()) / "molt_gpu_packing_model", seed=0, **shape)
-    batch = skewed_batch(rows, short, long, shape["vocab_size"])
+    # the tokenizer trainer may stop short of `vocab_size` merges: token ids must stay below the model's vocabulary
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    batch = skewed_batch(rows, short, long, vocab)
     mask = batch.action_mask
     tokens = int(batch.attention_mask.sum())
     attns = ["sdpa"]
