@@ -155,7 +155,7 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
         log = sp.work_dir / f"phase{k}.log"
         logs.append(str(log))
         if plan.kind == "sft":
-            argv = _torchrun_argv(plan, plan_file)
+            argv = submit.torchrun_argv(plan, plan_file)
             env = {**os.environ, **submit.resolve_env(plan.env)}
         else:
             argv, env = submit.entrypoint_command(plan, plan_file, local=True), cluster.env
@@ -181,20 +181,6 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
     verdict.seconds = time.monotonic() - t0
     verdict.log = ", ".join(logs)
     return _read_metrics(verdict, sp, phases[2].plan)
-
-
-def _torchrun_argv(plan: Any, plan_file: Path) -> list[str]:
-    from molt_compile.submit import PLAN_FILE_PLACEHOLDER
-
-    subst = {"{node_rank}": "0", "{master_addr}": "127.0.0.1", PLAN_FILE_PLACEHOLDER: str(plan_file)}
-    argv = []
-    for arg in plan.sft.command:
-        for key, value in subst.items():
-            arg = arg.replace(key, value)
-        argv.append(arg)
-    if argv and argv[0] == "torchrun":
-        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
-    return argv
 
 
 def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any) -> Verdict:

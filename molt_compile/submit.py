@@ -470,7 +470,9 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
         cluster.stop(keep_logs=status != 0)
 
 
-def _run_local_torchrun(plan: Plan, plan_file: Path, root: Path, env: dict[str, str]) -> int:
+def torchrun_argv(plan: Plan, plan_file: Path) -> list[str]:
+    """The SFT plan's per-node command for this one machine (node 0, master 127.0.0.1), with this interpreter's
+    torchrun whatever PATH says (as entrypoint_command)."""
     command = plan.sft.command if plan.sft is not None else plan.entrypoint
     subst = {"{node_rank}": "0", "{master_addr}": "127.0.0.1", PLAN_FILE_PLACEHOLDER: str(plan_file)}
     argv = []
@@ -478,8 +480,13 @@ def _run_local_torchrun(plan: Plan, plan_file: Path, root: Path, env: dict[str, 
         for key, value in subst.items():
             arg = arg.replace(key, value)
         argv.append(arg)
-    if argv and argv[0] == "torchrun":  # as entrypoint_command: this interpreter's torchrun, whatever PATH says
+    if argv and argv[0] == "torchrun":
         argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    return argv
+
+
+def _run_local_torchrun(plan: Plan, plan_file: Path, root: Path, env: dict[str, str]) -> int:
+    argv = torchrun_argv(plan, plan_file)
     _say(f"running {shlex.join(argv)}")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=root)
     try:
