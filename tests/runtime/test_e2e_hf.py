@@ -8,7 +8,7 @@ from loop_support import run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 40
 SETS = (
     "name=test-e2e-hf",
     "rollout.engine=hf",
