@@ -191,7 +191,7 @@ def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any) -> Verdict:
     verdict.steps = len(steps)
     verdict.resumed = steps == list(range(1, SMOKE_STEPS + 1)) and _resumed(sp)
     train = [r for r in rows if _is_train_row(r)]
-    verdict.tokens = sum(float(r.get("train/tokens", r.get("train/tokens_per_step", 0.0))) for r in train)
+    verdict.tokens = sum(float(r.get("train/tokens", 0.0)) for r in train)
     metric = "rollout/reward_mean" if plan.kind == "rl" else "train/loss"
     verdict.per_step = "rewards" if plan.kind == "rl" else "train loss"
     verdict.rewards = [float(r[metric]) for r in train if metric in r]
