@@ -244,8 +244,11 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @cli.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
+@click.option("--capabilities/--no-capabilities", default=True, show_default=True,
+              help="Check each recipe against what this runtime implements (CAP001). --no-capabilities checks Molt's "
+                   "rules only (recipes meant for another runtime build).")
 @_ROOTS
-def lint(paths: tuple[str, ...], fmt: str, roots: tuple[Path, ...] = ()) -> None:
+def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
     files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs."""
     import os
@@ -256,7 +259,7 @@ def lint(paths: tuple[str, ...], fmt: str, roots: tuple[Path, ...] = ()) -> None
     files, missing = _recipe_files(paths)
     if missing:
         raise click.UsageError(f"no such file or directory: {', '.join(missing)}")
-    results = [compile_recipe(f, roots=roots) for f in files]
+    results = [compile_recipe(f, roots=roots, capabilities=capabilities) for f in files]
     extended = {t for r in results if r.loaded for t in r.loaded.extends_targets}
     seen: set[tuple] = set()
     all_diags: list[Any] = []

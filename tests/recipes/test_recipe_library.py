@@ -71,6 +71,11 @@ def test_lint_recipes_dir_reports_only_capability_errors_and_counts_every_recipe
     assert len(shipped) >= 12
     assert report["summary"]["recipes"] == len(shipped)
     assert report["summary"]["fragments"] >= len(list((RECIPES_DIR / "base").glob("*.yaml")))
+    molt_only = subprocess.run([sys.executable, "-m", "molt_compile.cli", "lint", "--no-capabilities",
+                                str(RECIPES_DIR), "--format", "json"], capture_output=True, text=True,
+                               cwd=RECIPES_DIR.parent, timeout=300)
+    assert molt_only.returncode == 0 and not [d for d in json.loads(molt_only.stdout)["diagnostics"]
+                                              if d["severity"] == "error"]
 
 
 @pytest.mark.parametrize("path", MOLT_SCRIPT_RECIPES, ids=lambda p: p.name)
