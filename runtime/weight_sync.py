@@ -3,7 +3,7 @@
 One dedicated process group (the plan's `weight_sync`) holds trainer rank 0 (group rank 0, the sender) and every
 engine worker (ranks `engine_rank_offsets[i] + j`). It is built from a TCPStore that trainer rank 0 hosts, without
 touching either side's default world: the trainer ranks have their FSDP world, each vLLM worker its own. gloo on CPU
-(so CI runs this exact code path), NCCL on GPUs.
+(so CI runs this exact code path), NCCL on GPUs, or CUDA IPC (`IpcChannel`) when every member shares one GPU.
 
 The sender and the receivers agree on the stream without exchanging anything per bucket: both sides hold the same
 `TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
@@ -87,23 +87,25 @@ def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]
 
 
 def join_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float):
-    """The weight-sync process group, independent of any default world; rank 0 hosts the store."""
+    """The weight-sync process group, independent of any default world; rank 0 hosts the store. `cuda_ipc` is a
+    gloo group for the hand-shakes plus the CUDA IPC buckets (`IpcChannel`): sender and receivers share one GPU."""
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = PrefixStore("molt-weight-sync", TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
                                                      wait_for_workers=False))
-    if backend == "gloo":
+    if backend in ("gloo", "cuda_ipc"):
         from torch.distributed import ProcessGroupGloo
 
-        return ProcessGroupGloo(store, rank, world, timeout)
+        group = ProcessGroupGloo(store, rank, world, timeout)
+        return IpcChannel(group) if backend == "cuda_ipc" else group
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return ProcessGroupNCCL(store, rank, world, opts)
-    raise ValueError(f"unknown weight-sync backend {backend!r}")  # the plan allows gloo|nccl only
+    raise ValueError(f"unknown weight-sync backend {backend!r}")  # the plan allows gloo|nccl|cuda_ipc only
 
 
 def _broadcast(group, tensor: torch.Tensor):
@@ -112,6 +114,102 @@ def _broadcast(group, tensor: torch.Tensor):
     opts = BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([tensor], opts)
+
+
+class _Done:
+    """A finished work handle (the IPC channel's steps are synchronous)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class IpcChannel:
+    """Buckets through CUDA IPC when the sender and every receiver are on one GPU (NCCL refuses a group whose
+    members share a device). The sender owns two bucket slots in GPU memory and exports their IPC handles once;
+    per bucket it fills slot `k % 2` and says so over gloo (one 8-byte broadcast); a receiver loads straight out of
+    the mapped slot and acknowledges bucket k-1 once bucket k is announced, so slot reuse waits for every
+    receiver and filling the next bucket overlaps loading this one. Both sides issue the same sequence of gloo
+    collectives: ready(0), ready(1), ack(0), ready(2), ack(1), ..., ack(n-1)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.slots: list[torch.Tensor] = []
+        self.bucket = 0          # index of the next bucket in this sync
+        self.acked = 0           # buckets acknowledged so far in this sync
+        self.unacked = False     # receiver: the previous bucket's ack is owed
+
+    # ---- shared
+    def _ack(self) -> None:
+        from torch.distributed import AllreduceOptions
+
+        self.group.allreduce([torch.zeros(1)], AllreduceOptions()).wait()
+        self.acked += 1
+
+    def _share_slots(self, capacity: int, device: torch.device) -> None:
+        """Sender: allocate the two slots and broadcast their handles; receiver: map them (first sync only)."""
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        for _ in range(2):
+            if self.group.rank() == 0:
+                slot = torch.empty(capacity, dtype=torch.uint8, device=device)
+                blob = torch.frombuffer(bytearray(pickle.dumps(reduce_tensor(slot))), dtype=torch.uint8)
+                self.slots.append(slot)
+                size = torch.tensor([blob.numel()], dtype=torch.int64)
+            else:
+                size = torch.zeros(1, dtype=torch.int64)
+            _broadcast(self.group, size).wait()
+            if self.group.rank() != 0:
+                blob = torch.empty(int(size.item()), dtype=torch.uint8)
+            _broadcast(self.group, blob).wait()
+            if self.group.rank() != 0:
+                rebuild, args = pickle.loads(blob.numpy().tobytes())
+                self.slots.append(rebuild(*args))
+
+    def start(self, capacity: int, device: torch.device) -> None:
+        if not self.slots:
+            self._share_slots(capacity, device)
+        self.bucket = self.acked = 0
+        self.unacked = False
+
+    # ---- sender
+    def take(self, size: int) -> torch.Tensor:
+        """The slot for the next bucket, once every receiver is done with the bucket it held before."""
+        if self.bucket >= 2:
+            self._ack()
+        return self.slots[self.bucket % 2]
+
+    def publish(self, buf: torch.Tensor) -> _Done:
+        torch.cuda.current_stream(buf.device).synchronize()  # the bucket is in memory before anyone reads it
+        _broadcast(self.group, torch.tensor([self.bucket], dtype=torch.int64)).wait()
+        self.bucket += 1
+        return _Done()
+
+    def finish_send(self) -> None:
+        while self.acked < self.bucket:
+            self._ack()
+
+    # ---- receiver
+    def collect(self, size: int) -> torch.Tensor:
+        """Wait for the next bucket's announcement; the slot it is in (a view of the sender's memory)."""
+        seq = torch.zeros(1, dtype=torch.int64)
+        _broadcast(self.group, seq).wait()
+        if int(seq.item()) != self.bucket:
+            raise RuntimeError(f"weight sync: bucket {int(seq.item())} announced, {self.bucket} expected")
+        if self.unacked:  # the previous bucket's loads were issued before this collect: let them finish
+            torch.cuda.current_stream().synchronize()
+            self._ack()
+        self.unacked = True
+        slot = self.slots[self.bucket % 2]
+        self.bucket += 1
+        return slot[:size]
+
+    def finish_receive(self) -> None:
+        torch.cuda.synchronize()  # copies out of the slot are done before the sender may overwrite it
+        if self.unacked:
+            self._ack()
+            self.unacked = False
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -269,11 +367,18 @@ def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[Ten
     """Fill each bucket (`fill(bucket, buffer)`; buffer None where this process only helps gather) and broadcast
     it asynchronously, so that filling the next bucket overlaps sending this one."""
     stats = SyncStats()
+    layout = bucket_layout(metas, bucket_bytes)
+    ipc = group if isinstance(group, IpcChannel) else None
+    if ipc is not None:
+        ipc.start(_slot_bytes(metas, layout, bucket_bytes), device)
     pending = None  # (work, buffer) of the bucket in flight
-    for bucket in bucket_layout(metas, bucket_bytes):
+    for bucket in layout:
         t0 = time.perf_counter()
         size = sum(metas[i].nbytes for i in bucket)
-        base = POOL.take(size, device, at_least=bucket_bytes) if group is not None else None
+        if group is None:
+            base = None
+        else:
+            base = ipc.take(size) if ipc is not None else POOL.take(size, device, at_least=bucket_bytes)
         buf = base[:size] if base is not None else None
         fill(bucket, buf)
         stats.gather_s += time.perf_counter() - t0
@@ -283,19 +388,28 @@ def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[Ten
         if pending is not None:
             pending[0].wait()
             POOL.give(pending[1])
-        pending = (_broadcast(group, buf), base)
+        pending = (ipc.publish(buf) if ipc is not None else _broadcast(group, buf), base)
         del buf
         stats.transfer_s += time.perf_counter() - t0
         stats.bytes += size
         stats.buckets += 1
+    t0 = time.perf_counter()
     if pending is not None:
-        t0 = time.perf_counter()
         pending[0].wait()
-        stats.transfer_s += time.perf_counter() - t0
         POOL.give(pending[1])
+    if ipc is not None:
+        ipc.finish_send()
+    stats.transfer_s += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.current_stream().synchronize()
     return stats
+
+
+def _slot_bytes(metas: list[TensorMeta], layout: list[list[int]], bucket_bytes: int) -> int:
+    """An IPC slot holds the largest bucket plus the gather's padding headroom (as `BufferPool.take`)."""
+    largest = max(sum(metas[i].nbytes for i in bucket) for bucket in layout)
+    need = max(largest, bucket_bytes)
+    return need + need // 8
 
 
 # ----------------------------------------------------------------------------------------------------- receiver
@@ -318,17 +432,25 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
     """Receive every bucket and hand it to `load` as it arrives, the next receive already posted."""
     stats = SyncStats()
     layout = bucket_layout(metas, bucket_bytes)
+    ipc = group if isinstance(group, IpcChannel) else None
 
     def post(bucket: list[int]):
         size = sum(metas[i].nbytes for i in bucket)
+        if ipc is not None:
+            return None, size, None  # collected when it is its turn: the announcement is the receive
         base = POOL.take(size, device, at_least=bucket_bytes)
         return _broadcast(group, base[:size]), base[:size], base
 
+    if ipc is not None:
+        ipc.start(_slot_bytes(metas, layout, bucket_bytes), device)
     nxt = post(layout[0])
     for k, bucket in enumerate(layout):
         work, buf, base = nxt
         t0 = time.perf_counter()
-        work.wait()
+        if ipc is not None:
+            buf = ipc.collect(buf)
+        else:
+            work.wait()
         if device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         stats.transfer_s += time.perf_counter() - t0
@@ -339,7 +461,12 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
         stats.bytes += buf.numel()
         stats.buckets += 1
         del buf
-        POOL.give(base)  # only if the loader kept no view of it
+        if base is not None:
+            POOL.give(base)  # only if the loader kept no view of it
+    if ipc is not None:
+        t0 = time.perf_counter()
+        ipc.finish_receive()
+        stats.load_s += time.perf_counter() - t0
     return stats
 
 
