@@ -954,7 +954,7 @@ WEIGHT_SYNC_TIMEOUT_S = 600
 
 
 def _default_critic_optimizer() -> Any:
-    from schemas.recipe import Critic  # noqa: PLC0415 - gae recipe without a critic section
+    from schemas.recipe import Critic  # gae recipe without a critic section
 
     return Critic().optimizer
 

@@ -40,7 +40,6 @@ from molt_compile.rules import (
 from molt_compile.rules._base import Rule
 from molt_compile.source import SourceMap
 
-RL = ("rl",)
 BOTH = ("rl", "sft")
 
 ALL_RULES: tuple[Rule, ...] = (
@@ -207,7 +206,7 @@ def _run(rule: Rule, produced: Iterable[Diagnostic]) -> list[Diagnostic]:
     (a compiler bug, reported with the rule's code) instead of a traceback."""
     try:
         return [replace(d, name=rule.name, severity=rule.severity) for d in produced]
-    except Exception as exc:  # noqa: BLE001 - one broken rule must not hide the others
+    except Exception as exc:  # one broken rule must not hide the others
         return [Diagnostic(code=rule.code, severity="error", name=rule.name,
                            message=f"internal error in rule {rule.code} ({type(exc).__name__}: {exc}); please report",
                            help="this is a compiler bug, not a problem of the recipe")]
