@@ -4,7 +4,7 @@
     validate  (validate.py)  pydantic Recipe v1; schema errors become positioned diagnostics (blockers)
     derive    (derive.py)    every derived number with its inputs and a one-line reason
     rules     (rules/)       the catalog: every illegal combination, as diagnostics
-    lower     (lower.py)     the Plan: placement groups, actors, GPU map, fingerprint
+    lower     (lower/)       the Plan: placement groups, actors, GPU map, fingerprint
     capability (capability.py) the plan against what this runtime implements on its device (CAP001)
 
 Load and validate errors are blockers (exit 2): nothing after them can run. Rule errors (exit 1) still let

@@ -8,7 +8,7 @@ recipe's kind, applies the recipe's `ignore:` table and reports ignores that sup
 Areas: ASYNC async queue and IS correction, EST estimators/KL/ref/filtering, BATCH batch arithmetic, PAR FSDP mesh,
 MOE experts/R3/MTP, LOSS policy loss, VLLM engines, PLACE GPU counts, MEM memory, OPTIM optimizer/offload, DATA data files,
 AGENT agent file, EVAL/CKPT cadences, PACK packing and attention, MODEL model-path info, DEAD settings with no
-effect, IGNORE suppressions. Per-node bin packing is `lower.py`'s (PLACE1xx).
+effect, IGNORE suppressions. Per-node bin packing is `lower/`'s (PLACE1xx).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("VLLM008", "decode-context-parallel-not-dividing-tp", "error", vllm.decode_context_parallel_not_dividing_tp),
     Rule("VLLM009", "rollout-tp-does-not-split-heads", "error", shapes.rollout_tp_does_not_split_the_model),
 )
-"""Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower.py's PLACE1xx."""
+"""Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 
 RULES_BY_CODE: dict[str, Rule] = {r.code: r for r in ALL_RULES}
 UNUSED_IGNORE = "IGNORE002"
