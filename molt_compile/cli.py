@@ -42,17 +42,6 @@ def _console(stderr: bool = False, pipe_width: int = 140) -> Any:
                    force_terminal=tty, no_color=not tty)
 
 
-def _need(module: str, attr: str) -> Any:
-    """A function written in another module; a clear error (exit 2) when this build does not have it yet."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        click.echo(f"molt-compile: `{module}.{attr}` is not available in this build ({e})", err=True)
-        sys.exit(2)
-
-
 def _print_diagnostics(diags: list[Any], result: Any, fmt: str) -> None:
     from molt_compile import render
 
@@ -73,8 +62,6 @@ def _short_summary(result: Any) -> str:
     if result.derived is not None and "cluster.used_gpus" in result.derived:
         parts.append(f"{result.derived.value('cluster.used_gpus')} of {result.derived.value('cluster.total_gpus')} "
                      "devices used")
-    if result.skipped_passes:
-        parts.append("not run in this build: " + ", ".join(result.skipped_passes))
     return "; ".join(parts)
 
 
@@ -168,21 +155,16 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
     result = compile_recipe(Path(recipe), sets, roots=roots)
     plan = result.plan
     status = result.exit_status
-    wants_plan = bool(plan_out or slurm_out or submit)
-    if status == 0 and plan is None and wants_plan:
-        click.echo(f"molt-compile: no plan: passes not available in this build: {', '.join(result.skipped_passes)}",
-                   err=True)
-        sys.exit(2)
     if fmt == "json":
         summary = summary_dict(result.diagnostics, status, recipe=recipe,
-                               fingerprint=getattr(plan, "fingerprint", None),
-                               skipped_passes=list(result.skipped_passes))
+                               fingerprint=getattr(plan, "fingerprint", None))
         sys.stdout.write(render_json(result.diagnostics, plan.to_json() if plan is not None else None, summary))
     else:
         _print_diagnostics(result.diagnostics, result, fmt)
         if fmt == "text":
             if plan is not None:
-                render_summary = _need("molt_compile.render_plan", "render_summary")
+                from molt_compile.render_plan import render_summary
+
                 _console().print(render_summary(plan))
             elif result.recipe is not None and status == 0:
                 click.echo(_short_summary(result))
@@ -194,7 +176,8 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         plan_out.write_text(plan.to_json())
         click.echo(f"plan written to {plan_out}", err=fmt != "text")
     if slurm_out:
-        render_sbatch = _need("molt_compile.slurm", "render_sbatch")
+        from molt_compile.slurm import render_sbatch, submit_hint
+
         try:
             script = render_sbatch(plan)
         except ValueError as err:  # SlurmRenderError: a value that no Slurm script can carry (names the key)
@@ -208,9 +191,10 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
             keys = " and ".join(f"launch.slurm.{k}" for k in unset)
             click.echo(f"warning: {keys} {'are' if len(unset) > 1 else 'is'} unset: the job gets the cluster's "
                        f"default {' and '.join(unset)}", err=fmt != "text")
-        click.echo(_need("molt_compile.slurm", "submit_hint")(slurm_out), err=fmt != "text")
+        click.echo(submit_hint(slurm_out), err=fmt != "text")
     if submit:
-        submit_fn = _need("molt_compile.submit", "submit")
+        from molt_compile.submit import submit as submit_fn
+
         job_root = result.source.job_root if result.source else None  # the plan's paths are relative to it
         sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow,
                            root=Path(job_root) if job_root else None))
@@ -464,8 +448,8 @@ def _explain_smoke(result: Any) -> int:
 def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
     """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
     from molt_compile.compile import compile_recipe
+    from molt_compile.diff import diff_results
 
-    diff_results = _need("molt_compile.diff", "diff_results")
     results = [compile_recipe(Path(a), roots=roots), compile_recipe(Path(b), roots=roots)]
     for r in results:
         if r.exit_status == 2:

@@ -4,7 +4,7 @@
     validate  (validate.py)  pydantic Recipe v1; schema errors become positioned diagnostics (blockers)
     derive    (derive.py)    every derived number with its inputs and a one-line reason
     rules     (rules/)       the catalog: every illegal combination, as diagnostics
-    lower     (lower.py)     the Plan: placement groups, actors, GPU map, fingerprint
+    lower     (lower/)       the Plan: placement groups, actors, GPU map, fingerprint
     capability (capability.py) the plan against what this runtime implements on its device (CAP001)
 
 Load and validate errors are blockers (exit 2): nothing after them can run. Rule errors (exit 1) still let
@@ -13,43 +13,31 @@ Load and validate errors are blockers (exit 2): nothing after them can run. Rule
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from molt_compile.capability import check_capabilities
+from molt_compile.derive import derive
 from molt_compile.diagnostics import Diagnostic, Diagnostics
 from molt_compile.load import Loaded, load_recipe
+from molt_compile.lower import lower as lower_plan
+from molt_compile.rules import run_rules
 from molt_compile.source import SourceMap
 from molt_compile.validate import validate
 
 
 @dataclass
 class CompileResult:
-    recipe: Any = None          # schemas.recipe.RlRecipe | SftRecipe
+    recipe: Any = None  # schemas.recipe.RlRecipe | SftRecipe
     source: SourceMap | None = None
-    derived: Any = None         # molt_compile.derive.Derived
-    plan: Any = None            # schemas.plan.Plan
+    derived: Any = None  # molt_compile.derive.Derived
+    plan: Any = None  # schemas.plan.Plan
     diagnostics: list[Diagnostic] = field(default_factory=list)
     exit_status: int = 0
     loaded: Loaded | None = None
     """The loader's output: key positions, overridden values, files read (for `explain` and `lint`)."""
-    skipped_passes: tuple[str, ...] = ()
-    """Passes whose module is not importable in this build (they are written in parallel); they did not run."""
-
-
-def _optional_pass(module: str, attr: str) -> Callable[..., Any] | None:
-    """A later pass's entry point, or None while its module does not exist yet."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
-            return None
-        raise
-    except AttributeError:
-        return None
 
 
 def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> Diagnostic:
@@ -77,45 +65,36 @@ def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = 
     diags = Diagnostics()
     diags.extend(loaded.diagnostics)
     result = CompileResult(source=loaded.source, loaded=loaded)
-    skipped: list[str] = []
     if loaded.ok:
         recipe, schema_diags = validate(loaded)
         diags.extend(schema_diags)
         result.recipe = recipe
-    if result.recipe is not None:
-        derive = _optional_pass("molt_compile.derive", "derive")
-        run_rules = _optional_pass("molt_compile.rules", "run_rules")
-        lower_fn = _optional_pass("molt_compile.lower", "lower")
-        root = loaded.source.root_file
-        if derive is None:
-            skipped.append("derive")
-        else:
-            try:
-                result.derived = derive(result.recipe, loaded.source)
-            except Exception as e:  # noqa: BLE001 - reported as INTERNAL001, see _internal_error
-                diags.add(_internal_error("derive", e, root))
-        if run_rules is None or result.derived is None:
-            skipped.append("rules")
-        else:
-            try:
-                diags.extend(run_rules(result.recipe, result.derived, loaded.source))
-            except Exception as e:  # noqa: BLE001
-                diags.add(_internal_error("rules", e, root))
-        if lower:
-            if lower_fn is None or result.derived is None:
-                skipped.append("lower")
-            elif not diags.has_errors:
-                try:
-                    plan, lower_diags = lower_fn(result.recipe, result.derived, loaded.source)
-                except Exception as e:  # noqa: BLE001
-                    plan, lower_diags = None, [_internal_error("lower", e, root)]
-                diags.extend(lower_diags)
-                if plan is not None and capabilities and not diags.has_errors:
-                    from molt_compile.capability import check_capabilities
+    if result.recipe is None:
+        return _finish(result, diags)
+    root = loaded.source.root_file
+    try:
+        result.derived = derive(result.recipe, loaded.source)
+    except Exception as e:  # reported as INTERNAL001, see _internal_error
+        diags.add(_internal_error("derive", e, root))
+        return _finish(result, diags)
+    try:
+        diags.extend(run_rules(result.recipe, result.derived, loaded.source))
+    except Exception as e:
+        diags.add(_internal_error("rules", e, root))
+    if not lower or diags.has_errors:
+        return _finish(result, diags)
+    try:
+        plan, lower_diags = lower_plan(result.recipe, result.derived, loaded.source)
+    except Exception as e:
+        plan, lower_diags = None, [_internal_error("lower", e, root)]
+    diags.extend(lower_diags)
+    if plan is not None and capabilities and not diags.has_errors:
+        diags.extend(check_capabilities(plan, loaded.source))
+    result.plan = None if diags.has_errors else plan
+    return _finish(result, diags)
 
-                    diags.extend(check_capabilities(plan, loaded.source))
-                result.plan = None if diags.has_errors else plan
+
+def _finish(result: CompileResult, diags: Diagnostics) -> CompileResult:
     result.diagnostics = diags.sorted()
     result.exit_status = diags.exit_status()
-    result.skipped_passes = tuple(skipped)
     return result

@@ -91,6 +91,7 @@ from pathlib import Path
 from typing import Any
 
 from molt_compile.datafiles import source_facts
+from schemas.catalog import GPUS
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -126,7 +127,7 @@ class Derived:
         try:
             return self._items[name]
         except KeyError:
-            import difflib  # noqa: PLC0415 - only for the error message
+            import difflib  # only for the error message
 
             close = difflib.get_close_matches(name, self._items, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -217,7 +218,7 @@ def resolve_path(value: str, key: str, source: Any = None) -> str:
     if source is None:
         return plan_path(os.path.join(os.getcwd(), value), os.getcwd())
     pos = source.pos(key)
-    root = getattr(source, "job_root", None)
+    root = source.job_root
     if pos.layer == "file" and pos.file:
         base = os.path.dirname(os.path.abspath(pos.file))
     else:
@@ -238,7 +239,7 @@ def plan_path(absolute: str, root: str | None) -> str:
 def local_path(plan_value: str, source: Any = None) -> str:
     """Where the compiler finds a plan path on this machine (to count rows, or to tell a local checkpoint from a
     hub name): joined to the job root, which need not be the working directory."""
-    root = getattr(source, "job_root", None)
+    root = source.job_root if source is not None else None
     return os.path.join(root, plan_value) if root and not os.path.isabs(plan_value) else plan_value
 
 
@@ -289,18 +290,9 @@ def _cpus_per_node(b: _Builder, c: Any) -> None:
 
 
 def _gpu_catalog_cpus(gpu: str) -> int | None:
-    """CPUs per node from the GPU catalog's node profile, when the catalog has one (RULES owns the catalog)."""
-    if gpu == "cpu":
-        return None
-    try:
-        from schemas.catalog import GPUS  # noqa: PLC0415 - optional while the catalog is written
-    except Exception:  # noqa: BLE001 - catalog absent or broken: fall back to sizing from the plan
-        return None
-    entry = GPUS.get(gpu) if isinstance(GPUS, dict) else None
-    value = getattr(entry, "cpus_per_node", None) if entry is not None else None
-    if value is None and isinstance(entry, dict):
-        value = entry.get("cpus_per_node")
-    return value if isinstance(value, int) and value > 0 else None
+    """CPUs per node from the GPU catalog's node profile, when the catalog has one."""
+    entry = GPUS.get(gpu)
+    return entry.cpus_per_node if entry is not None else None
 
 
 # ---------------------------------------------------------------------------------------------- FSDP roles
@@ -392,7 +384,7 @@ def _rl_roles(b: _Builder, r: Any) -> None:
 
 
 def _default_critic() -> Any:
-    from schemas.recipe import Critic  # noqa: PLC0415 - only for gae recipes without a critic section
+    from schemas.recipe import Critic  # only for gae recipes without a critic section
 
     return Critic()
 

@@ -9,7 +9,6 @@ head is `num_nextn_predict_layers` (DeepSeek/GLM) or `mtp_num_hidden_layers` / `
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -123,7 +122,3 @@ def _estimate_params(layers: int, hidden: int, heads: int, kv_heads: int, head_d
     mlp = 3 * hidden * inter * max(1, mlp_copies)
     embed = vocab * hidden * (1 if tie else 2)
     return layers * (attn + mlp + 2 * hidden) + embed + hidden
-
-
-def with_source(facts: ModelFacts, source: str) -> ModelFacts:
-    return replace(facts, source=source)

@@ -33,11 +33,6 @@ def members(tp: Any) -> list[Any]:
     return [tp]
 
 
-def model_fields_by_key(model: type[BaseModel]) -> dict[str, Any]:
-    """YAML key (the alias where there is one) -> FieldInfo."""
-    return _fields(model)
-
-
 @cache
 def _fields(model: type[BaseModel]) -> dict[str, Any]:
     return {(f.alias or name): f for name, f in model.model_fields.items()}

@@ -126,7 +126,7 @@ def _open_with_datasets(path: Path, suffix: str, split: str, data_dir: str | Non
         return datasets.load_dataset(str(path), data_dir=data_dir, split=split)
     except DataError:
         raise
-    except Exception as exc:  # noqa: BLE001 - datasets raises many types; the message must name the source
+    except Exception as exc:  # datasets raises many types; the message must name the source
         raise DataError(f"{path}: cannot be read as a dataset ({type(exc).__name__}: {exc})") from exc
 
 

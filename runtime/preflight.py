@@ -129,7 +129,7 @@ def _connect(address: str, deadline: float, say) -> bool:
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             return True
-        except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ... while starting
+        except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ... while starting
             last = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         if time.monotonic() >= deadline:
             say(f"error: could not connect to the Ray cluster at {address}: {last}")

@@ -26,9 +26,6 @@ from runtime.experience import Experience, from_token_lists
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_DROP_REASONS = ("agent_error", "aborted", "empty_tokens", "no_action_tokens", "logprob_misalign")
-
-
 @dataclass(frozen=True)
 class GroupRequest:
     group_id: int                  # unique per dispatched prompt (also the prompt's index in consumption order)

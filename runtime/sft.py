@@ -44,17 +44,6 @@ from runtime.datasource import DataError, open_rows
 from runtime.logprobs import token_logprobs
 from schemas.plan import Plan
 
-SFT_METRICS: dict[str, str] = {
-    "train/loss": "global-token-mean NLL of the reply tokens over the optimizer step (all micro-batches, all ranks)",
-    "train/tokens": "reply (loss) tokens in the optimizer step, all ranks",
-    "train/grad_norm": "gradient norm before clipping",
-    "train/lr": "learning rate used by the optimizer step",
-    "train/epoch": "epoch (0-based) of the optimizer step",
-    "timing/step": "seconds of the optimizer step (forward, backward, optimizer)",
-    "eval/loss": "token-mean NLL of the reply tokens over the whole eval set",
-    "eval/tokens": "reply tokens in the eval set",
-}
-
 
 class SftError(Exception):
     """A problem the user can fix (unsupported plan setting, unreadable data); printed as one line."""

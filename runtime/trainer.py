@@ -68,7 +68,6 @@ class PolicyWorker:
         self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
         self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
-        self.optimizer_steps = 0
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -191,7 +190,6 @@ class PolicyWorker:
 
     def _optimizer_step(self) -> float:
         grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, self.t.optimizer.max_norm)
-        self.optimizer_steps += 1
         return grad_norm
 
     # ----------------------------------------------------------------------------------------------- weights

@@ -9,7 +9,7 @@ from molt_compile.render_plan import grouped_nodes, node_summary, render_summary
 
 
 def _text(plan) -> str:
-    console = Console(width=200, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console = Console(width=200, record=True, file=open("/dev/null", "w"))
     console.print(render_summary(plan))
     return console.export_text()
 

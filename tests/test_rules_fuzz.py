@@ -66,7 +66,6 @@ def test_random_rl_recipes_never_crash_a_rule(tmp_path_factory, override):
     recipe = tmp / "r.yaml"
     recipe.write_text("extends: _base_rl.yaml\n" + "\n".join(f"{k}: {json.dumps(v)}" for k, v in override.items()))
     result = compile_recipe(recipe, lower=False)
-    assert not result.skipped_passes
     crashed = [d.message for d in result.diagnostics if "internal error" in d.message]
     assert not crashed, crashed
     assert result.recipe is not None, [(d.code, d.message) for d in result.diagnostics]

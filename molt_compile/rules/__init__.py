@@ -8,7 +8,7 @@ recipe's kind, applies the recipe's `ignore:` table and reports ignores that sup
 Areas: ASYNC async queue and IS correction, EST estimators/KL/ref/filtering, BATCH batch arithmetic, PAR FSDP mesh,
 MOE experts/R3/MTP, LOSS policy loss, VLLM engines, PLACE GPU counts, MEM memory, OPTIM optimizer/offload, DATA data files,
 AGENT agent file, EVAL/CKPT cadences, PACK packing and attention, MODEL model-path info, DEAD settings with no
-effect, IGNORE suppressions. Per-node bin packing is `lower.py`'s (PLACE1xx).
+effect, IGNORE suppressions. Per-node bin packing is `lower/`'s (PLACE1xx).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from molt_compile.rules import (
 from molt_compile.rules._base import Rule
 from molt_compile.source import SourceMap
 
-RL = ("rl",)
 BOTH = ("rl", "sft")
 
 ALL_RULES: tuple[Rule, ...] = (
@@ -177,7 +176,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("VLLM008", "decode-context-parallel-not-dividing-tp", "error", vllm.decode_context_parallel_not_dividing_tp),
     Rule("VLLM009", "rollout-tp-does-not-split-heads", "error", shapes.rollout_tp_does_not_split_the_model),
 )
-"""Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower.py's PLACE1xx."""
+"""Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 
 RULES_BY_CODE: dict[str, Rule] = {r.code: r for r in ALL_RULES}
 UNUSED_IGNORE = "IGNORE002"
@@ -207,7 +206,7 @@ def _run(rule: Rule, produced: Iterable[Diagnostic]) -> list[Diagnostic]:
     (a compiler bug, reported with the rule's code) instead of a traceback."""
     try:
         return [replace(d, name=rule.name, severity=rule.severity) for d in produced]
-    except Exception as exc:  # noqa: BLE001 - one broken rule must not hide the others
+    except Exception as exc:  # one broken rule must not hide the others
         return [Diagnostic(code=rule.code, severity="error", name=rule.name,
                            message=f"internal error in rule {rule.code} ({type(exc).__name__}: {exc}); please report",
                            help="this is a compiler bug, not a problem of the recipe")]

@@ -35,7 +35,7 @@ class Rule:
 
     @property
     def doc(self) -> str:
-        import inspect  # noqa: PLC0415 - only for docs
+        import inspect  # only for docs
 
         return inspect.getdoc(self.check) or ""
 
@@ -59,7 +59,7 @@ def dv(derived: Any, name: str, default: Any = None) -> Any:
         return default
     try:
         return derived.value(name, default)
-    except Exception:  # noqa: BLE001 - a missing derived name must not crash the rule pass
+    except Exception:  # a missing derived name must not crash the rule pass
         return default
 
 
@@ -84,7 +84,7 @@ def path_base(source: SourceMap | None, key: str) -> Path | None:
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):
-    from molt_compile.model_facts import resolve_model  # noqa: PLC0415
+    from molt_compile.model_facts import resolve_model
 
     return resolve_model({"path": path, "arch": arch}, base)
 
@@ -141,7 +141,3 @@ def is_set(source: SourceMap | None, path: str) -> bool:
 def moe_dispatcher(recipe: Any) -> str:
     """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
     return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")
-
-
-def fmt_gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.1f} GiB"

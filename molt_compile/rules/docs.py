@@ -6,7 +6,7 @@ a test fails when it is stale.
 
 from __future__ import annotations
 
-from molt_compile.rules import ALL_RULES, RULES_BY_CODE
+from molt_compile.rules import ALL_RULES
 from molt_compile.rules._base import Rule
 
 SECTIONS = ("## What it checks", "## Why it matters", "## Example", "## Use instead", "## References")
@@ -17,11 +17,6 @@ def rule_page(rule: Rule) -> str:
     kinds = " and ".join(rule.kinds)
     body = rule.doc.replace("## ", "### ")
     return f"## {rule.code} {rule.name}\n\nSeverity: **{rule.severity}** · applies to: {kinds} recipes\n\n{body}\n"
-
-
-def page_for(code: str) -> str | None:
-    rule = RULES_BY_CODE.get(code.upper())
-    return rule_page(rule) if rule else None
 
 
 def reference() -> str:

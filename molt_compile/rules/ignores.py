@@ -30,7 +30,7 @@ def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = f
     DESIGN.md §3 (`ignore:`); style_anchors.md rule 13
     """
     if not known:
-        from molt_compile.rules import ALL_RULES  # noqa: PLC0415 - the catalog imports this module
+        from molt_compile.rules import ALL_RULES  # the catalog imports this module
 
         known = frozenset(r.code for r in ALL_RULES)
     for code in recipe.ignore:
@@ -90,7 +90,7 @@ def unused_ignore(recipe, derived, source, *, fired: frozenset[str] = frozenset(
     ## References
     DESIGN.md §3; style_anchors.md rule 13
     """
-    from molt_compile.rules import ALL_RULES  # noqa: PLC0415
+    from molt_compile.rules import ALL_RULES
 
     known = {r.code for r in ALL_RULES}
     for code in recipe.ignore:

@@ -1,7 +1,7 @@
 """GPU counts and role shapes against the cluster (molt_rules.md §2.J, §3.2).
 
 These rules use only derived counts. The per-node bin packing of every placement group (Ray PACK order, CPUs,
-groups split across nodes) is modelled by `lower.py` (PLACE1xx), which runs only when no rule reported an error.
+groups split across nodes) is modelled by `lower/` (PLACE1xx), which runs only when no rule reported an error.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "recipes" / "agents"))
-from sandbox import SandboxLimits, run_python  # noqa: E402
+from sandbox import SandboxLimits, run_python
 
 LIMITS = SandboxLimits(timeout_s=20, cpu_s=20, max_output_bytes=2000)
 

@@ -8,18 +8,18 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import ray
+import torch
+from transformers import AutoModelForCausalLM
 
-from runtime.agents.types import GenerateOutput  # noqa: E402
-from runtime.engines import RolloutEngine, start_engines  # noqa: E402
-from runtime.engines.hf_decode import DecodeCore, Request, top_p_filter  # noqa: E402
-from runtime.engines.hf_engine import HfEngine  # noqa: E402
-from runtime.engines.local import cpu_engine_role, cpu_engines_plan  # noqa: E402
-from runtime.engines.vllm_engine import VllmEngine  # noqa: E402
-from runtime.tiny_model import build_tiny_model  # noqa: E402
-from runtime.weight_sync_driver import StateDictSender  # noqa: E402
+from runtime.agents.types import GenerateOutput
+from runtime.engines import RolloutEngine, start_engines
+from runtime.engines.hf_decode import DecodeCore, Request, top_p_filter
+from runtime.engines.hf_engine import HfEngine
+from runtime.engines.local import cpu_engine_role, cpu_engines_plan
+from runtime.engines.vllm_engine import VllmEngine
+from runtime.tiny_model import build_tiny_model
+from runtime.weight_sync_driver import StateDictSender
 
 pytestmark = pytest.mark.slow
 

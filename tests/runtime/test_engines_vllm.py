@@ -12,15 +12,15 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import ray
+import torch
+from transformers import AutoModelForCausalLM
 
-from runtime.agents.types import GenerateOutput  # noqa: E402
-from runtime.engines import start_engines  # noqa: E402
-from runtime.engines.local import cpu_engine_role, cpu_engines_plan  # noqa: E402
-from runtime.tiny_model import build_tiny_model  # noqa: E402
-from runtime.weight_sync_driver import StateDictSender  # noqa: E402
+from runtime.agents.types import GenerateOutput
+from runtime.engines import start_engines
+from runtime.engines.local import cpu_engine_role, cpu_engines_plan
+from runtime.tiny_model import build_tiny_model
+from runtime.weight_sync_driver import StateDictSender
 
 pytestmark = pytest.mark.slow
 

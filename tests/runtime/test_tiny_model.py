@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from runtime.tiny_model import SPECIAL_TOKENS, build_tiny_model  # noqa: E402
+from runtime.tiny_model import SPECIAL_TOKENS, build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,366 @@
+"""RL lowering: placement, then the runtime slice (`Plan.rl`), one builder per plan section."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
+from molt_compile.diagnostics import Diagnostic
+from molt_compile.lower.binpack import PlaceError
+from molt_compile.lower.common import (
+    agent_env,
+    ckpt_plan,
+    cluster_plan,
+    derived_entries,
+    diag,
+    logging_plan,
+    model_path,
+    model_plan,
+    optimizer_plan,
+    required,
+    runtime_env,
+    source_path,
+)
+from molt_compile.lower.placement import place_rl
+from schemas.plan import (
+    PLAN_FILE_PLACEHOLDER,
+    AgentPlan,
+    AlgoPlan,
+    CriticPlan,
+    EnginesPlan,
+    EvalPlan,
+    GeneratorPlan,
+    IsCorrectionPlan,
+    KlPlan,
+    LossPlan,
+    MeshPlan,
+    Plan,
+    QueuePlan,
+    RefPlan,
+    RlDataPlan,
+    RlRuntime,
+    SamplingPlan,
+    SchedulePlan,
+    TrainerPlan,
+    WeightSyncPlan,
+)
+
+RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
+RUNNER_MAX_RESTARTS = 3
+"""Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
+its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
+ENGINE_MAX_NUM_SEQS = 256
+"""Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
+WEIGHT_SYNC_TIMEOUT_S = 600
+"""Forming the weight-sync group waits for every engine to be up; one sync of a large model stays well under."""
+
+
+def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnostic]]:
+    eval_only = r.eval.only
+    need = [] if eval_only else ["actor.dp", "actor.grad_accum"]
+    for role in ("ref", "critic"):
+        if d.value(f"{role}.exists") and not eval_only:
+            need += [f"{role}.dp", f"{role}.grad_accum"]
+    need.append("agent.path")
+    diags = required(d, need, source)
+    if diags:
+        return None, diags
+    try:
+        placed, warnings = place_rl(r, d, source)
+    except PlaceError as e:
+        return None, [diag(e.code, e.message, e.help, "cluster.nodes", source)]
+    rl = rl_runtime(r, d, source)
+    env = dict(r.env)
+    env.update(rl.agent.env)
+    plan = Plan.model_construct(
+        name=r.name,
+        kind="rl",
+        source=source_path(source),
+        recipe=r.model_dump(mode="json", by_alias=True),
+        cluster=cluster_plan(r, d, placed.cpus_needed),
+        derived=derived_entries(d),
+        placement_groups=placed.pgs,
+        roles=placed.roles,
+        gpu_map=placed.gpu_map,
+        env=env,
+        runtime_env=runtime_env(r, env, rl.ckpt, rl.logging),
+        entrypoint=list(RL_ENTRYPOINT),
+        rl=rl,
+    )
+    return plan.with_fingerprint(), warnings
+
+
+def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
+    """The RL runtime slice: what the Ray job reads, section by section."""
+    return RlRuntime.model_construct(
+        device=d.value("cluster.device"),
+        dist_backend=d.value("dist.backend"),
+        model=model_plan(r, d, source),
+        engines=_engines(r, d),
+        agent=_agent(r, d, source),
+        data=_data(r, d, source),
+        sampling=_sampling(r, d),
+        eval=_eval(r, d, source),
+        generator=_generator(r, d),
+        queue=_queue(r),
+        trainer=None if r.eval.only else _trainer(r, d),
+        ref=_ref(r, d, source) if d.value("ref.exists") else None,
+        critic=_critic(r, d, source) if d.value("critic.exists") else None,
+        algo=_algo(r, d),
+        schedule=_schedule(r, d),
+        ckpt=ckpt_plan(r, d, source),
+        logging=logging_plan(r, source),
+        weight_sync=_weight_sync(d),
+    )
+
+
+def _engines(r: Any, d: Derived) -> EnginesPlan:
+    ro, t = r.rollout, r.train
+    in_flight = d.value("rollout.generate_batch_size") * ro.n_samples_per_prompt
+    return EnginesPlan.model_construct(
+        kind=ro.engine,
+        device=d.value("cluster.device"),
+        count=ro.engines,
+        tp=ro.mesh.tp,
+        pp=ro.mesh.pp,
+        dp=ro.mesh.dp,
+        gpus_per_engine=d.value("rollout.gpus_per_engine"),
+        executor=d.value("rollout.executor"),
+        expert_parallel=ro.expert_parallel,
+        dtype=ro.dtype,
+        max_model_len=d.value("rollout.max_model_len"),
+        max_num_seqs=min(ENGINE_MAX_NUM_SEQS, -(-in_flight // ro.engines)),
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
+        prefix_caching=ro.prefix_caching,
+        seeds=[t.seed + i for i in range(ro.engines)],
+        router_policy=ro.router_policy,
+        logprobs_mode=d.value("rollout.logprobs_mode"),
+        max_images_per_prompt=r.data.max_images_per_prompt,
+        extra_engine_args=_engine_args(r),
+    )
+
+
+def _engine_args(r: Any) -> dict[str, Any]:
+    """vLLM engine arguments, only those the recipe set (Molt B16), under vLLM's own names."""
+    ro = r.rollout
+    args: dict[str, Any] = {}
+    optional = {
+        "enable_chunked_prefill": ro.chunked_prefill,
+        "async_scheduling": ro.async_scheduling,
+        "max_num_batched_tokens": ro.max_num_batched_tokens,
+        "block_size": ro.block_size,
+        "attention_backend": ro.attention_backend,
+        "mm_encoder_attn_backend": ro.mm_encoder_attn_backend,
+        "gdn_prefill_backend": ro.gdn_prefill_backend,
+        "mamba_ssm_cache_dtype": ro.mamba_ssm_cache_dtype,
+    }
+    args.update({k: v for k, v in optional.items() if v is not None})
+    if ro.disable_custom_all_reduce:
+        args["disable_custom_all_reduce"] = True
+    if ro.decode_context_parallel_size != 1:
+        args["decode_context_parallel_size"] = ro.decode_context_parallel_size
+    if ro.mtp_speculative_tokens:
+        args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": ro.mtp_speculative_tokens}
+    if r.train.routing_replay:
+        args["enable_return_routed_experts"] = True
+    if ro.mesh.dp > 1:
+        args["data_parallel_backend"] = "mp"
+    if r.data.max_images_per_prompt > 0:
+        args["limit_mm_per_prompt"] = {"image": r.data.max_images_per_prompt}
+        args["mm_processor_cache_gb"] = 0
+    if r.train.full_determinism:
+        args["enable_full_determinism"] = True
+    return args
+
+
+def _agent(r: Any, d: Derived, source: Any) -> AgentPlan:
+    path = d.value("agent.path")
+    if path != DISTILL_AGENT_PATH:
+        path = resolve_path(path, "agent.path", source)
+    return AgentPlan.model_construct(
+        path=path,
+        max_turns=d.value("agent.max_turns"),
+        env=agent_env(r, d),
+        runners=d.value("rollout.runners"),
+        max_restarts=RUNNER_MAX_RESTARTS,
+    )
+
+
+def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
+    dt = r.data
+    return RlDataPlan.model_construct(
+        prompts=resolve_sources(dt.prompts, "data.prompts", source),
+        probs=dt.prompt_probs,
+        split=dt.split,
+        input_key=dt.input_key,
+        label_key=dt.label_key,
+        tools_key=dt.tools_key,
+        image_key=dt.image_key,
+        max_images_per_prompt=dt.max_images_per_prompt,
+        apply_chat_template=dt.apply_chat_template,
+        max_len=dt.max_len,
+        max_samples=dt.max_samples,
+        dataloader_num_workers=dt.dataloader_num_workers,
+        prompt_count=d.value("data.prompt_count"),
+    )
+
+
+def _sampling(r: Any, d: Derived) -> SamplingPlan:
+    ro = r.rollout
+    return SamplingPlan.model_construct(
+        n_samples_per_prompt=ro.n_samples_per_prompt,
+        max_new_tokens=ro.max_new_tokens,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        logprobs=d.value("rollout.logprobs"),
+    )
+
+
+def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
+    e = r.eval
+    return EvalPlan.model_construct(
+        enabled=d.value("eval.enabled"),
+        dataset=resolve_sources(e.dataset, "eval.dataset", source)[0] if e.dataset else None,
+        split=e.split,
+        every=d.value("eval.every"),
+        at_start=e.at_start,
+        only=e.only,
+        batch_size=d.value("eval.batch_size"),
+        sampling=SamplingPlan.model_construct(
+            n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
+            max_new_tokens=d.value("eval.max_new_tokens"),
+            temperature=d.value("eval.temperature"),
+            top_p=d.value("eval.top_p"),
+            logprobs=d.value("rollout.logprobs"),
+        ),
+    )
+
+
+def _generator(r: Any, d: Derived) -> GeneratorPlan:
+    al, t = r.algo, r.train
+    return GeneratorPlan.model_construct(
+        batch_size=r.rollout.batch_size,
+        generate_batch_size=d.value("rollout.generate_batch_size"),
+        episodes=t.episodes,
+        dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
+        seed=t.seed,
+    )
+
+
+def _queue(r: Any) -> QueuePlan:
+    a = r.train.async_
+    return QueuePlan.model_construct(size=a.queue_size, partial_rollout=a.partial_rollout, force_sync=a.force_sync)
+
+
+def _trainer(r: Any, d: Derived) -> TrainerPlan:
+    t, a = r.train, r.actor
+    return TrainerPlan.model_construct(
+        world=d.value("actor.world"),
+        dp=d.value("actor.dp"),
+        mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
+        micro_batch_size=t.micro_batch_size,
+        grad_accum=d.value("actor.grad_accum"),
+        batch_size=t.batch_size,
+        max_epochs=t.max_epochs,
+        force_on_policy=t.force_on_policy,
+        dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
+        local_batch_size=d.value("actor.local_batch_size"),
+        packing=d.value("actor.packing"),
+        sequence_parallel=a.sequence_parallel,
+        offload=a.offload,
+        shuffle_microbatches=d.value("actor.shuffle_microbatches"),
+        optimizer=optimizer_plan(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
+        loss=LossPlan.model_construct(
+            mode=a.loss.mode,
+            clip_low=a.loss.clip[0],
+            clip_high=a.loss.clip[1],
+            dual_clip=a.loss.dual_clip,
+            entropy_coef=a.loss.entropy_coef,
+            aux_loss_coef=a.loss.aux_loss_coef,
+        ),
+        freeze_moe_router=a.freeze.moe_router,
+        freeze_visual_encoder=a.freeze.visual_encoder,
+        freezing_steps=a.freezing_steps,
+        temperature=d.value("actor.temperature"),
+        routing_replay=t.routing_replay,
+        full_determinism=t.full_determinism,
+        seed=t.seed,
+    )
+
+
+def _ref(r: Any, d: Derived, source: Any) -> RefPlan:
+    return RefPlan.model_construct(
+        path=model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
+        colocated=d.value("ref.colocated"),
+        world=d.value("ref.world"),
+        dp=d.value("ref.dp") or 1,
+        grad_accum=d.value("ref.grad_accum") or 1,
+    )
+
+
+def _critic(r: Any, d: Derived, source: Any) -> CriticPlan:
+    cr = r.critic
+    optimizer = cr.optimizer if cr is not None else _default_critic_optimizer()
+    return CriticPlan.model_construct(
+        path=model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path", source),
+        colocated=d.value("critic.colocated"),
+        world=d.value("critic.world"),
+        dp=d.value("critic.dp") or 1,
+        grad_accum=d.value("critic.grad_accum") or 1,
+        value_clip=cr.value_clip if cr is not None else 0.2,
+        max_epochs=d.value("critic.max_epochs"),
+        optimizer=optimizer_plan(optimizer, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),
+        freeze_moe_router=d.value("critic.freeze_moe_router"),
+    )
+
+
+def _default_critic_optimizer() -> Any:
+    from schemas.recipe import Critic  # gae recipe without a critic section
+
+    return Critic().optimizer
+
+
+def _algo(r: Any, d: Derived) -> AlgoPlan:
+    al = r.algo
+    return AlgoPlan.model_construct(
+        estimator=al.estimator,
+        gamma=al.gamma,
+        lam=al.lam,
+        whiten=al.whiten,
+        reward_clip=list(al.reward_clip),
+        kl=KlPlan.model_construct(
+            coef=d.value("algo.kl.coef"),
+            estimator=d.value("algo.kl.estimator"),
+            use_loss=d.value("algo.kl.use_loss"),
+            target=al.kl.target,
+            horizon=al.kl.horizon,
+        ),
+        is_correction=IsCorrectionPlan.model_construct(
+            level=al.is_correction.level,
+            mode=al.is_correction.mode,
+            low=al.is_correction.threshold[0],
+            high=al.is_correction.threshold[1],
+        ),
+    )
+
+
+def _schedule(r: Any, d: Derived) -> SchedulePlan:
+    return SchedulePlan.model_construct(
+        steps_per_episode=d.value("train.steps_per_episode"),
+        total_steps=d.value("train.total_steps"),
+        log_every=r.logging.every,
+        ckpt_every=d.value("ckpt.every"),
+        eval_every=d.value("eval.every"),
+    )
+
+
+def _weight_sync(d: Derived) -> WeightSyncPlan:
+    return WeightSyncPlan.model_construct(
+        method=d.value("weight_sync.method"),
+        world_size=d.value("weight_sync.world_size"),
+        engine_rank_offsets=d.value("weight_sync.engine_rank_offsets"),
+        bucket_bytes=d.value("weight_sync.bucket_bytes"),
+        master_port=0,  # a free port on trainer rank 0's node, chosen when the group forms
+        timeout_s=WEIGHT_SYNC_TIMEOUT_S,
+    )
