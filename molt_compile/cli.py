@@ -163,9 +163,10 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         _print_diagnostics(result.diagnostics, result, fmt)
         if fmt == "text":
             if plan is not None:
+                from molt_compile.memory import memory_report
                 from molt_compile.render_plan import render_summary
 
-                _console().print(render_summary(plan))
+                _console().print(render_summary(plan, memory_report(result.recipe, result.derived, result.source)))
             elif result.recipe is not None and status == 0:
                 click.echo(_short_summary(result))
             click.echo(count_line(result.diagnostics, result.source.root_file if result.source else recipe))

@@ -49,6 +49,8 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `rollout.bundle_gpus` | GPUs per bundle of the engines' PACK group (mp: tp×dp, else 1) | §3.1 |
 | `rollout.bundles` | bundles in the engines' group | §3.1 |
 | `rollout.total_gpus` | engines × gpus_per_engine | §3.2 |
+| `rollout.colocated` | engines share the actor's GPUs (`rollout.placement: colocate`) | — |
+| `rollout.own_gpus` | GPUs only the engines use: rollout.total_gpus, 0 when colocated | — |
 | `rollout.expert_parallel_size` | vLLM EP per engine = tp × dp when expert_parallel, else 1 | I8 |
 | `rollout.max_model_len` | data.max_len | B16 |
 | `rollout.generate_batch_size` | generate_batch_size or batch_size | B4 |
@@ -56,10 +58,10 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `rollout.samples_per_step` | batch_size × n_samples_per_prompt | G5 |
 | `rollout.logprobs` | the rollout asks the engine for logprobs (IS correction on) | B14 |
 | `rollout.logprobs_mode` | processed_logprobs with IS on, else raw_logprobs | B14 |
-| `cluster.used_gpus` * | fsdp.total_gpus + rollout.total_gpus (SFT: actor.world) | J1 |
+| `cluster.used_gpus` * | fsdp.total_gpus + rollout.own_gpus (SFT: actor.world) | J1 |
 | `cluster.idle_gpus` * | total - used (negative: over-subscribed) | J1 |
 | `weight_sync.world_size` | rollout.total_gpus + 1 (trainer rank 0 + every engine worker) | §3.2, I8 |
-| `weight_sync.method` | nccl_broadcast on GPUs, gloo_broadcast on CPU | DESIGN §6 |
+| `weight_sync.method` | nccl_broadcast on GPUs (cuda_ipc with colocated engines), gloo_broadcast on CPU | DESIGN §6 |
 | `weight_sync.engine_rank_offsets` | 1 + i × rollout.gpus_per_engine (engine i's first worker) | §3.2 |
 | `weight_sync.bucket_bytes` | 512 MiB on GPUs, 64 MiB on CPU | DESIGN §6 |
 | `algo.kl.coef`, `algo.kl.estimator`, `algo.kl.use_loss` | effective KL settings (on_policy_distill forces k1, no loss, coef 1.0) | B2 |
@@ -373,8 +375,9 @@ def _rl_roles(b: _Builder, r: Any) -> None:
     else:
         b.add("fsdp.colocate", False, "no ref or critic shares the actor's GPUs", ("ref.placement", "critic.placement"))
     frac = COLOCATED_GPU_FRACTION
-    b.add("actor.num_gpus", frac if colocate else 1, "colocated: each model takes 0.2 GPU (B33)" if colocate
-          else "one whole GPU per rank", ("fsdp.colocate",))
+    shared = colocate or r.rollout.placement == "colocate"
+    b.add("actor.num_gpus", frac if shared else 1, "colocated: each model (and an engine) takes 0.2 GPU (B33)"
+          if shared else "one whole GPU per rank", ("fsdp.colocate", "rollout.placement"))
     for role, col in (("ref", ref_col), ("critic", critic_col)):
         if b.v(f"{role}.exists"):
             b.add(f"{role}.num_gpus", frac if col else 1,
@@ -452,12 +455,21 @@ def _rollout(b: _Builder, r: Any) -> None:
     else:
         engine_gpus, bundle_gpus, bundles = 0, 1, ro.engines * per_engine
         why = f"ray: the engine actor holds no GPU; its {per_engine} workers take one bundle of 1 GPU each (§3.1)"
-    b.add("rollout.engine_num_gpus", engine_gpus, why, ("rollout.executor", "rollout.gpus_per_engine"))
+    colocated = ro.placement == "colocate"
+    b.add("rollout.colocated", colocated, "rollout.placement", ("rollout.placement",))
+    if colocated:
+        engine_gpus = COLOCATED_GPU_FRACTION
+        why = "colocated: the engine takes 0.2 GPU of its actor rank's bundle, like a colocated FSDP model (B33)"
+    b.add("rollout.engine_num_gpus", engine_gpus, why, ("rollout.executor", "rollout.gpus_per_engine",
+                                                        "rollout.placement"))
     b.add("rollout.bundle_gpus", bundle_gpus, why, ("rollout.executor", "rollout.gpus_per_engine"))
     b.add("rollout.bundles", bundles, f"{bundles} bundles of {bundle_gpus} GPU in one PACK group (§3.1)",
           ("rollout.engines", "rollout.executor", "rollout.gpus_per_engine"))
     b.add("rollout.total_gpus", ro.engines * per_engine, f"engines {ro.engines} × {per_engine} GPUs per engine",
           ("rollout.engines", "rollout.gpus_per_engine"))
+    b.add("rollout.own_gpus", 0 if colocated else ro.engines * per_engine,
+          "colocated: the engines use the actor's GPUs" if colocated else "rollout.total_gpus",
+          ("rollout.total_gpus", "rollout.placement"))
     ep = m.tp * m.dp if ro.expert_parallel else 1
     b.add("rollout.expert_parallel_size", ep,
           f"expert_parallel: tp {m.tp} × dp {m.dp} (I8)" if ro.expert_parallel else "expert_parallel off",
@@ -500,10 +512,10 @@ def _executor(b: _Builder, ro: Any, per_engine: int) -> str:
 
 
 def _gpu_totals(b: _Builder, r: Any) -> None:
-    fsdp, vllm = b.v("fsdp.total_gpus"), b.v("rollout.total_gpus")
+    fsdp, own, vllm = b.v("fsdp.total_gpus"), b.v("rollout.own_gpus"), b.v("rollout.total_gpus")
     total = b.v("cluster.total_gpus")
-    b.add("cluster.used_gpus", fsdp + vllm, f"FSDP {fsdp} + rollout {vllm} (J1)", ("fsdp.total_gpus", "rollout.total_gpus"))
-    b.add("cluster.idle_gpus", total - fsdp - vllm, f"cluster {total} - used {fsdp + vllm}",
+    b.add("cluster.used_gpus", fsdp + own, f"FSDP {fsdp} + rollout {own} (J1)", ("fsdp.total_gpus", "rollout.own_gpus"))
+    b.add("cluster.idle_gpus", total - fsdp - own, f"cluster {total} - used {fsdp + own}",
           ("cluster.total_gpus", "cluster.used_gpus"))
     b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine workers (§3.2)", ("rollout.total_gpus",))
     per_engine = b.v("rollout.gpus_per_engine")
@@ -511,9 +523,13 @@ def _gpu_totals(b: _Builder, r: Any) -> None:
           f"rank 0 is the trainer; engine i's {per_engine} workers follow at 1 + i × {per_engine}",
           ("rollout.engines", "rollout.gpus_per_engine"))
     on_cpu = r.cluster.gpu == "cpu"
-    b.add("weight_sync.method", "gloo_broadcast" if on_cpu else "nccl_broadcast",
-          "CPU: gloo broadcast from trainer rank 0" if on_cpu else "GPU: NCCL broadcast from trainer rank 0",
-          ("cluster.gpu",))
+    if on_cpu:
+        method, why = "gloo_broadcast", "CPU: gloo broadcast from trainer rank 0"
+    elif b.v("rollout.colocated"):
+        method, why = "cuda_ipc", "GPU, engines on the trainer's GPU: CUDA IPC buckets (NCCL refuses a shared device)"
+    else:
+        method, why = "nccl_broadcast", "GPU: NCCL broadcast from trainer rank 0"
+    b.add("weight_sync.method", method, why, ("cluster.gpu", "rollout.placement"))
     # Buckets large enough that per-bucket latency is noise next to bandwidth, small enough that the two a sender or
     # receiver holds are far below a GPU's memory headroom (checked by the weight-sync rule).
     b.add("weight_sync.bucket_bytes", (64 if on_cpu else 512) << 20,

@@ -12,19 +12,30 @@ the experts — together every parameter lives on exactly one rank of `world`, s
 - optimizer: AdamW keeps 2 fp32 states, 8 B/param; Muon keeps one momentum buffer, ~4 B/param (estimate).
   `offload: optimizer` moves them to CPU (0 on the GPU); `offload: full` moves parameters, gradients and optimizer
   states to CPU (only the gathered bf16 layers stay).
+- the optimizer step adds nothing: the runtime's AdamW is fused on GPUs (the multi-tensor path would allocate an
+  fp32 temporary of the parameters' size: 4 B/param more at the step, measured on the H200).
 - activations for one micro-batch of T = micro_batch_size × max_len / cp tokens (dynamic batching:
-  max_tokens_per_gpu), bf16, after Korthikanti et al. 2022 ("Reducing activation recomputation", eq. 2 with
-  flash attention, i.e. without the a·s/h attention-score term): 34·T·h bytes per layer, divided by tp.
+  max_tokens_per_gpu), what autograd keeps per token and layer of a Qwen-style decoder in bf16 with fp32 RMSNorm
+  upcasts (the norms, q/k/v, their per-head norms and rotary outputs, the attention output, the MLP's gate, up,
+  activation and product): 16·h + 8·I + 12·(heads·head_dim) + 12·(kv_heads·head_dim) bytes, I the MLP width
+  (MoE: experts_per_token × the expert width), divided by tp;
     * gradient_checkpoint full: the layer inputs are kept (2·T·h per layer; divided by tp with
-      sequence_parallel) plus one layer's full working set (34·T·h / tp) while it is recomputed;
-    * none or selective: 34·T·h / tp per layer (selective recomputes only the attention core, which flash attention
-      does not store anyway — estimate);
+      sequence_parallel) plus one layer's working set while it is recomputed;
+    * none or selective: every layer's working set (selective recomputes only the attention core, which the
+      fused attention kernels do not store anyway — estimate);
     * the reference model runs forward only without grad: one layer's working set;
-    * logits in fp32 plus their log-softmax: 2 × 4 B × T × vocab / tp (not for the critic's scalar head).
-- runtime overhead: CUDA context, NCCL and allocator slack, 2 GiB (estimate).
+    * log-probs: the runtime computes the lm_head over chunks of `LOGPROB_CHUNK_TOKENS` positions
+      (`runtime/logprobs.py`), so about 3.5 fp32 (chunk × vocab) tensors are alive at once (logits, their
+      softmax, the recomputed chunk and its gradient), divided by tp (not for the critic's scalar head).
+- allocator slack: 10 % of the static state (the caching allocator's fragmentation around FSDP2's per-layer
+  all-gather and reduce-scatter buffers: reserved minus allocated memory grew with the model, not the batch).
+- runtime overhead: CUDA context and NCCL, 2 GiB (estimate).
+The estimate is of the peak *reserved* memory (what out-of-memory is about), held against the measured peaks of
+seven configurations on an H200 (0.6B-4B Qwen3 shapes, 2k-16k tokens per micro-batch, full and no checkpointing):
+estimate / measured 0.97-1.03 (`tests/gpu/check_memory.py`; the table is `tests/test_memory.py`).
 Colocated roles (ref/critic with `placement: colocate`) stay resident on the same GPUs and run one after another:
-their static memory adds up, activations count once (the largest). A reference model / teacher whose architecture
-cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.
+their static memory adds up, activations and temporaries count once (the largest). A reference model / teacher
+whose architecture cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.
 
 vLLM engine GPU (`rollout.engine: vllm` only; the HF engine has no memory share): vLLM may use `gpu_memory_utilization × GPU memory`. Weights in the engine dtype are split by
 tp × pp (experts also by dp with expert_parallel); about 1.5 GiB goes to activations and CUDA graphs (estimate); the
@@ -39,9 +50,12 @@ from typing import Any
 
 GIB = 2**30
 FSDP_OVERHEAD_BYTES = 2 * GIB
+ALLOCATOR_SLACK = 0.10
 ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)
 TIGHT_FRACTION = 0.9
-ACT_BYTES_PER_TOKEN_HIDDEN = 34
+LOGPROB_CHUNK_TOKENS = 1024
+"""Positions per lm_head chunk in the runtime's log-prob computation (`runtime/logprobs.py`; a test holds them equal)."""
+LOGIT_TENSORS_ALIVE = 3.5
 ENGINE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
 
@@ -59,6 +73,12 @@ class RoleMemory:
     def static(self) -> float:
         return self.params + self.grads + self.optimizer
 
+    @property
+    def largest_term(self) -> str:
+        terms = {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
+                 "activations": self.activations}
+        return max(terms, key=terms.__getitem__)
+
 
 @dataclass(frozen=True)
 class GpuGroupMemory:
@@ -69,7 +89,12 @@ class GpuGroupMemory:
 
     @property
     def total(self) -> float:
-        return sum(r.static for r in self.roles) + max(r.activations for r in self.roles) + FSDP_OVERHEAD_BYTES
+        static = sum(r.static for r in self.roles)
+        return static * (1 + ALLOCATOR_SLACK) + max(r.activations for r in self.roles) + FSDP_OVERHEAD_BYTES
+
+    @property
+    def slack(self) -> float:
+        return ALLOCATOR_SLACK * sum(r.static for r in self.roles)
 
     @property
     def label(self) -> str:
@@ -78,7 +103,7 @@ class GpuGroupMemory:
     def breakdown(self) -> str:
         parts = [f"{r.role}: params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optimizer)}, "
                  f"activations {gib(r.activations)}" for r in self.roles]
-        return "; ".join(parts) + f"; overhead {gib(FSDP_OVERHEAD_BYTES)}"
+        return "; ".join(parts) + f"; allocator slack {gib(self.slack)}; overhead {gib(FSDP_OVERHEAD_BYTES)}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +128,20 @@ class MemoryReport:
 
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
+
+
+def memory_report(recipe: Any, derived: Any, source: Any) -> MemoryReport | None:
+    """The estimate for a compiled recipe, as the MEM rules and the compile summary show it (None: the GPU has no
+    catalog memory or the model's facts cannot be read)."""
+    from molt_compile.rules._base import model_facts, role_facts
+    from schemas.catalog import GPUS
+
+    gpu = GPUS.get(recipe.cluster.gpu)
+    facts = model_facts(recipe, source)
+    if gpu is None or gpu.memory_gib <= 0 or facts is None:
+        return None
+    ref_facts = role_facts(recipe, source, "ref") if recipe.kind == "rl" and recipe.ref is not None else None
+    return estimate(recipe, derived, facts, gpu, ref_facts)
 
 
 def estimate(recipe: Any, derived: Any, facts: Any, gpu: Any, ref_facts: Any = None) -> MemoryReport:
@@ -159,13 +198,22 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts))
 
 
+def _layer_bytes_per_token(facts: Any) -> float:
+    """What autograd keeps per token for one decoder layer (bf16, fp32 norm upcasts; see the module docstring)."""
+    h = facts.hidden_size
+    mlp = facts.intermediate_size * (facts.experts_per_token if facts.is_moe and facts.experts_per_token else 1)
+    q = facts.heads * facts.head_dim
+    kv = facts.kv_heads * facts.head_dim
+    return 16 * h + 8 * mlp + 12 * q + 12 * kv
+
+
 def _activations(recipe: Any, role: str, facts: Any) -> float:
     a, t = recipe.actor, recipe.train
     tp, cp = a.mesh.tp, a.mesh.cp
     dyn = getattr(t, "dynamic_batch", None)
     tokens = dyn.max_tokens_per_gpu if dyn is not None else t.micro_batch_size * recipe.data.max_len / cp
     h, layers = facts.hidden_size, facts.layers
-    layer_set = ACT_BYTES_PER_TOKEN_HIDDEN * tokens * h / tp
+    layer_set = _layer_bytes_per_token(facts) * tokens / tp
     if role == "ref":
         acts = layer_set
     elif recipe.model.gradient_checkpoint == "full":
@@ -173,7 +221,8 @@ def _activations(recipe: Any, role: str, facts: Any) -> float:
         acts = kept + layer_set
     else:
         acts = layer_set * layers
-    logits = 0.0 if role == "critic" else 2 * 4 * tokens * facts.vocab / tp
+    chunk = min(tokens, LOGPROB_CHUNK_TOKENS)
+    logits = 0.0 if role == "critic" else LOGIT_TENSORS_ALIVE * 4 * chunk * facts.vocab / tp
     return acts + logits
 
 

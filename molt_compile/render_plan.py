@@ -98,8 +98,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def render_summary(plan: Plan) -> Group:
-    """A rich renderable: header, roles table, grouped device map, key derived values."""
+def render_summary(plan: Plan, memory: Any = None) -> Group:
+    """A rich renderable: header, roles table, grouped device map, key derived values, and the memory estimate per
+    GPU (`memory`: a `molt_compile.memory.MemoryReport`, None when there is none)."""
     c = plan.cluster
     unit = "GPU" if c.device == "cuda" else "device slot"
     header = Text.assemble(
@@ -131,4 +132,23 @@ def render_summary(plan: Plan) -> Group:
     for name in KEY_DERIVED_RL if plan.kind == "rl" else KEY_DERIVED_SFT:
         if name in by_name:
             derived.add_row(name, _fmt(by_name[name].value), by_name[name].reason)
-    return Group(header, roles, devmap, derived)
+    parts = [header, roles, devmap, derived]
+    if memory is not None and (memory.fsdp_groups or memory.engine is not None):
+        parts.append(_memory_table(memory))
+    return Group(*parts)
+
+
+def _memory_table(memory: Any) -> Table:
+    from molt_compile.memory import gib
+
+    table = Table(title="memory per GPU (estimate)", title_justify="left")
+    for col in ("GPUs of", "peak", "of", "largest term"):
+        table.add_column(col, overflow="fold")
+    for group in memory.fsdp_groups:
+        biggest = max(group.roles, key=lambda r: r.static + r.activations)
+        table.add_row(group.label, gib(group.total), gib(group.capacity), biggest.largest_term)
+    if memory.engine is not None:
+        e = memory.engine
+        table.add_row("rollout.engine (vLLM share)", gib(e.share), gib(e.capacity),
+                      f"weights {gib(e.weights)}, KV cache {gib(max(e.kv_room, 0))}")
+    return table

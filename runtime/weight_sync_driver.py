@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from runtime.trainer import TrainerGroup
     from schemas.plan import WeightSyncPlan
 
-_TRANSPORT = {"gloo_broadcast": "gloo", "nccl_broadcast": "nccl"}
+_TRANSPORT = {"gloo_broadcast": "gloo", "nccl_broadcast": "nccl", "cuda_ipc": "cuda_ipc"}
 
 
 @dataclass

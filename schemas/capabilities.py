@@ -53,6 +53,12 @@ def _recipe(plan: Plan, *path: str):
     return node
 
 
+def _colocated(plan: Plan) -> bool:
+    """The engines share the actor's bundles (rollout.placement: colocate)."""
+    roles = [r for r in plan.roles if r.name == "rollout.engine"]
+    return bool(roles) and roles[0].placement_group != "rollout"
+
+
 def _trainer_mesh(plan: Plan, axis: str) -> int:
     t = plan.rl.trainer
     return getattr(t.mesh, axis) if t is not None else 1
@@ -83,6 +89,14 @@ CAPABILITIES: tuple[Capability, ...] = (
                tracked="issue 14"),
     Capability("rl-eval-only", "rl", "eval.only", "an evaluation-only run", lambda p: p.rl.trainer is None,
                "eval.only: false (evaluation runs inside training, every eval.every steps)", tracked="issue 14"),
+    Capability("rl-colocated-vllm", "rl", "rollout.placement", "a vLLM engine sharing the trainer's GPU",
+               lambda p: _colocated(p) and p.rl.engines.kind == "vllm", "rollout.engine: hf (or placement: separate)",
+               devices=frozenset({"cpu"}), tracked="issue 18 (CUDA vLLM does not install on the H200 test machines: "
+               "its sleep mode and a CUDA IPC refit are untested)"),
+    Capability("rl-colocated-wide", "rl", "rollout.engines", "colocated engines beyond trainer rank 0's GPU",
+               lambda p: _colocated(p) and (p.rl.engines.count > 1 or p.cluster.nodes > 1),
+               "rollout.engines: 1 on one node (the CUDA IPC sender is trainer rank 0), or placement: separate",
+               devices=frozenset({"cpu"}), tracked="issue 21 (multi-GPU)"),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
     Capability("rl-packing", "rl", "actor.packing", "sequence packing in the trainer",
                lambda p: p.rl.trainer is not None and p.rl.trainer.packing, "actor.packing: false",

@@ -257,6 +257,10 @@ class Rollout(Section):
     """Rollout engine: vLLM's async engine, or transformers generate (for machines without vLLM)."""
     engines: PositiveInt = 1
     """Number of rollout engines."""
+    placement: Literal["separate", "colocate"] = "separate"
+    """`separate`: engines on GPUs of their own (Molt). `colocate`: engine i shares actor rank i's GPU (a hybrid
+    engine, for one-GPU machines): one bundle holds both, weights reach the engine through CUDA IPC on GPUs (gloo
+    on CPU), and the engine's `gpu_memory_utilization` is its share of that GPU."""
     mesh: RolloutMesh = RolloutMesh()
     """Parallel mesh of each engine; an engine uses tp x pp x dp GPUs."""
     expert_parallel: bool = False

@@ -41,6 +41,7 @@ LAUNCH_RECIPE_ROWS = {
     "sft_qwen3_6_35b.yaml": {"sft-trainer-ep", "sft-automodel", "sft-images", "sft-data-format"},
     "sft_qwen3_6_35b_quickstart.yaml": {"sft-trainer-ep", "sft-automodel", "sft-images", "sft-data-format"},
     "demo_math.yaml": set(), "demo_math_hf.yaml": set(), "demo_tool.yaml": set(), "demo_sft.yaml": set(),
+    "demo_gpu.yaml": set(),
 }
 
 

@@ -22,12 +22,61 @@ def test_fsdp_estimate_of_the_base_recipe_by_hand():
     assert abs(actor.grads - 4 * n / world) < 1                          # fp32 gradient shard
     assert abs(actor.optimizer - 8 * n / world) < 1                      # AdamW: 2 fp32 states
     tokens, h, vocab = 1 * 2048, 4096, 151936                            # micro 1 × max_len 2048, cp 1
+    q, kv, mlp = 32 * 128, 8 * 128, 12288                                # heads × head_dim, kv heads × head_dim
     kept = 2 * tokens * h * layers                                       # checkpointed layer inputs, bf16
-    working = 34 * tokens * h                                            # one layer recomputed (Korthikanti)
-    logits = 2 * 4 * tokens * vocab                                      # fp32 logits + log-softmax
+    working = (16 * h + 8 * mlp + 12 * q + 12 * kv) * tokens             # one layer recomputed
+    logits = 3.5 * 4 * 1024 * vocab                                      # fp32 (chunk x vocab) tensors alive
     assert abs(actor.activations - (kept + working + logits)) < 1
-    assert abs(group.total - (actor.static + actor.activations + 2 * GIB)) < 1
-    assert 36.0 < group.total / GIB < 37.0                                # 36.5 GiB of 79.1
+    assert abs(group.total - (1.1 * actor.static + actor.activations + 2 * GIB)) < 1  # 10 % allocator slack
+    assert 39.0 < group.total / GIB < 40.0                                # 39.6 GiB of 79.1
+
+
+# Peak reserved memory of this project's trainer rank (FSDP2 world 1, fp32 master weights, bf16 compute, fused AdamW,
+# two optimizer steps of two micro-batches), measured on one H200 by `tests/gpu/check_memory.py` on 2026-12-01:
+# (model shape, rows per micro-batch, sequence length, gradient_checkpoint, measured GiB).
+H200_PEAKS = [
+    ("qwen3-1.7b", 4, 4096, "full", 37.27),
+    ("qwen3-1.7b", 2, 4096, "full", 34.30),
+    ("qwen3-1.7b", 1, 8192, "full", 34.29),
+    ("qwen3-1.7b", 2, 2048, "none", 45.04),
+    ("qwen3-0.6b", 8, 2048, "full", 15.98),
+    ("qwen3-0.6b", 2, 2048, "none", 21.56),
+    ("qwen3-4b", 2, 4096, "full", 72.02),
+]
+SHAPES = {  # the random models the script trained (Qwen3 config.json fields; vocabulary 151,936, tied)
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8),
+    "qwen3-1.7b": (2048, 6144, 28, 16, 8),
+    "qwen3-4b": (2560, 9728, 36, 32, 8),
+}
+
+
+def test_the_estimate_holds_against_peaks_measured_on_an_h200(tmp_path):
+    import json
+
+    ratios = []
+    for shape, rows, seq, ckpt, measured in H200_PEAKS:
+        h, inter, layers, heads, kv = SHAPES[shape]
+        model = tmp_path / shape
+        model.mkdir(exist_ok=True)
+        (model / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": h,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": 128, "tie_word_embeddings": True}))
+        sets = [f"model.path={model}", f"train.micro_batch_size={rows}", f"data.max_len={seq}",
+                f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16"]
+        r = compile_recipe(Path(__file__).parents[1] / "recipes" / "demo_gpu.yaml", sets, lower=False)
+        assert r.recipe is not None, r.diagnostics
+        from molt_compile.memory import memory_report
+
+        (group,) = memory_report(r.recipe, r.derived, r.loaded.source).fsdp_groups
+        ratios.append((shape, rows, seq, ckpt, round(group.total / GIB / measured, 3)))
+    assert all(0.9 <= ratio <= 1.25 for *_, ratio in ratios), ratios
+
+
+def test_the_compiler_chunks_logits_as_the_runtime_does():
+    from runtime.logprobs import LOGPROB_CHUNK_TOKENS
+
+    assert memory.LOGPROB_CHUNK_TOKENS == LOGPROB_CHUNK_TOKENS
 
 
 def test_offload_and_colocation_change_the_sum(tmp_path):
@@ -42,7 +91,8 @@ def test_offload_and_colocation_change_the_sum(tmp_path):
     assert actor.optimizer == 0                                          # AdamW states on CPU
     assert ref.grads == 0 and ref.optimizer == 0                         # the reference model never trains
     assert abs(ref.params - actor.params) < 1                            # fp32 masters for the ref too (B22)
-    assert group.total == actor.static + ref.static + max(actor.activations, ref.activations) + 2 * GIB
+    assert abs(group.total - (1.1 * (actor.static + ref.static) + max(actor.activations, ref.activations)
+                              + 2 * GIB)) < 1
 
 
 def test_engine_share_weights_and_kv_by_hand():

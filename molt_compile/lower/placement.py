@@ -48,7 +48,43 @@ def place_rl(r: Any, d: Derived, source: Any) -> tuple[Placement, list[Diagnosti
     roles: list[RolePlan] = []
     warnings: list[Diagnostic] = []
 
-    # 1. rollout engines (first, so whole-node mp bundles are not fragmented by 1-GPU bundles)
+    # 1. rollout engines (first, so whole-node mp bundles are not fragmented by 1-GPU bundles); colocated engines
+    # go into the actor's bundles once the FSDP group exists (step 3)
+    colocated = d.value("rollout.colocated")
+    if not colocated:
+        roles.append(_place_engines(r, d, placer, gpu_map, pgs, on_cpu))
+
+    # 2. router
+    roles.append(_cpu_role("router", "Router", 1, 1.0, placer, on_cpu, "DEFAULT"))
+
+    # 3. FSDP groups
+    if not r.eval.only:
+        warnings += _place_fsdp(r, d, placer, gpu_map, pgs, roles, on_cpu, source)
+    if colocated:
+        roles.insert(0, _colocate_engines(r, d, gpu_map, pgs, roles, on_cpu))
+
+    # 4. light actors on the head node; 5. runners
+    for name, cls in (
+        ("controller", "Controller"),
+        ("lock", "EngineLock"),
+        ("queue.rollout", "Queue"),
+        ("queue.slots", "Queue"),
+        ("generator", "Generator"),
+    ):
+        roles.append(_cpu_role(name, cls, 1, 0.0, placer, on_cpu, "DEFAULT"))
+    roles.append(
+        _cpu_role(
+            "runner", "AgentRunner", d.value("rollout.runners"), 1.0, placer, on_cpu, "SPREAD", env=agent_env(r, d)
+        )
+    )
+    if not r.eval.only:
+        roles.append(_cpu_role("trainer", "TrainingDriver", 1, 0.0, placer, on_cpu, "DEFAULT"))
+    return Placement(pgs, roles, gpu_map, max(placer.cpu_used) if placer.cpu_used else 0.0), warnings
+
+
+def _place_engines(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, on_cpu: bool) -> RolePlan:
+    """Engines on GPUs of their own: one PACK group, created first."""
+    g = r.cluster.gpus_per_node
     ro = r.rollout
     per_engine = d.value("rollout.gpus_per_engine")
     bundle_devs = d.value("rollout.bundle_gpus")
@@ -73,7 +109,7 @@ def place_rl(r: Any, d: Derived, source: Any) -> tuple[Placement, list[Diagnosti
             gpu_map[n][dev].append(label)
         instances.append(instance(index=i, label=label, node=devices[0][0], bundle_indices=idx, devices=devices))
     engine_units = d.value("rollout.engine_num_gpus")
-    roles.append(
+    return (
         role_plan(
             name="rollout.engine",
             actor_class="RolloutEngine",
@@ -88,30 +124,32 @@ def place_rl(r: Any, d: Derived, source: Any) -> tuple[Placement, list[Diagnosti
         )
     )
 
-    # 2. router
-    roles.append(_cpu_role("router", "Router", 1, 1.0, placer, on_cpu, "DEFAULT"))
 
-    # 3. FSDP groups
-    if not r.eval.only:
-        warnings += _place_fsdp(r, d, placer, gpu_map, pgs, roles, on_cpu, source)
-
-    # 4. light actors on the head node; 5. runners
-    for name, cls in (
-        ("controller", "Controller"),
-        ("lock", "EngineLock"),
-        ("queue.rollout", "Queue"),
-        ("queue.slots", "Queue"),
-        ("generator", "Generator"),
-    ):
-        roles.append(_cpu_role(name, cls, 1, 0.0, placer, on_cpu, "DEFAULT"))
-    roles.append(
-        _cpu_role(
-            "runner", "AgentRunner", d.value("rollout.runners"), 1.0, placer, on_cpu, "SPREAD", env=agent_env(r, d)
-        )
+def _colocate_engines(r: Any, d: Derived, gpu_map: list, pgs: list, roles: list, on_cpu: bool) -> RolePlan:
+    """Engine i in actor rank i's bundle (rollout.placement: colocate; one GPU per engine, engines <= ranks: the
+    placement rules hold that)."""
+    actor = next(role for role in roles if role.name == "actor")
+    instances = []
+    for i in range(r.rollout.engines):
+        rank = actor.instances[i]
+        label = f"rollout.engine[{i}]"
+        for n, dev in rank.devices:
+            gpu_map[n][dev].append(label)
+        instances.append(instance(index=i, label=label, node=rank.node, bundle_indices=list(rank.bundle_indices),
+                                  devices=[list(x) for x in rank.devices]))
+    units = d.value("rollout.engine_num_gpus")
+    return role_plan(
+        name="rollout.engine",
+        actor_class="RolloutEngine",
+        count=r.rollout.engines,
+        num_gpus=units,
+        num_cpus=0,
+        placement_group=actor.placement_group,
+        scheduling="placement_group",
+        ray_options=ray_options(units, 0, on_cpu),
+        instances=instances,
+        env=engine_env(r, on_cpu),
     )
-    if not r.eval.only:
-        roles.append(_cpu_role("trainer", "TrainingDriver", 1, 0.0, placer, on_cpu, "DEFAULT"))
-    return Placement(pgs, roles, gpu_map, max(placer.cpu_used) if placer.cpu_used else 0.0), warnings
 
 
 def _cpu_role(

@@ -165,6 +165,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("PLACE003", "colocated-role-size-mismatch", "error", placement.colocated_role_size_mismatch),
     Rule("PLACE006", "unknown-gpu-type", "error", placement.unknown_gpu_type, BOTH),
     Rule("PLACE007", "idle-gpus", "warning", placement.idle_gpus, BOTH),
+    Rule("PLACE008", "colocated-engines-exceed-ranks", "error", placement.colocated_engines_exceed_ranks),
     Rule("VLLM001", "uni-executor-with-tensor-parallel", "error", vllm.uni_executor_with_tensor_parallel),
     Rule("VLLM002", "pipeline-parallel-engine-without-ray", "error", vllm.pipeline_parallel_engine_without_ray),
     Rule("VLLM003", "data-parallel-engine-without-mp", "error", vllm.data_parallel_engine_without_mp),

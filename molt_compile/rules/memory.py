@@ -6,17 +6,12 @@ from collections.abc import Iterator
 
 from molt_compile import memory
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, dv, model_facts, role_facts
+from molt_compile.rules._base import diag, dv, model_facts
 from schemas.catalog import GPUS
 
 
 def _report(recipe, derived, source):
-    gpu = GPUS.get(recipe.cluster.gpu)
-    facts = model_facts(recipe, source)
-    if gpu is None or gpu.memory_gib <= 0 or facts is None:
-        return None
-    ref_facts = role_facts(recipe, source, "ref") if recipe.kind == "rl" and recipe.ref is not None else None
-    return memory.estimate(recipe, derived, facts, gpu, ref_facts)
+    return memory.memory_report(recipe, derived, source)
 
 
 def _fsdp_path(recipe, source) -> tuple[str, list[str]]:
@@ -42,9 +37,9 @@ def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
 
     ## Use instead
     ```yaml
-    cluster: {nodes: 1, gpus_per_node: 8, gpu: h200-141gb}
+    cluster: {nodes: 2, gpus_per_node: 8, gpu: h200-141gb}
     model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
-    actor: {nodes: 1, gpus_per_node: 4, mesh: {ep: 4}, offload: none}
+    actor: {nodes: 1, gpus_per_node: 8, mesh: {ep: 8}, offload: none}
     ```
 
     ## References
@@ -181,13 +176,13 @@ def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
     ## Example
     ```yaml
     rollout: {gpu_memory_utilization: 0.23}
-    data: {max_len: 2048}
+    data: {max_len: 6144}
     ```
 
     ## Use instead
     ```yaml
     rollout: {gpu_memory_utilization: 0.8}
-    data: {max_len: 2048}
+    data: {max_len: 6144}
     ```
 
     ## References

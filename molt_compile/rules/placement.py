@@ -134,6 +134,53 @@ def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic
                        [f"actor.{key}", "ref.placement"])
 
 
+def colocated_engines_exceed_ranks(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    With `rollout.placement: colocate`, every engine takes one actor rank's GPU: each engine is one GPU
+    (`rollout.mesh` tp × pp × dp = 1), there are at most as many engines as actor ranks, and there is a trainer
+    (not `eval.only`).
+
+    ## Why it matters
+    A colocated engine lives in its actor rank's bundle; an engine wider than one GPU, or more engines than ranks,
+    has no bundle to go to, and Ray would wait for it forever.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 1, gpu: h200}
+    actor: {nodes: 1, gpus_per_node: 1}
+    rollout: {engine: hf, engines: 2, placement: colocate}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 1, gpu: h200}
+    actor: {nodes: 1, gpus_per_node: 1}
+    rollout: {engine: hf, engines: 1, placement: colocate}
+    ```
+
+    ## References
+    DESIGN.md (weight sync: CUDA IPC when trainer and engine share a GPU); molt_rules.md B33
+    """
+    if recipe.kind != "rl" or recipe.rollout.placement != "colocate":
+        return
+    ro = recipe.rollout
+    per_engine = dv(derived, "rollout.gpus_per_engine")
+    ranks = dv(derived, "actor.world")
+    if recipe.eval.only:
+        yield diag("PLACE008", source, "rollout.placement",
+                   "rollout.placement: colocate shares the actor's GPUs, but eval.only builds no actor",
+                   "set rollout.placement: separate for an evaluation-only run", ["eval.only"])
+    elif per_engine is not None and per_engine > 1:
+        yield diag("PLACE008", source, "rollout.placement",
+                   f"a colocated engine takes one actor rank's GPU, but each engine needs {per_engine} "
+                   f"(rollout.mesh tp × pp × dp)",
+                   "set rollout.mesh to tp 1, pp 1, dp 1, or rollout.placement: separate", ["rollout.mesh"])
+    elif ranks is not None and ro.engines > ranks:
+        yield diag("PLACE008", source, "rollout.engines",
+                   f"{ro.engines} colocated engines but the actor has {ranks} ranks (one engine per rank's GPU)",
+                   f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate", ["rollout.placement"])
+
+
 def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
     `cluster.gpu` is a key of the GPU catalog (`schemas/catalog.py`) or `cpu`.

@@ -1,0 +1,136 @@
+"""The compiler's memory estimate against the trainer rank's real peak, on one GPU (issue 11; not in `just test`).
+
+    python3 tests/gpu/check_memory.py OUT_DIR
+
+For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing): a random
+Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute, AdamW)
+trains two optimizer steps of two micro-batches each, and `torch.cuda.max_memory_reserved()` is the measured peak.
+The estimate is the compiler's (`molt_compile/memory.py`, through the MEM rules' own entry point) for
+`recipes/demo_gpu.yaml` with the same settings. Writes OUT_DIR/check_memory.json: per configuration the measured
+peaks (reserved, allocated), the estimate with its terms, and estimate / measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+SHAPES = {  # Qwen3 dense shapes (vocabulary 151,936, tied embeddings as the small Qwen3s)
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+CONFIGS = [  # (shape, rows per micro-batch, sequence length, gradient_checkpoint)
+    ("qwen3-1.7b", 4, 4096, "full"),
+    ("qwen3-1.7b", 2, 4096, "full"),
+    ("qwen3-1.7b", 1, 8192, "full"),
+    ("qwen3-1.7b", 2, 2048, "none"),
+    ("qwen3-0.6b", 8, 2048, "full"),
+    ("qwen3-0.6b", 2, 2048, "none"),
+    ("qwen3-4b", 2, 4096, "full"),
+]
+
+
+def _batch(rows: int, seq: int, vocab: int):
+    import torch
+
+    from runtime.experience import from_token_lists
+
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(5, vocab - 1, (seq,), generator=g).tolist() for _ in range(rows)]
+    batch = from_token_lists(tokens, [[(1, seq)] for _ in range(rows)], [[] for _ in tokens], pad_id=0)
+    mask = batch.action_mask
+    return replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
+                   rollout_log_probs=torch.zeros(mask.shape))
+
+
+def _estimate(model_dir: Path, rows: int, seq: int, ckpt: str) -> dict:
+    from molt_compile.compile import compile_recipe
+    from molt_compile.memory import memory_report
+
+    sets = [f"model.path={model_dir}", f"train.micro_batch_size={rows}", f"data.max_len={seq}",
+            f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16"]
+    res = compile_recipe(ROOT / "recipes/demo_gpu.yaml", sets, lower=False, capabilities=False)
+    report = memory_report(res.recipe, res.derived, res.loaded.source)
+    group = report.fsdp_groups[0]
+    actor = group.roles[0]
+    return {"total_gib": group.total / 2**30, "terms_gib": {
+        "params": actor.params / 2**30, "grads": actor.grads / 2**30, "optimizer": actor.optimizer / 2**30,
+        "activations": actor.activations / 2**30}, "breakdown": group.breakdown()}
+
+
+def main() -> int:
+    import torch
+    from loop_support import trainer_rl
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from runtime.trainer import PolicyWorker, free_port
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"device": torch.cuda.get_device_name(0), "runs": []}
+    dirs: dict[str, Path] = {}
+    for shape, rows, seq, ckpt in CONFIGS:
+        if shape not in dirs:
+            d = Path(tempfile.gettempdir()) / f"molt_gpu_mem_{shape}"
+            if not (d / "config.json").exists():
+                torch.manual_seed(0)
+                cfg = Qwen3Config(vocab_size=151936, max_position_embeddings=32768, **SHAPES[shape])
+                Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+            dirs[shape] = d
+        run: dict = {"shape": shape, "rows": rows, "seq": seq, "gradient_checkpoint": ckpt}
+        try:
+            run["estimate"] = _estimate(dirs[shape], rows, seq, ckpt)
+        except Exception as exc:  # record, measure anyway
+            run["estimate_error"] = repr(exc)
+        rl = trainer_rl(1, ref=False, model={"path": str(dirs[shape]), "attn": "sdpa", "dtype": "bfloat16",
+                                             "gradient_checkpoint": ckpt},
+                        trainer={"micro_batch_size": rows, "grad_accum": 2, "max_epochs": 1, "temperature": 1.0,
+                                 "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None},
+                        optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+                        kl={"use_loss": False}, is_correction={"level": "off"}, device="cuda", dist_backend="nccl")
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_reserved()
+        try:
+            worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0,
+                                  "127.0.0.1", free_port())
+            batch = _batch(2 * rows, seq, 151936)
+            t0 = time.perf_counter()
+            for _ in range(2):
+                worker.train(batch, 0.0)
+            torch.cuda.synchronize()
+            run["step_s"] = (time.perf_counter() - t0) / 2
+            run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            run["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            run["reserved_before_gib"] = base / 2**30
+            worker.shutdown()
+            del worker
+        except torch.OutOfMemoryError as exc:
+            run["oom"] = str(exc)[:300]
+        gc.collect()
+        torch.cuda.empty_cache()
+        if "estimate" in run and "peak_reserved_gib" in run:
+            run["estimate_over_measured"] = run["estimate"]["total_gib"] / run["peak_reserved_gib"]
+        report["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    text = json.dumps(report, indent=1)
+    (out / "check_memory.json").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

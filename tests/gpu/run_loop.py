@@ -1,0 +1,118 @@
+"""The whole RL loop on one GPU under Ray (issue 18; not part of `just test`).
+
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/run_loop.py OUT_DIR [--steps N]
+
+1. `molt-compile recipes/demo_gpu.yaml --submit` exactly as a user runs it (local Ray cluster through the `ray` CLI,
+   the trainer rank and the hf engine colocated on the GPU, CUDA IPC weight sync): the demo task, reward rising.
+2. A throughput run of the same recipe on a random Qwen3-1.7B-shaped model (the demo's tokenizer, so its small
+   vocabulary: ~1.4 B parameters), longer generations, a few steps: the step time split into generation, trainer,
+   weight sync and idle waits, and the overlap efficiency max(generation, train + sync) / step time.
+Writes OUT_DIR/run_loop.json (and copies each run's metrics.jsonl there) and prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = "recipes/demo_gpu.yaml"
+
+
+def _compile_cmd(*sets: str) -> list[str]:
+    cmd = [sys.executable, "-c", "import sys; from molt_compile.cli import main; sys.exit(main())", RECIPE]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _run(name: str, out: Path, sets: list[str], timeout_s: float) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.run([*_compile_cmd(*sets), "--submit"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    wall = time.perf_counter() - t0
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    metrics_files = sorted(ROOT.glob("runs/**/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    result: dict = {"rc": proc.returncode, "wall_s": wall, "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    if not metrics_files:
+        return result
+    mfile = metrics_files[-1]
+    shutil.copy(mfile, out / f"{name}.metrics.jsonl")
+    rows = [json.loads(line) for line in mfile.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "timing/step_total" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    result["metrics_file"] = str(mfile)
+    result["steps"] = len(steps)
+    if steps:
+        def mean(key: str, rs=steps) -> float | None:
+            vals = [r[key] for r in rs if key in r]
+            return statistics.mean(vals) if vals else None
+
+        head, tail = steps[: max(1, len(steps) // 10)], steps[-max(1, len(steps) // 10):]
+        result["reward_first"] = mean("rollout/reward_mean", head)
+        result["reward_last"] = mean("rollout/reward_mean", tail)
+        warm = steps[1:] if len(steps) > 2 else steps
+        split = {k: mean(k, warm) for k in ("timing/step_total", "timing/generation", "timing/policy_train",
+                                             "timing/make_experience", "timing/weight_sync_total",
+                                             "timing/vllm_idle_wait", "timing/actor_idle_wait",
+                                             "timing/weight_sync", "timing/weight_sync_gather",
+                                             "timing/weight_sync_transfer", "timing/weight_sync_load")}
+        result["timing_mean_warm"] = split
+        gen, train = split["timing/generation"], split["timing/policy_train"]
+        sync, total = split["timing/weight_sync_total"], split["timing/step_total"]
+        if None not in (gen, train, total) and total:
+            result["overlap_efficiency"] = max(gen, train + (sync or 0.0)) / total
+        tokens = mean("rollout/response_length_mean", warm)
+        samples = mean("rollout/num_rollouts", warm)
+        if tokens and samples and gen:
+            result["generated_tokens_per_s"] = tokens * samples / gen
+    if evals:
+        result["eval_pass1_first"], result["eval_pass1_last"] = evals[0].get("eval/pass1"), evals[-1].get("eval/pass1")
+    return result
+
+
+def _big_model(dest: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "recipes/data/demo_math/model")
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(dest)
+    tok.save_pretrained(dest)
+    gen = ROOT / "recipes/data/demo_math/model/generation_config.json"
+    if gen.exists():
+        shutil.copy(gen, dest / "generation_config.json")
+
+
+def main() -> int:
+    out = Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args = sys.argv[2:]
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 60
+    report: dict = {}
+    report["demo"] = _run("demo", out, [f"data.max_samples={steps * 8}"], 900)
+    big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
+    if not (big / "config.json").exists():
+        _big_model(big)
+    report["throughput"] = _run("throughput", out, [
+        f"model.path={big}", "data.max_samples=48", "data.max_len=320", "rollout.max_new_tokens=256",
+        "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
+        "model.gradient_checkpoint=full", "train.micro_batch_size=16"], 900)
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    (out / "run_loop.json").write_text(text)
+    return 0 if report["demo"].get("rc") == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
