@@ -124,7 +124,7 @@ class Generator:
                     break
                 self.batched += len(results)
                 batch = concat([r.experience for r in results], self.pad_id)
-                metrics = self.window.flush(results, self)
+                metrics = self.window.flush(self)
                 await self.queue.put_async(RolloutBatch(
                     experience=ray.put(batch), policy_version=step, metrics=metrics,
                     generation_s=time.time() - slot_acquired_at, vllm_idle_wait_s=slot_acquired_at - t0,
@@ -256,6 +256,7 @@ class Generator:
             self._drop_prompt("dynamic_filter")
         else:
             self.ready.append(result)
+            self.window.groups_passed += 1
 
     def _drop_prompt(self, reason: str) -> None:
         self.prompts_dropped[reason] += 1
@@ -322,6 +323,7 @@ class _Window:
         self.rollouts_dropped: Counter = Counter()
         self.prompts_dropped: Counter = Counter()
         self.groups_seen = 0
+        self.groups_passed = 0   # passed the filters in this window (a batch may also take groups of earlier ones)
         self.scores: list[float] = []
         self.all_pass = self.all_fail = 0
         self.info: dict[str, float] = {}
@@ -337,7 +339,7 @@ class _Window:
             self.info[k] = self.info.get(k, 0.0) + v
         self.info_count += len(r.scores)
 
-    def flush(self, batch: list[GroupResult], gen: Generator) -> dict[str, float]:
+    def flush(self, gen: Generator) -> dict[str, float]:
         groups = max(self.groups_seen, 1)
         m: dict[str, float] = {f"rollout/dropped/{k}": float(v) for k, v in self.rollouts_dropped.items()}
         m["rollout/dropped/total"] = float(sum(self.rollouts_dropped.values()))
@@ -345,7 +347,7 @@ class _Window:
         m["rollout/pre_filter_mean_score"] = sum(self.scores) / max(len(self.scores), 1)
         m["rollout/group_all_pass_rate"] = self.all_pass / groups
         m["rollout/group_all_fail_rate"] = self.all_fail / groups
-        m["rollout/dynamic_filtering_pass_rate"] = len(batch) / groups
+        m["rollout/dynamic_filtering_pass_rate"] = self.groups_passed / groups
         m["rollout/runner_failures"] = float(gen.runner_failures)
         m["rollout/runner_restarts"] = float(gen.runner_restarts)
         m["prompts/consumed"] = float(gen.consumed)

@@ -362,7 +362,8 @@ def start_rollout(plan: Plan, pgs: dict) -> tuple[list, object]:
 
     rl = plan.rl
     role = plan.role("rollout.engine")
-    engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group])
+    engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group],
+                            log_dir=Path(rl.logging.out_dir) / "logs")
     return engines, Router(engines, rl.engines.router_policy)
 
 

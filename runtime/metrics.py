@@ -36,7 +36,8 @@ METRICS: dict[str, str] = {
     "rollout/pre_filter_mean_score": "mean score of every rollout that finished, before group filters",
     "rollout/group_all_pass_rate": "fraction of finished groups whose rollouts all scored > 0",
     "rollout/group_all_fail_rate": "fraction of finished groups whose rollouts all scored <= 0",
-    "rollout/dynamic_filtering_pass_rate": "groups in the batch / groups finished since the previous batch",
+    "rollout/dynamic_filtering_pass_rate": "groups that passed the filters / groups finished since the previous batch (<= 1; a batch may also "
+                                           "take groups that passed in an earlier window)",
     "rollout/runner_failures": "group dispatches that failed because a runner died (cumulative; re-dispatched)",
     "rollout/runner_restarts": "dead runners that Ray restarted and that answer again (cumulative)",
     "rollout/info/<name>": "mean over finished rollouts of a numeric Result.info value of the agent",
@@ -127,6 +128,7 @@ class MetricsSink:
                                       TimeElapsedColumn(), TextColumn("{task.fields[line]}"))
             self._task = self._progress.add_task("train", total=total_steps, line="starting engines and trainer...")
             self._progress.start()
+        self._status = StatusLine(total_steps)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -137,8 +139,11 @@ class MetricsSink:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(step, metrics)
+        line = self._status.update(step, metrics)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, line=_summary(metrics))
+            self._progress.update(self._task, completed=step, line=line)
+        else:  # not a terminal (a Ray job's log, a file, CI): one plain line per record
+            print(f"step {step}/{self._status.total}  {line}", flush=True)
 
     def status(self, line: str) -> None:
         if self._progress is not None:
@@ -147,6 +152,9 @@ class MetricsSink:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+        summary = self._status.summary()
+        if summary:
+            print(summary, flush=True)
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
@@ -200,16 +208,53 @@ def resolve_env_ref(ref: str) -> str | None:
     return os.environ.get(m.group(1)) or None
 
 
-def _summary(m: dict[str, float]) -> str:
-    parts = []
-    for key, label, fmt in (("rollout/reward_mean", "reward", "{:.3f}"), ("eval/reward_mean", "eval", "{:.3f}"),
-                            ("train/is_filter_ratio", "is_filtered", "{:.2f}"),
-                            ("weight_sync/logprob_diff_max", "sync_diff", "{:.1e}"),
-                            ("timing/step_total", "step", "{:.2f}s"), ("timing/generation", "gen", "{:.2f}s"),
-                            ("timing/policy_train", "train", "{:.2f}s"), ("timing/weight_sync", "sync", "{:.2f}s")):
-        if key in m:
-            parts.append(f"{label} {fmt.format(m[key])}")
-    return "  ".join(parts)
+class StatusLine:
+    """The one line per step a run shows: reward, pass@1, eval pass@1 (last round), KL, step time, ETA, and which side
+    of the pipeline waited (rollout = the engines idled for a queue slot, trainer = it idled for a batch)."""
+
+    def __init__(self, total_steps: int):
+        self.total = total_steps
+        self.started = time.time()
+        self.first_step: int | None = None
+        self.step = 0
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def update(self, step: int, m: dict[str, float]) -> str:
+        if self.first_step is None:
+            self.first_step, self.started = step, time.time() - m.get("timing/step_total", 0.0)
+        self.step = max(self.step, step)
+        for k, v in m.items():
+            self.first.setdefault(k, v)
+            self.last[k] = v
+        parts = [f"{label} {fmt.format(self.last[key])}" for key, label, fmt in (
+            ("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/pass1", "pass@1", "{:.2f}"),
+            ("eval/pass1", "eval pass@1", "{:.2f}"), ("train/kl", "kl", "{:.1e}"))
+            if key in self.last]
+        if "timing/step_total" in m:
+            parts.append(f"step {m['timing/step_total']:.2f}s")
+            done = step - self.first_step + 1
+            eta = (time.time() - self.started) / max(done, 1) * max(self.total - step, 0)
+            parts.append(f"eta {_duration(eta)}")
+            rollout_idle, trainer_idle = m.get("timing/vllm_idle_wait", 0.0), m.get("timing/actor_idle_wait", 0.0)
+            side, idle = ("rollout", rollout_idle) if rollout_idle >= trainer_idle else ("trainer", trainer_idle)
+            parts.append(f"idle: {side} {idle:.2f}s")
+        return "  ".join(parts)
+
+    def summary(self) -> str:
+        """Where the run started and ended, for the last lines of its log."""
+        if self.first_step is None:
+            return ""
+        lines = [f"summary: {self.step} of {self.total} steps in {_duration(time.time() - self.started)}"]
+        for key in ("rollout/reward_mean", "rollout/pass1", "eval/pass1", "eval/reward_mean", "train/kl"):
+            if key in self.first:
+                lines.append(f"  {key}: {self.first[key]:.3f} -> {self.last[key]:.3f}")
+        return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -109,8 +109,10 @@ def _ray_executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[s
     return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)), "VLLM_RAY_PER_WORKER_GPUS": "1"}
 
 
-def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None) -> list[Any]:
-    """Create one engine actor per `role.instances` entry and wait until all have loaded the model."""
+def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None,
+                  log_dir: Any = None) -> list[Any]:
+    """Create one engine actor per `role.instances` entry and wait until all have loaded the model. With `log_dir`,
+    engine i's vLLM INFO lines go to `<log_dir>/engine-<i>.log` (warnings stay on the terminal)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -118,12 +120,17 @@ def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placeme
     opts = role.ray_options
     handles = []
     for inst in role.instances:
+        log_env = {}
+        if log_dir is not None and engines.kind == "vllm":
+            from runtime.logfiles import vllm_logging_env
+
+            log_env = vllm_logging_env(log_dir, f"engine-{inst.index}")
         options: dict[str, Any] = {
             "num_cpus": opts.num_cpus,
             "num_gpus": opts.num_gpus,
             "resources": dict(opts.resources),
             "max_concurrency": ENGINE_MAX_CONCURRENCY,
-            "runtime_env": {"env_vars": {**role.env, **_ray_executor_env(engines, inst.bundle_indices)}},
+            "runtime_env": {"env_vars": {**role.env, **_ray_executor_env(engines, inst.bundle_indices), **log_env}},
         }
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
