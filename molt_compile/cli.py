@@ -3,9 +3,11 @@
     molt-compile RECIPE [--set k=v]... [--format text|json|github] [--plan-out F] [--slurm F] [--submit]
     molt-compile lint PATH...        every recipe under the paths (base fragments are not jobs)
     molt-compile schema              the JSON Schema of Recipe v1
-    molt-compile explain RECIPE      every resolved value with where it came from, every derived value with why
+    molt-compile explain RECIPE [KEY]...  every resolved value with where it came from, every derived value with why
     molt-compile diff A B            what changes between two recipes' plans
     molt-compile rules [CODE]        the rule catalog, or one rule's documentation
+    molt-compile catalog [models|gpus]   the model and GPU catalog keys
+    molt-compile init FILE           a starting recipe from a few flags or questions
 
 A first argument that is not a subcommand is a recipe: `molt-compile recipes/x.yaml --submit` is the compile
 command. Exit status: 0 no errors, 1 errors, 2 unusable input or usage. Imports stay lazy so that `--help` and a
@@ -23,7 +25,10 @@ from typing import Any
 import click
 
 SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
-"""A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment."""
+"""A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment. The last
+part is the recipe format version (`version: 1`); `SCHEMA_IDS` names the per-kind schemas."""
+SCHEMA_IDS = {None: SCHEMA_ID, "sft": "urn:molt-recipes:schema:recipe-sft:v1"}
+SCHEMA_FILES = {None: "recipe.schema.json", "sft": "recipe_sft.schema.json"}
 _FORMATS = click.Choice(["text", "json", "github"])
 _ROOTS = click.option(
     "--recipe-root", "roots", multiple=True, metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
@@ -73,13 +78,15 @@ def _drop_required(node: Any) -> Any:
     return node
 
 
-def recipe_json_schema() -> dict[str, Any]:
+def recipe_json_schema(kind: str | None = None) -> dict[str, Any]:
     """The JSON Schema of one recipe *file*, for editors (completion, hover docs, typos, bad enum values).
 
-    Generated from the pydantic models, with one deliberate difference: no key is `required`, and the two kinds
-    are `anyOf` instead of a discriminated `oneOf`. A file that `extends` a base legitimately omits `kind`,
-    `version` or `model.path`; requiring them would paint every such recipe red. `molt-compile` checks the
-    required keys after `extends` is resolved.
+    Generated from the pydantic models, with one deliberate difference: no key is `required`. A file that
+    `extends` a base legitimately omits `kind`, `version` or `model.path`; requiring them would paint every such
+    recipe red. `molt-compile` checks the required keys after `extends` is resolved. The kind is an if/then/else:
+    a file saying `kind: sft` is checked as SFT, any other as RL (so an error in one key is reported against the
+    right kind, not as "matches neither"). A file that inherits `kind: sft` from a base says nothing about its
+    kind: it names the SFT-only schema (`kind="sft"`, schemas/recipe_sft.schema.json) in its modeline.
     """
     from pydantic import TypeAdapter
 
@@ -88,15 +95,22 @@ def recipe_json_schema() -> dict[str, Any]:
 
     schema = _drop_required(TypeAdapter(Recipe).json_schema(mode="validation"))
     schema.pop("discriminator", None)
-    schema["anyOf"] = schema.pop("oneOf")
+    schema.pop("oneOf")
+    if kind == "sft":
+        schema["$ref"] = "#/$defs/SftRecipe"
+    else:
+        schema.update({"if": {"properties": {"kind": {"const": "sft"}}, "required": ["kind"]},
+                       "then": {"$ref": "#/$defs/SftRecipe"}, "else": {"$ref": "#/$defs/RlRecipe"}})
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": SCHEMA_ID,
-        "title": "Molt recipe v1",
+        "$id": SCHEMA_IDS[kind],
+        "title": "Molt SFT recipe v1" if kind == "sft" else "Molt recipe v1",
         "description": (recipe_module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
         + " This schema describes one file (keys may come from `extends`, so none is required here; molt-compile"
         " checks the merged recipe). Start a recipe with"
-        " `# yaml-language-server: $schema=../schemas/recipe.schema.json` for completion and hover docs.",
+        f" `# yaml-language-server: $schema=../schemas/{SCHEMA_FILES[kind]}` for completion and hover docs"
+        + (" (SFT recipes whose `kind: sft` comes from a base)." if kind == "sft" else
+           "; an SFT recipe that inherits `kind: sft` names recipe_sft.schema.json instead."),
     }
     return {**head, **schema}
 
@@ -125,6 +139,20 @@ def cli() -> None:
       molt-compile recipes/glm5_ep256.yaml --submit       ... and run it on Ray
       molt-compile lint recipes/                          check every recipe (CI)
       molt-compile explain recipes/x.yaml --set a.b=1     where every value comes from
+      molt-compile explain recipes/x.yaml actor.optimizer  ... only these keys
+      molt-compile init my.yaml --arch qwen3-4b           a starting recipe
+      molt-compile catalog models                         the model.arch keys
+
+    \b
+    Exit status:
+      0  no errors (warnings and infos allowed)
+      1  the recipe has errors: a rule or the schema rejects it (every error is reported, none is fatal early)
+      2  unusable input or usage: a missing or unparsable file, a bad option, a blocking loader error
+         (YAML syntax, an `extends` that cannot be read) after which no rule can run
+
+    \b
+    Shell completion (click): add to ~/.bashrc (zsh, fish: replace `bash`)
+      eval "$(_MOLT_COMPILE_COMPLETE=bash_source molt-compile)"
     """
 
 
@@ -295,9 +323,11 @@ def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tup
 
 # ------------------------------------------------------------------------------------------------ schema
 @cli.command()
-def schema() -> None:
-    """Print the JSON Schema of Recipe v1 (committed as schemas/recipe.schema.json)."""
-    click.echo(json.dumps(recipe_json_schema(), indent=2))
+@click.option("--kind", type=click.Choice(["sft"]), help="The SFT-only schema (schemas/recipe_sft.schema.json).")
+def schema(kind: str | None = None) -> None:
+    """Print the JSON Schema of Recipe v1 (committed as schemas/recipe.schema.json; `--kind sft`:
+    schemas/recipe_sft.schema.json, for SFT recipes that inherit `kind: sft` from a base)."""
+    click.echo(json.dumps(recipe_json_schema(kind), indent=2))
 
 
 # ------------------------------------------------------------------------------------------------ explain
@@ -345,12 +375,18 @@ def _show(value: Any) -> str:
 
 @cli.command()
 @click.argument("recipe")
+@click.argument("keys", nargs=-1)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
 @click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Output format.")
 @_ROOTS
-def explain(recipe: str, sets: tuple[str, ...], smoke: bool, roots: tuple[Path, ...] = ()) -> None:
+def explain(recipe: str, keys: tuple[str, ...], sets: tuple[str, ...], smoke: bool, fmt: str = "text",
+            roots: tuple[Path, ...] = ()) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
-    means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`)."""
+    means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`;
+    also `molt-compile catalog`). KEY... shows only those keys and what lies under them (globs: `*.lr`), and the
+    derived values they name."""
     from rich.table import Table
 
     from molt_compile import schema_walk as sw
@@ -362,18 +398,32 @@ def explain(recipe: str, sets: tuple[str, ...], smoke: bool, roots: tuple[Path, 
         sys.exit(result.exit_status or 2)
     if smoke:
         sys.exit(_explain_smoke(result))
+    from molt_compile.cli_more import explain_json, matches
+
     console = _console(pipe_width=240)  # piped: one row per line, so that grep finds a key with its source
     model = type(result.recipe)
+    rows = []
     table = Table(title=f"{result.source.root_file}: resolved values", title_justify="left")
-    table.add_column("key", no_wrap=True)
-    table.add_column("value", overflow="fold", max_width=40)
-    table.add_column("source", no_wrap=True)
-    table.add_column("meaning", overflow="fold", min_width=60)
+    wide = console.width >= 160  # else (a 100-column terminal) every column folds, the meaning most
+    table.add_column("key", no_wrap=wide, overflow="fold")
+    table.add_column("value", overflow="fold", max_width=40 if wide else 20)
+    table.add_column("source", no_wrap=wide, overflow="fold")
+    table.add_column("meaning", overflow="fold", min_width=60 if wide else None)
     data = result.recipe.model_dump(mode="json", by_alias=True)
     for path, value in _flatten(data, ""):
         segments: list[Any] = [int(s) if s.isdigit() else s for s in path.split(".")]
         doc = sw.field_doc(model, segments) or sw.field_doc(model, segments[:-1])
-        table.add_row(path, _show(value), _where(result, path), doc)
+        if matches(path, keys):
+            rows.append((path, value, _where(result, path), doc))
+            table.add_row(path, _show(value), _where(result, path), doc)
+    derived_rows = [dv for dv in (result.derived.values() if result.derived is not None else [])
+                    if matches(dv.name, keys) or any(matches(i, keys) for i in dv.inputs) and keys]
+    if fmt == "json":
+        explain_json(result, rows, derived_rows)
+        sys.exit(result.exit_status)
+    if keys and not rows and not derived_rows:
+        click.echo(f"molt-compile: no recipe key or derived value matches {' '.join(keys)}", err=True)
+        sys.exit(2)
     console.print(table)
     if result.derived is None:
         click.echo("derived values: the derive pass is not available in this build")
@@ -381,11 +431,11 @@ def explain(recipe: str, sets: tuple[str, ...], smoke: bool, roots: tuple[Path, 
         derived = Table(title="derived values", title_justify="left")
         for column in ("name", "value", "reason", "inputs"):
             derived.add_column(column, overflow="fold")
-        for dv in result.derived.values():
+        for dv in derived_rows:
             inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
             derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
         console.print(derived)
-    for table in _catalog_tables():
+    for table in _catalog_tables() if not keys else ():
         console.print(table)
     if result.diagnostics:
         _print_diagnostics(result.diagnostics, result, "text")
@@ -445,8 +495,10 @@ def _explain_smoke(result: Any) -> int:
 @cli.command()
 @click.argument("a")
 @click.argument("b")
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Output format.")
 @_ROOTS
-def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
+def diff(a: str, b: str, fmt: str = "text", roots: tuple[Path, ...] = ()) -> None:
     """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
     from molt_compile.compile import compile_recipe
     from molt_compile.diff import diff_results
@@ -456,6 +508,10 @@ def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
         if r.exit_status == 2:
             _print_diagnostics(r.diagnostics, r, "text")
             sys.exit(2)
+    if fmt == "json":
+        from molt_compile.cli_more import diff_json
+
+        sys.exit(1 if diff_json(*results) else 0)
     lines, changed = diff_results(*results)
     for line in lines:
         click.echo(line)
@@ -465,9 +521,16 @@ def diff(a: str, b: str, roots: tuple[Path, ...] = ()) -> None:
 # ------------------------------------------------------------------------------------------------ rules
 @cli.command()
 @click.argument("code", required=False)
-def rules(code: str | None) -> None:
+@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="Output format (json: every code, or CODE's documentation).")
+def rules(code: str | None, fmt: str = "text") -> None:
     """List every diagnostic code (rules, loader, schema), or print the documentation of CODE."""
     import inspect
+
+    if fmt == "json":
+        from molt_compile.cli_more import rules_json
+
+        sys.exit(rules_json(code))
 
     from molt_compile.codes import LOADER_CODES
 
@@ -547,6 +610,8 @@ def main() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
 
+
+from molt_compile import cli_more  # noqa: E402,F401  (registers `catalog` and `init` on the group)
 
 if __name__ == "__main__":
     main()

@@ -118,3 +118,19 @@ def diff_results(a: Any, b: Any) -> tuple[list[str], bool]:
     changed = not (recipe_same and plans_same)
     lines.append("plans differ" if changed else "no differences: the recipes resolve to the same plan")
     return lines, changed
+
+
+def diff_values(a: Any, b: Any) -> tuple[dict[str, dict[str, list[Any]]], bool]:
+    """The changes of `diff_results` as data: {section: {key: [value in A, value in B]}} (None: absent), and
+    whether the recipes differ. `molt-compile diff --format json` prints it."""
+    pairs = [("recipe", _recipe_values(a), _recipe_values(b)), ("derived", _derived_values(a), _derived_values(b))]
+    if a.plan is not None and b.plan is not None:
+        pairs += [("cluster", _cluster_values(a.plan), _cluster_values(b.plan)),
+                  ("roles", _role_values(a.plan), _role_values(b.plan)),
+                  ("placement groups", _pg_values(a.plan), _pg_values(b.plan)),
+                  ("device map", _map_values(a.plan), _map_values(b.plan))]
+    sections = {name: {k: [va.get(k), vb.get(k)] for k in sorted(va.keys() | vb.keys()) if va.get(k) != vb.get(k)}
+                for name, va, vb in pairs}
+    sections = {name: changes for name, changes in sections.items() if changes}
+    changed = bool(sections) or getattr(a.plan, "fingerprint", None) != getattr(b.plan, "fingerprint", None)
+    return sections, changed

@@ -143,7 +143,8 @@ class MetricsSink:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, line=line)
         else:  # not a terminal (a Ray job's log, a file, CI): one plain line per record
-            print(f"step {step}/{self._status.total}  {line}", flush=True)
+            print(f"{'step' if 'timing/step_total' in metrics else 'eval at step'} {step}/{self._status.total}  "
+                  f"{line}", flush=True)
 
     def status(self, line: str) -> None:
         if self._progress is not None:
@@ -221,24 +222,26 @@ class StatusLine:
         self.last: dict[str, float] = {}
 
     def update(self, step: int, m: dict[str, float]) -> str:
-        if self.first_step is None:
-            self.first_step, self.started = step, time.time() - m.get("timing/step_total", 0.0)
-        self.step = max(self.step, step)
         for k, v in m.items():
             self.first.setdefault(k, v)
             self.last[k] = v
+        if "timing/step_total" not in m:  # an eval round
+            return "  ".join(f"{label} {m[key]:.3f}" for key, label in (("eval/reward_mean", "eval reward"),
+                                                                        ("eval/pass1", "eval pass@1")) if key in m)
+        if self.first_step is None:
+            self.first_step, self.started = step, time.time() - m["timing/step_total"]
+        self.step = max(self.step, step)
+        # KL to the reference; without one (train/kl stays 0) how far each update moved the policy
+        kl = ("train/kl", "kl") if self.last.get("train/kl") else ("train/policy_kl", "policy kl")
         parts = [f"{label} {fmt.format(self.last[key])}" for key, label, fmt in (
             ("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/pass1", "pass@1", "{:.2f}"),
-            ("eval/pass1", "eval pass@1", "{:.2f}"), ("train/kl", "kl", "{:.1e}"))
+            ("eval/pass1", "eval pass@1", "{:.2f}"), (*kl, "{:.1e}"))
             if key in self.last]
-        if "timing/step_total" in m:
-            parts.append(f"step {m['timing/step_total']:.2f}s")
-            done = step - self.first_step + 1
-            eta = (time.time() - self.started) / max(done, 1) * max(self.total - step, 0)
-            parts.append(f"eta {_duration(eta)}")
-            rollout_idle, trainer_idle = m.get("timing/vllm_idle_wait", 0.0), m.get("timing/actor_idle_wait", 0.0)
-            side, idle = ("rollout", rollout_idle) if rollout_idle >= trainer_idle else ("trainer", trainer_idle)
-            parts.append(f"idle: {side} {idle:.2f}s")
+        done = step - self.first_step + 1
+        eta = (time.time() - self.started) / max(done, 1) * max(self.total - step, 0)
+        rollout_idle, trainer_idle = m.get("timing/vllm_idle_wait", 0.0), m.get("timing/actor_idle_wait", 0.0)
+        side, idle = ("rollout", rollout_idle) if rollout_idle >= trainer_idle else ("trainer", trainer_idle)
+        parts += [f"step {m['timing/step_total']:.2f}s", f"eta {_duration(eta)}", f"idle: {side} {idle:.2f}s"]
         return "  ".join(parts)
 
     def summary(self) -> str:

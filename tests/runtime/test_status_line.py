@@ -9,7 +9,7 @@ from runtime.metrics import MetricsSink, StatusLine
 
 
 def _step(reward: float, trainer_idle: float) -> dict[str, float]:
-    return {"rollout/reward_mean": reward, "rollout/pass1": reward, "train/kl": 1e-3, "timing/step_total": 2.0,
+    return {"rollout/reward_mean": reward, "rollout/pass1": reward, "train/kl": 1e-3, "train/policy_kl": 0.0, "timing/step_total": 2.0,
             "timing/vllm_idle_wait": 0.1, "timing/actor_idle_wait": trainer_idle}
 
 
@@ -18,10 +18,15 @@ def test_status_line_names_the_idle_side_and_the_eta():
     line = s.update(1, _step(0.2, trainer_idle=1.5))
     assert "reward 0.200" in line and "pass@1 0.20" in line and "kl 1.0e-03" in line
     assert "idle: trainer 1.50s" in line and "eta 0m1" in line  # 9 steps left at ~2 s each
-    s.update(1, {"eval/pass1": 0.5})
+    assert s.update(1, {"eval/pass1": 0.5}) == "eval pass@1 0.500"
     assert "idle: rollout 0.10s" in s.update(2, _step(0.6, trainer_idle=0.0))
     assert "eval pass@1 0.50" in s.update(3, _step(0.6, 0.0))
     assert "rollout/reward_mean: 0.200 -> 0.600" in s.summary()
+
+
+def test_without_a_reference_the_line_shows_the_policy_kl():
+    line = StatusLine(3).update(1, {**_step(0.5, 0.0), "train/kl": 0.0, "train/policy_kl": 2e-4})
+    assert "policy kl 2.0e-04" in line
 
 
 def test_plain_line_per_step_when_not_a_terminal(tmp_path, capsys):

@@ -1,0 +1,245 @@
+"""`molt-compile catalog` and `molt-compile init`, and the `--format json` views of `explain`, `diff` and `rules`.
+
+Registered on the group at the end of `molt_compile.cli` (kept apart from the compile plumbing there). Nothing here
+imports torch, ray, vllm or transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from molt_compile.cli import _console, _need, cli
+
+_JSON_TEXT = click.Choice(["text", "json"])
+
+
+def _dump(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ catalog
+@cli.command()
+@click.argument("which", type=click.Choice(["models", "gpus"]), required=False)
+@click.option("--format", "fmt", type=_JSON_TEXT, default="text", show_default=True, help="Output format.")
+def catalog(which: str | None, fmt: str) -> None:
+    """The model and GPU catalogs: the keys `model.arch` and `cluster.gpu` take (both when WHICH is omitted)."""
+    from molt_compile.cli import _catalog_tables
+    from schemas.catalog import GPUS, MODELS
+
+    wanted = ("models", "gpus") if which is None else (which,)
+    if fmt == "json":
+        rows = {"models": MODELS, "gpus": GPUS}
+        _dump({w: [dataclasses.asdict(v) for v in rows[w].values()] for w in wanted})
+        return
+    models, gpus = _catalog_tables()
+    console = _console(pipe_width=100)
+    for name, table in (("models", models), ("gpus", gpus)):
+        if name in wanted:
+            console.print(table)
+
+
+# ------------------------------------------------------------------------------------------------ init
+_STARTER_AGENT = '''"""Starter agent written by `molt-compile init`: one turn, reward 1 when the answer equals the label.
+
+Replace `step` with your task's grader (see recipes/agents/ for more).
+"""
+
+from runtime.agents import Env, Result, StepEnvRunner
+
+
+class ExactMatchEnv(Env):
+    async def step(self, state: dict) -> Result:
+        answer = state["action_text"].replace("<|im_end|>", "").strip()
+        correct = answer == str(state["label"]).strip()
+        return Result(reward=float(correct), score=float(correct), terminated=True)
+
+
+AgentRunner = StepEnvRunner(ExactMatchEnv)
+'''
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0)
+
+
+def starter_recipe(name: str, kind: str, arch: str, model_path: str, gpu: str, nodes: int, gpus_per_node: int,
+                   data: str, agent: str, schema: str) -> str:
+    """A small, complete recipe text: every GPU used, meshes that divide the model's heads."""
+    from schemas.catalog import MODELS
+
+    spec = MODELS[arch]
+    head = [f"# yaml-language-server: $schema={schema}",
+            f"# Written by `molt-compile init`; check it with `molt-compile {name}.yaml`, see every value with",
+            "# `molt-compile explain`. The keys: schemas/recipe.schema.json (hover in an editor) or the README.",
+            "version: 1", f"name: {name}", f"kind: {kind}",
+            f"cluster: {{nodes: {nodes}, gpus_per_node: {gpus_per_node}, gpu: {gpu}}}",
+            f"model: {{path: {model_path}, arch: {arch}, backend: hf, attn: sdpa, param_dtype: bf16}}"]
+    if kind == "sft":
+        return "\n".join([*head,
+                          f"actor: {{nodes: {nodes}, gpus_per_node: {gpus_per_node}, optimizer: {{lr: 1.0e-5}}}}",
+                          f"data: {{dataset: {data}, input_key: prompt, output_key: response, max_len: 4096}}",
+                          f"train: {{batch_size: {8 * nodes * gpus_per_node}, micro_batch_size: 1, max_epochs: 1}}",
+                          f"ckpt: {{dir: ckpt/{name}/state, hf_dir: ckpt/{name}/hf, every: 100}}", ""])
+    total = nodes * gpus_per_node
+    actor_gpus = max(total // 2, 1) if total > 1 else 1
+    actor_nodes, actor_per_node = (nodes // 2, gpus_per_node) if nodes > 1 else (1, actor_gpus)
+    rollout_gpus = total - actor_nodes * actor_per_node
+    tp = _largest_divisor(spec.kv_heads, min(rollout_gpus, gpus_per_node, 8)) if rollout_gpus else 1
+    tp = tp if rollout_gpus % tp == 0 and spec.heads % tp == 0 else 1
+    engines = max(rollout_gpus // tp, 1)
+    return "\n".join([
+        *head,
+        f"actor: {{nodes: {actor_nodes}, gpus_per_node: {actor_per_node}, optimizer: {{lr: 1.0e-6}}}}",
+        f"rollout: {{engine: vllm, engines: {engines}, mesh: {{tp: {tp}}}, batch_size: 16, n_samples_per_prompt: 8,"
+        " max_new_tokens: 1024}",
+        f"agent: {{path: {agent}}}",
+        "algo: {estimator: grpo, is_correction: {level: token}}   # the queue makes batches one step stale",
+        "train: {batch_size: 128, micro_batch_size: 1, async: {queue_size: 1}}",
+        f"data: {{prompts: {data}, input_key: prompt, label_key: label, max_len: 4096}}",
+        f"ckpt: {{dir: ckpt/{name}/state, hf_dir: ckpt/{name}/hf, every: 20}}", ""])
+
+
+@cli.command()
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--name", help="Job name, [a-z0-9][a-z0-9-]* (default: the file's stem).")
+@click.option("--kind", type=click.Choice(["rl", "sft"]), default="rl", show_default=True)
+@click.option("--arch", help="Model catalog key (`molt-compile catalog models`).")
+@click.option("--model-path", help="Checkpoint directory (default: /path/to/<checkpoint>).")
+@click.option("--gpu", help="GPU catalog key or `cpu` (`molt-compile catalog gpus`).")
+@click.option("--nodes", type=click.IntRange(1), help="Nodes of the job.")
+@click.option("--gpus-per-node", type=click.IntRange(1), help="Default: the catalog's GPUs per node.")
+@click.option("--data", help="Prompts (rl) or dataset (sft): a JSONL file or a save_to_disk directory.")
+@click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
+def init(output: Path, name: str | None, kind: str, arch: str | None, model_path: str | None, gpu: str | None,
+         nodes: int | None, gpus_per_node: int | None, data: str | None, force: bool) -> None:
+    """Write a starting recipe to OUTPUT from a few flags (asked for on a terminal when not given), with a starter
+    agent beside it for RL, and check it. Every GPU is used; the vLLM tensor parallelism divides the model's heads."""
+    import re
+
+    from molt_compile.compile import compile_recipe
+    from schemas.catalog import GPUS, MODELS
+
+    if output.exists() and not force:
+        raise click.UsageError(f"{output} exists (--force overwrites it)")
+    ask = sys.stdin.isatty()
+
+    def pick(value: Any, prompt: str, default: Any, choices: list[str] | None = None, type_: Any = str) -> Any:
+        if value is not None:
+            return value
+        if not ask:
+            return default
+        return click.prompt(prompt, default=default, type=click.Choice(choices) if choices else type_)
+
+    name = name or re.sub(r"[^a-z0-9-]+", "-", output.stem.lower()).strip("-") or "my-recipe"
+    arch = pick(arch, "model (catalog key)", "qwen3-4b", sorted(MODELS))
+    if arch not in MODELS:
+        raise click.BadParameter(f"unknown model `{arch}`; `molt-compile catalog models` lists them", param_hint="--arch")
+    gpu = pick(gpu, "GPU (catalog key or cpu)", "h100-80gb", [*sorted(GPUS), "cpu"])
+    if gpu != "cpu" and gpu not in GPUS:
+        raise click.BadParameter(f"unknown GPU `{gpu}`; `molt-compile catalog gpus` lists them", param_hint="--gpu")
+    nodes = pick(nodes, "nodes", 1, type_=click.IntRange(1))
+    per_node_default = GPUS[gpu].gpus_per_node if gpu in GPUS else 2
+    gpus_per_node = pick(gpus_per_node, "GPUs per node", per_node_default, type_=click.IntRange(1))
+    data = pick(data, "data (JSONL file or save_to_disk dir)", "data/sft_train.jsonl" if kind == "sft" else "data/train.jsonl")
+    model_path = model_path or f"/path/to/{MODELS[arch].hf_name.split('/')[-1]}"
+    agent = f"agents/{name.replace('-', '_')}.py"
+    schema = Path(__file__).resolve().parent.parent / "schemas" / ("recipe_sft.schema.json" if kind == "sft"
+                                                                      else "recipe.schema.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(starter_recipe(name, kind, arch, model_path, gpu, nodes, gpus_per_node, data, agent,
+                                     _relative(schema, output.parent)))
+    click.echo(f"recipe written to {output}")
+    agent_file = output.parent / agent
+    if kind == "rl" and not agent_file.exists():
+        agent_file.parent.mkdir(parents=True, exist_ok=True)
+        agent_file.write_text(_STARTER_AGENT)
+        click.echo(f"starter agent written to {agent_file}")
+    data_file = output.parent / data
+    if not data_file.exists() and data_file.suffix == ".jsonl":
+        data_file.parent.mkdir(parents=True, exist_ok=True)
+        data_file.write_text(_sample_rows(kind))
+        click.echo(f"sample data (replace it) written to {data_file}")
+    result = compile_recipe(output)
+    from molt_compile.cli import _print_diagnostics
+
+    shown = [d for d in result.diagnostics if d.severity != "info"]
+    if shown:
+        _print_diagnostics(shown, result, "text")
+    errors = sum(d.severity == "error" for d in result.diagnostics)
+    click.echo(f"{output}: {errors} errors; next: edit model.path and data, then `molt-compile {output} --smoke`")
+    sys.exit(1 if errors else 0)
+
+
+def _sample_rows(kind: str) -> str:
+    rows = [{"prompt": f"{a}+{b}=", ("response" if kind == "sft" else "label"): str(a + b)}
+            for a in range(16) for b in range(16)]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _relative(target: Path, start: Path) -> str:
+    import os
+
+    return os.path.relpath(target, start.resolve())
+
+
+# ------------------------------------------------------------------------------------------------ json views
+def explain_json(result: Any, rows: list[tuple[str, Any, str, str]], derived: list[Any]) -> None:
+    """`explain --format json`: {"values": [...], "derived": [...], "diagnostics": [...]}."""
+    _dump({
+        "recipe": str(result.source.root_file),
+        "values": [{"key": k, "value": v, "source": src, "meaning": doc} for k, v, src, doc in rows],
+        "derived": [{"name": dv.name, "value": dv.value, "reason": dv.reason, "inputs": list(dv.inputs)}
+                    for dv in derived],
+        "diagnostics": [d.to_json() for d in result.diagnostics],
+    })
+
+
+def diff_json(a: Any, b: Any) -> bool:
+    """`diff --format json`: every changed value per section, {"changed": bool, "sections": {...}}."""
+    diff = _need("molt_compile.diff", "diff_values")
+    sections, changed = diff(a, b)
+    _dump({"a": str(getattr(a.source, "root_file", "A")), "b": str(getattr(b.source, "root_file", "B")),
+           "changed": changed, "fingerprint": [getattr(a.plan, "fingerprint", None), getattr(b.plan, "fingerprint", None)],
+           "sections": sections})
+    return changed
+
+
+def rules_json(code: str | None) -> int:
+    """`rules --format json`: {"codes": [{code, name, severity, doc}, ...]} (one entry with CODE); exit 2 when
+    CODE is unknown."""
+    import inspect
+
+    from molt_compile import capability
+    from molt_compile.codes import LOADER_CODES
+    from molt_compile.lower import PLACE_CODES
+    from molt_compile.rules import ALL_RULES
+
+    rows = [{"code": r.code, "name": r.name, "severity": r.severity, "kind": "rule",
+             "doc": inspect.cleandoc(r.check.__doc__ or "")} for r in ALL_RULES]
+    rows += [{"code": r.code, "name": r.name, "severity": "error", "kind": "loader", "doc": r.doc}
+             for r in LOADER_CODES]
+    rows += [{"code": p.code, "name": p.name, "severity": p.severity, "kind": "placement", "doc": p.doc}
+             for p in PLACE_CODES]
+    rows.append({"code": capability.CODE, "name": capability.NAME, "severity": "error", "kind": "capability",
+                 "doc": capability.DOC})
+    if code:
+        rows = [r for r in rows if r["code"] == code.upper()]
+        if not rows:
+            click.echo(f"molt-compile: unknown code `{code}`", err=True)
+            return 2
+    _dump({"codes": rows})
+    return 0
+
+
+def matches(key: str, wanted: tuple[str, ...]) -> bool:
+    """`explain RECIPE KEY...`: a key is shown when it is one of KEY or lies under one (`actor.optimizer` shows
+    `actor.optimizer.lr`); a KEY with `*` is a glob."""
+    import fnmatch
+
+    return not wanted or any(key == w or key.startswith(w + ".") or fnmatch.fnmatchcase(key, w) for w in wanted)
