@@ -36,6 +36,10 @@ PORT_BLOCK = 10 + WORKER_PORTS_PER_NODE
 """Ports of one node: the named ones, a few spare, then its Ray worker ports."""
 
 
+REQUEUE_EXIT_STATUS = 75
+"""`python -m runtime`'s exit status after it checkpointed on SIGUSR1 for a requeue (EX_TEMPFAIL: try again);
+runtime/loop.py's `REQUEUE_EXIT_STATUS` is the same number (the compiler imports nothing of the runtime)."""
+
 SBATCH_VALUE_KEYS = ("qos", "constraint", "mem", "output", "error")
 """`launch.slurm` keys rendered as `#SBATCH --KEY=VALUE` when set (the option is named as the key)."""
 
@@ -224,6 +228,8 @@ def render_sbatch(plan: Plan) -> str:
         srun_args=[shell_quote(str(f)) for f in slurm.get("srun_options") or []],
         container_args=_container_args(slurm) + [shell_quote(str(f)) for f in slurm.get("srun_options") or []],
         exclusive=bool(slurm.get("exclusive", True)), sbatch_values=sbatch_values,
+        requeue=bool(slurm.get("requeue")) and plan.kind == "rl", requeue_signal_s=int(slurm.get("requeue_signal_s", 300)),
+        requeue_exit=REQUEUE_EXIT_STATUS,
         sbatch_options=[str(o) for o in slurm.get("sbatch_options") or []],
         num_cpus=num_cpus, num_gpus=num_gpus,
         resources_json=json.dumps({k: v for k, v in sorted(res.items())}, separators=(",", ":")) if res else "",

@@ -2,7 +2,8 @@
 
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
-Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 2 unusable plan file.
+Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
+it resumes), 2 unusable plan file.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"metrics: {result.metrics_path}")
     if result.plot_path is not None:
         print(f"plot: {result.plot_path}")
-    return 0 if result.status == "finished" else 130
+    from runtime.loop import REQUEUE_EXIT_STATUS
+
+    return {"finished": 0, "requeue": REQUEUE_EXIT_STATUS}.get(result.status, 130)
 
 
 def startup_problems(plan) -> list[str]:

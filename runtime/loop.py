@@ -45,10 +45,14 @@ from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
 from schemas.plan import Plan
 
+REQUEUE_EXIT_STATUS = 75
+"""Exit status of `python -m runtime` after SIGUSR1: checkpointed, run me again (EX_TEMPFAIL; the Slurm script
+requeues the job on it, molt_compile/slurm.py holds the same number)."""
+
 
 @dataclass
 class RunResult:
-    status: str                     # "finished" | "stopped"
+    status: str                     # "finished" | "stopped" | "requeue" (checkpointed on SIGUSR1)
     step: int
     accounting: dict[str, int]
     last_checkpoint: str | None
@@ -101,6 +105,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     timeline: list[dict] = []
     status = "finished"
     last_eval_step = -1
+    last_consumed, last_ckpt_step = consumed, step  # prompts behind the trained steps; the step last saved
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
 
@@ -110,9 +115,12 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         msg = _next_message(rollout_queue, stop)
         actor_idle_wait = time.time() - wait_start
         match msg:
-            case None:  # stop requested (SIGINT/SIGTERM)
-                status = "stopped"
+            case None:  # stop requested (SIGINT/SIGTERM; SIGUSR1: checkpoint first, for a requeue)
+                status = "requeue" if stop.requeue else "stopped"
                 accounting = ray.get(generator.stop.remote())
+                if stop.requeue and step > 0 and step != last_ckpt_step:
+                    last_ckpt = save_checkpoint(trainer, rl, step, last_consumed, kl_ctl.value)
+                    print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
                 break
             case EndOfStream():
                 accounting = msg.accounting
@@ -176,7 +184,9 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
             t0 = time.time()
             last_ckpt = save_checkpoint(trainer, rl, step, msg.prompts_consumed, kl_ctl.value)
+            last_ckpt_step = step
             metrics["timing/ckpt"] = time.time() - t0
+        last_consumed = msg.prompts_consumed
         metrics["timing/step_total"] = time.time() - step_start
         step_start = time.time()
         if step % rl.schedule.log_every == 0:
@@ -297,13 +307,18 @@ def _next_message(q: Queue, stop: _StopFlag):
 
 
 class _StopFlag:
-    """SIGINT/SIGTERM ask the loop to stop after the current phase; a second signal interrupts at once."""
+    """SIGINT/SIGTERM ask the loop to stop after the current phase; a second signal interrupts at once. SIGUSR1
+    (Slurm's time-limit warning, `launch.slurm.requeue`) asks it to checkpoint after the current step and stop."""
 
     def __init__(self):
-        self.requested = False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.requested = self.requeue = False
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGUSR1:
+            self.requested = self.requeue = True
+            print("\nSIGUSR1: checkpointing after the current step, then exiting for a requeue", flush=True)
+            return
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True

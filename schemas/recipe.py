@@ -617,6 +617,13 @@ class SlurmLaunch(Section):
     """Extra flags of every `srun` step, each one word such as `--mpi=none` (LAUNCH003 checks them)."""
     time: str = "04:00:00"
     """Wall-clock limit in an sbatch `--time` format: minutes, HH:MM:SS, D-HH, D-HH:MM:SS, UNLIMITED (LAUNCH001)."""
+    requeue: bool = False
+    """Checkpoint and requeue near the time limit (RL): Slurm signals the job `requeue_signal_s` before it
+    (`#SBATCH --signal=B:USR1@N`), the RL loop saves a checkpoint after its current step and exits, and the job
+    requeues itself into the same job id, which resumes from that checkpoint (needs `ckpt.resume: true`, LAUNCH004)."""
+    requeue_signal_s: PositiveInt = 300
+    """With `requeue`: seconds before the time limit that Slurm sends the signal; longer than a step plus a
+    checkpoint save take."""
     container_image: str | None = None
     """Pyxis/enroot container image. None: run on the host."""
     mounts: list[str] = []

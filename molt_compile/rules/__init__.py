@@ -114,6 +114,7 @@ ALL_RULES: tuple[Rule, ...] = (
     Rule("LAUNCH001", "slurm-time-format", "error", launch.slurm_time_format, BOTH),
     Rule("LAUNCH002", "ray-runtime-env-shape", "error", launch.ray_runtime_env_shape, BOTH),
     Rule("LAUNCH003", "slurm-option-shape", "error", launch.slurm_option_shape, BOTH),
+    Rule("LAUNCH004", "slurm-requeue-needs-resume", "error", launch.slurm_requeue_needs_resume, BOTH),
     Rule("LOSS001", "dual-clip-not-above-one", "error", loss.dual_clip_not_above_one),
     Rule("LOSS002", "dual-clip-without-ppo", "error", loss.dual_clip_without_ppo),
     Rule("LOSS003", "cispo-clip-ceiling-below-one", "error", loss.cispo_clip_ceiling_below_one),

@@ -171,3 +171,40 @@ def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
         if value is not None and _CONTROL.search(value):
             yield diag("LAUNCH003", source, f"launch.slurm.{name}",
                        f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
+
+
+def slurm_requeue_needs_resume(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `launch.slurm.requeue: true` is set on an RL recipe with `ckpt.resume: true`.
+
+    ## Why it matters
+    Near the time limit the job checkpoints and is requeued under the same job id; the requeued job runs the same
+    plan. Without `ckpt.resume` it starts again from step 0 and overwrites the run, every time it is requeued.
+    SFT plans run under torchrun, which does not checkpoint on the signal: the job would be killed at its limit.
+
+    ## Example
+    ```yaml
+    launch: {slurm: {requeue: true}}
+    ckpt: {resume: false}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {requeue: true, requeue_signal_s: 600}}
+    ckpt: {resume: true}
+    ```
+
+    ## References
+    Slurm sbatch(1) `--requeue`, `--signal`; scontrol(1) `requeue`; DESIGN.md (Slurm); runtime/loop.py (SIGUSR1); issue 19
+    """
+    slurm = recipe.launch.slurm
+    if not slurm.requeue:
+        return
+    if recipe.kind != "rl":
+        yield diag("LAUNCH004", source, "launch.slurm.requeue",
+                   "launch.slurm.requeue is for RL recipes: the SFT runtime (torchrun) does not checkpoint on the "
+                   "time-limit signal", "remove `requeue`, and size `launch.slurm.time` for the whole run")
+    elif not recipe.ckpt.resume:
+        yield diag("LAUNCH004", source, "launch.slurm.requeue",
+                   "launch.slurm.requeue without ckpt.resume: the requeued job would start again from step 0",
+                   "set `ckpt: {resume: true}`")

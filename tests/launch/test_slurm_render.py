@@ -85,6 +85,14 @@ def test_recipe_sbatch_and_srun_options_are_rendered(cpu_plan: Plan, tmp_path: P
     _bash_n(script, tmp_path)
 
 
+def test_requeue_asks_slurm_for_the_signal_and_requeues_on_the_runs_status(cpu_plan: Plan, tmp_path: Path) -> None:
+    assert "USR1" not in render_sbatch(cpu_plan)
+    script = render_sbatch(_with_slurm(cpu_plan, requeue=True, requeue_signal_s=420))
+    assert {"#SBATCH --requeue", "#SBATCH --signal=B:USR1@420"} <= set(_sbatch_lines(script))
+    assert 'trap requeue_now USR1' in script and '[ "$rc" = 75 ]' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    _bash_n(script, tmp_path)
+
+
 def test_ray_start_declares_exactly_the_plans_node_resources(cpu_plan: Plan) -> None:
     script = render_sbatch(cpu_plan)
     assert "--num-cpus=3 --num-gpus=0" in script

@@ -1,0 +1,64 @@
+"""`launch.slurm.requeue` on the real test Slurm: the time-limit signal (sent here with `scancel --signal=USR1
+--batch`, exactly what `#SBATCH --signal=B:USR1@N` makes Slurm send) reaches the RL run, which checkpoints after
+its current step and exits 75; the job requeues itself, and the requeued job resumes from that checkpoint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from molt_compile.slurm import render_sbatch
+
+from .conftest import DATA, ROOT, compile_plan
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm, tmp_path: Path) -> None:
+    plan = compile_plan(DATA / "cpu_two_nodes.yaml", (
+        "name=launch-requeue", "rollout.engine=hf", "data.max_samples=48", "eval.dataset=null", "ckpt.every=-1",
+        "ckpt.final_save=false", "ckpt.resume=true", "ckpt.dir=ckpt/launch-requeue/state",
+        "logging.tensorboard_dir=null", "launch.slurm.requeue=true"))
+    assert plan.rl.schedule.total_steps == 6
+    out_dir, ckpt_dir = ROOT / plan.rl.logging.out_dir, ROOT / plan.rl.ckpt.dir
+    for d in (out_dir, ckpt_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_sbatch(plan))
+    log = tmp_path / "job.out"
+    sub = slurm.run("sbatch", "--parsable", "--open-mode=append", "-o", str(log), str(script), cwd=ROOT)
+    job_id = sub.stdout.strip().split(";")[0]
+    assert job_id.isdigit(), sub.stderr
+    job_dir = ROOT / ".molt" / "slurm" / f"{plan.name}-{job_id}"
+    metrics = out_dir / "metrics.jsonl"
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            time.sleep(1)
+        assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
+        state = ""
+        while time.time() < deadline:
+            shown = slurm.run("scontrol", "show", "job", job_id).stdout
+            state = re.search(r"JobState=(\w+)", shown).group(1)
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and "Restarts=1" in shown:
+                break
+            time.sleep(2)
+        output = log.read_text()
+        assert state == "COMPLETED", output
+        saved = int(re.search(r"checkpointed step (\d+) for the requeue", output).group(1))
+        assert 2 <= saved < 6
+        assert f"requeueing job {job_id}" in output
+        assert re.search(rf"resumed from \S+step_0*{saved} at step {saved}", output), output
+        assert "finished at step 6" in output and output.rstrip().endswith("molt: job exits with status 0")
+        steps = [int(m) for m in re.findall(r'"step": (\d+)', metrics.read_text())]
+        assert steps == list(range(1, 7)), steps  # each step trained once across the two runs
+    finally:
+        slurm.run("scancel", job_id)
+        for d in (job_dir, out_dir, ckpt_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        for tmp in Path("/tmp").glob(f"molt-ray-{job_id}-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
