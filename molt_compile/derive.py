@@ -325,7 +325,7 @@ def _fsdp_role(b: _Builder, role: str, world: int, world_reason: str, world_inpu
               f"batch_size {batch} / (micro_batch_size {micro} × dp {dp})", inputs)
 
 
-def _rl_roles(b: _Builder, r: Any) -> None:
+def _rl_roles(b: _Builder, r: Any, source: Any = None) -> None:
     a, t = r.actor, r.train
     dynamic = t.dynamic_batch is not None
     _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
@@ -333,7 +333,9 @@ def _rl_roles(b: _Builder, r: Any) -> None:
                "actor.mesh", "train")
     # ref: exists exactly when the section is present (Recipe v1 makes Molt's hidden kl.coef > 0 switch explicit)
     if r.ref is None:
-        b.add("ref.exists", False, "no `ref:` section", ("ref",))
+        bare = source is not None and source.is_set("ref")  # `ref:` alone is YAML null: no reference model
+        b.add("ref.exists", False, "`ref:` is empty (YAML null): no reference model" if bare else "no `ref:` section",
+              ("ref",))
     else:
         why = "teacher of on_policy_distill" if r.algo.estimator == "on_policy_distill" else "KL reference model"
         b.add("ref.exists", True, f"`ref:` section present ({why})", ("ref",))
@@ -655,7 +657,7 @@ def _ckpt(b: _Builder, r: Any) -> None:
 
 
 def _rl(b: _Builder, r: Any, source: Any) -> None:
-    _rl_roles(b, r)
+    _rl_roles(b, r, source)
     _actor_extras(b, r)
     _rollout(b, r)
     _gpu_totals(b, r)

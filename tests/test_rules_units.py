@@ -135,6 +135,9 @@ def test_a_bare_section_is_told_it_is_empty(tmp_path, text, code, says):
     assert found and says in found[0].message, [(d.code, d.message) for d in found]
     if "empty" in says:
         assert "removes the section" in found[0].help
+    if text.endswith("ref:\n"):  # explain's derived value says the same
+        ref = compile_recipe(tmp_path / "r.yaml", lower=False).derived.get("ref.exists")
+        assert ref.reason.startswith("`ref:` is empty (YAML null)")
 
 
 @pytest.mark.parametrize(("arch", "says"), [("null", "model.arch is not set"),

@@ -1,4 +1,5 @@
-"""What a run shows: the per-step status line and summary (runtime.metrics) and vLLM's log routing (runtime.logfiles)."""
+"""What a run shows: the per-step status line and summary (runtime.metrics), vLLM's log routing (runtime.logfiles),
+and the requeue signal (runtime.loop)."""
 
 import json
 import logging
@@ -50,3 +51,19 @@ def test_vllm_info_goes_to_the_file_warnings_to_the_terminal(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Failed to load weights" in err and "reloading weights" not in err
     logging.getLogger("vllm").handlers.clear()
+
+
+def test_sigusr1_asks_the_loop_to_checkpoint_and_stop_for_a_requeue():
+    import os
+    import signal
+
+    from runtime.loop import _StopFlag
+
+    stop = _StopFlag()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.requeue
+        os.kill(os.getpid(), signal.SIGUSR1)  # Slurm may signal again: still a requeue, never an abort
+        assert stop.requeue
+    finally:
+        stop.restore()
