@@ -146,7 +146,7 @@ def cli() -> None:
     \b
     Exit status:
       0  no errors (warnings and infos allowed)
-      1  the recipe has errors: a rule or the schema rejects it (every error is reported, none is fatal early)
+      1  the recipe has errors: a rule or the schema rejects it (all are reported, none stops early)
       2  unusable input or usage: a missing or unparsable file, a bad option, a blocking loader error
          (YAML syntax, an `extends` that cannot be read) after which no rule can run
 

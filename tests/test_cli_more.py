@@ -25,6 +25,7 @@ def test_help_documents_exit_codes_and_completion():
     out = run("--help").output
     assert re.search(r"0\s+no errors", out) and re.search(r"1\s+the recipe has errors", out)
     assert re.search(r"2\s+unusable input", out) and "_MOLT_COMPILE_COMPLETE=bash_source" in out
+    assert max(map(len, out.splitlines())) <= 100
 
 
 def test_catalog_text_and_json():
