@@ -231,8 +231,8 @@ class StatusLine:
         if self.first_step is None:
             self.first_step, self.started = step, time.time() - m["timing/step_total"]
         self.step = max(self.step, step)
-        # KL to the reference; without one (train/kl stays 0) how far each update moved the policy
-        kl = ("train/kl", "kl") if self.last.get("train/kl") else ("train/policy_kl", "policy kl")
+        # KL to the reference; without one (train/kl stays 0) the engine/trainer mismatch on the trained tokens
+        kl = ("train/kl", "kl") if self.last.get("train/kl") else ("train/vllm_kl", "vllm kl")
         parts = [f"{label} {fmt.format(self.last[key])}" for key, label, fmt in (
             ("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/pass1", "pass@1", "{:.2f}"),
             ("eval/pass1", "eval pass@1", "{:.2f}"), (*kl, "{:.1e}"))

@@ -10,7 +10,7 @@ from runtime.metrics import MetricsSink, StatusLine
 
 
 def _step(reward: float, trainer_idle: float) -> dict[str, float]:
-    return {"rollout/reward_mean": reward, "rollout/pass1": reward, "train/kl": 1e-3, "train/policy_kl": 0.0, "timing/step_total": 2.0,
+    return {"rollout/reward_mean": reward, "rollout/pass1": reward, "train/kl": 1e-3, "timing/step_total": 2.0,
             "timing/vllm_idle_wait": 0.1, "timing/actor_idle_wait": trainer_idle}
 
 
@@ -25,9 +25,9 @@ def test_status_line_names_the_idle_side_and_the_eta():
     assert "rollout/reward_mean: 0.200 -> 0.600" in s.summary()
 
 
-def test_without_a_reference_the_line_shows_the_policy_kl():
-    line = StatusLine(3).update(1, {**_step(0.5, 0.0), "train/kl": 0.0, "train/policy_kl": 2e-4})
-    assert "policy kl 2.0e-04" in line
+def test_without_a_reference_the_line_shows_the_engine_trainer_kl():
+    line = StatusLine(3).update(1, {**_step(0.5, 0.0), "train/kl": 0.0, "train/vllm_kl": 2e-4})
+    assert "vllm kl 2.0e-04" in line
 
 
 def test_plain_line_per_step_when_not_a_terminal(tmp_path, capsys):
