@@ -77,35 +77,4 @@ def test_sbatch_reads_hostile_option_values_as_data(slurm, cpu_plan: Plan, tmp_p
         slurm.run("scancel", job_id)
 
 
-def test_sbatch_runs_the_rl_runtime_on_two_nodes(slurm, tmp_path: Path) -> None:
-    """`molt-compile RECIPE --slurm job.sbatch && sbatch job.sbatch` for real: the tiny RL recipe (hf engine,
-    three steps) trains on the two-node cluster the script boots, and the job ends with status 0."""
-    from .conftest import DATA, compile_plan
-
-    plan = compile_plan(DATA / "cpu_two_nodes.yaml", (
-        "name=launch-e2e", "rollout.engine=hf", "data.max_samples=24", "eval.dataset=null", "ckpt.every=-1",
-        "ckpt.final_save=false", "logging.tensorboard_dir=null"))
-    assert plan.rl.schedule.total_steps == 3
-    out_dir = ROOT / plan.rl.logging.out_dir
-    shutil.rmtree(out_dir, ignore_errors=True)
-    script = tmp_path / "job.sbatch"
-    script.write_text(render_sbatch(plan))
-    sub = slurm.run("sbatch", "--parsable", "--wait", "-o", str(tmp_path / "job-%j.out"), str(script),
-                    cwd=ROOT, timeout=1200)
-    job_id = sub.stdout.strip().split(";")[0]
-    assert job_id.isdigit(), sub.stderr
-    job_dir = ROOT / ".molt" / "slurm" / f"{plan.name}-{job_id}"
-    try:
-        output = (tmp_path / f"job-{job_id}.out").read_text()
-        logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-4000:] for p in sorted(job_dir.glob("ray-*.log")))
-        assert sub.returncode == 0, output + logs
-        assert "2/2 nodes, CPU 6/5, device_slot 4/3" in output
-        assert "finished at step 3" in output and "molt: job exits with status 0" in output
-        rows = (out_dir / "metrics.jsonl").read_text().splitlines()
-        assert len(rows) == 3
-        assert _ray_processes_of(job_id) == []
-    finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        for tmp in Path("/tmp").glob(f"molt-ray-{job_id}-*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+# The RL runtime on the two-node Slurm (train, time-limit signal, requeue, resume): test_slurm_requeue.py.
