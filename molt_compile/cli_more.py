@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from molt_compile.cli import _console, _need, cli
+from molt_compile.cli import _console, cli
 
 _JSON_TEXT = click.Choice(["text", "json"])
 
@@ -202,8 +202,9 @@ def explain_json(result: Any, rows: list[tuple[str, Any, str, str]], derived: li
 
 def diff_json(a: Any, b: Any) -> bool:
     """`diff --format json`: every changed value per section, {"changed": bool, "sections": {...}}."""
-    diff = _need("molt_compile.diff", "diff_values")
-    sections, changed = diff(a, b)
+    from molt_compile.diff import diff_values
+
+    sections, changed = diff_values(a, b)
     _dump({"a": str(getattr(a.source, "root_file", "A")), "b": str(getattr(b.source, "root_file", "B")),
            "changed": changed, "fingerprint": [getattr(a.plan, "fingerprint", None), getattr(b.plan, "fingerprint", None)],
            "sections": sections})
