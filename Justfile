@@ -49,6 +49,10 @@ lint: setup
     # Molt's rules only: the launch recipes ask for what this runtime does not run yet (CAP001; `just smoke` lists them)
     {{bin}}/molt-compile lint --no-capabilities recipes/
 
+# Issue 13's fault campaign on the demo recipe (kills, SIGTERM, misbehaving agents, a bad row): prints a table.
+faults *SCENARIOS: setup
+    {{bin}}/python -m tests.faults {{SCENARIOS}}
+
 # Benchmarks: cold compile time, lowering at scale, runtime step timings.
 bench: setup
     {{bin}}/python -m tests.bench

@@ -29,6 +29,7 @@ and the fix, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -291,9 +292,14 @@ def _follow(client: Any, job_id: str) -> int:
             sys.stdout.flush()
 
     try:
-        asyncio.run(tail())
+        with _signals_as_interrupt((signal.SIGTERM,)):
+            asyncio.run(tail())
     except KeyboardInterrupt:
         print(f"\nstopped following; the job keeps running (stop it with `ray job stop {job_id}`)")
+        return 130
+    except _Terminated:  # a scheduler or CI ending the launcher: the job it submitted goes too
+        print(f"\nSIGTERM: stopping job {job_id}", flush=True)
+        client.stop_job(job_id)
         return 130
     status = client.get_job_status(job_id)
     while not status.is_terminal():  # the log stream can end a moment before the status flips
@@ -339,6 +345,30 @@ def _check_local(plan: Plan) -> None:
     if shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists():
         raise LaunchError("Ray is not installed in this environment",
                           "pip install 'molt-recipes[runtime]' (or run `just setup`)")
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the launcher (raised in the main thread by `_signals_as_interrupt`)."""
+
+
+@contextlib.contextmanager
+def _signals_as_interrupt(signals: tuple[signal.Signals, ...]):
+    """While inside: SIGINT raises KeyboardInterrupt and SIGTERM raises `_Terminated`, so that the launcher's
+    `except` forwards them to what it started and tears down; the previous handlers come back after."""
+    def handle(signum, frame):
+        raise KeyboardInterrupt if signum == signal.SIGINT else _Terminated()
+
+    previous = {s: signal.signal(s, handle) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _stop_bound(plan: Plan) -> float:
+    """How long the job may take to stop after the forwarded signal: its own stop bound, plus its teardown."""
+    return (plan.rl.supervisor.stop_timeout_s if plan.rl is not None else 60.0) + 60.0
 
 
 def _detach_with_parent() -> None:
@@ -449,20 +479,25 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
         cluster.wait_ready(plan_file, root, timeout)
         argv = entrypoint_command(plan, plan_file, local=True)
         _say(f"cluster ready in {time.monotonic() - t0:.1f} s; running {shlex.join(argv)}")
-        job = subprocess.Popen(argv, env=cluster.env, cwd=root)
+        # Its own session, and SIGTERM when we die: a signal reaches it once, from us, and a killed launcher never
+        # leaves the job behind.
+        job = subprocess.Popen(argv, env=cluster.env, cwd=root, preexec_fn=_detach_with_parent)
         try:
-            status = job.wait()
-        except KeyboardInterrupt:
-            job.send_signal(signal.SIGINT)
+            with _signals_as_interrupt((signal.SIGINT, signal.SIGTERM)):
+                status = job.wait()
+        except (KeyboardInterrupt, _Terminated) as exc:
+            forwarded = signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT
+            _say(f"{forwarded.name}: stopping the job (it stops within train.stop_timeout_s)")
+            job.send_signal(forwarded)
             try:
-                status = job.wait(timeout=60)
+                status = job.wait(timeout=_stop_bound(plan))
             except subprocess.TimeoutExpired:
                 job.kill()
                 status = job.wait()
             status = status or 130
         _say(f"job {plan.name} exited with status {status}")
         return status
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):
         status = 130
         return status
     finally:

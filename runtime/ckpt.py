@@ -4,14 +4,17 @@ Layout under the plan's `ckpt.dir`:
 
     step_000010/            one DCP checkpoint per save (every rank writes its shards: model + optimizer)
       scheduler.pt          LR scheduler state (identical on every rank; rank 0 writes it)
-      trainer_state.json    written last by the driver: step, prompts consumed, ...; its presence marks the save complete
+      trainer_state.json    written last by the driver: step, KL coefficient, the prompt books (positions done)
 
-`latest(root)` returns the newest complete save, so a run killed mid-save resumes from the previous one.
+A save is written into `step_000010.tmp/` and renamed into place once its state file is in: a kill at any point
+of a save leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save;
+`prune` removes leftovers of interrupted saves.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -26,10 +29,37 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 STATE_FILE = "trainer_state.json"
+HF_SNAPSHOTS = "_hf"
+"""With `ckpt.save_hf`, each save also writes an HF snapshot to `<ckpt.dir>/_hf/step_NNNNNN` (Molt's
+`ckpt.path/_hf/<tag>`), pruned to `ckpt.keep`."""
+
+logger = logging.getLogger(__name__)
 
 
 def step_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
+
+
+def _saves(root: str | Path) -> list[Path]:
+    """Published save directories, oldest first (`step_NNNNNN`; temporary `.tmp` ones left out)."""
+    return sorted(p for p in Path(root).glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+
+
+def begin_save(root: str | Path, step: int) -> Path:
+    """A fresh temporary directory for the save of `step` (a leftover of an interrupted save is removed)."""
+    tmp = step_dir(root, step).with_name(step_dir(root, step).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(tmp: Path) -> Path:
+    """Rename a complete temporary save into place (replacing an older save of the same step)."""
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    return final
 
 
 # --------------------------------------------------------------------------------------------------- on every rank
@@ -75,20 +105,42 @@ def write_state(path: Path, state: dict) -> None:
 
 def latest(root: str | Path) -> tuple[Path, dict] | None:
     """Newest complete save under `root` (one whose trainer_state.json exists), with its state."""
-    saves = sorted(p for p in Path(root).glob("step_*") if (p / STATE_FILE).is_file())
+    saves = [p for p in _saves(root) if (p / STATE_FILE).is_file()]
     if not saves:
         return None
     return saves[-1], json.loads((saves[-1] / STATE_FILE).read_text())
 
 
-def prune(root: str | Path, keep: int) -> None:
-    """Keep the newest `keep` complete saves (keep <= 0: all); incomplete ones older than the newest go too."""
-    if keep <= 0:
-        return
-    saves = sorted(Path(root).glob("step_*"))
+def prune(root: str | Path, keep: int, max_disk_gb: float | None = None) -> None:
+    """Keep the newest `keep` complete saves (keep <= 0: all); incomplete ones older than the newest go too, and
+    leftovers of interrupted saves. With `max_disk_gb`, the oldest complete saves then go until the rest fit (the
+    newest is always kept, with a warning when it alone is over the budget)."""
+    for tmp in Path(root).glob("step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    saves = _saves(root)
     complete = [p for p in saves if (p / STATE_FILE).is_file()]
-    kept = set(complete[-keep:])
+    kept = set(complete[-keep:]) if keep > 0 else set(complete)
     newest = complete[-1] if complete else None
     for p in saves:
         if p not in kept and (newest is None or p < newest or p in complete):
             shutil.rmtree(p, ignore_errors=True)
+    if max_disk_gb is None:
+        return
+    remaining = [p for p in complete if p in kept]
+    sizes = {p: dir_bytes(p) for p in remaining}
+    while len(remaining) > 1 and sum(sizes[p] for p in remaining) > max_disk_gb * 1e9:
+        shutil.rmtree(remaining.pop(0), ignore_errors=True)
+    if remaining and sizes[remaining[-1]] > max_disk_gb * 1e9:
+        logger.warning("checkpoint %s alone is %.2f GB, over ckpt.max_disk_gb=%g", remaining[-1],
+                       sizes[remaining[-1]] / 1e9, max_disk_gb)
+
+
+def prune_snapshots(root: str | Path, keep: int) -> None:
+    """HF snapshots (`step_NNNNNN` directories under `root`): the newest `keep` stay (keep <= 0: all)."""
+    if keep > 0:
+        for p in _saves(root)[:-keep]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

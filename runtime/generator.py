@@ -15,8 +15,8 @@ It ends with `EndOfStream` after `total_steps` batches or when the episodes run 
 
 Every dispatched prompt is accounted for: put into a batch (`prompts/batched`; the trainer loop turns that into
 trained or `run_ended`), or dropped with a reason (`prompts/dropped/<reason>`), including the groups still in
-flight when the run ends (`run_ended`). A group whose runner died is re-sent, up to the runner
-restart budget, then dropped as `runner_lost`.
+flight when the run ends (`run_ended`). A group whose runner died or stopped answering is re-sent alone, up to
+`agent.max_prompt_attempts` times, then dropped as `agent_crash` or `episode_timeout` (see `_run_group`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
@@ -36,7 +37,7 @@ from runtime.agents import SamplingParams
 from runtime.datasource import read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
-from runtime.runners import GroupRequest, GroupResult
+from runtime.runners import EngineLost, GroupRequest, GroupResult
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,10 @@ class GeneratorSpec:
     dynamic_filtering: tuple[float, float] | None
     partial_rollout: bool
     seed: int
-    max_dispatch_attempts: int               # a group is sent at most this many times (runner restarts)
+    max_prompt_attempts: int                 # a group whose runner died under it is sent at most this many times
+    group_timeout_s: float                   # a runner that has not answered a group for this long is restarted
+    rollout_dump_dir: str | None             # save each batch as rollout_step{N}.pt (N: the step that trains it)
+    rollout_replay_dir: str | None           # load batches from rollout_step{N}.pt instead of generating
     eval_path: str | None
     eval_split: str
     eval_every: int                          # -1: never
@@ -94,15 +98,21 @@ class Generator:
         self.runner_restarts = 0
         self.runners_down: set[int] = set()       # runners that died and are not back yet
         self.runners_dead: set[int] = set()       # runners Ray will not restart any more
+        self.runner_load = [0] * len(runners)     # groups in flight per runner (dispatch favours the idlest)
+        self.runners_alone: set[int] = set()      # runners running a suspect group alone
+        self.dropped_positions: dict[str, list[int]] = {}  # reason -> positions dropped since the last batch
         self._next_runner = 0
         self._task: asyncio.Task | None = None
 
     # ----------------------------------------------------------------------------------------------- main loop
-    async def run(self, start_step: int, resume_consumed: int) -> dict[str, int]:
+    async def run(self, start_step: int, done: list[int], trained: int, dropped: dict[str, int]) -> dict[str, int]:
+        """`done`: positions (in the seeded data order) already trained or dropped before a resume, with their
+        counts: they are skipped, and every other position is sent, the ones in flight at the save first."""
         self._task = asyncio.current_task()
         spec = self.spec
-        prompts = self._prompt_stream(skip=resume_consumed)
-        self.consumed = resume_consumed
+        prompts = self._prompt_stream(skip=set(done))
+        self.consumed, self.batched = len(done), trained
+        self.prompts_dropped.update(dropped)
         next_eval = _next_eval_step(start_step, spec.eval_every)
         eval_due_at_start = spec.eval_at_start and start_step == 0 and bool(self.eval_rows)
         produced, reason = start_step, "total_steps"
@@ -117,18 +127,25 @@ class Generator:
                     metrics = await self._locked(self._evaluate())
                     await self.queue.put_async(EvalResult(step=step, metrics=metrics))
                     continue
-                results, exhausted = await self._locked(self._generate_batch(prompts))
+                if spec.rollout_replay_dir:
+                    results, batch, exhausted = self._replayed(produced + 1)
+                else:
+                    results, exhausted = await self._locked(self._generate_batch(prompts))
+                    batch = concat([r.experience for r in results], self.pad_id) if results else None
                 if not results:                                # nothing to train on: hand the slot back
                     await self.slots.put_async(step)
                     reason = "data_exhausted"
                     break
                 self.batched += len(results)
-                batch = concat([r.experience for r in results], self.pad_id)
+                if spec.rollout_dump_dir:
+                    self._dump(produced + 1, results, batch)
                 metrics = self.window.flush(self)
+                dropped, self.dropped_positions = self.dropped_positions, {}
                 await self.queue.put_async(RolloutBatch(
                     experience=ray.put(batch), policy_version=step, metrics=metrics,
                     generation_s=time.time() - slot_acquired_at, vllm_idle_wait_s=slot_acquired_at - t0,
-                    prompts_consumed=self.consumed, slot_acquired_at=slot_acquired_at))
+                    prompts_consumed=self.consumed, slot_acquired_at=slot_acquired_at,
+                    prompt_positions=[r.group_id for r in results], dropped_positions=dropped))
                 produced += 1
                 if exhausted:
                     reason = "data_exhausted"
@@ -179,16 +196,16 @@ class Generator:
                 if item is None:
                     exhausted = True
                     break
-                prompt, label, tools = item
-                self._dispatch(GroupRequest(self.consumed, prompt, label, spec.n_samples_per_prompt, spec.sampling,
+                position, (prompt, label, tools) = item
+                self._dispatch(GroupRequest(position, prompt, label, spec.n_samples_per_prompt, spec.sampling,
                                             tools=tools))
                 self.consumed += 1
             if not self.inflight:
                 break
             done, _ = await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                self.inflight.pop(task)
-                self._accept(task.result())
+                req = self.inflight.pop(task)
+                self._accept(task.result(), req.group_id)
         batch, self.ready = self.ready[:spec.batch_size], self.ready[spec.batch_size:]
         return batch, exhausted and not self.inflight and not self.ready
 
@@ -196,32 +213,71 @@ class Generator:
         self.inflight[asyncio.ensure_future(self._run_group(req))] = req
 
     async def _run_group(self, req: GroupRequest) -> GroupResult | str:
-        """Send a group to a live runner; if the runner dies under it, re-send it elsewhere within the budget."""
-        for attempt in range(self.spec.max_dispatch_attempts):
-            index = await self._pick_runner()
-            try:
-                return await self.runners[index].run_group.remote(req)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                self.runner_failures += 1
-                logger.warning("group %d: runner %d failed (%s); re-dispatching (attempt %d)", req.group_id, index,
-                               type(exc).__name__, attempt + 2)
-                if index not in self.runners_down:
-                    self.runners_down.add(index)
-                    asyncio.ensure_future(self._watch_restart(index))
-        return "runner_lost"
+        """Send a group to a live runner, at most `max_prompt_attempts` times.
 
-    async def _pick_runner(self) -> int:
-        """Round-robin over the runners that are up; wait while all are restarting."""
+        A runner that dies under a group (its process crashed or was killed), or that does not answer it within
+        `group_timeout_s` (an agent blocking its event loop; the runner is then restarted), makes every group it had
+        a suspect: a suspect is re-sent *alone* to an idle runner, so that a prompt that crashes or hangs the agent
+        is found out without taking other prompts with it. A suspect that fails alone on its last attempt is
+        dropped: `agent_crash` (the process died) or `episode_timeout` (it stopped answering)."""
+        suspect, reason = False, "agent_crash"
+        for attempt in range(self.spec.max_prompt_attempts):
+            index = await self._pick_runner(alone=suspect)
+            self.runner_load[index] += 1
+            try:
+                return await asyncio.wait_for(_awaitable(self.runners[index].run_group.remote(req)),
+                                              self.spec.group_timeout_s)
+            except TimeoutError:
+                logger.warning("group %d: runner %d did not answer in %.0f s (attempt %d of %d); runner restarted",
+                               req.group_id, index, self.spec.group_timeout_s, attempt + 1,
+                               self.spec.max_prompt_attempts)
+                reason = "episode_timeout"
+                self._runner_failed(index)
+                ray.kill(self.runners[index], no_restart=False)
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, EngineLost):
+                    return "engine_lost"
+                raise
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                logger.warning("group %d: runner %d failed (%s; attempt %d of %d)", req.group_id, index,
+                               type(exc).__name__, attempt + 1, self.spec.max_prompt_attempts)
+                reason = "agent_crash"
+                self._runner_failed(index)
+            finally:
+                self.runner_load[index] -= 1
+                self.runners_alone.discard(index)
+            suspect = True
+        return reason
+
+    def _runner_failed(self, index: int) -> None:
+        self.runner_failures += 1
+        if index not in self.runners_down:
+            self.runners_down.add(index)
+            asyncio.ensure_future(self._watch_restart(index))
+
+    async def _pick_runner(self, alone: bool = False) -> int:
+        """The up runner with the fewest groups in flight (round-robin among equals), never one reserved for a
+        suspect. For a suspect (`alone`), that runner is reserved (it gets no new groups) and returned once the
+        groups it has finished. Waits while every runner is restarting or reserved."""
+        n = len(self.runners)
         while True:
-            if len(self.runners_dead) == len(self.runners):
-                raise RuntimeError(f"every agent runner died more than max_restarts={self.spec.max_dispatch_attempts - 1}"
-                                   " times; see the runner logs")
-            for _ in range(len(self.runners)):
-                index = self._next_runner % len(self.runners)
-                self._next_runner += 1
-                if index not in self.runners_down:
-                    return index
-            await asyncio.sleep(0.2)
+            if len(self.runners_dead) == n:
+                raise RuntimeError("every agent runner died and Ray will not restart them any more; see the runner "
+                                   "logs")
+            free = [i for i in range(n) if i not in self.runners_down and i not in self.runners_alone]
+            if not free:
+                await asyncio.sleep(0.2)
+                continue
+            index = min(free, key=lambda i: (self.runner_load[i], (i - self._next_runner) % n))
+            self._next_runner = index + 1
+            if not alone:
+                return index
+            self.runners_alone.add(index)
+            while self.runner_load[index] > 0 and index not in self.runners_down:
+                await asyncio.sleep(0.1)
+            if index not in self.runners_down:
+                return index
+            self.runners_alone.discard(index)
 
     async def _watch_restart(self, index: int) -> None:
         """A dead runner is skipped until Ray has restarted it and it answers again; after two minutes without an
@@ -239,28 +295,31 @@ class Generator:
                     return
                 await asyncio.sleep(0.5)
 
-    def _accept(self, result: GroupResult | str) -> None:
+    def _accept(self, result: GroupResult | str, position: int) -> None:
         """Filters of §2.N: a group with no survivors is dropped; with dynamic filtering, incomplete groups and
         groups whose mean score is not strictly inside (lo, hi) are dropped too."""
-        if isinstance(result, str):
-            self._drop_prompt(result)
+        if isinstance(result, str):  # an engine lost under it: not done (a resume sends it again)
+            self._drop_prompt(result, None if result == "engine_lost" else position)
             return
         self.window.add(result)
         n = self.spec.n_samples_per_prompt
         if result.experience is None:
-            self._drop_prompt("all_rollouts_dropped")
+            self._drop_prompt("all_rollouts_dropped", position)
         elif self.spec.dynamic_filtering and len(result.scores) < n:
-            self._drop_prompt("incomplete_group")
+            self._drop_prompt("incomplete_group", position)
         elif self.spec.dynamic_filtering and not (
                 self.spec.dynamic_filtering[0] < sum(result.scores) / n < self.spec.dynamic_filtering[1]):
-            self._drop_prompt("dynamic_filter")
+            self._drop_prompt("dynamic_filter", position)
         else:
             self.ready.append(result)
             self.window.groups_passed += 1
 
-    def _drop_prompt(self, reason: str) -> None:
+    def _drop_prompt(self, reason: str, position: int | None = None) -> None:
+        """`position` None: the prompt is not done (the run ended under it; a resume sends it again)."""
         self.prompts_dropped[reason] += 1
         self.window.prompts_dropped[reason] += 1
+        if position is not None:
+            self.dropped_positions.setdefault(reason, []).append(position)
 
     def _abandon_inflight(self) -> None:
         for task in self.inflight:
@@ -270,12 +329,36 @@ class Generator:
         self.inflight.clear()
         self.ready.clear()
 
-    # ----------------------------------------------------------------------------------------------- prompts
-    def _prompt_stream(self, skip: int) -> Iterator[tuple[object, object, list | None]]:
-        """(prompt, label, tools) rows as the dataset holds them, episode after episode, each in a seeded shuffled order.
+    # ----------------------------------------------------------------------------------------------- dump, replay
+    def _dump(self, step: int, results: list[GroupResult], batch) -> None:
+        """Molt's `rollout_dump_dir`: the batch that step `step` trains, with its prompts' positions (atomic)."""
+        path = Path(self.spec.rollout_dump_dir) / f"rollout_step{step}.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"experience": batch, "positions": [r.group_id for r in results],
+                    "scores": [r.scores for r in results]}, tmp)
+        tmp.replace(path)
 
-        The order depends only on the seed, so skipping the first `skip` items restores a resumed run's position.
+    def _replayed(self, step: int) -> tuple[list[GroupResult], object, bool]:
+        """Molt's `rollout_replay_dir`: the dumped batch of step `step` instead of generating one; none left ends
+        the stream (`data_exhausted`). Its prompts count as consumed and batched, like generated ones."""
+        path = Path(self.spec.rollout_replay_dir) / f"rollout_step{step}.pt"
+        if not path.is_file():
+            return [], None, True
+        saved = torch.load(path, weights_only=False)
+        results = [GroupResult(pos, None, [], scores) for pos, scores in zip(saved["positions"], saved["scores"],
+                                                                              strict=True)]
+        self.consumed += len(results)
+        return results, saved["experience"], False
+
+    # ----------------------------------------------------------------------------------------------- prompts
+    def _prompt_stream(self, skip: set[int]) -> Iterator[tuple[int, tuple[object, object, list | None]]]:
+        """(position, (prompt, label, tools)): rows as the dataset holds them, episode after episode, each in a seeded
+        shuffled order; `position` counts from 0 over the whole stream.
+
+        The order depends only on the seed, so skipping the positions a resumed run had done restores its place.
         """
+        position = -1
         spec = self.spec
         for episode in range(spec.episodes):
             rng = random.Random(spec.seed + episode)
@@ -285,10 +368,10 @@ class Generator:
                 order = [(s, i) for s, rows in enumerate(self.sources) for i in range(len(rows))][:spec.max_samples]
                 rng.shuffle(order)
             for s, i in order:
-                if skip > 0:
-                    skip -= 1
+                position += 1
+                if position in skip:
                     continue
-                yield self.sources[s][i]
+                yield position, self.sources[s][i]
 
     # ----------------------------------------------------------------------------------------------- eval
     async def evaluate(self) -> dict[str, float]:
@@ -372,6 +455,10 @@ def _blend(sources, probs, rng: random.Random, limit: int) -> list[tuple[int, in
     return out
 
 
+async def _awaitable(ref):
+    return await ref
+
+
 @ray.remote(num_cpus=0)
 class EngineLock:
     """Generation and weight sync must not overlap (unless partial rollout says they may), so that every sample
@@ -386,3 +473,7 @@ class EngineLock:
 
     def release(self) -> None:
         self._lock.release()
+
+    def held(self) -> bool:
+        """The supervisor's ping."""
+        return self._lock.locked()

@@ -15,6 +15,13 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
   broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
   logprobs on a fixed sequence), logs, evaluates when the generator sends an eval round, and checkpoints.
+- Every wait goes through the supervisor (runtime/supervisor.py): a dead actor (engine, trainer rank, generator,
+  queue, lock) or a phase past `train.stall_timeout_s` ends the run with `RunAborted` (actor, phase, likely recipe
+  key, prompt books); after SIGINT/SIGTERM the current phase gets `train.stop_timeout_s`. Every exit path tears down
+  what was started (`Started`).
+- Exact resume: each checkpoint records the prompt books (`Books`: the positions of the seeded data order trained or
+  dropped); a resumed generator skips exactly those, so the prompts in flight at the save are trained after it, and
+  the records logged after the save (metrics.jsonl, prompts.jsonl) are dropped before they are logged again.
 - Not done here: what `schemas/capabilities.py` lists (the compiler refuses plans that ask for it, CAP001).
 
 The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
@@ -22,7 +29,8 @@ The driver process is the controller and the trainer loop (the plan's `controlle
 
 from __future__ import annotations
 
-import signal
+import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,17 +38,19 @@ from pathlib import Path
 import ray
 import torch
 from ray.util.placement_group import placement_group, placement_group_table
-from ray.util.queue import Empty, Queue
+from ray.util.queue import Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
+from runtime.books import Books
 from runtime.experience import Experience, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
-from runtime.metrics import MetricsSink
+from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
 from runtime.runners import AgentRunnerActor
+from runtime.supervisor import RunAborted, RunStopped, Started, StopFlag, Supervisor
 from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
 from schemas.plan import Plan
@@ -62,179 +72,250 @@ class RunResult:
 
 
 def run(plan: Plan, *, live: bool = True) -> RunResult:
+    """Run the plan; raises `RunAborted` (actor, phase, likely key, accounting) when an actor dies or a phase stalls."""
     rl = plan.rl
-    stop = _StopFlag()
+    stop = StopFlag()
+    sup = Supervisor(rl.supervisor, stop)
+    started = Started()
+    try:
+        return _run(plan, live, sup, started)
+    except RunStopped as exc:  # stopped during start-up (the loop handles its own phases)
+        print(f"{exc}; tearing the run down", flush=True)
+        acc = settle_accounting(started.generator_accounting(rl.supervisor.stop_timeout_s), 0)
+        return RunResult("stopped", 0, acc, None, Path(rl.logging.out_dir) / "metrics.jsonl")
+    finally:
+        started.teardown(rl.supervisor.stop_timeout_s)
+        stop.restore()
+
+
+def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult:
+    rl = plan.rl
     # ------------------------------------------------------------------------------------------------ setup
     resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
-    sink = MetricsSink(Path(rl.logging.out_dir), Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
+    out_dir = Path(rl.logging.out_dir)
+    if resume_from is not None:  # the steps logged after the save are trained again: their records go
+        for name in ("metrics.jsonl", PROMPTS_LOG):
+            drop_records_after(out_dir / name, resume_from[1]["step"])
+    sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
                        else None, rl.schedule.total_steps, live, append=resume_from is not None,
                        wandb=rl.logging.wandb, config=plan.recipe)
-    pgs = create_placement_groups(plan)
-    engines, router = start_rollout(plan, pgs)
-    trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs)
-                                                       for r in range(rl.trainer.world)])
-    step, consumed, last_ckpt, kl_coef = 0, 0, None, rl.algo.kl.coef
+    started.sink = sink
+    prompts_log = (out_dir / PROMPTS_LOG).open("a" if resume_from is not None else "w")
+    started.files.append(prompts_log)
+    with sup.phase("placement groups", "the Ray cluster", "cluster"):
+        pgs = create_placement_groups(plan, sup)
+    started.pgs = list(pgs.values())
+    with sup.phase("engine start-up", "rollout.engine", "rollout"):
+        engines, router = start_rollout(plan, pgs, sup)
+    started.handles += engines
+    for i, e in enumerate(engines):
+        sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
+    with sup.phase("trainer start-up", "actor", "actor"):
+        trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs) | {"name": f"{plan.name}.actor[{r}]"}
+                                                for r in range(rl.trainer.world)], get=sup.get)
+    started.trainer = trainer
+    for r, w in enumerate(trainer.workers):
+        sup.watch(f"actor[{r}] (trainer rank {r})", w, "ready", "actor")
+    step, kl_coef, books = 0, rl.algo.kl.coef, Books()
+    last_ckpt = None
     if resume_from is not None:
         last_ckpt, state = str(resume_from[0]), resume_from[1]
-        trainer.load_checkpoint(last_ckpt)
-        step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
+        with sup.phase("checkpoint load", "actor", "ckpt.resume"):
+            trainer.load_checkpoint(last_ckpt)
+        step, kl_coef, books = state["step"], state["kl_coef"], Books.from_state(state)
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
-    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines)
-    link.connect()
-    if step > 0:  # resumed weights must reach the engines before the first rollout
-        sync_weights(link, trainer, engines, None, probe_ids, step)
+    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, get=sup.get)
+    with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
+        link.connect()
+        if step > 0:  # resumed weights must reach the engines before the first rollout
+            sync_weights(link, trainer, engines, None, probe_ids, step, sup)
 
     # Depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
     # Each slot token carries the trainer's latest step (the generator uses it for eval timing).
     queue_size = rl.queue.size
     rollout_queue = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.rollout"))
     rollout_slots = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.slots"))
+    started.queues += [rollout_queue, rollout_slots]
+    for name, q in (("queue.rollout", rollout_queue), ("queue.slots", rollout_slots)):
+        sup.watch(name, q.actor, "qsize", "train.async.queue_size")
     for _ in range(queue_size):
         rollout_slots.put(step)
     lock = EngineLock.options(**role_options(plan, "lock")).remote()
+    started.handles.append(lock)
+    sup.watch("lock", lock, "held", "train.async.partial_rollout")
     runners = start_runners(plan, router)
-    ray.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
+    started.handles += runners
+    with sup.phase("agent runner start-up", "runner", "agent.path"):
+        sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
         generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
-    generator_done = generator.run.remote(step, consumed)
+    started.handles.append(generator)
+    started.generator = generator
+    generator_done = generator.run.remote(step, books.done_positions(), books.trained, dict(books.dropped))
+    sup.watch_call("generator", generator, generator_done, "agent")
     world = rl.trainer.world
-    prompts_trained = 0
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
     status = "finished"
     last_eval_step = -1
-    last_consumed, last_ckpt_step = consumed, step  # prompts behind the trained steps; the step last saved
+    last_ckpt_step = step  # the step last saved (a requeue saves the current one unless it is saved)
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
+    started.books = books
 
     # ------------------------------------------------------------------------------------------------ loop
-    while True:
-        wait_start = time.time()
-        msg = _next_message(rollout_queue, stop)
-        actor_idle_wait = time.time() - wait_start
-        match msg:
-            case None:  # stop requested (SIGINT/SIGTERM; SIGUSR1: checkpoint first, for a requeue)
-                status = "requeue" if stop.requeue else "stopped"
-                accounting = ray.get(generator.stop.remote())
-                if stop.requeue and step > 0 and step != last_ckpt_step:
-                    last_ckpt = save_checkpoint(trainer, rl, step, last_consumed, kl_ctl.value)
-                    print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
-                break
-            case EndOfStream():
-                accounting = msg.accounting
-                break
-            case EvalResult():
-                rollout_slots.put(step)
-                sink.log(step, msg.metrics)
-                last_eval_step = step
-                continue
-            case RolloutBatch():
-                pass
-        timeline.append({"batch": len(timeline), "slot_acquired_at": msg.slot_acquired_at, "dequeued_at": wait_start
-                         + actor_idle_wait, "policy_version": msg.policy_version})
-        if not rl.queue.force_sync:
-            rollout_slots.put(step)  # the next batch may start now, with the weights of this step
-        queue_depth = rollout_queue.qsize()
+    try:
+        while True:
+            wait_start = time.time()
+            with sup.phase("waiting for a rollout batch", "generator", "rollout / agent"):
+                msg = sup.next_message(rollout_queue)
+            actor_idle_wait = time.time() - wait_start
+            match msg:
+                case None:  # stop requested (SIGINT/SIGTERM; SIGUSR1: checkpoint first, for a requeue)
+                    status = "requeue" if sup.stop.requeue else "stopped"
+                    with sup.phase("stopping the generator", "generator", "agent"):
+                        sup.unwatch("generator")
+                        accounting = sup.get(generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
+                    if sup.stop.requeue and step > 0 and step != last_ckpt_step:
+                        with sup.phase("checkpoint save", "actor", "ckpt.dir"):
+                            last_ckpt = save_checkpoint(trainer, rl, step, kl_ctl.value, books)
+                        print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
+                    break
+                case EndOfStream():
+                    accounting = msg.accounting
+                    if msg.reason == "error":  # the generator raised: its error ends the run, by name
+                        with sup.phase("waiting for a rollout batch", "generator", "agent"):
+                            sup.get(generator_done)
+                    break
+                case EvalResult():
+                    rollout_slots.put(step)
+                    sink.log(step, msg.metrics)
+                    last_eval_step = step
+                    continue
+                case RolloutBatch():
+                    pass
+            books.seen(msg)
+            timeline.append({"batch": len(timeline), "slot_acquired_at": msg.slot_acquired_at,
+                             "dequeued_at": wait_start + actor_idle_wait, "policy_version": msg.policy_version})
+            if not rl.queue.force_sync:
+                rollout_slots.put(step)  # the next batch may start now, with the weights of this step
+            queue_depth = rollout_queue.qsize()
 
-        # --- make experience: π_old, π_ref, KL, rewards, advantages ---
-        t0 = time.time()
-        batch: Experience = ray.get(msg.experience)
-        real = batch.batch_size
-        padded = pad_batch_to_multiple(batch, world)
-        old, ref = trainer.forward_logprobs(ray.put(padded))
-        mask = batch.action_mask
-        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
-        rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
-                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
-        adv = algo.compute_advantages(
-            rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
-            gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
-        pad_rows = padded.batch_size - real
-        train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
-                                        _pad_rows(adv.returns, pad_rows))
-        make_experience_s = time.time() - t0
-
-        # --- policy step on the FSDP group ---
-        t0 = time.time()
-        train_stats = trainer.train(ray.put(train_batch), kl_ctl.value)
-        policy_train_s = time.time() - t0
-        step += 1
-
-        # --- weight sync to every engine, under the engine lock, then the probe ---
-        sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step)
-        if rl.queue.force_sync:
-            rollout_slots.put(step)
-        mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
-        kl_ctl.update(mean_kl, real)
-
-        # --- metrics, checkpoint ---
-        prompts_trained += int(batch.group_ids.unique().numel())
-        metrics = {
-            **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
-            **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
-            "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
-            "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
-            "queue/size": float(queue_size), "queue/depth": float(queue_depth),
-            "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
-            "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
-            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained),
-        }
-        if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
+            # --- make experience: π_old, π_ref, KL, rewards, advantages ---
             t0 = time.time()
-            last_ckpt = save_checkpoint(trainer, rl, step, msg.prompts_consumed, kl_ctl.value)
-            last_ckpt_step = step
-            metrics["timing/ckpt"] = time.time() - t0
-        last_consumed = msg.prompts_consumed
-        metrics["timing/step_total"] = time.time() - step_start
-        step_start = time.time()
-        if step % rl.schedule.log_every == 0:
-            sink.log(step, metrics)
+            with sup.phase("log-probs (π_old, π_ref)", "actor", "actor.micro_batch_size"):
+                batch: Experience = sup.get(msg.experience)
+                real = batch.batch_size
+                padded = pad_batch_to_multiple(batch, world)
+                old, ref = trainer.forward_logprobs(ray.put(padded))
+            mask = batch.action_mask
+            kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
+            rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
+                                           batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
+            adv = algo.compute_advantages(
+                rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
+                gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
+            pad_rows = padded.batch_size - real
+            train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
+                                            _pad_rows(adv.returns, pad_rows))
+            make_experience_s = time.time() - t0
+
+            # --- policy step on the FSDP group ---
+            t0 = time.time()
+            with sup.phase("policy step", "actor", "actor"):
+                train_stats = trainer.train(ray.put(train_batch), kl_ctl.value)
+            policy_train_s = time.time() - t0
+            step += 1
+            books.trained_batch(msg)
+            prompts_log.write(json.dumps({"step": step, "prompts": sorted(msg.prompt_positions)}) + "\n")
+            prompts_log.flush()
+
+            # --- weight sync to every engine, under the engine lock, then the probe ---
+            with sup.phase("weight sync", "trainer rank 0 and the engines", "rollout.engine"):
+                sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step, sup)
+            if rl.queue.force_sync:
+                rollout_slots.put(step)
+            mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
+            kl_ctl.update(mean_kl, real)
+
+            # --- metrics, checkpoint ---
+            metrics = {
+                **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
+                **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
+                "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
+                "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
+                "queue/size": float(queue_size), "queue/depth": float(queue_depth),
+                "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
+                "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
+                "timing/policy_train": policy_train_s, "prompts/trained": float(books.trained),
+            }
+            if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
+                t0 = time.time()
+                with sup.phase("checkpoint save", "actor", "ckpt.dir"):
+                    last_ckpt = save_checkpoint(trainer, rl, step, kl_ctl.value, books)
+                last_ckpt_step = step
+                metrics["timing/ckpt"] = time.time() - t0
+            metrics["timing/step_total"] = time.time() - step_start
+            step_start = time.time()
+            if step % rl.schedule.log_every == 0:
+                sink.log(step, metrics)
+    except RunStopped as exc:
+        print(f"{exc}; tearing the run down", flush=True)
+        status = "stopped"
+        accounting = started.generator_accounting(rl.supervisor.stop_timeout_s)
+    except RunAborted as exc:
+        accounting = started.generator_accounting(min(rl.supervisor.stop_timeout_s, 10.0))
+        exc.with_accounting(settle_accounting(accounting, books.trained))
+        print(f"run aborted: {exc}", file=sys.stderr, flush=True)
+        raise
 
     # ------------------------------------------------------------------------------------------------ teardown
-    accounting = settle_accounting(accounting, prompts_trained)
+    sup.unwatch("generator")
+    accounting = settle_accounting(accounting, books.trained)
     if status == "finished":
-        ray.get(generator_done)
-        if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
-            sink.log(step, ray.get(generator.evaluate.remote()))  # the final weights are evaluated too, as in SFT
+        with sup.phase("end of the generator", "generator", "agent"):
+            sup.get(generator_done)
+            if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
+                sink.log(step, sup.get(generator.evaluate.remote()))  # the final weights are evaluated too
     sink.close()
-    if status == "finished":
-        if rl.ckpt.final_save:
+    started.sink = None
+    if status == "finished" and rl.ckpt.final_save:
+        with sup.phase("HF export", "actor", "ckpt.hf_dir"):
             trainer.export_hf(rl.ckpt.hf_dir)
-    plot = plot_run(sink.path, Path(rl.logging.out_dir) / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
-    trainer.shutdown()
-    for handle in [generator, lock, *runners, *engines]:
-        ray.kill(handle)
-    rollout_queue.shutdown()
-    rollout_slots.shutdown()
-    for pg in pgs.values():
-        ray.util.remove_placement_group(pg)
-    stop.restore()
+    plot = plot_run(sink.path, out_dir / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
     return RunResult(status, step, accounting, last_ckpt, sink.path, plot, timeline)
 
 
+PROMPTS_LOG = "prompts.jsonl"
+"""One line per trained step: `{"step": s, "prompts": [positions]}`, the positions (in the seeded data order of
+runtime/generator.py) of the prompts trained at that step: what an exact resume is checked against."""
+
+
 # ---------------------------------------------------------------------------------------------------- steps
-def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int
-                 ) -> dict[str, float]:
+def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int,
+                 sup: Supervisor) -> dict[str, float]:
     """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe.
 
     `lock` is None only before the generator exists (resume), when nothing can be generating.
     """
     t0 = time.time()
     if lock is not None:
-        ray.get(lock.acquire.remote())
+        with sup.phase("weight sync: waiting for the engine lock", "generator (holds the engine lock)",
+                       "agent.episode_timeout_s"):
+            sup.get(lock.acquire.remote())
     t1 = time.time()
     try:
-        ray.get([e.pause.remote() for e in engines])
+        sup.get([e.pause.remote() for e in engines])
         stats = link.sync(version)
-        ray.get([e.resume.remote() for e in engines])
+        sup.get([e.resume.remote() for e in engines])
     finally:
         if lock is not None:
-            ray.get(lock.release.remote())
+            ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
     t2 = time.time()
     trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
-    engine_lp = [torch.tensor(lp) for lp in ray.get([e.score.remote(probe_ids) for e in engines])]
+    engine_lp = [torch.tensor(lp) for lp in sup.get([e.score.remote(probe_ids) for e in engines])]
     diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
     return {
         **stats, "timing/weight_sync_lock_wait": t1 - t0, "timing/weight_sync_total": t2 - t0,
@@ -274,11 +355,18 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
     }
 
 
-def save_checkpoint(trainer, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:
-    path = ckpt.step_dir(rl.ckpt.dir, step)
-    trainer.save_checkpoint(str(path))
-    ckpt.write_state(path, {"step": step, "prompts_consumed": prompts_consumed, "kl_coef": kl_coef})
-    ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep)
+def save_checkpoint(trainer, rl, step: int, kl_coef: float, books: Books) -> str:
+    """Atomic: the ranks write into a temporary directory, the state goes in last, then one rename publishes it (a
+    kill at any point leaves the previous checkpoint the newest complete one)."""
+    tmp = ckpt.begin_save(rl.ckpt.dir, step)
+    trainer.save_checkpoint(str(tmp))
+    ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
+    path = ckpt.publish(tmp)
+    if rl.ckpt.save_hf:
+        snapshots = Path(rl.ckpt.dir) / ckpt.HF_SNAPSHOTS
+        trainer.export_hf(str(ckpt.step_dir(snapshots, step)))
+        ckpt.prune_snapshots(snapshots, rl.ckpt.keep)
+    ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep, rl.ckpt.max_disk_gb)
     return str(path)
 
 
@@ -296,44 +384,16 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows, *t.shape[1:])]) if rows else t
 
 
-def _next_message(q: Queue, stop: _StopFlag):
-    """Block on the queue, waking up twice a second to notice a stop request (then return None)."""
-    while not stop.requested:
-        try:
-            return q.get(timeout=0.5)
-        except Empty:
-            continue
-    return None
-
-
-class _StopFlag:
-    """SIGINT/SIGTERM ask the loop to stop after the current phase; a second signal interrupts at once. SIGUSR1
-    (Slurm's time-limit warning, `launch.slurm.requeue`) asks it to checkpoint after the current step and stop."""
-
-    def __init__(self):
-        self.requested = self.requeue = False
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGUSR1:
-            self.requested = self.requeue = True
-            print("\nSIGUSR1: checkpointing after the current step, then exiting for a requeue", flush=True)
-            return
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after the current phase (send again to abort)", flush=True)
-
-    def restore(self):
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-
-
 # ---------------------------------------------------------------------------------------------------- setup
-def create_placement_groups(plan: Plan) -> dict[str, object]:
+def create_placement_groups(plan: Plan, sup: Supervisor) -> dict[str, object]:
     pgs = {p.name: placement_group(p.bundles, strategy=p.strategy, name=f"{plan.name}-{p.name}")
            for p in plan.placement_groups}
-    ray.get([pg.ready() for pg in pgs.values()])
+    try:
+        sup.get([pg.ready() for pg in pgs.values()])
+    except RunAborted:
+        for pg in pgs.values():
+            ray.util.remove_placement_group(pg)
+        raise
     return pgs
 
 
@@ -370,7 +430,7 @@ def _node_sorted_bundles(pg) -> list[int]:
     return sorted(nodes, key=lambda b: (nodes[b], b))
 
 
-def start_rollout(plan: Plan, pgs: dict) -> tuple[list, object]:
+def start_rollout(plan: Plan, pgs: dict, sup: Supervisor) -> tuple[list, object]:
     """The engines (one actor per engine, in its bundle) and the router the runners call them through."""
     from runtime.engines import start_engines
     from runtime.engines.router import Router
@@ -378,7 +438,8 @@ def start_rollout(plan: Plan, pgs: dict) -> tuple[list, object]:
     rl = plan.rl
     role = plan.role("rollout.engine")
     engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group],
-                            log_dir=Path(rl.logging.out_dir) / "logs")
+                            log_dir=Path(rl.logging.out_dir) / "logs",
+                            names=[f"{plan.name}.engine[{i}]" for i in range(len(role.instances))], get=sup.get)
     return engines, Router(engines, rl.engines.router_policy)
 
 
@@ -388,7 +449,8 @@ def start_runners(plan: Plan, router) -> list:
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
     return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
                         name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template)
+        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template,
+        step_timeout_s=rl.agent.step_timeout_s, episode_timeout_s=rl.agent.episode_timeout_s)
         for i in range(rl.agent.runners)]
 
 
@@ -412,7 +474,8 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
         episodes=rl.generator.episodes, total_steps=rl.schedule.total_steps,
         dynamic_filtering=tuple(rl.generator.dynamic_filtering) if rl.generator.dynamic_filtering else None,
         partial_rollout=rl.queue.partial_rollout, seed=rl.generator.seed,
-        max_dispatch_attempts=rl.agent.max_restarts + 1,
+        max_prompt_attempts=rl.agent.max_prompt_attempts, group_timeout_s=rl.agent.group_timeout_s,
+        rollout_dump_dir=rl.generator.rollout_dump_dir, rollout_replay_dir=rl.generator.rollout_replay_dir,
         eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
         eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
     )

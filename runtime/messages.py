@@ -22,6 +22,8 @@ class RolloutBatch:
     vllm_idle_wait_s: float        # time the generator waited for a slot before it (rollout capacity idle)
     prompts_consumed: int          # prompts dispatched since the start of the run (resume state)
     slot_acquired_at: float        # time.time() when the generator took the slot for this batch (timeline)
+    prompt_positions: list[int] = field(default_factory=list)   # the batch's prompts (positions in the data order)
+    dropped_positions: dict[str, list[int]] = field(default_factory=dict)  # reason -> prompts dropped since the last batch
 
 
 @dataclass(frozen=True)

@@ -30,22 +30,23 @@ METRICS: dict[str, str] = {
     "rollout/truncated_rate": "fraction of trained rollouts cut by the token budget or the env",
     "rollout/group_reward_std": "mean over groups of the within-group reward standard deviation",
     # ── rollout: everything finished since the previous batch (before filters) ──
-    "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, aborted, "
-                                "empty_tokens, no_action_tokens, logprob_misalign)",
+    "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, "
+                                "step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "
+                                "logprob_misalign)",
     "rollout/dropped/total": "sum of rollout/dropped/<reason>",
     "rollout/pre_filter_mean_score": "mean score of every rollout that finished, before group filters",
     "rollout/group_all_pass_rate": "fraction of finished groups whose rollouts all scored > 0",
     "rollout/group_all_fail_rate": "fraction of finished groups whose rollouts all scored <= 0",
     "rollout/dynamic_filtering_pass_rate": "groups that passed the filters / groups finished since the previous batch (<= 1; a batch may also "
                                            "take groups that passed in an earlier window)",
-    "rollout/runner_failures": "group dispatches that failed because a runner died (cumulative; re-dispatched)",
+    "rollout/runner_failures": "group dispatches that failed because a runner died or stopped answering (cumulative)",
     "rollout/runner_restarts": "dead runners that Ray restarted and that answer again (cumulative)",
     "rollout/info/<name>": "mean over finished rollouts of a numeric Result.info value of the agent",
     # ── prompts: the no-prompt-lost ledger (cumulative) ──
     "prompts/consumed": "prompts dispatched to the runners since the start (= trained + dropped)",
     "prompts/trained": "prompts whose group went into a trained batch",
     "prompts/dropped/<reason>": "prompts dropped, per reason (all_rollouts_dropped, incomplete_group, "
-                                "dynamic_filter, runner_lost, run_ended)",
+                                "dynamic_filter, agent_crash, episode_timeout, engine_lost, run_ended)",
     # ── train ──
     "train/policy_loss": "token-mean policy surrogate loss (plain mean, for logging)",
     "train/clip_ratio": "fraction of action tokens where the clipped surrogate was active",
@@ -258,6 +259,17 @@ class StatusLine:
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of `path` (JSON lines with a `step`) up to `step`: a resumed run logs the later ones again."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -4,7 +4,8 @@ A runner turns one `GroupRequest` (a prompt, its label, n) into one `GroupResult
 `asyncio.gather` against the engine router, each finished trajectory is checked (the per-rollout drop reasons of
 `reference/molt_rules.md` §2.N), and the survivors become one token-first `Experience` right here, so the generator
 only concatenates tensors. An exception inside one episode (an `Env.step` that raises) drops that rollout with reason
-`agent_error`; its group survives.
+`agent_error`; its group survives. An episode past `agent.episode_timeout_s` is dropped as `episode_timeout`, one
+whose `Env.step` ran past `agent.step_timeout_s` as `step_timeout` (runtime/agents/base.py).
 
 Runners are Ray actors with `max_restarts` from the plan: a killed runner comes back, and the generator re-sends the
 groups it had in flight (see `runtime/generator.py`).
@@ -19,12 +20,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
 import torch
 
 from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
+from runtime.agents.base import StepTimeout
 from runtime.experience import Experience, from_token_lists
 
 logger = logging.getLogger(__name__)
+
+class EngineLost(RuntimeError):
+    """An engine call of the group failed because the engine actor died: the generator leaves the prompt undone (a
+    resumed run sends it again) and the driver's supervisor ends the run, naming the engine."""
+
 
 @dataclass(frozen=True)
 class GroupRequest:
@@ -59,11 +67,14 @@ def render(tokenizer, prompt, apply_chat_template: bool, tools: list | None = No
 
 class AgentRunnerActor:
     def __init__(self, agent_path: str, tokenizer_path: str, client: GenerateClient, max_length: int,
-                 agent_env: dict[str, str], apply_chat_template: bool):
+                 agent_env: dict[str, str], apply_chat_template: bool, *, step_timeout_s: float,
+                 episode_timeout_s: float):
         os.environ.update(agent_env)  # before the agent module's top-level code reads them
         from transformers import AutoTokenizer
 
         self.runner = load_agent_runner(agent_path)
+        self.runner.step_timeout_s = step_timeout_s  # step runners bound each Env.step with it
+        self.episode_timeout_s = episode_timeout_s
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.client = client
         self.max_length = max_length
@@ -78,10 +89,14 @@ class AgentRunnerActor:
         # their loopback server renders them once, like an OpenAI-compatible endpoint would.
         prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template, req.tools)
                   if self.runner.PRERENDER_PROMPT else req.prompt)
-        episodes = [self.runner.execute(prompt, req.label, sampling=req.sampling, max_length=self.max_length,
-                                        tokenizer=self.tokenizer, client=self.client, tools=req.tools)
-                    for _ in range(req.n)]
+        episodes = [asyncio.wait_for(
+            self.runner.execute(prompt, req.label, sampling=req.sampling, max_length=self.max_length,
+                                tokenizer=self.tokenizer, client=self.client, tools=req.tools),
+            self.episode_timeout_s) for _ in range(req.n)]
         outcomes = await asyncio.gather(*episodes, return_exceptions=True)
+        lost = next((o for o in outcomes if isinstance(o, ray.exceptions.RayActorError)), None)
+        if lost is not None:  # an engine died under the group: not the prompt's fault, it must not count as done
+            raise EngineLost(f"group {req.group_id}: an engine died under it ({type(lost).__name__})")
         kept, dropped, errors = [], Counter(), []
         for out in outcomes:
             reason = _drop_reason(out)
@@ -100,6 +115,10 @@ def _drop_reason(out) -> str | None:
     bad sample drops the whole rollout, so that its reward is never counted from a partial trace."""
     if isinstance(out, GenerationAborted):
         return "aborted"
+    if isinstance(out, StepTimeout):
+        return "step_timeout"
+    if isinstance(out, TimeoutError):  # asyncio.wait_for around the episode
+        return "episode_timeout"
     if isinstance(out, BaseException):
         return "agent_error"
     for sample in out if isinstance(out, list) else [out]:

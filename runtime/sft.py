@@ -307,7 +307,7 @@ def run_sft(plan: Plan) -> SftResult:
         ck.save_sharded(str(path), model, optimizer, scheduler)
         if rank == 0:
             ck.write_state(path, {"step": at_step, "epoch": epoch, "kind": "sft", "plan": plan.fingerprint})
-            ck.prune(s.ckpt.dir, s.ckpt.dcp_keep)
+            ck.prune(s.ckpt.dir, s.ckpt.dcp_keep, s.ckpt.max_disk_gb)
         dist.barrier()
         log(f"checkpoint {path}")
         return str(path)

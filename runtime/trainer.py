@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -245,10 +246,14 @@ class TrainerGroup:
 
     workers: list  # list[ActorHandle[PolicyWorker]]
     world: int
+    get: Callable[[list], list] | None = None  # how results are awaited (the driver's supervisor); None: ray.get
+
+    def _get(self, refs: list) -> list:
+        return (self.get or _ray().get)(refs)
 
     def forward_logprobs(self, batch_ref) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(old, ref or None) log-probs of the whole batch, (B, T-1) in batch order (ranks return their rows)."""
-        outs = _ray().get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
+        outs = self._get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
         rows = torch.cat([r for r, _, _ in outs])
         old = torch.empty((rows.numel(), outs[0][1].shape[1]))
         old[rows] = torch.cat([o for _, o, _ in outs])
@@ -260,7 +265,7 @@ class TrainerGroup:
 
     def train(self, batch_ref, kl_coef: float) -> dict[str, float]:
         """Run the step on every rank; return token-weighted means over all ranks (lr, grad norm: rank 0's)."""
-        outs = _ray().get([w.train.remote(batch_ref, kl_coef) for w in self.workers])
+        outs = self._get([w.train.remote(batch_ref, kl_coef) for w in self.workers])
         tokens = max(sum(o["tokens"] for o in outs), 1.0)
         means = {k.removesuffix("_x_tokens"): sum(o.get(k, 0.0) for o in outs) / tokens
                  for k in outs[0] if k.endswith("_x_tokens")}
@@ -269,16 +274,16 @@ class TrainerGroup:
         return means
 
     def probe_logprobs(self, token_ids: list[int]) -> list[float]:
-        return _ray().get([w.probe_logprobs.remote(token_ids) for w in self.workers])[0]
+        return self._get([w.probe_logprobs.remote(token_ids) for w in self.workers])[0]
 
     def save_checkpoint(self, path: str) -> None:
-        _ray().get([w.save_checkpoint.remote(path) for w in self.workers])
+        self._get([w.save_checkpoint.remote(path) for w in self.workers])
 
     def load_checkpoint(self, path: str) -> None:
-        _ray().get([w.load_checkpoint.remote(path) for w in self.workers])
+        self._get([w.load_checkpoint.remote(path) for w in self.workers])
 
     def export_hf(self, out_dir: str) -> str | None:
-        return _ray().get([w.export_hf.remote(out_dir) for w in self.workers])[0]
+        return self._get([w.export_hf.remote(out_dir) for w in self.workers])[0]
 
     def shutdown(self) -> None:
         _ray().get([w.shutdown.remote() for w in self.workers])
@@ -286,7 +291,7 @@ class TrainerGroup:
             _ray().kill(w)
 
 
-def start_trainer_group(rl: RlRuntime, actor_options: list[dict]) -> TrainerGroup:
+def start_trainer_group(rl: RlRuntime, actor_options: list[dict], get: Callable | None = None) -> TrainerGroup:
     """Create `rl.trainer.world` ranks (one Ray actor each, `actor_options[r]` from the plan's role), wait until
     built. Each rank gets the plan's sections it reads, unchanged.
 
@@ -298,8 +303,8 @@ def start_trainer_group(rl: RlRuntime, actor_options: list[dict]) -> TrainerGrou
     world = rl.trainer.world
     workers = [remote_cls.options(**actor_options[r]).remote(rl.trainer, rl.model, rl.ref, rl.algo, rl.device,
                                                              rl.dist_backend, r, addr, port) for r in range(world)]
-    _ray().get([w.ready.remote() for w in workers])
-    return TrainerGroup(workers=workers, world=world)
+    (get or _ray().get)([w.ready.remote() for w in workers])
+    return TrainerGroup(workers=workers, world=world, get=get)
 
 
 def _node_ip_and_port() -> tuple[str, int]:

@@ -9,6 +9,7 @@ Nothing goes through the Ray object store; the driver sees only the numbers.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,19 +28,20 @@ class WeightSyncLink:
     dtype: str              # the engines' dtype: what crosses the wire
     trainer: TrainerGroup
     engines: list[Any]      # engine actor handles, engine i at plan.engine_rank_offsets[i]
+    get: Callable[[list], list] = ray.get  # how results are awaited (the driver's supervisor)
 
     def connect(self) -> None:
         """Form the group: trainer rank 0 and every engine worker rendezvous (blocks until all have joined)."""
         p = self.plan
         rank0 = self.trainer.workers[0]
-        metas = ray.get(rank0.weight_sync_metas.remote(self.dtype))
-        host, free = ray.get(rank0.weight_sync_address.remote())
+        metas = self.get(rank0.weight_sync_metas.remote(self.dtype))
+        host, free = self.get(rank0.weight_sync_address.remote())
         port = p.master_port or free
         backend = _TRANSPORT[p.method]
         init = {"backend": backend, "master_address": host, "master_port": port, "world_size": p.world_size,
                 "timeout_s": float(p.timeout_s), "bucket_bytes": p.bucket_bytes,
                 "metas": [[n, d, list(s)] for n, d, s in metas]}
-        ray.get([rank0.open_weight_sync.remote(backend, host, port, p.world_size, float(p.timeout_s))]
+        self.get([rank0.open_weight_sync.remote(backend, host, port, p.world_size, float(p.timeout_s))]
                 + [e.join_weight_sync.remote({**init, "rank_offset": off})
                    for e, off in zip(self.engines, p.engine_rank_offsets, strict=True)])
 
@@ -48,7 +50,7 @@ class WeightSyncLink:
         t0 = time.perf_counter()
         sends = [w.send_weights.remote(self.dtype, self.plan.bucket_bytes) for w in self.trainer.workers]
         receives = [e.receive_weights.remote(version) for e in self.engines]
-        out = ray.get(sends + receives)
+        out = self.get(sends + receives)
         wall = time.perf_counter() - t0
         sender, received = out[0], out[len(sends):]
         if any(r["bytes"] != sender["bytes"] for r in received):

@@ -259,6 +259,15 @@ class AgentPlan(PlanModel):
     max_restarts: int
     """Ray restarts of a killed runner actor (its in-flight groups are re-sent; a group is sent at most
     max_restarts + 1 times, then dropped as `runner_lost`)."""
+    step_timeout_s: float
+    """Bound on one `Env.step` (rollout dropped as `step_timeout`)."""
+    episode_timeout_s: float
+    """Bound on one episode (rollout dropped as `episode_timeout`)."""
+    group_timeout_s: float
+    """Bound on one group's call to its runner: past it the group is dropped (`episode_timeout`) and the runner,
+    which stopped answering, is restarted."""
+    max_prompt_attempts: int
+    """A prompt whose runner died under it is sent at most this many times, then dropped as `agent_crash`."""
 
 
 class RlDataPlan(PlanModel):
@@ -333,6 +342,11 @@ class GeneratorPlan(PlanModel):
     """Open interval (lo, hi) on group mean score, None: off."""
     seed: int
     """Sampler seed."""
+    rollout_dump_dir: str | None
+    """Each rollout batch is saved here as `rollout_step{N}.pt` (N: the step that trains it). None: off."""
+    rollout_replay_dir: str | None
+    """Batches are loaded from `rollout_step{N}.pt` here instead of generated (training only); the run ends at the
+    first missing step. None: off."""
 
 
 class QueuePlan(PlanModel):
@@ -585,6 +599,15 @@ class WeightSyncPlan(PlanModel):
     """How long forming the group or one broadcast may take before the run fails."""
 
 
+class SupervisorPlan(PlanModel):
+    poll_s: float
+    """How often the driver checks the actors' health, the stop flag and the stall bound while it waits."""
+    stall_timeout_s: float
+    """A phase that waits longer than this ends the run as stalled."""
+    stop_timeout_s: float
+    """After a stop signal, the current phase gets this long before everything is torn down."""
+
+
 class RlRuntime(PlanModel):
     device: Literal["cuda", "cpu"]
     """torch device."""
@@ -622,6 +645,8 @@ class RlRuntime(PlanModel):
     """Metrics."""
     weight_sync: WeightSyncPlan
     """Weight sync."""
+    supervisor: SupervisorPlan
+    """Bounds of the driver's supervision (deaths, stalls, stops)."""
 
 
 # ---------------------------------------------------------------------------------------------- SFT slice

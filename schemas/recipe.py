@@ -23,7 +23,7 @@ import sys
 from functools import cache
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
 RECIPE_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
@@ -329,6 +329,15 @@ class Agent(Section):
     """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
     env: dict[EnvName, str] = {}
     """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
+    step_timeout_s: PositiveFloat = 300.0
+    """Longest one `Env.step` may take; a step past it drops its rollout (reason `step_timeout`)."""
+    episode_timeout_s: PositiveFloat = 1800.0
+    """Longest one episode (reset, every turn, every step) may take; past it the rollout is dropped (reason
+    `episode_timeout`). A group whose runner stops answering for this long (an agent that blocks its event loop) is
+    dropped as `episode_timeout` and the runner is restarted."""
+    max_prompt_attempts: PositiveInt = 2
+    """Times a prompt is sent to a runner whose process then dies under it; then it is dropped (reason
+    `agent_crash`), so one prompt that crashes the agent cannot use up every runner's restarts."""
 
 
 # --------------------------------------------------------------------------------------------------- algo
@@ -423,6 +432,11 @@ class RlTrain(Section):
     """Train on dumped batches instead of generating."""
     check_weight_update_equal: bool = False
     """After each weight sync, report engine weights that were not refreshed."""
+    stall_timeout_s: PositiveFloat = 1800.0
+    """Longest any phase of the loop (a rollout batch, a training step, a weight sync, a save) may go without
+    finishing before the run is ended as stalled, naming the actor and phase it waited on."""
+    stop_timeout_s: PositiveFloat = 60.0
+    """After SIGINT/SIGTERM, how long the current phase may take to finish before the run is torn down anyway."""
 
     # YAML spells the key `async` (a Python keyword, hence the alias). Only the alias is accepted as input, so a
     # recipe cannot write `async_`; dumps use the alias too, so the plan's resolved recipe keeps YAML key names.

@@ -41,6 +41,7 @@ from schemas.plan import (
     RlRuntime,
     SamplingPlan,
     SchedulePlan,
+    SupervisorPlan,
     TrainerPlan,
     WeightSyncPlan,
 )
@@ -53,6 +54,11 @@ ENGINE_MAX_NUM_SEQS = 256
 """Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
 WEIGHT_SYNC_TIMEOUT_S = 600
 """Forming the weight-sync group waits for every engine to be up; one sync of a large model stays well under."""
+GROUP_TIMEOUT_GRACE_S = 60.0
+"""A group's call may outlast its episodes' own bound by this much, or by the bound itself when that is shorter
+(queueing at the engine, the result's transfer), before the generator decides the runner stopped answering."""
+SUPERVISOR_POLL_S = 0.5
+"""How often the driver's supervisor looks at the actors while it waits (a death is noticed within this)."""
 
 
 def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnostic]]:
@@ -101,7 +107,7 @@ def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         data=_data(r, d, source),
         sampling=_sampling(r, d),
         eval=_eval(r, d, source),
-        generator=_generator(r, d),
+        generator=_generator(r, d, source),
         queue=_queue(r),
         trainer=None if r.eval.only else _trainer(r, d),
         ref=_ref(r, d, source) if d.value("ref.exists") else None,
@@ -111,6 +117,9 @@ def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         ckpt=ckpt_plan(r, d, source),
         logging=logging_plan(r, source),
         weight_sync=_weight_sync(d),
+        supervisor=SupervisorPlan.model_construct(
+            poll_s=SUPERVISOR_POLL_S, stall_timeout_s=r.train.stall_timeout_s,
+            stop_timeout_s=r.train.stop_timeout_s),
     )
 
 
@@ -178,13 +187,25 @@ def _agent(r: Any, d: Derived, source: Any) -> AgentPlan:
     path = d.value("agent.path")
     if path != DISTILL_AGENT_PATH:
         path = resolve_path(path, "agent.path", source)
+    ag = r.agent if r.agent is not None else _default_agent()
     return AgentPlan.model_construct(
         path=path,
         max_turns=d.value("agent.max_turns"),
         env=agent_env(r, d),
         runners=d.value("rollout.runners"),
         max_restarts=RUNNER_MAX_RESTARTS,
+        step_timeout_s=ag.step_timeout_s,
+        episode_timeout_s=ag.episode_timeout_s,
+        group_timeout_s=ag.episode_timeout_s + min(GROUP_TIMEOUT_GRACE_S, ag.episode_timeout_s),
+        max_prompt_attempts=ag.max_prompt_attempts,
     )
+
+
+def _default_agent() -> Any:
+    """The built-in distillation agent (no `agent:` section) runs under the default time limits."""
+    from schemas.recipe import Agent  # only for recipes without an agent section
+
+    return Agent(path=DISTILL_AGENT_PATH)
 
 
 def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
@@ -237,7 +258,7 @@ def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
     )
 
 
-def _generator(r: Any, d: Derived) -> GeneratorPlan:
+def _generator(r: Any, d: Derived, source: Any) -> GeneratorPlan:
     al, t = r.algo, r.train
     return GeneratorPlan.model_construct(
         batch_size=r.rollout.batch_size,
@@ -245,6 +266,10 @@ def _generator(r: Any, d: Derived) -> GeneratorPlan:
         episodes=t.episodes,
         dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
         seed=t.seed,
+        rollout_dump_dir=(resolve_path(t.rollout_dump_dir, "train.rollout_dump_dir", source)
+                          if t.rollout_dump_dir else None),
+        rollout_replay_dir=(resolve_path(t.rollout_replay_dir, "train.rollout_replay_dir", source)
+                            if t.rollout_replay_dir else None),
     )
 
 

@@ -203,10 +203,15 @@ async def tokenize(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------- step runner
+class StepTimeout(TimeoutError):
+    """One `Env.step` ran past `agent.step_timeout_s` (its rollout is dropped as `step_timeout`)."""
+
+
 class StepEnvRunner(Runner):
     """Drives an `Env` turn by turn against the engine client (the framework owns the generation loop)."""
 
     PRERENDER_PROMPT = True
+    step_timeout_s: float | None = None  # set by the runner actor from the plan (agent.step_timeout_s)
 
     def __init__(self, env_cls: type[Env]):
         if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
@@ -280,10 +285,14 @@ class StepEnvRunner(Runner):
             # Keep special tokens: answer markers and tool tags must reach the env exactly as generated.
             action_text = tokenizer.decode(list(out.token_ids), skip_special_tokens=False) if out.token_ids else ""
 
-            result = await env.step({
-                "observation_text": traj.observation_text, "action_text": action_text, "label": label,
-                "sampling_params": turn_sampling, "turn": traj.turns - 1,
-            })
+            try:
+                result = await asyncio.wait_for(env.step({
+                    "observation_text": traj.observation_text, "action_text": action_text, "label": label,
+                    "sampling_params": turn_sampling, "turn": traj.turns - 1,
+                }), self.step_timeout_s)
+            except TimeoutError:
+                raise StepTimeout(f"{type(env).__name__}.step took longer than agent.step_timeout_s="
+                                  f"{self.step_timeout_s:g} s (turn {traj.turns - 1})") from None
             if not isinstance(result, Result):
                 raise TypeError(f"{type(env).__name__}.step must return a runtime.agents.Result, "
                                 f"got {type(result).__name__}")

@@ -110,9 +110,10 @@ def _ray_executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[s
 
 
 def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None,
-                  log_dir: Any = None) -> list[Any]:
-    """Create one engine actor per `role.instances` entry and wait until all have loaded the model. With `log_dir`,
-    engine i's vLLM INFO lines go to `<log_dir>/engine-<i>.log` (warnings stay on the terminal)."""
+                  log_dir: Any = None, names: list[str] | None = None, get: Any = None) -> list[Any]:
+    """Create one engine actor per `role.instances` entry (named `names[i]` when given, so that operators and the
+    fault tests can find it) and wait until all have loaded the model (through `get`: the driver's supervisor).
+    With `log_dir`, engine i's vLLM INFO lines go to `<log_dir>/engine-<i>.log` (warnings stay on the terminal)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -138,6 +139,8 @@ def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placeme
                 placement_group_bundle_index=inst.bundle_indices[0],
                 placement_group_capture_child_tasks=True,
             )
+        if names is not None:
+            options["name"] = names[inst.index]
         handles.append(cls.options(**options).remote(engines, inst.index, model_path))
-    ray.get([h.weights_version.remote() for h in handles])  # surfaces init errors here, not at the first generate
+    (get or ray.get)([h.weights_version.remote() for h in handles])  # init errors surface here, not at a generate
     return handles

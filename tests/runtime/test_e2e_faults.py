@@ -81,7 +81,7 @@ def test_killed_runner_is_restarted_and_its_groups_resent(faulty_run):
     assert killed.get("new_pid") and killed["new_pid"] != killed["pid"], killed
     assert records[-1]["rollout/runner_failures"] >= 1
     assert records[-1]["rollout/runner_restarts"] >= 1  # the generator saw it come back and used it again
-    assert result.accounting.get("prompts/dropped/runner_lost", 0) == 0
+    assert result.accounting.get("prompts/dropped/agent_crash", 0) == 0
 
 
 def test_no_prompt_lost(faulty_run):

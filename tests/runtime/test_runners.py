@@ -19,7 +19,8 @@ SAMPLING = SamplingParams(max_tokens=4, temperature=1.0, top_p=1.0, logprobs=Tru
 def actor(agent: Path, engine, max_length: int = 64) -> AgentRunnerActor:
     from transformers import AutoTokenizer
 
-    runner = AgentRunnerActor(str(agent), str(MODEL), engine, max_length, {}, apply_chat_template=True)
+    runner = AgentRunnerActor(str(agent), str(MODEL), engine, max_length, {}, apply_chat_template=True,
+                              step_timeout_s=60.0, episode_timeout_s=120.0)
     engine.tokenizer = AutoTokenizer.from_pretrained(MODEL)  # the engine replies in the model's own tokens
     return runner
 
@@ -101,3 +102,25 @@ def test_generator_reads_tools_from_the_tools_key(tmp_path):
     data.write_text('{"q": "a", "y": 1, "t": [{"name": "x"}]}\n{"q": "b", "y": 2}\n')
     assert read_prompts(str(data), "train", "q", "y", "t", 10) == [("a", 1, [{"name": "x"}]), ("b", 2, None)]
     assert read_prompts(str(data), "train", "q", "y", None, 10) == [("a", 1, None), ("b", 2, None)]
+
+
+class DeadEngine:
+    """An engine client whose engine actor died: every call fails as Ray reports it."""
+
+    async def generate(self, prompt_ids, **kwargs):
+        import ray
+
+        raise ray.exceptions.ActorDiedError()
+
+
+def test_a_dead_engine_fails_the_group_instead_of_dropping_its_prompt():
+    """Issue 13.6: with the engine dead, every rollout used to be dropped (agent_error, all_rollouts_dropped): the
+    prompt counted as done and a resumed run skipped it. Now the group fails with EngineLost (left undone)."""
+    import pytest
+
+    from runtime.runners import EngineLost
+
+    runner = actor(ROOT / "recipes" / "agents" / "demo_math.py", ScriptedEngine(["3<|im_end|>"]))
+    runner.client = DeadEngine()
+    with pytest.raises(EngineLost):
+        run(runner, "1+2=", "3", 2)

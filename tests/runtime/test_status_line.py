@@ -57,9 +57,9 @@ def test_sigusr1_asks_the_loop_to_checkpoint_and_stop_for_a_requeue():
     import os
     import signal
 
-    from runtime.loop import _StopFlag
+    from runtime.supervisor import StopFlag
 
-    stop = _StopFlag()
+    stop = StopFlag()
     try:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.requested and stop.requeue

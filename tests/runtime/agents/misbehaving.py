@@ -1,0 +1,31 @@
+"""Test agent: the demo's addition env, misbehaving on marked prompts (issue 13's agent faults).
+
+- "crash ..." prompts kill the runner's process (`os._exit`), every time they are tried;
+- "hang ..." prompts never return from `Env.step` (an await that never ends: `agent.step_timeout_s` ends it);
+- "block ..." prompts block the runner's event loop (`time.sleep`: no asyncio timeout inside the runner can fire;
+  the generator's group bound notices and restarts the runner);
+- every other step sleeps 0.5 s, so that generation is slower than training and the faults play out mid-run.
+"""
+
+import asyncio
+import os
+import time
+
+from runtime.agents import Env, Result, StepEnvRunner
+
+
+class MisbehavingEnv(Env):
+    async def step(self, state: dict) -> Result:
+        text = state["observation_text"]
+        if "crash " in text:
+            os._exit(3)
+        if "hang " in text:
+            await asyncio.sleep(3600)
+        if "block " in text:
+            time.sleep(3600)
+        await asyncio.sleep(0.5)
+        answer = state["action_text"].replace("<|im_end|>", "").strip()
+        return Result(reward=float(answer == str(state["label"])), terminated=True)
+
+
+AgentRunner = StepEnvRunner(MisbehavingEnv)

@@ -1,0 +1,21 @@
+"""An actor for the supervisor tests (tests/runtime/test_supervisor.py), in a module Ray's workers can import."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+class Sleeper:
+    def __init__(self, data_path: str | None = None):
+        if data_path is not None:  # the generator reads its prompts in its constructor
+            from runtime.datasource import read_prompts
+
+            read_prompts(data_path, "train", "prompt", "answer", None, 10)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def sleep(self, s: float) -> float:
+        time.sleep(s)
+        return s
