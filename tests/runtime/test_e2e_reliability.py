@@ -24,7 +24,7 @@ from loop_support import ROOT, compile_plan, fresh_out_dirs, read_metrics
 
 pytestmark = pytest.mark.slow
 
-ROWS = 64           # 16 steps of 4 groups
+ROWS = 96           # 24 steps of 4 groups, 1.5 s agent steps: the faults play out well before the end
 SEED = 0
 FAULTS = {2: "crash 1+2=", 4: "hang 2+2=", 6: "block 3+3="}   # position in the seeded order -> prompt
 CKPT = "../ckpt/test-e2e-reliability/state"
@@ -34,7 +34,7 @@ DUMP = "../ckpt/test-e2e-reliability/rollouts"
 def sets(data: str) -> tuple[str, ...]:
     return ("name=test-e2e-reliability", "rollout.engine=hf", f"data.prompts={data}", f"data.max_samples={ROWS}",
             f"agent.path={ROOT / 'tests/runtime/agents/misbehaving.py'}", "agent.step_timeout_s=2",
-            "agent.episode_timeout_s=4", "agent.max_prompt_attempts=2",
+            "agent.episode_timeout_s=4", "agent.max_prompt_attempts=2", "agent.env.STEP_SLEEP_S='1.5'",
             "rollout.n_samples_per_prompt=4", "rollout.batch_size=4", "rollout.generate_batch_size=6",
             "train.batch_size=16", "train.micro_batch_size=4", f"train.seed={SEED}", "eval.dataset=null",
             "ckpt.every=2", "ckpt.keep=2", "ckpt.dcp_keep=0", "ckpt.save_hf=true", "ckpt.final_save=false",

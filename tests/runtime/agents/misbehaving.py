@@ -4,7 +4,8 @@
 - "hang ..." prompts never return from `Env.step` (an await that never ends: `agent.step_timeout_s` ends it);
 - "block ..." prompts block the runner's event loop (`time.sleep`: no asyncio timeout inside the runner can fire;
   the generator's group bound notices and restarts the runner);
-- every other step sleeps 0.5 s, so that generation is slower than training and the faults play out mid-run.
+- every other step sleeps `STEP_SLEEP_S` seconds (agent.env; 0.5 by default), so that generation is slower than
+  training and the faults play out mid-run.
 """
 
 import asyncio
@@ -23,7 +24,7 @@ class MisbehavingEnv(Env):
             await asyncio.sleep(3600)
         if "block " in text:
             time.sleep(3600)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(float(os.environ.get("STEP_SLEEP_S", "0.5")))
         answer = state["action_text"].replace("<|im_end|>", "").strip()
         return Result(reward=float(answer == str(state["label"])), terminated=True)
 
