@@ -144,10 +144,14 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         real = batch.batch_size
         padded = pad_batch_to_multiple(batch, world)
         old, ref = trainer.forward_logprobs(ray.put(padded))
+        if rl.algo.kl.ref == "rollout" and rl.algo.kl.coef > 0:
+            ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
         mask = batch.action_mask
-        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
+        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask,
+                              ref=rl.algo.kl.ref) if ref is not None else None
+        shaping = LengthShaping(rl.algo, batch)
         rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
-                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
+                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip), shape=shaping.shape)
         adv = algo.compute_advantages(
             rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
             gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
@@ -179,7 +183,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             "queue/size": float(queue_size), "queue/depth": float(queue_depth),
             "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
             "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
-            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained),
+            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained), **shaping.metrics,
         }
         if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
             t0 = time.time()
@@ -215,6 +219,32 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
+class LengthShaping:
+    """The plan's length penalty (DAPO overlong or ProRL stop-properly) on the merged rewards, before the clip; its
+    mean R' − R is logged as `train/overlong_penalty` or `train/stop_properly_penalty`."""
+
+    def __init__(self, algo_plan, batch: Experience):
+        self.a, self.batch, self.metrics = algo_plan, batch, {}
+        on = algo_plan.overlong_buffer_len is not None or algo_plan.stop_properly_penalty_coef is not None
+        self.shape = self._shape if on else None
+
+    def _shape(self, merged) -> torch.Tensor:
+        from runtime.algo import penalties
+
+        a, b, n = self.a, self.batch, merged.rewards.numel()
+        if a.overlong_buffer_len is not None:
+            peak = penalties.peak_per_rollout(b.attention_mask.sum(-1), merged.sample_to_rollout, n)
+            shaped, delta = penalties.overlong_penalty(merged.rewards, peak, buffer_len=a.overlong_buffer_len,
+                                                       factor=a.overlong_penalty_factor, max_len=a.overlong_max_len)
+            name = "train/overlong_penalty"
+        else:
+            trunc = penalties.truncated_per_rollout(b.truncated, merged.sample_to_rollout, n)
+            shaped, delta = penalties.stop_properly_penalty(merged.rewards, trunc, coef=a.stop_properly_penalty_coef)
+            name = "train/stop_properly_penalty"
+        self.metrics[name] = float(delta.mean()) if n else 0.0
+        return shaped
+
+
 def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int
                  ) -> dict[str, float]:
     """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe.
