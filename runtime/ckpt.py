@@ -50,8 +50,14 @@ def load_sharded(path: str, model, optimizer, scheduler) -> None:
 
 
 def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
-    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM."""
+    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM.
+    Under LoRA: a PEFT adapter directory instead (Molt 0.2.1), loadable by `PeftModel.from_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if getattr(model, "molt_lora", None) is not None:
+        from runtime import lora
+
+        return lora.export_adapter(out_dir, model, model_path, rank)
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:

@@ -65,7 +65,7 @@ class PolicyWorker:
         dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
         torch.manual_seed(trainer.seed)
         self.mesh = dist.device_mesh.init_device_mesh(device, (trainer.world,), mesh_dim_names=("dp",))
-        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora)
         self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
 

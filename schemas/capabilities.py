@@ -152,9 +152,6 @@ CAPABILITIES: tuple[Capability, ...] = (
                "log-probs of every generated token carried to the loss)",
                lambda p: p.rl.algo.score_centering_top_k > 0, "algo.score_centering_top_k: 0 (the centering math is "
                "runtime/algo/score_centering.py; the engines do not return top-k yet)", tracked="issue 15"),
-    Capability("rl-lora", "rl", "actor.lora.dim", "LoRA adapters on the policy",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.lora is not None,
-               "actor.lora.dim: 0 (full fine-tuning)", tracked="issue 15"),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
     Capability("sft-packing", "sft", "actor.packing", "sequence packing in the SFT trainer",
@@ -168,8 +165,6 @@ CAPABILITIES: tuple[Capability, ...] = (
                tracked="issue 14"),
     Capability("sft-muon", "sft", "actor.optimizer.name", "the Muon optimizer",
                lambda p: p.sft.trainer.optimizer.name != "adam", "actor.optimizer.name: adam", tracked="issue 15"),
-    Capability("sft-lora", "sft", "actor.lora.dim", "LoRA adapters on the trained model",
-               lambda p: p.sft.trainer.lora is not None, "actor.lora.dim: 0 (full fine-tuning)", tracked="issue 15"),
     Capability("sft-automodel", "sft", "model.backend", "the nemo-automodel training backend",
                lambda p: p.sft.model.backend == "automodel", "model.backend: hf", tracked="issue 16"),
     Capability("sft-data-format", "sft", "data.dataset", "SFT data whose rows the compiler could not count (a hub "
