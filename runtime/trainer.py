@@ -162,14 +162,15 @@ class PolicyWorker:
         sums["lr"] = self.scheduler.get_last_lr()[0]
         return sums
 
-    def _window_stats(self, shard: Experience, window: slice):
+    def _window_stats(self, shard: Experience, window: range):
         """The window's denominators of `loss.agg_mode`, summed over every rank (None under token-mean, which uses
         the all-reduced token count alone)."""
         from runtime.algo import aggregation
 
         if self.t.loss.agg_mode == "token-mean":
             return None
-        local = aggregation.window_stats(shard.action_mask[window], shard.group_ids[window])
+        rows = slice(window.start, window.stop)
+        local = aggregation.window_stats(shard.action_mask[rows], shard.group_ids[rows])
         parts: list = [None] * self.t.world
         dist.all_gather_object(parts, local)
         return aggregation.merge(parts)
