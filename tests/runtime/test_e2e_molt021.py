@@ -14,7 +14,6 @@ pytestmark = pytest.mark.slow
 STEPS = 4
 SETS = (
     "name=test-e2e-molt021",
-    "algo.stop_properly_penalty_coef=-1.0",
     "algo.kl={coef: 0.01, estimator: k3, use_loss: true, ref: rollout}",
     "actor.lora={dim: 8, alpha: 16, target_modules: ['*.self_attn.*_proj', '*.mlp.*_proj']}",
     "actor.optimizer.lr=2.0e-3",
