@@ -418,7 +418,8 @@ def start_runners(plan: Plan, router) -> list:
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
     return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
                         name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template)
+        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template,
+        rl.data.max_images_per_prompt)
         for i in range(rl.agent.runners)]
 
 
@@ -436,6 +437,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
     return GeneratorSpec(
         prompt_paths=tuple(rl.data.prompts), split=rl.data.split, prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
         input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
+        image_key=rl.data.image_key if rl.data.max_images_per_prompt > 0 else None,
         max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
         n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
         batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from runtime import fsdp, microbatch
 from runtime.experience import Experience
-from runtime.logprobs import token_logprobs
+from runtime.logprobs import token_logprobs, vision_inputs
 
 if TYPE_CHECKING:
 
@@ -65,7 +65,10 @@ class PolicyWorker:
         dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
         torch.manual_seed(trainer.seed)
         self.mesh = dist.device_mesh.init_device_mesh(device, (trainer.world,), mesh_dim_names=("dp",))
-        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora)
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora,
+                                      freeze_visual_encoder=trainer.freeze_visual_encoder)
+        # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
+        self.image_token_id = getattr(self.model.config, "image_token_id", None)
         self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
 
@@ -97,8 +100,12 @@ class PolicyWorker:
         return part.trim()
 
     def _logprobs(self, model, part: Experience, with_entropy: bool = False):
+        vision = None
+        if self.image_token_id is not None:  # every VLM micro-batch, images or not (same code path on all ranks)
+            vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
+                                   self.image_token_id, self.device)
         return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing)
+                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing, vision=vision)
 
     # ----------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
