@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
-from runtime.experience import Experience, pad_batch_to_multiple
+from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink
@@ -177,6 +177,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         prompts_trained += int(batch.group_ids.unique().numel())
         metrics = {
             **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
+            **image_metrics(batch, rl.model.path),
             **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
             "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
             "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
@@ -302,6 +303,21 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
         "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
         "train/logprob_diff_max": float(diff.max()),
     }
+
+
+def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
+    """VLM batches: placeholder tokens and image features, counted separately (equal when aligned; the batch is
+    checked row by row first, so a misaligned row stops the run instead of training on shifted features)."""
+    if batch.mm_inputs is None:
+        return {}
+    from runtime.engines.weights import image_token_id, merge_size
+
+    token_id, merge = image_token_id(model_path), merge_size(model_path)
+    check_image_alignment(batch, token_id, merge)
+    tokens = int(((batch.sequences == token_id) & batch.attention_mask).sum())
+    features = sum(image_token_count(m, merge) for m in batch.mm_inputs)
+    return {"rollout/image_tokens": float(tokens), "rollout/image_features": float(features),
+            "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
 
 
 def save_checkpoint(trainer, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:

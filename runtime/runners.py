@@ -102,8 +102,11 @@ class AgentRunnerActor:
                     for _ in range(req.n)]
         outcomes = await asyncio.gather(*episodes, return_exceptions=True)
         kept, dropped, errors = [], Counter(), []
+        image_token = self.processor.image_token_id if self.processor is not None else None
         for out in outcomes:
             reason = _drop_reason(out)
+            if reason is None and image_token is not None and _generated_image_token(out, image_token):
+                reason = "image_token_generated"
             if reason is None:
                 kept.append(out if isinstance(out, list) else [out])
                 continue
@@ -131,6 +134,13 @@ def _drop_reason(out) -> str | None:
         if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) != len(sample.token_ids):
             return "logprob_misalign"
     return None if out else "empty_tokens"
+
+
+def _generated_image_token(out, image_token: int) -> bool:
+    """The policy sampled an image placeholder: no image stands behind it, so the trainer's vision forward would
+    misalign every later image of the row (tokens > features). The rollout is dropped."""
+    return any(image_token in sample.token_ids[start:end]
+               for sample in (out if isinstance(out, list) else [out]) for start, end in sample.action_ranges)
 
 
 def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors: list[str],

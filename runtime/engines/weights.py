@@ -17,3 +17,8 @@ def tied_embeddings(model_path: str) -> bool:
 def image_token_id(model_path: str) -> int:
     """The image placeholder id of a local VLM checkpoint (`image_token_id` in config.json)."""
     return int(json.loads((Path(model_path) / "config.json").read_text())["image_token_id"])
+
+
+def merge_size(model_path: str) -> int:
+    """Vision patches merged per placeholder token, per side (`vision_config.spatial_merge_size`)."""
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vision_config"]["spatial_merge_size"])

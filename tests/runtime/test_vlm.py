@@ -119,6 +119,10 @@ def test_too_many_images_drop_the_group(processor, digit, tmp_path):
     ok = asyncio.run(actor.run_group(GroupRequest(1, "<image>+1=", "2", 2, SamplingParams(max_tokens=2),
                                                   images=["images/1.png"], image_dir=str(DEMO))))
     assert ok.experience.batch_size == 2 and len(ok.experience.mm_inputs) == 2
+    actor.client = ScriptedClient([processor.image_token_id, 5])  # the policy samples a placeholder
+    bad = asyncio.run(actor.run_group(GroupRequest(2, "<image>+1=", "2", 2, SamplingParams(max_tokens=2),
+                                                   images=[digit])))
+    assert bad.experience is None and bad.dropped["image_token_generated"] == 2
 
 
 def test_experience_keeps_each_rows_images_with_its_tokens(processor, digit):
