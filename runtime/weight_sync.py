@@ -33,6 +33,7 @@ import torch
 # receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
+VLM_EMBED = "model.language_model.embed_tokens.weight"  # a VLM's language model (transformers 5 module names)
 
 
 @dataclass(frozen=True)
@@ -484,4 +485,6 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
 def tied_aliases(metas: list[TensorMeta], tied: bool) -> dict[str, str]:
     """lm_head.weight -> the embedding, when tied and the trainer did not send it itself."""
     names = {m.name for m in metas}
-    return {LM_HEAD: EMBED} if tied and LM_HEAD not in names and EMBED in names else {}
+    if not tied or LM_HEAD in names:
+        return {}
+    return next(({LM_HEAD: embed} for embed in (EMBED, VLM_EMBED) if embed in names), {})

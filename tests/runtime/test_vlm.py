@@ -180,3 +180,10 @@ def test_image_column_in_jsonl_and_hf_image_features(tmp_path, digit):
     img = vlm.load_image(vlm.as_image_list(loaded)[0])
     assert img.size == (56, 56) and img.tobytes() == digit.tobytes()
     assert json.loads((DEMO / "train.jsonl").read_text().splitlines()[0])["image"][0].startswith("images/")
+
+
+def test_tied_lm_head_of_a_vlm_is_aliased_for_the_engine():
+    from runtime.weight_sync import LM_HEAD, VLM_EMBED, TensorMeta, tied_aliases
+
+    metas = [TensorMeta(VLM_EMBED, "float32", (10, 4)), TensorMeta("model.visual.merger.mlp.0.weight", "float32", (4, 4))]
+    assert tied_aliases(metas, tied=True) == {LM_HEAD: VLM_EMBED}
