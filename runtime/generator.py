@@ -34,7 +34,7 @@ import ray
 import torch
 
 from runtime.agents import SamplingParams
-from runtime.datasource import read_prompts
+from runtime.datasource import read_images, read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.runners import EngineLost, GroupRequest, GroupResult
@@ -52,6 +52,7 @@ class GeneratorSpec:
     input_key: str
     label_key: str | None
     tools_key: str | None                    # column of per-row tool schemas (rendered by the chat template)
+    image_key: str | None                    # image column of a VLM run (None: text prompts)
     max_samples: int
     tokenizer_path: str
     n_samples_per_prompt: int
@@ -88,6 +89,10 @@ class Generator:
                         for p in spec.prompt_paths]
         self.eval_rows = (read_prompts(spec.eval_path, spec.eval_split, spec.input_key, spec.label_key,
                                        spec.tools_key, spec.max_samples) if spec.eval_path else [])
+        # VLM: each row's images (as the dataset holds them; the runner loads them) and the directory relative
+        # image paths resolve against.
+        self.images = [self._images(p, spec.split) for p in spec.prompt_paths]
+        self.eval_images = self._images(spec.eval_path, spec.eval_split) if spec.eval_path else []
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
         self.consumed = 0                         # prompts dispatched (each prompt is one group)
@@ -103,6 +108,17 @@ class Generator:
         self.dropped_positions: dict[str, list[int]] = {}  # reason -> positions dropped since the last batch
         self._next_runner = 0
         self._task: asyncio.Task | None = None
+
+    def _images(self, source: str, split: str) -> list[tuple[object, str]]:
+        if self.spec.image_key is None:
+            return []
+        base = str(Path(source.partition("@")[0]).parent)
+        return [(refs, base) for refs in read_images(source, split, self.spec.image_key, self.spec.max_samples)]
+
+    def _request(self, group_id: int, row, images, n: int, sampling) -> GroupRequest:
+        prompt, label, tools = row
+        refs, base = images if images is not None else (None, None)
+        return GroupRequest(group_id, prompt, label, n, sampling, tools=tools, images=refs, image_dir=base)
 
     # ----------------------------------------------------------------------------------------------- main loop
     async def run(self, start_step: int, done: list[int], trained: int, dropped: dict[str, int]) -> dict[str, int]:
@@ -196,9 +212,8 @@ class Generator:
                 if item is None:
                     exhausted = True
                     break
-                position, (prompt, label, tools) = item
-                self._dispatch(GroupRequest(position, prompt, label, spec.n_samples_per_prompt, spec.sampling,
-                                            tools=tools))
+                position, (row, images) = item
+                self._dispatch(self._request(position, row, images, spec.n_samples_per_prompt, spec.sampling))
                 self.consumed += 1
             if not self.inflight:
                 break
@@ -352,9 +367,10 @@ class Generator:
         return results, saved["experience"], False
 
     # ----------------------------------------------------------------------------------------------- prompts
-    def _prompt_stream(self, skip: set[int]) -> Iterator[tuple[int, tuple[object, object, list | None]]]:
-        """(position, (prompt, label, tools)): rows as the dataset holds them, episode after episode, each in a seeded
-        shuffled order; `position` counts from 0 over the whole stream.
+    def _prompt_stream(self, skip: set[int]) -> Iterator[tuple[int, tuple[tuple, object]]]:
+        """(position, ((prompt, label, tools), images)): rows as the dataset holds them with their images (`(refs,
+        directory)`, or None without `data.image_key`), episode after episode, each in a seeded shuffled order;
+        `position` counts from 0 over the whole stream.
 
         The order depends only on the seed, so skipping the positions a resumed run had done restores its place.
         """
@@ -371,7 +387,7 @@ class Generator:
                 position += 1
                 if position in skip:
                     continue
-                yield position, self.sources[s][i]
+                yield position, (self.sources[s][i], self.images[s][i] if self.images else None)
 
     # ----------------------------------------------------------------------------------------------- eval
     async def evaluate(self) -> dict[str, float]:
@@ -381,8 +397,8 @@ class Generator:
     async def _evaluate(self) -> dict[str, float]:
         spec = self.spec
         t0 = time.time()
-        reqs = [GroupRequest(-1 - i, p, label, spec.eval_n_samples, spec.eval_sampling, tools=tools)
-                for i, (p, label, tools) in enumerate(self.eval_rows)]
+        reqs = [self._request(-1 - i, row, self.eval_images[i] if self.eval_images else None, spec.eval_n_samples,
+                              spec.eval_sampling) for i, row in enumerate(self.eval_rows)]
         results = [r for r in await asyncio.gather(*(self._run_group(q) for q in reqs)) if not isinstance(r, str)]
         rewards = [x for r in results for x in r.rewards]
         scores = [x for r in results for x in r.scores]

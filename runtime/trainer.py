@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from runtime import fsdp, microbatch
 from runtime.experience import Experience
-from runtime.logprobs import token_logprobs
+from runtime.logprobs import token_logprobs, vision_inputs
 
 if TYPE_CHECKING:
 
@@ -66,7 +66,10 @@ class PolicyWorker:
         dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
         torch.manual_seed(trainer.seed)
         self.mesh = dist.device_mesh.init_device_mesh(device, (trainer.world,), mesh_dim_names=("dp",))
-        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora,
+                                      freeze_visual_encoder=trainer.freeze_visual_encoder)
+        # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
+        self.image_token_id = getattr(self.model.config, "image_token_id", None)
         self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
 
@@ -98,8 +101,12 @@ class PolicyWorker:
         return part.trim()
 
     def _logprobs(self, model, part: Experience, with_entropy: bool = False):
+        vision = None
+        if self.image_token_id is not None:  # every VLM micro-batch, images or not (same code path on all ranks)
+            vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
+                                   self.image_token_id, self.device)
         return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing)
+                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing, vision=vision)
 
     # ----------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
@@ -152,9 +159,10 @@ class PolicyWorker:
                 total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())],
                                      device=self.device)  # NCCL reduces device tensors only
                 dist.all_reduce(total)
+                stats = self._window_stats(shard, window)
                 for mb in self._same_count(microbatch.micro_batches(window, lengths, t.micro_batch_size,
                                                                     t.dynamic_batch_max_tokens)):
-                    for k, v in self._micro_step(self._part(shard, mb), total.item(), kl_coef).items():
+                    for k, v in self._micro_step(self._part(shard, mb), total.item(), kl_coef, stats).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -162,30 +170,50 @@ class PolicyWorker:
         sums["lr"] = self.scheduler.get_last_lr()[0]
         return sums
 
-    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float) -> dict[str, float]:
+    def _window_stats(self, shard: Experience, window: range):
+        """The window's denominators of `loss.agg_mode`, summed over every rank (None under token-mean, which uses
+        the all-reduced token count alone)."""
+        from runtime.algo import aggregation
+
+        if self.t.loss.agg_mode == "token-mean":
+            return None
+        rows = slice(window.start, window.stop)
+        local = aggregation.window_stats(shard.action_mask[rows], shard.group_ids[rows])
+        parts: list = [None] * self.t.world
+        dist.all_gather_object(parts, local)
+        return aggregation.merge(parts)
+
+    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, window=None) -> dict[str, float]:
         from runtime import algo
+        from runtime.algo import aggregation, mismatch
 
         ls, isc, kl = self.t.loss, self.algo.is_correction, self.algo.kl
         dev = self.device
         mask = part.action_mask.to(dev)
         logp, entropy = self._logprobs(self.model, part, with_entropy=ls.entropy_coef != 0)
         old = part.old_log_probs.to(dev)
-        is_out = algo.is_correction(old, part.rollout_log_probs.to(dev), mask, level=isc.level, mode=isc.mode,
-                                    low=isc.low, high=isc.high)
+        rollout_lp = part.rollout_log_probs.to(dev)
+        is_out = algo.is_correction(old, rollout_lp, mask, level=isc.level, mode=isc.mode, low=isc.low,
+                                    high=isc.high, gating=isc.gating)
         use_kl_loss = kl.use_loss and part.ref_log_probs is not None
+        weights = None if window is None else aggregation.row_weights(ls.agg_mode, part.action_mask,
+                                                                      part.group_ids, window).to(dev)
         out = algo.actor_loss(
             logp, old, part.advantages.to(dev), mask, mode=ls.mode, clip_low=ls.clip_low, clip_high=ls.clip_high,
             global_num_tokens=global_tokens, dp_size=self.t.world, dual_clip=ls.dual_clip,
             is_coef=None if isc.level == "off" else is_out.coef,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
-            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator,
-            entropy=entropy, entropy_coef=ls.entropy_coef)
+            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
+            entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights)
         out.loss.backward()
         # Per-micro-batch means, weighted by its action tokens so the driver can form batch-level token means.
         tokens = float(mask.sum())
         stats = {f"{k}_x_tokens": float(v) * tokens for k, v in out.metrics.items()}
         stats["is_filter_ratio_x_tokens"] = float(is_out.is_filter_ratio) * tokens
         stats["vllm_kl_x_tokens"] = float(is_out.vllm_kl) * tokens
+        if tokens:
+            stats.update({f"{k}_x_tokens": v * tokens
+                          for k, v in mismatch.mismatch_metrics(logp.detach(), rollout_lp, mask).items()})
         stats["tokens"] = tokens
         return stats
 

@@ -239,6 +239,10 @@ class EnginesPlan(PlanModel):
     """Seed of engine i = train.seed + i."""
     router_policy: str
     """Request routing policy across engines."""
+    router_balance_abs: int
+    """cache_aware: sticky until max - min in-flight requests > abs (and the ratio below)."""
+    router_balance_rel: float
+    """cache_aware: ... and max > rel x min in-flight requests."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"]
     """vLLM logprobs mode."""
     max_images_per_prompt: int
@@ -310,6 +314,8 @@ class SamplingPlan(PlanModel):
     """Nucleus sampling."""
     logprobs: bool
     """Ask the engine for sampled-token logprobs."""
+    top_logprobs: int
+    """Top-k log-probs per generated token for score centering (0: none; eval always 0)."""
 
 
 class EvalPlan(PlanModel):
@@ -407,6 +413,20 @@ class LossPlan(PlanModel):
     """Entropy coefficient."""
     aux_loss_coef: float
     """MoE aux loss coefficient."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"]
+    """Aggregation of the policy-gradient term over an optimizer step's window on all DP ranks (KL and entropy
+    stay token-mean)."""
+
+
+class LoraPlan(PlanModel):
+    dim: int
+    """Adapter rank (> 0)."""
+    alpha: int
+    """Adapter alpha."""
+    scale: float
+    """alpha / dim: the merge is W + scale x B @ A."""
+    target_modules: list[str] | None
+    """fnmatch wildcards on full module names; None: every linear layer (lm_head excluded)."""
 
 
 class TrainerPlan(PlanModel):
@@ -456,6 +476,8 @@ class TrainerPlan(PlanModel):
     """Full determinism."""
     seed: int
     """torch seed of every rank (train.seed)."""
+    lora: LoraPlan | None
+    """LoRA adapters (None: full fine-tuning)."""
 
 
 class RefPlan(PlanModel):
@@ -499,6 +521,8 @@ class KlPlan(PlanModel):
     """KL estimator."""
     use_loss: bool
     """KL as loss term (else in the reward)."""
+    ref: Literal["model", "rollout"]
+    """KL reference: the reference model's log-probs, or the rollout engine's sampled-token log-probs."""
     target: float | None
     """Adaptive controller target."""
     horizon: int
@@ -510,8 +534,10 @@ class IsCorrectionPlan(PlanModel):
     """IS level."""
     mode: Literal["mask", "clip", "trunc"]
     """IS mode."""
-    low: float
-    """Band low."""
+    gating: Literal["ratio", "binary_kl", "tv"]
+    """Statistic the band tests."""
+    low: float | None
+    """Band low (None: -inf)."""
     high: float
     """Band high."""
 
@@ -531,6 +557,16 @@ class AlgoPlan(PlanModel):
     """Effective KL settings."""
     is_correction: IsCorrectionPlan
     """Importance sampling correction."""
+    score_centering_top_k: int
+    """Score centering on the engine's top-k log-probs (0: off)."""
+    overlong_buffer_len: float | None
+    """DAPO overlong penalty buffer B (None: off)."""
+    overlong_penalty_factor: float
+    """Largest overlong penalty."""
+    overlong_max_len: int
+    """L of the overlong ramp: data.max_len."""
+    stop_properly_penalty_coef: float | None
+    """ProRL stop-properly coefficient on truncated rollouts (None: off)."""
 
 
 class SchedulePlan(PlanModel):
@@ -712,6 +748,8 @@ class SftTrainerPlan(PlanModel):
     """Seed."""
     full_determinism: bool
     """Full determinism."""
+    lora: LoraPlan | None
+    """LoRA adapters (None: full fine-tuning)."""
 
 
 class SftSchedulePlan(PlanModel):

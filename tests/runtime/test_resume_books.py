@@ -28,7 +28,7 @@ def _batch(trained: list[int], dropped: dict[str, list[int]], consumed: int) -> 
 
 def _stream(rows: int, seed: int, skip: set[int]) -> list[int]:
     spec = SimpleNamespace(episodes=2, seed=seed, prompt_probs=None, max_samples=rows * 2)
-    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(rows)]])
+    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(rows)]], images=[])
     return [pos for pos, _ in Generator._prompt_stream(fake, skip)]
 
 
@@ -54,8 +54,8 @@ def test_data_order_depends_only_on_the_seed_and_spans_episodes():
     order = list(range(10))
     random.Random(7).shuffle(order)
     spec = SimpleNamespace(episodes=1, seed=7, prompt_probs=None, max_samples=10)
-    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(10)]])
-    assert [row[0] for _, row in Generator._prompt_stream(fake, set())] == [f"p{i}" for i in order]
+    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(10)]], images=[])
+    assert [row[0] for _, (row, _images) in Generator._prompt_stream(fake, set())] == [f"p{i}" for i in order]
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
