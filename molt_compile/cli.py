@@ -524,77 +524,35 @@ def diff(a: str, b: str, fmt: str = "text", roots: tuple[Path, ...] = ()) -> Non
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
               help="Output format (json: every code, or CODE's documentation).")
 def rules(code: str | None, fmt: str = "text") -> None:
-    """List every diagnostic code (rules, loader, schema), or print the documentation of CODE."""
-    import inspect
-
+    """List every diagnostic code (loader, schema, rules, placement, capability), or print the documentation of CODE."""
     if fmt == "json":
         from molt_compile.cli_more import rules_json
 
         sys.exit(rules_json(code))
+    from molt_compile.codes import catalog
 
-    from molt_compile.codes import LOADER_CODES
-
-    try:
-        from molt_compile.rules import ALL_RULES as all_rules
-    except ImportError as e:  # the catalog is written in parallel; the loader's codes are documented regardless
-        all_rules, missing = (), f"the rule catalog `molt_compile.rules.ALL_RULES` is not available in this build ({e})"
-    else:
-        missing = ""
+    codes = catalog()
     if code:
-        wanted = code.upper()
-        for rule in all_rules:
-            if rule.code == wanted:
-                click.echo(f"{rule.code} {rule.name} ({rule.severity})\n")
-                click.echo(inspect.cleandoc(rule.check.__doc__ or "(no documentation)"))
-                return
-        for row in LOADER_CODES:
-            if row.code == wanted:
-                click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
-                return
-        from molt_compile import capability
+        row = codes.get(code.upper())
+        if row is None:
+            from molt_compile.schema_walk import closest
 
-        if wanted == capability.CODE:
-            click.echo(f"{capability.CODE} {capability.NAME} (error)\n\n{capability.DOC}\n"
-                       f"## The capability table\n{capability.table_markdown()}")
-            return
-        from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
-
-        for place in PLACE_CODES:
-            if place.code == wanted:
-                click.echo(f"{place.code} {place.name} ({place.severity})\n\n{place.doc}")
-                return
-        from molt_compile.schema_walk import closest
-
-        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES] \
-            + [capability.CODE]
-        guess = closest(wanted, known)
-        click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
-        if missing:
-            click.echo(f"molt-compile: {missing}", err=True)
-        sys.exit(2)
+            guess = closest(code.upper(), list(codes))
+            click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
+            sys.exit(2)
+        click.echo(f"{row.code} {row.name} ({row.severity}{', blocker' if row.blocker else ''})\n")
+        click.echo(row.doc or "(no documentation)")
+        if row.appendix is not None:
+            click.echo(f"\n{row.appendix()}")
+        return
     from rich.table import Table
 
     table = Table(title="diagnostic codes", title_justify="left")
     for column in ("code", "name", "severity", "checks"):
         table.add_column(column, overflow="fold")
-    for rule in all_rules:
-        doc = inspect.cleandoc(rule.check.__doc__ or "")
-        first = next((ln for ln in doc.splitlines() if ln.strip() and not ln.startswith("#")), "")
-        table.add_row(rule.code, rule.name, rule.severity, first)
-    for row in LOADER_CODES:
-        table.add_row(row.code, row.name, "error", row.doc.split(". ")[0].replace("\n", " "))
-    from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
-
-    for place in PLACE_CODES:
-        table.add_row(place.code, place.name, place.severity, place.doc.split(". ")[0].replace("\n", " "))
-    from molt_compile import capability
-
-    table.add_row(capability.CODE, capability.NAME, "error", "a setting this runtime does not implement on the "
-                  "recipe's device kind (the capability table)")
+    for row in codes.values():
+        table.add_row(row.code, row.name, row.severity, row.summary)
     _console().print(table)
-    if missing:
-        click.echo(f"molt-compile: {missing}", err=True)
-        sys.exit(2)
 
 
 def main() -> None:

@@ -212,23 +212,12 @@ def diff_json(a: Any, b: Any) -> bool:
 
 
 def rules_json(code: str | None) -> int:
-    """`rules --format json`: {"codes": [{code, name, severity, doc}, ...]} (one entry with CODE); exit 2 when
+    """`rules --format json`: {"codes": [{code, name, severity, kind, doc}, ...]} (one entry with CODE); exit 2 when
     CODE is unknown."""
-    import inspect
+    from molt_compile.codes import catalog
 
-    from molt_compile import capability
-    from molt_compile.codes import LOADER_CODES
-    from molt_compile.lower import PLACE_CODES
-    from molt_compile.rules import ALL_RULES
-
-    rows = [{"code": r.code, "name": r.name, "severity": r.severity, "kind": "rule",
-             "doc": inspect.cleandoc(r.check.__doc__ or "")} for r in ALL_RULES]
-    rows += [{"code": r.code, "name": r.name, "severity": "error", "kind": "loader", "doc": r.doc}
-             for r in LOADER_CODES]
-    rows += [{"code": p.code, "name": p.name, "severity": p.severity, "kind": "placement", "doc": p.doc}
-             for p in PLACE_CODES]
-    rows.append({"code": capability.CODE, "name": capability.NAME, "severity": "error", "kind": "capability",
-                 "doc": capability.DOC})
+    rows = [{"code": c.code, "name": c.name, "severity": c.severity, "kind": c.area, "doc": c.doc}
+            for c in catalog().values()]
     if code:
         rows = [r for r in rows if r["code"] == code.upper()]
         if not rows:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_compile.codes import name_of
+from molt_compile.codes import BUILTIN
 from molt_compile.diagnostics import Diagnostic, Related
 from molt_compile.source import Pos, SourceMap
 
@@ -119,8 +119,8 @@ def display_path(path: Path) -> str:
 
 def _diag(code: str, message: str, *, file: str | None = None, line: int | None = None, col: int | None = None,
           path: str = "", help: str = "", related: tuple[Related, ...] = (), origin: str = "") -> Diagnostic:
-    return Diagnostic(code=code, severity="error", message=message, path=path, file=file, line=line, col=col,
-                      help=help, related=related, name=name_of(code), blocker=True, origin=origin)
+    pos = Pos(file, line, col, origin or "file")
+    return BUILTIN[code].diagnostic(message, pos=pos, path=path, help=help, related=related)
 
 
 class _Abort(Exception):

@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from molt_compile import schema_walk as sw
-from molt_compile.codes import name_of
+from molt_compile.codes import BUILTIN
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.load import Loaded
 from molt_compile.source import Pos
@@ -52,10 +52,7 @@ def _dotted(segments: list[Any]) -> str:
 
 
 def _error(code: str, message: str, path: str, pos: Pos | None, help: str = "") -> Diagnostic:
-    pos = pos or Pos(None, None, None, "default")
-    return Diagnostic(code=code, severity="error", message=message, path=path, file=pos.file, line=pos.line,
-                      col=pos.col, help=help, name=name_of(code), blocker=True,
-                      origin="" if pos.layer == "file" else pos.layer)
+    return BUILTIN[code].diagnostic(message, pos=pos or Pos(None, None, None, "default"), path=path, help=help)
 
 
 class _Where:

@@ -17,12 +17,11 @@ from typing import Any
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import placement_unit
-from molt_compile.lower.codes import PLACE_CODES
 from molt_compile.lower.rl import lower_rl
 from molt_compile.lower.sft import lower_sft
 from schemas.plan import Plan
 
-__all__ = ["PLACE_CODES", "lower", "placement_unit"]
+__all__ = ["lower", "placement_unit"]
 
 
 def lower(recipe: Any, derived: Derived, source: Any = None) -> tuple[Plan | None, list[Diagnostic]]:

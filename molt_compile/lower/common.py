@@ -6,9 +6,10 @@ import math
 import os
 from typing import Any
 
+from molt_compile.codes import BUILTIN
 from molt_compile.derive import Derived, local_path, plan_path, resolve_path
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.lower.codes import PLACE_CODE_NAMES
+from molt_compile.source import SourceMap
 from schemas.plan import (
     DEVICE_SLOT_RESOURCE,
     CkptPlan,
@@ -38,22 +39,9 @@ RUNTIME_ENV_EXCLUDES = (
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def diag(code: str, message: str, help: str, path: str = "", source: Any = None, severity: str = "error") -> Diagnostic:
-    file = line = col = None
-    if source is not None and path:
-        pos = source.pos(path)
-        file, line, col = pos.file, pos.line, pos.col
-    return Diagnostic(
-        code=code,
-        severity=severity,
-        message=message,
-        path=path,
-        file=file,
-        line=line,
-        col=col,
-        help=help,
-        name=PLACE_CODE_NAMES.get(code, ""),
-    )
+def diag(code: str, message: str, help: str, path: str, source: SourceMap | None) -> Diagnostic:
+    """A PLACE1xx diagnostic at recipe key `path` (unit tests lower without a source map)."""
+    return BUILTIN[code].at(source if source is not None else SourceMap(), path, message, help)
 
 
 def instance(**fields: Any) -> InstancePlan:

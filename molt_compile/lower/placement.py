@@ -261,7 +261,6 @@ def _split_groups(
                     "give the FSDP group whole nodes: change the engines' footprint so they fill whole nodes",
                     "actor.mesh",
                     source,
-                    "warning",
                 )
             )
     return out

@@ -61,7 +61,7 @@ def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnos
             fix += f", or size the ref group so that its dp divides {t.batch_size}"
         else:
             path, who, size = "train.batch_size", "", ["actor.gpus_per_node", "actor.mesh"]
-        yield diag("BATCH001", source, path,
+        yield diag(source, path,
                    f"train.batch_size {t.batch_size} is not a multiple of micro_batch_size {t.micro_batch_size} × "
                    f"{role} dp {dp} = {unit}{who}", f"set train.batch_size to {fix}",
                    ["train.batch_size", "train.micro_batch_size", *size])
@@ -96,7 +96,7 @@ def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnosti
     samples = r.batch_size * r.n_samples_per_prompt
     for role, dp in _role_dps(recipe, derived):
         if samples < dp:
-            yield diag("BATCH002", source, "rollout.batch_size",
+            yield diag(source, "rollout.batch_size",
                        f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = "
                        f"{samples} samples per step < {role} dp {dp}: they cannot be balanced over the ranks",
                        f"raise rollout.batch_size to at least {-(-dp // r.n_samples_per_prompt)}",
@@ -130,7 +130,7 @@ def rollout_samples_below_train_batch(recipe, derived, source) -> Iterator[Diagn
     r, t = recipe.rollout, recipe.train
     samples = r.batch_size * r.n_samples_per_prompt
     if not t.force_on_policy and not recipe.eval.only and samples < t.batch_size:
-        yield diag("BATCH003", source, "rollout.batch_size",
+        yield diag(source, "rollout.batch_size",
                    f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = {samples} "
                    f"samples per step < train.batch_size {t.batch_size}: no optimizer step is ever taken",
                    f"raise rollout.batch_size to {-(-t.batch_size // r.n_samples_per_prompt)}, lower "
@@ -164,7 +164,7 @@ def rollout_samples_not_multiple_of_train_batch(recipe, derived, source) -> Iter
     r, t = recipe.rollout, recipe.train
     samples = r.batch_size * r.n_samples_per_prompt
     if not t.force_on_policy and not recipe.eval.only and samples > t.batch_size and samples % t.batch_size:
-        yield diag("BATCH004", source, "rollout.batch_size",
+        yield diag(source, "rollout.batch_size",
                    f"{samples} samples per step is not a multiple of train.batch_size {t.batch_size}: "
                    f"{samples % t.batch_size} samples are dropped every step",
                    f"make rollout.batch_size × n_samples_per_prompt a multiple of {t.batch_size}",
@@ -194,7 +194,7 @@ def force_on_policy_with_several_epochs(recipe, derived, source) -> Iterator[Dia
     """
     t = recipe.train
     if t.force_on_policy and t.max_epochs != 1:
-        yield diag("BATCH005", source, "train.max_epochs",
+        yield diag(source, "train.max_epochs",
                    f"train.force_on_policy takes one optimizer step per rollout batch, but max_epochs is "
                    f"{t.max_epochs}", "set train.max_epochs: 1, or train.force_on_policy: false",
                    ["train.force_on_policy"])
@@ -223,7 +223,7 @@ def dynamic_batch_without_packing(recipe, derived, source) -> Iterator[Diagnosti
     molt_rules.md G9, B5
     """
     if recipe.train.dynamic_batch is not None and not dv(derived, "actor.packing", recipe.actor.packing):
-        yield diag("BATCH006", source, "train.dynamic_batch",
+        yield diag(source, "train.dynamic_batch",
                    "train.dynamic_batch needs packed batches, but packing is off"
                    + (" (VLM runs never pack)" if recipe.actor.packing else ""),
                    "set actor.packing: true (text models), or remove train.dynamic_batch", ["actor.packing"])
@@ -255,7 +255,7 @@ def dynamic_batch_smaller_than_dp(recipe, derived, source) -> Iterator[Diagnosti
     dp = dv(derived, "actor.dp")
     t = recipe.train
     if t.dynamic_batch is not None and dp is not None and t.batch_size < dp:
-        yield diag("BATCH007", source, "train.batch_size",
+        yield diag(source, "train.batch_size",
                    f"train.batch_size {t.batch_size} < dp {dp}: under dynamic batching each rank gets "
                    f"{t.batch_size} // {dp} = 0 samples", f"set train.batch_size to at least {dp}",
                    ["train.dynamic_batch", "actor.gpus_per_node"])
@@ -293,7 +293,7 @@ def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterato
         return
     per_rank = r.batch_size * r.n_samples_per_prompt // dp
     if per_rank % t.micro_batch_size:
-        yield diag("BATCH008", source, "train.micro_batch_size",
+        yield diag(source, "train.micro_batch_size",
                    f"each rank gets {per_rank} samples per step ({r.batch_size} × {r.n_samples_per_prompt} // dp "
                    f"{dp}), not a multiple of micro_batch_size {t.micro_batch_size}: "
                    f"{per_rank % t.micro_batch_size} sample(s) per rank are dropped", "make samples per rank a multiple of "
@@ -331,6 +331,6 @@ def dataset_smaller_than_batch(recipe, derived, source) -> Iterator[Diagnostic]:
         count, batch, path, data_key = dv(derived, "data.prompt_count"), recipe.rollout.batch_size, \
             "rollout.batch_size", "data.prompts"
     if count is not None and not getattr(recipe.eval, "only", False) and count < batch:
-        yield diag("BATCH009", source, path,
+        yield diag(source, path,
                    f"{path} {batch} is larger than the dataset ({count} rows after max_samples): 0 steps per epoch",
                    f"set {path} to at most {count}, or use a larger dataset", [data_key])

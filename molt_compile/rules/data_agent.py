@@ -47,7 +47,7 @@ def prompt_probs_count_mismatch(recipe, derived, source) -> Iterator[Diagnostic]
         (d.prompts, d.prompt_probs, "data.prompt_probs")
     n = len(_sources(spec))
     if probs is not None and len(probs) != n:
-        yield diag("DATA001", source, key, f"{key} has {len(probs)} probabilities for {n} source(s)",
+        yield diag(source, key, f"{key} has {len(probs)} probabilities for {n} source(s)",
                    f"give exactly {n} probabilities", [key.replace("_probs", "s" if recipe.kind == "rl" else "")])
 
 
@@ -79,11 +79,11 @@ def packing_with_vlm(recipe, derived, source) -> Iterator[Diagnostic]:
     if not recipe.actor.packing:
         return
     if recipe.kind == "sft" and recipe.data.image_key:
-        yield diag("DATA002", source, "actor.packing", f"packing is text-only, but data.image_key "
+        yield diag(source, "actor.packing", f"packing is text-only, but data.image_key "
                    f"{recipe.data.image_key!r} makes this a VLM SFT run", "set actor.packing: false (use actor.mesh.cp "
                    "for long sequences)", ["data.image_key"])
     elif recipe.kind == "rl" and recipe.data.max_images_per_prompt > 0:
-        yield diag("DATA002", source, "actor.packing", f"packing is text-only, but data.max_images_per_prompt "
+        yield diag(source, "actor.packing", f"packing is text-only, but data.max_images_per_prompt "
                    f"{recipe.data.max_images_per_prompt} makes this a VLM run (Molt would turn packing off)",
                    "set actor.packing: false", ["data.max_images_per_prompt"])
 
@@ -119,7 +119,7 @@ def local_data_file_missing(recipe, derived, source) -> Iterator[Diagnostic]:
         for src in _sources(spec or ""):
             p = Path(src)
             if not p.is_absolute() and p.suffix.lower() in DATA_SUFFIXES and not (base / p).exists():
-                yield diag("DATA003", source, key, f"{key}: {src} does not exist (relative to {base})",
+                yield diag(source, key, f"{key}: {src} does not exist (relative to {base})",
                            "fix the path; a relative path is resolved against the file that sets it (the working directory for --set)")
 
 
@@ -149,11 +149,11 @@ def images_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
     if facts is None or facts.is_vlm:
         return
     if recipe.kind == "rl" and recipe.data.max_images_per_prompt > 0:
-        yield diag("DATA004", source, "data.max_images_per_prompt", f"data.max_images_per_prompt "
+        yield diag(source, "data.max_images_per_prompt", f"data.max_images_per_prompt "
                    f"{recipe.data.max_images_per_prompt} but {facts.key} is a text-only model",
                    "set data.max_images_per_prompt: 0, or use a VLM", ["model.arch"])
     elif recipe.kind == "sft" and recipe.data.image_key:
-        yield diag("DATA004", source, "data.image_key", f"data.image_key set but {facts.key} is a text-only model",
+        yield diag(source, "data.image_key", f"data.image_key set but {facts.key} is a text-only model",
                    "remove data.image_key, or use a VLM", ["model.arch"])
 
 
@@ -191,7 +191,7 @@ def local_model_path_missing(recipe, derived, source) -> Iterator[Diagnostic]:
         p = Path(value)
         local = value.startswith(("./", "../")) or len(p.parts) > 2
         if not p.is_absolute() and local and not (base / p).exists():
-            yield diag("DATA005", source, key, f"{key}: {value} does not exist (relative to {base})",
+            yield diag(source, key, f"{key}: {value} does not exist (relative to {base})",
                        "fix the path, or use an absolute cluster path / a hub name")
 
 
@@ -228,7 +228,7 @@ def missing_agent(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     if recipe.agent is None and recipe.algo.estimator != "on_policy_distill":
         path = "agent" if source.is_set("agent") else "algo.estimator"
-        yield diag("AGENT001", source, path, f"algo.estimator {recipe.algo.estimator} needs an agent, but the recipe "
+        yield diag(source, path, f"algo.estimator {recipe.algo.estimator} needs an agent, but the recipe "
                    "has no `agent:` section", "add `agent: {path: agents/<file>.py}`", ["algo.estimator"])
 
 
@@ -254,7 +254,7 @@ def agent_file_not_found(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     f = _agent_file(recipe, source)
     if f is not None and not inspect_agent(str(f)).exists:
-        yield diag("AGENT002", source, "agent.path", f"agent.path {recipe.agent.path}: no such file ({f})",
+        yield diag(source, "agent.path", f"agent.path {recipe.agent.path}: no such file ({f})",
                    "fix the path; it is relative to the file that sets it (the working directory for --set)")
 
 
@@ -280,7 +280,7 @@ def agent_file_not_python(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     f = _agent_file(recipe, source)
     if f is not None and inspect_agent(str(f)).exists and not inspect_agent(str(f)).is_python:
-        yield diag("AGENT003", source, "agent.path", f"agent.path {recipe.agent.path} is not a .py file",
+        yield diag(source, "agent.path", f"agent.path {recipe.agent.path} is not a .py file",
                    "point agent.path at the Python file that defines AgentRunner")
 
 
@@ -307,7 +307,7 @@ def agent_file_syntax_error(recipe, derived, source) -> Iterator[Diagnostic]:
     f = _agent_file(recipe, source)
     info = inspect_agent(str(f)) if f is not None else None
     if info is not None and info.syntax_error:
-        yield diag("AGENT004", source, "agent.path", f"{recipe.agent.path}:{info.syntax_line}: syntax error: "
+        yield diag(source, "agent.path", f"{recipe.agent.path}:{info.syntax_line}: syntax error: "
                    f"{info.syntax_error}", "fix the agent file")
 
 
@@ -335,7 +335,7 @@ def agent_runner_missing(recipe, derived, source) -> Iterator[Diagnostic]:
     info = inspect_agent(str(f)) if f is not None else None
     if info is not None and info.exists and info.is_python and not info.syntax_error \
             and info.runner is None and info.not_a_runner is None:
-        yield diag("AGENT005", source, "agent.path", f"{recipe.agent.path} defines no module-level AgentRunner",
+        yield diag(source, "agent.path", f"{recipe.agent.path} defines no module-level AgentRunner",
                    "add `AgentRunner = StepEnvRunner(MyEnv)` (or ChatAgentRunner(MyAgent)) at the end of the file")
 
 
@@ -367,7 +367,7 @@ def agent_runner_not_a_runner(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     for why, line in ((info.not_a_runner, info.runner_line), (info.wrong_env, info.wrong_env_line)):
         if why:
-            yield diag("AGENT006", source, "agent.path", f"{recipe.agent.path}:{line}: {why}",
+            yield diag(source, "agent.path", f"{recipe.agent.path}:{line}: {why}",
                        "bind AgentRunner to StepEnvRunner(<Env subclass>) or ChatAgentRunner(<ChatAgent subclass>)")
 
 
@@ -398,6 +398,6 @@ def chat_agent_without_chat_template(recipe, derived, source) -> Iterator[Diagno
     f = _agent_file(recipe, source)
     info = inspect_agent(str(f)) if f is not None else None
     if info is not None and info.chat_style and not recipe.data.apply_chat_template:
-        yield diag("AGENT007", source, "data.apply_chat_template", f"{recipe.agent.path} is a chat agent "
+        yield diag(source, "data.apply_chat_template", f"{recipe.agent.path} is a chat agent "
                    "(ChatAgentRunner), which needs chat-format rows", "set data.apply_chat_template: true",
                    ["agent.path"])

@@ -67,7 +67,7 @@ def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnos
     for key, src, local, split in _row_sources(recipe, source):
         first = source_facts(local, split).first_row
         if isinstance(first, dict) and isinstance(first.get(recipe.data.input_key), list):
-            yield diag("DATA006", source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
+            yield diag(source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
                        f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
                        "set data.apply_chat_template: true", [key, "data.input_key"])
             return
@@ -107,14 +107,14 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
         for k, col in wanted:  # the eval file is what differs when the training file has the column
             path, other = (k, key) if key.startswith("data.") else (key, k)
             if col and col not in facts.columns:
-                yield diag("DATA007", source, path, f"{k} {col!r} is not a column of {src} ({where} "
+                yield diag(source, path, f"{k} {col!r} is not a column of {src} ({where} "
                            f"{', '.join(sorted(facts.columns))})", f"set {k} to one of the columns, or fix {key}",
                            [other])
                 continue
             scan = _scan(recipe, local, split) if facts.line_based and k == "data.input_key" else None
             if scan is not None and col in scan.missing:
                 (first, count) = scan.missing[col]
-                yield diag("DATA007", source, path, f"{count} row(s) of {src} have no {k} {col!r} (first: "
+                yield diag(source, path, f"{count} row(s) of {src} have no {k} {col!r} (first: "
                            f"{src}{first.where}, which {first.what}; {_scanned(scan)})",
                            f"give every row the {col!r} column, or fix {key}", [other])
 
@@ -145,14 +145,14 @@ def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
     for key, src, local, split in _row_sources(recipe, source):
         facts = source_facts(local, split)
         if facts.how.startswith("cannot be read"):
-            yield diag("DATA008", source, key, f"{src}: {facts.how}", "fix or regenerate the data file")
+            yield diag(source, key, f"{src}: {facts.how}", "fix or regenerate the data file")
             continue
         scan = _scan(recipe, local, split) if facts.line_based else None
         if scan is None or not scan.malformed:
             continue
         first = scan.malformed[0]
         more = f"; {scan.malformed_count} malformed of {_scanned(scan)}" if scan.malformed_count > 1 else ""
-        yield diag("DATA008", source, key, f"{src}{first.where}: {first.what}{more}",
+        yield diag(source, key, f"{src}{first.where}: {first.what}{more}",
                    "fix the row (one JSON object per line in .jsonl files)")
 
 
@@ -181,6 +181,6 @@ def data_prompt_empty(recipe, derived, source) -> Iterator[Diagnostic]:
     for key, src, local, split in _row_sources(recipe, source):
         scan = _scan(recipe, local, split) if source_facts(local, split).line_based else None
         if scan is not None and scan.empty_count:
-            yield diag("DATA009", source, key, f"{src}: {scan.empty_count} row(s) with an empty prompt "
+            yield diag(source, key, f"{src}: {scan.empty_count} row(s) with an empty prompt "
                        f"{recipe.data.input_key!r} (first: {src}{scan.empty[0].where}; {_scanned(scan)})",
                        "drop or fill those rows", ["data.input_key"])

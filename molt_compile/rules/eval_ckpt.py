@@ -29,7 +29,7 @@ def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md M1, B12
     """
     if recipe.eval.every == 0:
-        yield diag("EVAL001", source, "eval.every", "eval.every 0 divides by zero at the first step",
+        yield diag(source, "eval.every", "eval.every 0 divides by zero at the first step",
                    "use a positive number of steps, or -1 for never")
 
 
@@ -54,7 +54,7 @@ def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md M1, B12
     """
     if recipe.ckpt.every == 0:
-        yield diag("CKPT001", source, "ckpt.every", "ckpt.every 0 divides by zero at the first step",
+        yield diag(source, "ckpt.every", "ckpt.every 0 divides by zero at the first step",
                    "use a positive number of steps, or -1 for never")
 
 
@@ -80,7 +80,7 @@ def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md A6, J4
     """
     if recipe.eval.only and recipe.eval.dataset is None:
-        yield diag("EVAL002", source, "eval.only", "eval.only needs eval.dataset", "set eval.dataset",
+        yield diag(source, "eval.only", "eval.only needs eval.dataset", "set eval.dataset",
                    ["eval.dataset"])
 
 
@@ -109,7 +109,7 @@ def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnosti
     written = [k for k in ("every", "at_start", "batch_size", "n_samples_per_prompt", "temperature", "top_p",
                            "max_new_tokens") if is_set(source, f"eval.{k}")]
     if written and not getattr(recipe.eval, "only", False):
-        yield diag("EVAL003", source, f"eval.{written[0]}", f"eval.{', eval.'.join(written)} set, but there is no "
+        yield diag(source, f"eval.{written[0]}", f"eval.{', eval.'.join(written)} set, but there is no "
                    "eval.dataset: no eval runs", "set eval.dataset, or remove the eval settings")
 
 
@@ -135,7 +135,7 @@ def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     e = recipe.eval
     if e.dataset is not None and e.every == -1 and not e.at_start and not e.only:
-        yield diag("EVAL004", source, "eval.every", "eval.dataset is set but eval.every is -1 (never) and "
+        yield diag(source, "eval.every", "eval.dataset is set but eval.every is -1 (never) and "
                    "at_start is false: it is never evaluated", "set eval.every to a number of steps",
                    ["eval.dataset"])
 
@@ -162,5 +162,5 @@ def run_saves_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     c = recipe.ckpt
     if c.every == -1 and not c.final_save and not getattr(recipe.eval, "only", False):
-        yield diag("CKPT002", source, "ckpt.final_save", "ckpt.final_save false and ckpt.every -1: the trained "
+        yield diag(source, "ckpt.final_save", "ckpt.final_save false and ckpt.every -1: the trained "
                    "weights are never saved", "set ckpt.final_save: true or a ckpt.every cadence", ["ckpt.every"])

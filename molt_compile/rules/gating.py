@@ -42,7 +42,7 @@ def is_threshold_arity(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     n = len(_values(recipe.algo.is_correction))
     if n not in (1, 2):
-        yield diag("IS001", source, "algo.is_correction.threshold", f"algo.is_correction.threshold has {n} values; "
+        yield diag(source, "algo.is_correction.threshold", f"algo.is_correction.threshold has {n} values; "
                    "it takes HIGH or [LOW, HIGH]", "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]")
 
 
@@ -69,7 +69,7 @@ def is_single_threshold_band(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     isc = recipe.algo.is_correction
     if isc.level != "off" and len(_values(isc)) == 1:
-        yield diag("IS002", source, "algo.is_correction.threshold", f"one threshold value {_values(isc)[0]}: the "
+        yield diag(source, "algo.is_correction.threshold", f"one threshold value {_values(isc)[0]}: the "
                    f"band is [-inf, {_values(isc)[0]}] (X1)", "write [0.0, HIGH] to say it in the recipe")
 
 
@@ -98,10 +98,10 @@ def divergence_gating_with_clip_or_geo(recipe, derived, source) -> Iterator[Diag
     if isc.gating == "ratio" or isc.level == "off":
         return
     if isc.mode != "mask":
-        yield diag("IS003", source, "algo.is_correction.mode", f"gating {isc.gating} works only with mode mask, "
+        yield diag(source, "algo.is_correction.mode", f"gating {isc.gating} works only with mode mask, "
                    f"not {isc.mode}", "set algo.is_correction.mode: mask", ["algo.is_correction.gating"])
     if isc.level == "geo":
-        yield diag("IS003", source, "algo.is_correction.level", f"gating {isc.gating} works only at level token or "
+        yield diag(source, "algo.is_correction.level", f"gating {isc.gating} works only at level token or "
                    "seq, not geo", "set algo.is_correction.level: seq", ["algo.is_correction.gating"])
 
 
@@ -131,7 +131,7 @@ def divergence_gating_with_lower_bound(recipe, derived, source) -> Iterator[Diag
         return
     low, high = is_band(isc)
     if low is not None and low > 0:
-        yield diag("IS004", source, "algo.is_correction.threshold", f"gating {isc.gating} takes an upper bound "
+        yield diag(source, "algo.is_correction.threshold", f"gating {isc.gating} takes an upper bound "
                    f"only, but the band's lower value is {low}: on-policy units (divergence 0) are dropped",
                    f"write one value, algo.is_correction.threshold: {high if high < 0.5 else 5.0e-3}",
                    ["algo.is_correction.gating"])
@@ -160,6 +160,6 @@ def gating_without_is(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     isc = recipe.algo.is_correction
     if isc.gating != "ratio" and isc.level == "off" and recipe.algo.score_centering_top_k < 2:
-        yield diag("IS005", source, "algo.is_correction.gating", f"gating {isc.gating} has no effect: "
+        yield diag(source, "algo.is_correction.gating", f"gating {isc.gating} has no effect: "
                    "algo.is_correction.level is off", "remove algo.is_correction.gating, or turn IS on (level "
                    "token or seq)", ["algo.is_correction.level"])

@@ -36,7 +36,7 @@ def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = f
     for code in recipe.ignore:
         if code not in known:
             close = difflib.get_close_matches(code, sorted(known), n=1)
-            yield diag("IGNORE001", source, f"ignore.{code}", f"ignore: {code} is not a rule code",
+            yield diag(source, f"ignore.{code}", f"ignore: {code} is not a rule code",
                        f"did you mean {close[0]}?" if close else "see `molt-compile rules` for the codes")
 
 
@@ -64,7 +64,7 @@ def ignore_without_reason(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     for code, reason in recipe.ignore.items():
         if not str(reason).strip():
-            yield diag("IGNORE003", source, f"ignore.{code}", f"ignore: {code} has no reason",
+            yield diag(source, f"ignore.{code}", f"ignore: {code} has no reason",
                        f'write why: ignore: {{{code}: "<reason>"}}')
 
 
@@ -95,5 +95,5 @@ def unused_ignore(recipe, derived, source, *, fired: frozenset[str] = frozenset(
     known = {r.code for r in ALL_RULES}
     for code in recipe.ignore:
         if code in known and code not in fired:
-            yield diag("IGNORE002", source, f"ignore.{code}", f"ignore: {code} suppresses nothing in this recipe",
+            yield diag(source, f"ignore.{code}", f"ignore: {code} suppresses nothing in this recipe",
                        f"remove ignore.{code}")

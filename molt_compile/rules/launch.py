@@ -55,7 +55,7 @@ def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
     if SLURM_TIME.fullmatch(value):
         return
     spelled = _slurm_time_in_words(value)
-    yield diag("LAUNCH001", source, "launch.slurm.time",
+    yield diag(source, "launch.slurm.time",
                f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
                f'write `time: "{spelled}"`' if spelled else
                'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
@@ -88,19 +88,19 @@ def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
     env_vars, excludes = rt.get("env_vars"), rt.get("excludes")
     path = "launch.ray.runtime_env"
     if env_vars is not None and not isinstance(env_vars, dict):
-        yield diag("LAUNCH002", source, f"{path}.env_vars", "launch.ray.runtime_env.env_vars must be a mapping",
+        yield diag(source, f"{path}.env_vars", "launch.ray.runtime_env.env_vars must be a mapping",
                    "write env_vars: {NAME: value}")
     for key, value in (env_vars.items() if isinstance(env_vars, dict) else ()):
         if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+            yield diag(source, f"{path}.env_vars.{key}",
                        f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
                        "use letters, digits and `_`, not starting with a digit")
         elif not isinstance(value, str):
-            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
+            yield diag(source, f"{path}.env_vars.{key}",
                        f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
                        f'quote it: {key}: "{value}"')
     if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
-        yield diag("LAUNCH002", source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
+        yield diag(source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
                    'write excludes: ["data/big", "*.bin"]')
 
 
@@ -149,27 +149,27 @@ def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
         m = _SBATCH_OPTION.fullmatch(option)
         key = f"launch.slurm.sbatch_options.{i}"
         if _CONTROL.search(option) or not m:
-            yield diag("LAUNCH003", source, key, f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
+            yield diag(source, key, f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
                        'write one option per item, e.g. "--requeue" or "--comment=nightly"')
         elif m.group(1) in SCRIPT_SBATCH:
             owner = SCRIPT_SBATCH[m.group(1)]
-            yield diag("LAUNCH003", source, key, f"--{m.group(1)} is written by the script itself",
+            yield diag(source, key, f"--{m.group(1)} is written by the script itself",
                        f"set `{owner}` instead" if owner else "remove it: the plan decides it")
     for i, flag in enumerate(s.srun_options):
         m = _SRUN_FLAG.fullmatch(flag)
         key = f"launch.slurm.srun_options.{i}"
         if _CONTROL.search(flag) or not m:
-            yield diag("LAUNCH003", source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
+            yield diag(source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
         elif m.group(1) in SCRIPT_SRUN:
-            yield diag("LAUNCH003", source, key, f"srun {flag.split('=')[0]} is set by the script's steps",
+            yield diag(source, key, f"srun {flag.split('=')[0]} is set by the script's steps",
                        "remove it: the script places the Ray head and workers itself")
     if s.mem is not None and not _MEM.fullmatch(s.mem):
-        yield diag("LAUNCH003", source, "launch.slurm.mem", f"launch.slurm.mem `{s.mem}` is not a Slurm size",
+        yield diag(source, "launch.slurm.mem", f"launch.slurm.mem `{s.mem}` is not a Slurm size",
                    'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory')
     for name in ("qos", "constraint", "output", "error", "account", "partition"):
         value = getattr(s, name)
         if value is not None and _CONTROL.search(value):
-            yield diag("LAUNCH003", source, f"launch.slurm.{name}",
+            yield diag(source, f"launch.slurm.{name}",
                        f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
 
 
@@ -201,10 +201,10 @@ def slurm_requeue_needs_resume(recipe, derived, source) -> Iterator[Diagnostic]:
     if not slurm.requeue:
         return
     if recipe.kind != "rl":
-        yield diag("LAUNCH004", source, "launch.slurm.requeue",
+        yield diag(source, "launch.slurm.requeue",
                    "launch.slurm.requeue is for RL recipes: the SFT runtime (torchrun) does not checkpoint on the "
                    "time-limit signal", "remove `requeue`, and size `launch.slurm.time` for the whole run")
     elif not recipe.ckpt.resume:
-        yield diag("LAUNCH004", source, "launch.slurm.requeue",
+        yield diag(source, "launch.slurm.requeue",
                    "launch.slurm.requeue without ckpt.resume: the requeued job would start again from step 0",
                    "set `ckpt: {resume: true}`")

@@ -31,7 +31,7 @@ def dual_clip_not_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     dc = recipe.actor.loss.dual_clip
     if dc is not None and dc <= 1.0:
-        yield diag("LOSS001", source, "actor.loss.dual_clip", f"actor.loss.dual_clip {dc} must be > 1",
+        yield diag(source, "actor.loss.dual_clip", f"actor.loss.dual_clip {dc} must be > 1",
                    "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip")
 
 
@@ -59,7 +59,7 @@ def dual_clip_without_ppo(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     loss = recipe.actor.loss
     if loss.dual_clip is not None and loss.mode != "ppo":
-        yield diag("LOSS002", source, "actor.loss.dual_clip", f"actor.loss.dual_clip is PPO-only, but loss.mode is "
+        yield diag(source, "actor.loss.dual_clip", f"actor.loss.dual_clip is PPO-only, but loss.mode is "
                    f"{loss.mode}", "remove actor.loss.dual_clip (or set it to null)", ["actor.loss.mode"])
 
 
@@ -86,6 +86,6 @@ def cispo_clip_ceiling_below_one(recipe, derived, source) -> Iterator[Diagnostic
     """
     loss = recipe.actor.loss
     if loss.mode == "cispo" and loss.clip[1] < 1.0:
-        yield diag("LOSS003", source, "actor.loss.clip", f"cispo reads actor.loss.clip[1] as an absolute ratio "
+        yield diag(source, "actor.loss.clip", f"cispo reads actor.loss.clip[1] as an absolute ratio "
                    f"ceiling; {loss.clip[1]} < 1 clips every token", f"use [{loss.clip[0]}, {1 + loss.clip[1]:g}]",
                    ["actor.loss.mode"])

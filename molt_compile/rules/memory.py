@@ -51,7 +51,7 @@ def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
     for group in report.fsdp_groups:
         if group.total > group.capacity:
             path, related = _fsdp_path(recipe, source)
-            yield diag("MEM001", source, path,
+            yield diag(source, path,
                        f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU > {recipe.cluster.gpu} "
                        f"{memory.gib(group.capacity)} ({group.breakdown()})",
                        "add GPUs to the actor (more sharding), set actor.offload: optimizer, lower "
@@ -90,7 +90,7 @@ def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
     for group in report.fsdp_groups:
         if memory.TIGHT_FRACTION * group.capacity < group.total <= group.capacity:
             path, related = _fsdp_path(recipe, source)
-            yield diag("MEM002", source, path,
+            yield diag(source, path,
                        f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU, "
                        f"{group.total / group.capacity:.0%} of {memory.gib(group.capacity)} ({group.breakdown()})",
                        "leave headroom: actor.offload: optimizer, more actor GPUs, or a smaller micro-batch", related)
@@ -125,7 +125,7 @@ def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnos
     report = _report(recipe, derived, source)
     eng = report.engine if report is not None else None
     if eng is not None and eng.weights > eng.share:
-        yield diag("MEM003", source, "rollout.gpu_memory_utilization",
+        yield diag(source, "rollout.gpu_memory_utilization",
                    f"engine weights need {memory.gib(eng.weights)} per GPU > gpu_memory_utilization "
                    f"{recipe.rollout.gpu_memory_utilization} × {memory.gib(eng.capacity)} = {memory.gib(eng.share)}",
                    "raise rollout.mesh.tp (weights split over more GPUs) or gpu_memory_utilization",
@@ -159,7 +159,7 @@ def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
     report = _report(recipe, derived, source)
     eng = report.engine if report is not None else None
     if eng is not None and eng.weights <= eng.share and eng.kv_room < eng.kv_per_sequence:
-        yield diag("MEM004", source, "rollout.gpu_memory_utilization",
+        yield diag(source, "rollout.gpu_memory_utilization",
                    f"KV cache room {memory.gib(max(eng.kv_room, 0))} per engine GPU < one data.max_len "
                    f"{recipe.data.max_len} sequence ({memory.gib(eng.kv_per_sequence)})",
                    "raise rollout.gpu_memory_utilization or rollout.mesh.tp, or lower data.max_len",
@@ -194,7 +194,7 @@ def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     used = eng.weights + memory.ENGINE_OVERHEAD_BYTES
     if used > memory.TIGHT_FRACTION * eng.share:
-        yield diag("MEM005", source, "rollout.gpu_memory_utilization",
+        yield diag(source, "rollout.gpu_memory_utilization",
                    f"engine weights + overhead {memory.gib(used)} take {used / eng.share:.0%} of the "
                    f"{memory.gib(eng.share)} share: KV cache room {memory.gib(eng.kv_room)}",
                    "raise rollout.gpu_memory_utilization or rollout.mesh.tp", ["rollout.mesh.tp", "cluster.gpu"])
@@ -228,7 +228,7 @@ def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
     if model_facts(recipe, source) is None:
         arch = recipe.model.arch
         why = "model.arch is not set" if not arch else f"model.arch `{arch}` is not a catalog key (MODEL004)"
-        yield diag("MEM006", source, "model.arch" if arch else "model.path",
+        yield diag(source, "model.arch" if arch else "model.path",
                    f"memory not estimated: {recipe.model.path} is not readable here and {why}",
                    "set model.arch to a catalog key (`molt-compile explain` lists them)", ["model.arch", "model.path"])
 
@@ -264,7 +264,7 @@ def weight_sync_buckets_exceed_engine_headroom(recipe, derived, source) -> Itera
         return
     headroom = (1 - recipe.rollout.gpu_memory_utilization) * gpu.memory_gib * 2**30
     if 2 * bucket > headroom:
-        yield diag("MEM007", source, "rollout.gpu_memory_utilization",
+        yield diag(source, "rollout.gpu_memory_utilization",
                    f"weight sync holds 2 × {memory.gib(bucket)} buckets per engine GPU, but gpu_memory_utilization "
                    f"{recipe.rollout.gpu_memory_utilization} leaves {memory.gib(headroom)} of {gpu.memory_gib} GiB",
                    "lower rollout.gpu_memory_utilization", ["cluster.gpu"])

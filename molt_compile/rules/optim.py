@@ -50,7 +50,7 @@ def muon_with_optimizer_offload(recipe, derived, source) -> Iterator[Diagnostic]
         return
     for prefix, opt in _optimizers(recipe):
         if opt.name == "muon":
-            yield diag("OPTIM001", source, "actor.offload",
+            yield diag(source, "actor.offload",
                        f"actor.offload optimizer supports AdamW only, but {prefix}.name is muon",
                        "set actor.offload: none (or full), or use optimizer name adam", [f"{prefix}.name"])
 
@@ -86,7 +86,7 @@ def unknown_lr_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
         else:
             close = difflib.get_close_matches(name, TRANSFORMERS_SCHEDULERS, n=1)
             why = "is not a transformers scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
-        yield diag("OPTIM002", source, f"{prefix}.scheduler", f"{prefix}.scheduler {name!r} {why}",
+        yield diag(source, f"{prefix}.scheduler", f"{prefix}.scheduler {name!r} {why}",
                    f"use one of {', '.join(SAFE_SCHEDULERS)}")
 
 
@@ -113,7 +113,7 @@ def muon_ns_steps_not_five(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     for prefix, opt in _optimizers(recipe):
         if opt.name == "muon" and opt.muon.ns_steps != 5:
-            yield diag("OPTIM003", source, f"{prefix}.muon.ns_steps",
+            yield diag(source, f"{prefix}.muon.ns_steps",
                        f"{prefix}.muon.ns_steps {opt.muon.ns_steps}: AutoModel/Dion Muon always uses 5",
                        f"set {prefix}.muon.ns_steps: 5 (or remove it)")
 
@@ -144,6 +144,6 @@ def full_offload_on_one_rank(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     world = dv(derived, "actor.world")
     if recipe.actor.offload == "full" and world == 1:
-        yield diag("OPTIM004", source, "actor.offload", "actor.offload full is not supported on a single rank "
+        yield diag(source, "actor.offload", "actor.offload full is not supported on a single rank "
                    "(actor world 1)", "use 2 or more actor GPUs, or actor.offload: optimizer / none",
                    ["actor.gpus_per_node", "actor.nodes"])

@@ -52,11 +52,11 @@ def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diag
         return
     if recipe.cluster.gpu == "cpu":
         if attn not in CPU_PACKING_ATTN:
-            yield diag("PACK001", source, "model.attn", f"actor.packing on a cpu cluster needs attention sdpa or "
+            yield diag(source, "model.attn", f"actor.packing on a cpu cluster needs attention sdpa or "
                        f"eager (transformers' packed-sequence mask), got {attn}", "set model.attn: sdpa",
                        ["actor.packing", "cluster.gpu"])
     elif attn not in PACKING_ATTN:
-        yield diag("PACK001", source, "model.attn", f"actor.packing needs attention te, flash_attention_2 or "
+        yield diag(source, "model.attn", f"actor.packing needs attention te, flash_attention_2 or "
                    f"tilelang, got {attn}", "use flash_attention_2 (HF models) or te (AutoModel custom models)",
                    ["actor.packing"])
 
@@ -87,7 +87,7 @@ def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterat
     facts = model_facts(recipe, source)
     if _packing(recipe, derived) and recipe.model.attn == "flash_attention_2" and facts is not None \
             and not hf_fallback(recipe, facts):
-        yield diag("PACK002", source, "model.attn", f"{facts.key} is an AutoModel custom model: it packs only with "
+        yield diag(source, "model.attn", f"{facts.key} is an AutoModel custom model: it packs only with "
                    "attention te or tilelang, not flash_attention_2", "set model.attn: te", ["actor.packing"])
 
 
@@ -116,7 +116,7 @@ def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagn
     attn = recipe.model.attn
     if attn in ("te", "tilelang") and hf_fallback(recipe, facts):
         who = "model.backend hf" if recipe.model.backend == "hf" else f"{facts.key} (HF fallback)"
-        yield diag("PACK003", source, "model.attn", f"attention {attn} exists only for AutoModel custom models, "
+        yield diag(source, "model.attn", f"attention {attn} exists only for AutoModel custom models, "
                    f"but {who} runs on HF transformers", "set model.attn: flash_attention_2 (or sdpa without packing)",
                    ["model.backend"])
 
@@ -148,7 +148,7 @@ def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagno
     facts = model_facts(recipe, source)
     if _packing(recipe, derived) and recipe.model.attn in ("te", "tilelang") and facts is not None \
             and not hf_fallback(recipe, facts) and not facts.thd_packing:
-        yield diag("PACK004", source, "actor.packing", f"{facts.key}'s AutoModel implementation does not consume THD "
+        yield diag(source, "actor.packing", f"{facts.key}'s AutoModel implementation does not consume THD "
                    "packing arguments", "set actor.packing: false (use actor.mesh.cp for long sequences)",
                    ["model.arch"])
 
@@ -180,7 +180,7 @@ def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
     attn = recipe.model.attn
     if not _packing(recipe, derived) and attn not in CUSTOM_NATIVE_ATTN and facts is not None \
             and not hf_fallback(recipe, facts):
-        yield diag("MODEL001", source, "model.attn", f"{facts.key} is an AutoModel custom model without packing: "
+        yield diag(source, "model.attn", f"{facts.key} is an AutoModel custom model without packing: "
                    f"attention {attn} runs as sdpa", "set model.attn: sdpa (or te) to say what runs")
 
 
@@ -209,7 +209,7 @@ def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Di
     """
     facts = model_facts(recipe, source)
     if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not facts.cp_hook:
-        yield diag("MODEL002", source, "actor.mesh.cp", f"actor.mesh.cp {recipe.actor.mesh.cp} on VLM {facts.key}, "
+        yield diag(source, "actor.mesh.cp", f"actor.mesh.cp {recipe.actor.mesh.cp} on VLM {facts.key}, "
                    "which has no AutoModel CP hook", "set actor.mesh.cp: 1", ["model.arch"])
 
 
@@ -237,7 +237,7 @@ def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iter
     """
     facts = model_facts(recipe, source)
     if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not recipe.actor.freeze.visual_encoder:
-        yield diag("MODEL003", source, "actor.freeze.visual_encoder", f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
+        yield diag(source, "actor.freeze.visual_encoder", f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
                    f"the visual encoder of {facts.key} is frozen (only the language model trains)",
                    "set actor.freeze.visual_encoder: true to say so", ["actor.mesh.cp"])
 
@@ -266,6 +266,6 @@ def unknown_model_arch(recipe, derived, source) -> Iterator[Diagnostic]:
     arch = recipe.model.arch
     if arch is not None and arch not in MODELS:
         close = difflib.get_close_matches(arch.lower(), MODELS, n=1, cutoff=0.5)
-        yield diag("MODEL004", source, "model.arch", f"model.arch {arch!r} is not in the model catalog",
+        yield diag(source, "model.arch", f"model.arch {arch!r} is not in the model catalog",
                    (f"did you mean {close[0]!r}? " if close else "") + "or remove model.arch to read "
                    "<model.path>/config.json; `molt-compile explain` lists the catalog")

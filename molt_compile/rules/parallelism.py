@@ -31,7 +31,7 @@ def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     pp = recipe.actor.mesh.pp
     if pp > 1:
-        yield diag("PAR001", source, "actor.mesh.pp", f"actor.mesh.pp {pp}: Molt's trainers support only pp 1",
+        yield diag(source, "actor.mesh.pp", f"actor.mesh.pp {pp}: Molt's trainers support only pp 1",
                    "set actor.mesh.pp: 1 and shard with tp, cp or ep instead")
 
 
@@ -66,7 +66,7 @@ def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[D
         if world is None or world in seen or world % unit == 0:
             continue
         seen.add(world)
-        yield diag("PAR002", source, path,
+        yield diag(source, path,
                    f"{role} world {world} is not divisible by tp {m.tp} × cp {m.cp} × pp {m.pp} = {unit}",
                    f"choose tp × cp dividing {world}, or change {role_size_keys(role)[1]}",
                    list(role_size_keys(role)))
@@ -106,7 +106,7 @@ def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagn
     a = recipe.actor
     group = a.mesh.tp * a.mesh.cp
     if a.nodes > 1 and group > 1 and a.gpus_per_node % group:
-        yield diag("PAR003", source, "actor.mesh.cp" if a.mesh.cp > 1 else "actor.mesh.tp",
+        yield diag(source, "actor.mesh.cp" if a.mesh.cp > 1 else "actor.mesh.tp",
                    f"tp × cp = {group} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: "
                    "some TP/CP groups span two nodes", f"use tp × cp dividing {a.gpus_per_node}",
                    ["actor.gpus_per_node", "actor.nodes"])
@@ -147,7 +147,7 @@ def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnos
     for axis in axes:
         size = getattr(recipe.actor.mesh, axis)
         if size > 1:
-            yield diag("PAR004", source, f"actor.mesh.{axis}",
+            yield diag(source, f"actor.mesh.{axis}",
                        f"actor.mesh.{axis} {size} on the HF transformers fallback ({why}), which has no TP/CP/EP",
                        f"set actor.mesh.{axis}: 1 and scale with data parallelism", ["model.backend", "model.arch"])
 
@@ -178,6 +178,6 @@ def critic_with_sequence_parallel(recipe, derived, source) -> Iterator[Diagnosti
     molt_rules.md H10, B9
     """
     if recipe.actor.sequence_parallel and dv(derived, "critic.exists", recipe.algo.estimator == "gae"):
-        yield diag("PAR005", source, "actor.sequence_parallel",
+        yield diag(source, "actor.sequence_parallel",
                    "actor.sequence_parallel is shared with the critic (gae), whose value head is not "
                    "sequence-parallel-safe", "set actor.sequence_parallel: false", ["algo.estimator"])

@@ -76,7 +76,7 @@ def rollout_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Dia
     if problem:
         good = [d for d in _divisors(facts.heads, 64)
                 if _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, d) is None]
-        yield diag("VLLM009", source, "rollout.mesh.tp", f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
+        yield diag(source, "rollout.mesh.tp", f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
                    f"choose rollout.mesh.tp among {', '.join(map(str, good))}", ["model.arch", "model.path"])
 
 
@@ -119,7 +119,7 @@ def actor_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagn
         bad = [f"{n} {what}" for n, what in ((facts.heads, "attention heads"), (kv, "KV heads")) if n % tp]
         if bad:
             good = [d for d in _divisors(kv, 64) if facts.heads % d == 0]
-            yield diag("PAR006", source, "actor.mesh.tp",
+            yield diag(source, "actor.mesh.tp",
                        f"{role} model {facts.key}: its {' and '.join(bad)} are not divisible by actor.mesh.tp {tp}",
                        f"choose actor.mesh.tp among {', '.join(map(str, good))}",
                        ["model.arch" if role == "actor" else f"{role}.path"])
