@@ -50,8 +50,8 @@ lint: setup
     {{bin}}/molt-compile lint --no-capabilities recipes/
 
 # Benchmarks: cold compile time, lowering at scale, runtime step timings.
-bench: setup
-    {{bin}}/python -m tests.bench
+bench *NAMES: setup
+    {{bin}}/python -m tests.bench {{NAMES}}
 
 # Regenerate the JSON Schema and the golden plans (review the diff before committing).
 regen: setup

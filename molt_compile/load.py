@@ -1,7 +1,7 @@
 """Pass 1, load: a recipe file -> plain data + a SourceMap, with `extends` and `--set` resolved.
 
 Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
-bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml round-trip parser, no constructors run), and
+bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's pure-Python safe parser, no constructors run), and
 plain Python data is then built here from the node tree. That is where the loader
 - keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
   list items as `algo.reward_clip.0`);
@@ -352,7 +352,7 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
     try:
-        return True, YAML(typ="rt", pure=True).compose(text)
+        return True, YAML(typ="safe", pure=True).compose(text)  # composing only: no comments, no constructors
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)

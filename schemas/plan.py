@@ -25,11 +25,10 @@ Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group 
 are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
 """
 
-from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
@@ -817,7 +816,7 @@ class Plan(PlanModel):
     def compute_fingerprint(self) -> str:
         return hashlib.sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
 
-    def with_fingerprint(self) -> Plan:
+    def with_fingerprint(self) -> Self:
         """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
         return self.model_copy(update={"fingerprint": self.compute_fingerprint()})
 
@@ -830,7 +829,7 @@ class Plan(PlanModel):
         return _compact(data) if indent is None else _pretty(data)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Plan:
+    def from_json(cls, text: str | bytes) -> Self:
         """Parse a plan; the fingerprint must match the content (a hand-edited plan is rejected)."""
         plan = cls.model_validate_json(text)
         if plan.fingerprint and plan.fingerprint != plan.compute_fingerprint():
