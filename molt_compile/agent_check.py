@@ -66,7 +66,7 @@ def _name(node: ast.AST) -> str | None:
 class _Module:
     def __init__(self, tree: ast.Module):
         self.classes: dict[str, ast.ClassDef] = {}
-        self.assigns: dict[str, ast.AST] = {}
+        self.assigns: dict[str, ast.Assign | ast.AnnAssign] = {}
         self.imported: set[str] = set()
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
@@ -129,7 +129,6 @@ def inspect_agent(path: str) -> AgentInfo:
     return _inspect(path, stamp)
 
 
-inspect_agent.cache_clear = lambda: _inspect.cache_clear()  # type: ignore[attr-defined]
 
 
 @lru_cache(maxsize=32)
@@ -158,11 +157,14 @@ def _inspect(path: str, stamp: int | None) -> AgentInfo:
     return AgentInfo(path)
 
 
-def _from_value(path: str, mod: _Module, value: ast.AST, line: int, depth: int = 0) -> AgentInfo:
+inspect_agent.cache_clear = lambda: _inspect.cache_clear()  # type: ignore[attr-defined]
+
+
+def _from_value(path: str, mod: _Module, value: ast.AST | None, line: int, depth: int = 0) -> AgentInfo:
     if isinstance(value, ast.Call):
         callee = _name(value.func)
         kind = mod.class_kind(callee) if callee else None
-        if kind is None:
+        if kind is None or callee is None:
             return AgentInfo(path, runner="external", runner_line=line)  # a factory we cannot see: trusted
         env = _wrong_env(mod, callee, value)
         return AgentInfo(path, runner=kind, runner_line=line, wrong_env=env, wrong_env_line=line if env else None)

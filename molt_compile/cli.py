@@ -197,7 +197,7 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
                 _console().print(render_summary(plan, memory_report(result.recipe, result.derived, result.source)))
             elif result.recipe is not None and status == 0:
                 click.echo(_short_summary(result))
-            click.echo(count_line(result.diagnostics, result.source.root_file if result.source else recipe))
+            click.echo(count_line(result.diagnostics, (result.source.root_file if result.source else None) or recipe))
     if status != 0:
         sys.exit(status)
     if plan_out:
@@ -283,7 +283,7 @@ def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tup
         own = loaded.own_keys if loaded else frozenset()
         fragment = loaded is not None and (
             loaded.is_fragment or (Path(os.path.realpath(f)) in extended and not {"kind", "name"} <= own))
-        if fragment:
+        if fragment and loaded is not None:
             fragments += 1
             diags = [d for d in loaded.diagnostics if d.code.startswith(("YAML", "LOAD"))]
         else:
@@ -403,7 +403,7 @@ def explain(recipe: str, keys: tuple[str, ...], sets: tuple[str, ...], smoke: bo
     console = _console(pipe_width=240)  # piped: one row per line, so that grep finds a key with its source
     model = type(result.recipe)
     rows = []
-    table = Table(title=f"{result.source.root_file}: resolved values", title_justify="left")
+    table = Table(title=f"{result.source.root_file if result.source else recipe}: resolved values", title_justify="left")
     wide = console.width >= 160  # else (a 100-column terminal) every column folds, the meaning most
     table.add_column("key", no_wrap=wide, overflow="fold")
     table.add_column("value", overflow="fold", max_width=40 if wide else 20)

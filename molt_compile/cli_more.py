@@ -34,7 +34,7 @@ def catalog(which: str | None, fmt: str) -> None:
 
     wanted = ("models", "gpus") if which is None else (which,)
     if fmt == "json":
-        rows = {"models": MODELS, "gpus": GPUS}
+        rows: dict[str, dict[str, Any]] = {"models": MODELS, "gpus": GPUS}
         _dump({w: [dataclasses.asdict(v) for v in rows[w].values()] for w in wanted})
         return
     models, gpus = _catalog_tables()

@@ -20,7 +20,7 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from molt_compile.diagnostics import Diagnostic, Related, Severity
 
@@ -52,6 +52,12 @@ class Code:
     def blocking(cls, code: str, name: str, text: str) -> Code:
         """A loader, schema or internal code: always an error that stops the compile."""
         return cls(code, name, "error", blocker=True, text=text)
+
+    def findings(self, *args: Any, **kwargs: Any) -> Iterable[Diagnostic]:
+        """What a rule's check finds (only the rows of the rule catalog have a check)."""
+        if self.check is None:
+            raise TypeError(f"{self.code} is not a rule")
+        return self.check(*args, **kwargs)
 
     @property
     def doc(self) -> str:

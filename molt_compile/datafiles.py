@@ -76,8 +76,8 @@ def _facts(path: str, split: str, size: int, mtime: int, is_dir: bool) -> Source
             n, cols = _parquet_footer(p)
             return SourceFacts(n, "parquet footer num_rows", cols)
         if suffix == ".arrow":
-            n, cols = _arrow_stream(p)
-            return SourceFacts(n, "arrow record batches", cols)
+            n, arrow_cols = _arrow_stream(p)
+            return SourceFacts(n, "arrow record batches", arrow_cols)
     except (OSError, ValueError, struct.error, IndexError, KeyError, TypeError) as exc:
         return SourceFacts(None, f"cannot be read at compile time ({exc})")
     return SourceFacts(None, "not a local json/jsonl/parquet/arrow file or save_to_disk dir (counted at run time)")
@@ -173,8 +173,8 @@ def _scan(path: str, split: str, columns: tuple[str, ...], prompt_key: str | Non
     try:
         obj = json.loads(p.read_bytes())
     except ValueError as exc:
-        line = getattr(exc, "lineno", "?")
-        acc.bad(f":{line}", f"not valid JSON ({getattr(exc, 'msg', exc)})")
+        decode = exc if isinstance(exc, json.JSONDecodeError) else None
+        acc.bad(f":{decode.lineno if decode else '?'}", f"not valid JSON ({decode.msg if decode else exc})")
         return acc.result(complete=True)
     rows = obj if isinstance(obj, list) else obj.get(split) if isinstance(obj, dict) else None
     for i, row in enumerate(rows if isinstance(rows, list) else []):
@@ -187,9 +187,11 @@ class _ScanAcc:
 
     def __init__(self, columns: tuple[str, ...], prompt_key: str | None):
         self.columns, self.prompt_key = columns, prompt_key
-        self.checked, self.malformed, self.malformed_count = 0, [], 0
+        self.checked, self.malformed_count = 0, 0
+        self.malformed: list[RowIssue] = []
         self.missing: dict[str, list] = {}
-        self.empty, self.empty_count = [], 0
+        self.empty: list[RowIssue] = []
+        self.empty_count = 0
 
     def add(self, where: str, line: bytes) -> None:
         try:

@@ -534,11 +534,11 @@ class _Tree:
         else:
             p = layer.values.get("extends")
             self.diags.append(_diag("LOAD007", "`extends` must be a path or a list of paths", file=layer.file,
-                                    line=p and p.line, col=p and p.col, path="extends",
+                                    line=p.line if p else None, col=p.col if p else None, path="extends",
                                     help="extends: base/rl.yaml   or   extends: [base/rl.yaml, base/8gpu.yaml]"))
             return
         for key, target in entries:
-            p = layer.values.get(key) or layer.values.get("extends")
+            p = layer.values.get(key) or layer.values.get("extends") or Pos(layer.file, None, None)
             target_path = real.parent / target
             target_real = Path(os.path.realpath(target_path))
             chain = [f for _, f in stack]

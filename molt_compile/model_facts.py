@@ -79,7 +79,8 @@ def _from_config_dir(path: str, stamp: int) -> ModelFacts | None:
 
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     """A ModelFacts from a parsed HF config.json (VLM configs keep the language model under `text_config`)."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    nested = cfg.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else cfg
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else cfg.get("model_type", "unknown")
     layers = _int(text, "num_hidden_layers")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rich.console import Group
+from rich.console import ConsoleRenderable, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -49,19 +49,13 @@ def node_summary(devices: list[list[str]]) -> str:
 
 def _ranges(values: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
-    values = sorted(set(values))
-    out, start, prev = [], None, None
-    for v in values:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
         else:
-            out.append(f"{start}-{prev}" if start != prev else f"{start}")
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}-{prev}" if start != prev else f"{start}")
-    return ",".join(out)
+            runs.append([v, v])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def grouped_nodes(gpu_map: list[list[list[str]]]) -> list[tuple[str, str, str]]:
@@ -132,7 +126,7 @@ def render_summary(plan: Plan, memory: Any = None) -> Group:
     for name in KEY_DERIVED_RL if plan.kind == "rl" else KEY_DERIVED_SFT:
         if name in by_name:
             derived.add_row(name, _fmt(by_name[name].value), by_name[name].reason)
-    parts = [header, roles, devmap, derived]
+    parts: list[ConsoleRenderable] = [header, roles, devmap, derived]
     if memory is not None and (memory.fsdp_groups or memory.engine is not None):
         parts.append(_memory_table(memory))
     return Group(*parts)

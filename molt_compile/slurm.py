@@ -240,7 +240,7 @@ def render_sbatch(plan: Plan) -> str:
         node_delimiter=f"MOLT_NODE_SCRIPT_END_{plan.fingerprint[:12] or 'X'}",
     )
     if plan.kind == "rl":
-        values["ports"] = node_ports(ray_port, dashboard_port, values["nodes"])
+        values["ports"] = node_ports(ray_port, dashboard_port, cluster.nodes)
         values["entrypoint"] = command_words(plan.entrypoint, {PLAN_FILE_PLACEHOLDER: "MOLT_PLAN_FILE"})
     else:
         command = plan.sft.command if plan.sft is not None else plan.entrypoint

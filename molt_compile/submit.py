@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +82,16 @@ def submit(plan: Plan, *, address: str | None, follow: bool, root: Path | None =
 
 
 # ------------------------------------------------------------------------------------------------ shared
-def resolve_env(env: dict[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+def resolve_env(env: dict[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The job env with `${env:NAME}` references replaced by the submitting environment's values."""
-    environ = os.environ if environ is None else environ
+    values: Mapping[str, str] = os.environ if environ is None else environ
     out = {}
     for key, value in env.items():
-        missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in environ]
+        missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in values]
         if missing:
             raise LaunchError(f"env.{key} refers to ${{env:{missing[0]}}}, which is not set here",
                               f"export {missing[0]}=... before submitting (secrets stay out of recipes and plans)")
-        out[key] = ENV_REF.sub(lambda m: environ[m.group(1)], value)
+        out[key] = ENV_REF.sub(lambda m: values[m.group(1)], value)
     return out
 
 
@@ -151,15 +152,15 @@ def shortfall(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
     return missing
 
 
-def auth_token(environ: dict[str, str] | None = None) -> str | None:
+def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The Ray auth token, looked up as Ray's clients do; None when there is none or auth is disabled."""
-    environ = os.environ if environ is None else environ
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get("RAY_AUTH_MODE", "").lower() == "disabled":
         return None
-    if environ.get("RAY_AUTH_TOKEN"):
-        return environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else (
-        Path(environ.get("HOME", str(Path.home()))) / ".ray" / "auth_token")
+    if env.get("RAY_AUTH_TOKEN"):
+        return env["RAY_AUTH_TOKEN"].strip()
+    path = Path(env["RAY_AUTH_TOKEN_PATH"]) if env.get("RAY_AUTH_TOKEN_PATH") else (
+        Path(env.get("HOME", str(Path.home()))) / ".ray" / "auth_token")
     try:
         return path.read_text().strip() or None
     except OSError:
@@ -222,7 +223,7 @@ def check_cluster(plan: Plan, address: str, headers: dict[str, str]) -> None:
         time.sleep(1)
     missing = shortfall(plan, nodes)
     if missing:
-        have = {}
+        have: dict[str, float] = {}
         for res in nodes:
             for k, v in res.items():
                 if k in ("CPU", "GPU", plan.cluster.device_resource):

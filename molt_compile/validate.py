@@ -10,6 +10,7 @@ and the closest choice for an enum value. Schema errors are blockers (exit 2).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from molt_compile import schema_walk as sw
@@ -140,8 +141,8 @@ def _unknown_key(model: Any, segments: list[Any], where: _Where) -> Diagnostic:
     return _error("SCHEMA001", f"unknown key `{key}` {where_msg}", path, where.key(path), help=help)
 
 
-def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Where) -> list[Diagnostic]:
-    by_path: dict[str, list[tuple[list[Any], dict]]] = {}
+def _map_errors(model: Any, errors: Sequence[Mapping[str, Any]], data: dict[str, Any], where: _Where) -> list[Diagnostic]:
+    by_path: dict[str, list[tuple[list[Any], Mapping[str, Any]]]] = {}
     for err in errors:
         if err["loc"] and err["loc"][0] in ("version", "kind"):
             continue  # checked by hand, with better messages
@@ -202,7 +203,7 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
                 if expected == ["a mapping"] and value is None:
                     help = f"an empty `{segments[-1]}:` is null; write `{segments[-1]}: {{}}` for the defaults, or remove it"
                 elif expected == ["a string"] and isinstance(value, (int, float, bool)):
-                    shown = str(value).lower() if isinstance(value, bool) else value
+                    shown = str(value).lower() if isinstance(value, bool) else str(value)
                     help = f'quote it: `{segments[-1]}: "{shown}"`'
                 diags.append(_error("SCHEMA002", f"`{path}` must be {' or '.join(expected)}, got {describe(value)}",
                                     path, where.value(path), help=help))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from schemas.plan import Plan
+from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
 DEVICES = ("cpu", "cuda")
 
@@ -64,7 +64,7 @@ def _trainer_mesh(plan: Plan, axis: str) -> int:
     return getattr(t.mesh, axis) if t is not None else 1
 
 
-def _mesh_rows(kind: str, section: Callable[[Plan], object]) -> tuple[Capability, ...]:
+def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None]) -> tuple[Capability, ...]:
     def asks(axis: str) -> Callable[[Plan], bool]:
         def check(plan: Plan) -> bool:
             trainer = section(plan)

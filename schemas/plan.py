@@ -28,11 +28,11 @@ are where the compiler's bin packing put them; the runtime may log a mismatch bu
 
 import hashlib
 import json
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION: Final = 1
 PLAN_FILE_PLACEHOLDER = "{plan_file}"
 """Substituted by the launcher with the plan file's path (relative to the job's working directory)."""
 DEVICE_SLOT_RESOURCE = "device_slot"

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from molt_compile.codes import Code
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules import (
     async_queue,
@@ -46,6 +47,7 @@ from molt_compile.rules import (
     vllm,
 )
 from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 BOTH = ("rl", "sft")
 
@@ -229,13 +231,13 @@ RULES_BY_CODE: dict[str, Code] = {r.code: r for r in ALL_RULES}
 UNUSED_IGNORE = "IGNORE002"
 
 
-def run_rules(recipe, derived, source: SourceMap | None) -> list[Diagnostic]:
+def run_rules(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap | None) -> list[Diagnostic]:
     """Run every rule for `recipe.kind`, apply `ignore:` and report ignores that suppressed nothing."""
     source = source if source is not None else SourceMap()
     found: list[Diagnostic] = []
     for rule in ALL_RULES:
         if recipe.kind in rule.kinds and rule.code != UNUSED_IGNORE:
-            found.extend(_run(rule, rule.check(recipe, derived, source)))
+            found.extend(_run(rule, rule.findings(recipe, derived, source)))
     ignored = getattr(recipe, "ignore", {}) or {}
     kept, fired = [], set()
     for d in found:
@@ -244,7 +246,7 @@ def run_rules(recipe, derived, source: SourceMap | None) -> list[Diagnostic]:
         else:
             kept.append(d)
     unused = RULES_BY_CODE[UNUSED_IGNORE]
-    kept.extend(_run(unused, unused.check(recipe, derived, source, fired=frozenset(fired))))
+    kept.extend(_run(unused, unused.findings(recipe, derived, source, fired=frozenset(fired))))
     return kept
 
 

@@ -53,13 +53,12 @@ def path_base(source: SourceMap | None, key: str) -> Path | None:
     file that set it (a base resolves against itself), or the job root (the recipe's project root; its directory
     outside a project) for `--set` and defaults. None without a source map (a bare recipe in tests): path checks
     are skipped."""
-    if source is None or not getattr(source, "root_file", None):
+    if source is None or not source.root_file:
         return None
     pos = source.pos(key)
     if pos.layer == "file" and pos.file:
         return _resolved_parent(pos.file)
-    root = getattr(source, "job_root", None)
-    return Path(root) if root else _resolved_parent(source.root_file)
+    return Path(source.job_root) if source.job_root else _resolved_parent(source.root_file)
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):

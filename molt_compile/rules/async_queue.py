@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+def async_rollout_without_is_correction(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.async.queue_size > 1` or `train.async.partial_rollout: true` while `algo.is_correction.level` is `off`.
 
@@ -58,7 +61,7 @@ def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Dia
                    if forced else "train.async.partial_rollout: false"), ["algo.is_correction.level"])
 
 
-def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_correction_with_top_p(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Importance-sampling correction (`algo.is_correction.level` not `off`), or KL against the rollout policy
     (`algo.kl.coef > 0`, `kl.ref: rollout`, Molt 0.2.1 V11), together with `rollout.top_p < 1`.
@@ -98,7 +101,7 @@ def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
                    "with a `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
 
 
-def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
+def seq_level_is_without_mask(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.level` `seq` or `geo` with a `mode` other than `mask`.
 
@@ -130,7 +133,7 @@ def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["algo.is_correction.level"])
 
 
-def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+def stale_rollouts_without_is_correction(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     IS correction off, queue size 1, no partial rollout, and `train.async.force_sync: false`.
 
@@ -169,7 +172,7 @@ def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Di
                    ["train.async.queue_size", "algo.is_correction.level"])
 
 
-def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_threshold_band_excludes_on_policy(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An IS threshold band `[low, high]` that is empty (`low >= high`) or does not contain 1.
 
@@ -209,7 +212,7 @@ def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Di
                "use a band around 1, e.g. [0.99, 1.01] or [0.5, 2.0]", ["algo.is_correction.level"])
 
 
-def generate_batch_forces_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def generate_batch_forces_partial_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.generate_batch_size > rollout.batch_size` with `train.async.partial_rollout: false`.
 

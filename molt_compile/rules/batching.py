@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, fsdp_roles, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _role_dps(recipe, derived) -> list[tuple[str, int]]:
@@ -23,7 +26,7 @@ def _ref_size_key(source) -> str:
     return "ref.gpus_per_node" if is_set(source, "ref.gpus_per_node") else "ref.nodes"
 
 
-def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def train_batch_not_divisible_by_dp(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     For every FSDP role (actor, a separately sized reference model, the SFT model):
     `train.batch_size = micro_batch_size × dp × grad_accum` with an integer `grad_accum`, unless dynamic batching.
@@ -67,7 +70,7 @@ def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnos
                    ["train.batch_size", "train.micro_batch_size", *size])
 
 
-def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_fewer_than_dp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.batch_size × n_samples_per_prompt >= dp` of every FSDP role (actor, separate ref, critic).
 
@@ -103,7 +106,7 @@ def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnosti
                        ["rollout.n_samples_per_prompt", "actor.gpus_per_node"])
 
 
-def rollout_samples_below_train_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_below_train_batch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Unless `train.force_on_policy`: `rollout.batch_size × n_samples_per_prompt >= train.batch_size`.
 
@@ -138,7 +141,7 @@ def rollout_samples_below_train_batch(recipe, derived, source) -> Iterator[Diagn
                                                                            "train.batch_size"])
 
 
-def rollout_samples_not_multiple_of_train_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_not_multiple_of_train_batch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Unless `train.force_on_policy`: `rollout.batch_size × n_samples_per_prompt` is a multiple of `train.batch_size`.
 
@@ -171,7 +174,7 @@ def rollout_samples_not_multiple_of_train_batch(recipe, derived, source) -> Iter
                    ["rollout.n_samples_per_prompt", "train.batch_size"])
 
 
-def force_on_policy_with_several_epochs(recipe, derived, source) -> Iterator[Diagnostic]:
+def force_on_policy_with_several_epochs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.force_on_policy: true` with `train.max_epochs != 1`.
 
@@ -200,7 +203,7 @@ def force_on_policy_with_several_epochs(recipe, derived, source) -> Iterator[Dia
                    ["train.force_on_policy"])
 
 
-def dynamic_batch_without_packing(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_batch_without_packing(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.dynamic_batch` while the effective packing is off (`actor.packing: false`, or a VLM run that never packs).
 
@@ -229,7 +232,7 @@ def dynamic_batch_without_packing(recipe, derived, source) -> Iterator[Diagnosti
                    "set actor.packing: true (text models), or remove train.dynamic_batch", ["actor.packing"])
 
 
-def dynamic_batch_smaller_than_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_batch_smaller_than_dp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With `train.dynamic_batch`: `train.batch_size >= dp`.
 
@@ -261,7 +264,7 @@ def dynamic_batch_smaller_than_dp(recipe, derived, source) -> Iterator[Diagnosti
                    ["train.dynamic_batch", "actor.gpus_per_node"])
 
 
-def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rank_samples_not_multiple_of_micro_batch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Without dynamic batching: the samples each actor rank gets per step (`samples // dp`) are a multiple of
     `train.micro_batch_size`.
@@ -300,7 +303,7 @@ def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterato
                    "train.micro_batch_size", ["rollout.batch_size", "rollout.n_samples_per_prompt"])
 
 
-def dataset_smaller_than_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def dataset_smaller_than_batch(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     When the dataset is counted at compile time: RL prompts `>= rollout.batch_size`; SFT samples
     `>= train.batch_size`.

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _on(recipe) -> bool:
     return recipe.algo.score_centering_top_k >= 2
 
 
-def score_centering_top_k_invalid(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_top_k_invalid(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.score_centering_top_k` is 0 (off) or at least 2.
 
@@ -44,7 +47,7 @@ def score_centering_top_k_invalid(recipe, derived, source) -> Iterator[Diagnosti
                    "needs k >= 2 (or 0 for off)", "use 0 (off) or k >= 2, e.g. 8")
 
 
-def score_centering_with_several_epochs(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_several_epochs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `train.max_epochs` other than 1.
 
@@ -73,7 +76,7 @@ def score_centering_with_several_epochs(recipe, derived, source) -> Iterator[Dia
                    ["algo.score_centering_top_k"])
 
 
-def score_centering_sampling(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_sampling(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `rollout.top_p < 1`.
 
@@ -102,7 +105,7 @@ def score_centering_sampling(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"{recipe.rollout.top_p}", "set rollout.top_p: 1.0", ["algo.score_centering_top_k"])
 
 
-def score_centering_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_tensor_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `actor.mesh.tp > 1`.
 
@@ -131,7 +134,7 @@ def score_centering_with_tensor_parallel(recipe, derived, source) -> Iterator[Di
                    ["algo.score_centering_top_k"])
 
 
-def score_centering_with_sequence_is(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_sequence_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `algo.is_correction.level` seq or geo.
 
@@ -159,7 +162,7 @@ def score_centering_with_sequence_is(recipe, derived, source) -> Iterator[Diagno
                    ["algo.score_centering_top_k"])
 
 
-def score_centering_with_divergence_gating(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_divergence_gating(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `algo.is_correction.gating` other than ratio — even with IS off.
 
@@ -187,7 +190,7 @@ def score_centering_with_divergence_gating(recipe, derived, source) -> Iterator[
                    "set algo.is_correction.gating: ratio", ["algo.score_centering_top_k"])
 
 
-def score_centering_ratio_drifts(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_ratio_drifts(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering where a rollout batch is trained in several optimizer steps: `train.batch_size` below
     `rollout.batch_size × n_samples_per_prompt` without `train.force_on_policy`.

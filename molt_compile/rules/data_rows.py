@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from molt_compile.datafiles import SCAN_BYTES, scan_json_rows, source_facts
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, path_base
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftData, SftRecipe
 
 
 def _row_sources(recipe, source) -> list[tuple[str, str, str, str]]:
@@ -40,7 +43,7 @@ def _scanned(scan) -> str:
     return f"{scan.checked} rows checked" + ("" if scan.complete else f", the first {SCAN_BYTES >> 20} MiB")
 
 
-def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnostic]:
+def chat_rows_without_chat_template(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     RL: when the first row of a local prompt file holds a list of chat messages under `data.input_key`,
     `data.apply_chat_template` is true.
@@ -73,7 +76,7 @@ def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnos
             return
 
 
-def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_key_missing_from_rows(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The columns the recipe names (`data.input_key`, and `label_key` for RL or `output_key` for SFT) exist in each
     local data file: in the first row of a .jsonl/.json file (and `input_key` in every checked row), in the schema
@@ -97,8 +100,8 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md L2, A4
     """
     d = recipe.data
-    wanted = [("data.input_key", d.input_key)]
-    wanted.append(("data.output_key", d.output_key) if recipe.kind == "sft" else ("data.label_key", d.label_key))
+    wanted: list[tuple[str, str | None]] = [("data.input_key", d.input_key)]
+    wanted.append(("data.output_key", d.output_key) if isinstance(d, SftData) else ("data.label_key", d.label_key))
     for key, src, local, split in _row_sources(recipe, source):
         facts = source_facts(local, split)
         if facts.columns is None:
@@ -119,7 +122,7 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
                            f"give every row the {col!r} column, or fix {key}", [other])
 
 
-def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_row_malformed(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Every row of a local .jsonl/.json data file (prompts, SFT dataset, eval dataset) parses as a JSON object, and a
     local parquet/arrow/save_to_disk source has readable headers. Each file is checked up to its first 4 MiB.
@@ -156,7 +159,7 @@ def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
                    "fix the row (one JSON object per line in .jsonl files)")
 
 
-def data_prompt_empty(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_prompt_empty(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Rows of a local .jsonl/.json data file whose prompt (`data.input_key`) is empty: null, blank text, no messages,
     or messages with only blank contents. Each file is checked up to its first 4 MiB.

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, is_set, model_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftActor, SftRecipe
 
 
-def dead_rollout_knob(recipe, derived, source) -> Iterator[Diagnostic]:
+def dead_rollout_knob(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.micro_batch_size` or `rollout.max_tokens_per_gpu` set.
 
@@ -36,7 +39,7 @@ def dead_rollout_knob(recipe, derived, source) -> Iterator[Diagnostic]:
                        f"remove rollout.{key}")
 
 
-def freezing_steps_without_critic(recipe, derived, source) -> Iterator[Diagnostic]:
+def freezing_steps_without_critic(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.freezing_steps > 0` without a critic (estimator other than gae).
 
@@ -62,7 +65,7 @@ def freezing_steps_without_critic(recipe, derived, source) -> Iterator[Diagnosti
                    ["algo.estimator"])
 
 
-def discount_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def discount_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.lam` set (≠ 1) with an estimator other than gae, or `algo.gamma` set (≠ 1) with one other than reinforce
     and gae.
@@ -93,7 +96,7 @@ def discount_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic
                    f"{a.estimator}", "remove algo.gamma", ["algo.estimator"])
 
 
-def adaptive_kl_with_zero_coef(recipe, derived, source) -> Iterator[Diagnostic]:
+def adaptive_kl_with_zero_coef(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.target` (adaptive KL) with a KL coefficient of 0.
 
@@ -120,7 +123,7 @@ def adaptive_kl_with_zero_coef(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set algo.kl.coef > 0, or remove algo.kl.target", ["algo.kl.coef"])
 
 
-def moe_knob_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_knob_on_dense_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     MoE-only settings (`aux_loss_coef > 0`, `freeze.moe_router`) on a dense model.
 
@@ -146,7 +149,7 @@ def moe_knob_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
     if facts is None or facts.is_moe:
         return
     a = recipe.actor
-    aux_key, aux = ("actor.aux_loss_coef", a.aux_loss_coef) if recipe.kind == "sft" else \
+    aux_key, aux = ("actor.aux_loss_coef", a.aux_loss_coef) if isinstance(a, SftActor) else \
         ("actor.loss.aux_loss_coef", a.loss.aux_loss_coef)
     if aux > 0:
         yield diag(source, aux_key, f"{aux_key} {aux} on dense model {facts.key}: there is no router",
@@ -156,7 +159,7 @@ def moe_knob_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"{facts.key}: there is no router", "remove actor.freeze.moe_router", ["model.arch"])
 
 
-def sequence_parallel_without_tp(recipe, derived, source) -> Iterator[Diagnostic]:
+def sequence_parallel_without_tp(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.sequence_parallel: true` with `actor.mesh.tp: 1`.
 
@@ -181,7 +184,7 @@ def sequence_parallel_without_tp(recipe, derived, source) -> Iterator[Diagnostic
                    "remove actor.sequence_parallel, or use tp > 1", ["actor.mesh.tp"])
 
 
-def optimizer_knob_unused_by_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
+def optimizer_knob_unused_by_scheduler(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `warmup_ratio` written with the `constant` scheduler, `min_lr_ratio` written with a scheduler other than
     `cosine_with_min_lr`, or a `muon:` block with the adam optimizer.
@@ -203,9 +206,10 @@ def optimizer_knob_unused_by_scheduler(recipe, derived, source) -> Iterator[Diag
     ## References
     molt_rules.md K5, K6, §1.1
     """
-    prefixes = ["actor.optimizer"] + (["critic.optimizer"] if getattr(recipe, "critic", None) else [])
-    for prefix in prefixes:
-        opt = recipe.actor.optimizer if prefix.startswith("actor") else recipe.critic.optimizer
+    optimizers = [("actor.optimizer", recipe.actor.optimizer)]
+    if isinstance(recipe, RlRecipe) and recipe.critic is not None:
+        optimizers.append(("critic.optimizer", recipe.critic.optimizer))
+    for prefix, opt in optimizers:
         if opt.scheduler == "constant" and is_set(source, f"{prefix}.warmup_ratio") and opt.warmup_ratio > 0:
             yield diag(source, f"{prefix}.warmup_ratio", f"{prefix}.warmup_ratio is ignored by the "
                        "constant scheduler", "use scheduler constant_with_warmup, or remove warmup_ratio",
@@ -218,7 +222,7 @@ def optimizer_knob_unused_by_scheduler(recipe, derived, source) -> Iterator[Diag
                        f"remove {prefix}.muon, or set {prefix}.name: muon", [f"{prefix}.name"])
 
 
-def whiten_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def whiten_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.whiten` written with an estimator that does not whiten (rloo, grpo, dr_grpo, on_policy_distill).
 
@@ -244,7 +248,7 @@ def whiten_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
                    "remove algo.whiten", ["algo.estimator"])
 
 
-def visual_encoder_freeze_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def visual_encoder_freeze_on_text_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.freeze.visual_encoder: true` on a text-only model.
 

@@ -30,7 +30,7 @@ def reference() -> str:
     head.append(f"| [{cap.code}](#{cap.code.lower()}-{cap.name}) | {cap.name} | {cap.severity} | rl, sft |")
     cap_page = (f"## {cap.code} {cap.name}\n\nSeverity: **{cap.severity}** · applies to: rl and sft recipes "
                 f"(checked on the lowered plan)\n\n{cap.text.replace('## ', '### ')}\n"
-                f"{cap.appendix().replace('## ', '### ')}\n")
+                f"{(cap.appendix() if cap.appendix else '').replace('## ', '### ')}\n")
     return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES) + "\n" + cap_page
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import GROUP_ESTIMATORS, diag, dv, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _no_section(source, section: str) -> str:
@@ -21,7 +24,7 @@ def _add_section(source, section: str, example: str) -> str:
     return f"add `{section}: {example}`"
 
 
-def group_estimator_with_single_sample(recipe, derived, source) -> Iterator[Diagnostic]:
+def group_estimator_with_single_sample(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A group estimator (`rloo`, `reinforce_baseline`, `grpo`, `dr_grpo`) with `rollout.n_samples_per_prompt <= 1`.
 
@@ -52,7 +55,7 @@ def group_estimator_with_single_sample(recipe, derived, source) -> Iterator[Diag
                    ["algo.estimator"])
 
 
-def gae_without_critic_section(recipe, derived, source) -> Iterator[Diagnostic]:
+def gae_without_critic_section(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: gae` without a `critic:` section.
 
@@ -83,7 +86,7 @@ def gae_without_critic_section(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["critic"])
 
 
-def critic_without_gae(recipe, derived, source) -> Iterator[Diagnostic]:
+def critic_without_gae(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A `critic:` section while `algo.estimator` is not `gae`.
 
@@ -112,7 +115,7 @@ def critic_without_gae(recipe, derived, source) -> Iterator[Diagnostic]:
                    "remove the `critic:` section, or set algo.estimator: gae", ["algo.estimator"])
 
 
-def distill_without_teacher(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_without_teacher(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: on_policy_distill` without a `ref:` section, or with `ref.path` unset.
 
@@ -148,7 +151,7 @@ def distill_without_teacher(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"({recipe.model.path})", "set ref.path to the teacher checkpoint", ["algo.estimator", "model.path"])
 
 
-def distill_with_nonpositive_kl_coef(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_with_nonpositive_kl_coef(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `on_policy_distill` with `algo.kl.coef <= 0`.
 
@@ -179,7 +182,7 @@ def distill_with_nonpositive_kl_coef(recipe, derived, source) -> Iterator[Diagno
                    ["algo.estimator"])
 
 
-def distill_forces_reward_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_forces_reward_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) what `on_policy_distill` forces: `algo.kl.estimator: k1`, `algo.kl.use_loss: false`, and
     `algo.kl.coef: 1.0` when unset.
@@ -216,7 +219,7 @@ def distill_forces_reward_kl(recipe, derived, source) -> Iterator[Diagnostic]:
                ["algo.estimator", "algo.kl"])
 
 
-def kl_loss_with_k1(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_loss_with_k1(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A KL loss term (`algo.kl.use_loss: true`, `coef > 0`) estimated with `k1`.
 
@@ -249,7 +252,7 @@ def kl_loss_with_k1(recipe, derived, source) -> Iterator[Diagnostic]:
                    "pull the policy toward the reference", "set algo.kl.estimator: k2 (or k3)", ["algo.kl.use_loss"])
 
 
-def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_with_group_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A KL *reward* (`use_loss: false`, `coef > 0`, a `ref:`) with a group estimator (rloo, reinforce_baseline, grpo,
     dr_grpo).
@@ -282,7 +285,7 @@ def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnost
                    "set algo.kl.coef: 0", ["algo.estimator", "algo.kl.coef", "ref"])
 
 
-def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_coef_without_ref(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.coef > 0` with `algo.kl.ref: model` but no `ref:` section (not on_policy_distill, which has its own
     rule).
@@ -316,7 +319,7 @@ def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
                    ", or set algo.kl.ref: rollout", ["ref", "algo.kl.ref"])
 
 
-def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def ref_without_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A `ref:` section while `algo.kl.coef` is 0, or while the KL is measured against the rollout policy
     (`algo.kl.ref` rollout, Molt 0.2.1's default) — and the estimator is not on_policy_distill.
@@ -352,7 +355,7 @@ def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
                    "meaning), or remove the `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
 
 
-def dynamic_filtering_empty_range(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_empty_range(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.dynamic_filtering.range` with `lo >= hi`.
 
@@ -380,7 +383,7 @@ def dynamic_filtering_empty_range(recipe, derived, source) -> Iterator[Diagnosti
                    "use lo < hi, e.g. [0.01, 0.99]")
 
 
-def dynamic_filtering_with_single_sample(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_with_single_sample(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Dynamic filtering with `rollout.n_samples_per_prompt <= 1`.
 
@@ -411,7 +414,7 @@ def dynamic_filtering_with_single_sample(recipe, derived, source) -> Iterator[Di
                    ["rollout.n_samples_per_prompt"])
 
 
-def dynamic_filtering_with_builtin_distill_agent(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_with_builtin_distill_agent(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Dynamic filtering with on_policy_distill and no `agent:` (the built-in distill agent).
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_cadence_zero(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `eval.every` is -1 (never; SFT: once per epoch) or a positive number of steps, never 0.
 
@@ -33,7 +36,7 @@ def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
                    "use a positive number of steps, or -1 for never")
 
 
-def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+def ckpt_cadence_zero(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `ckpt.every` is -1 (never) or a positive number of steps, never 0.
 
@@ -58,7 +61,7 @@ def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
                    "use a positive number of steps, or -1 for never")
 
 
-def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_only_without_dataset(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `eval.only: true` without `eval.dataset`.
 
@@ -84,7 +87,7 @@ def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["eval.dataset"])
 
 
-def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_settings_without_dataset(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Eval cadence or sampling settings (`eval.every`, `eval.at_start`, ...) written without an `eval.dataset`.
 
@@ -113,7 +116,7 @@ def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnosti
                    "eval.dataset: no eval runs", "set eval.dataset, or remove the eval settings")
 
 
-def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_dataset_never_used(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     RL: an `eval.dataset` with `eval.every: -1`, no `at_start` and not `only`.
 
@@ -140,7 +143,7 @@ def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["eval.dataset"])
 
 
-def run_saves_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
+def run_saves_nothing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `ckpt.every: -1` together with `ckpt.final_save: false` (and not eval-only).
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from molt_compile.derive import is_band
+from molt_compile.derive import Derived, is_band
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _values(isc) -> list[float]:
@@ -19,7 +21,7 @@ def _values(isc) -> list[float]:
     return [t] if isinstance(t, int | float) else list(t)
 
 
-def is_threshold_arity(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_threshold_arity(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.threshold` has one value (HIGH) or two (LOW, HIGH).
 
@@ -46,7 +48,7 @@ def is_threshold_arity(recipe, derived, source) -> Iterator[Diagnostic]:
                    "it takes HIGH or [LOW, HIGH]", "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]")
 
 
-def is_single_threshold_band(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_single_threshold_band(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A single `algo.is_correction.threshold` value HIGH, with IS correction on: the band is `[-inf, HIGH]`.
 
@@ -73,7 +75,7 @@ def is_single_threshold_band(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"band is [-inf, {_values(isc)[0]}] (X1)", "write [0.0, HIGH] to say it in the recipe")
 
 
-def divergence_gating_with_clip_or_geo(recipe, derived, source) -> Iterator[Diagnostic]:
+def divergence_gating_with_clip_or_geo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.gating` binary_kl or tv with `mode` other than mask, or with `level: geo`.
 
@@ -105,7 +107,7 @@ def divergence_gating_with_clip_or_geo(recipe, derived, source) -> Iterator[Diag
                    "seq, not geo", "set algo.is_correction.level: seq", ["algo.is_correction.gating"])
 
 
-def divergence_gating_with_lower_bound(recipe, derived, source) -> Iterator[Diagnostic]:
+def divergence_gating_with_lower_bound(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `gating` binary_kl or tv with IS on and a band whose lower value is > 0 (the default [0.5, 5.0] included).
 
@@ -137,7 +139,7 @@ def divergence_gating_with_lower_bound(recipe, derived, source) -> Iterator[Diag
                    ["algo.is_correction.gating"])
 
 
-def gating_without_is(recipe, derived, source) -> Iterator[Diagnostic]:
+def gating_without_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.gating` binary_kl or tv while `algo.is_correction.level` is off.
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
+def unknown_code_in_ignore(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, known: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` is a rule code of the catalog (`molt-compile rules` lists them).
 
@@ -40,7 +43,7 @@ def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = f
                        f"did you mean {close[0]}?" if close else "see `molt-compile rules` for the codes")
 
 
-def ignore_without_reason(recipe, derived, source) -> Iterator[Diagnostic]:
+def ignore_without_reason(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Every suppression under `ignore:` gives a reason (a non-empty string).
 
@@ -68,7 +71,7 @@ def ignore_without_reason(recipe, derived, source) -> Iterator[Diagnostic]:
                        f'write why: ignore: {{{code}: "<reason>"}}')
 
 
-def unused_ignore(recipe, derived, source, *, fired: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
+def unused_ignore(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, fired: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` suppressed at least one diagnostic of this recipe. `run_rules` calls this check last,
     with the codes that fired; an unknown code is reported by IGNORE001 instead.

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from molt_compile.derive import kl_ref_of
+from molt_compile.derive import Derived, kl_ref_of
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import GROUP_ESTIMATORS, diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 KL_REWARD_IGNORED = GROUP_ESTIMATORS | {"flash_reinforce"}
 """Estimators that do not read the per-token KL reward (C7, I10)."""
@@ -29,7 +31,7 @@ def _runner_kind(recipe, source) -> str | None:
     return inspect_agent(str(f)).runner if f is not None else None
 
 
-def kl_k1_loss_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_k1_loss_against_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.use_loss: true` with `algo.kl.estimator: k1` while the KL reference is the rollout policy
     (`algo.kl.ref: rollout`, the default) — whatever the coefficient.
@@ -59,7 +61,7 @@ def kl_k1_loss_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set algo.kl.estimator: k3 (or k2); or algo.kl.use_loss: false", ["algo.kl.use_loss", "algo.kl.ref"])
 
 
-def kl_ref_defaults_to_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_ref_defaults_to_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.coef > 0` with `algo.kl.ref` unset (not on_policy_distill): the KL is measured against the rollout
     policy, and no reference model is built for it.
@@ -92,7 +94,7 @@ def kl_ref_defaults_to_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
                    "frozen reference", ["algo.kl.ref"])
 
 
-def distill_forces_kl_ref_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_forces_kl_ref_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.ref: rollout` under `algo.estimator: on_policy_distill`.
 
@@ -121,7 +123,7 @@ def distill_forces_kl_ref_model(recipe, derived, source) -> Iterator[Diagnostic]
                    "algo.kl.ref is forced to model", "remove algo.kl.ref", ["algo.estimator"])
 
 
-def kl_to_rollout_without_logprobs(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_to_rollout_without_logprobs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     KL against the rollout policy (`algo.kl.coef > 0`, `kl.ref: rollout`) with a step agent (StepEnvRunner),
     importance-sampling correction off and no score centering.
@@ -157,7 +159,7 @@ def kl_to_rollout_without_logprobs(recipe, derived, source) -> Iterator[Diagnost
                    "algo.kl.ref: model with a `ref:` section", ["algo.kl.ref", "algo.is_correction.level", "agent.path"])
 
 
-def kl_reward_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_against_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     KL against the rollout policy folded into the reward (`use_loss: false`) with an estimator that reads it
     (reinforce, gae).
@@ -190,7 +192,7 @@ def kl_reward_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["algo.kl.ref", "algo.kl.coef"])
 
 
-def kl_reward_with_flash_reinforce(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_with_flash_reinforce(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: flash_reinforce` with a KL coefficient folded into the reward (`use_loss: false`).
 

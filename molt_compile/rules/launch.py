@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
-from schemas.recipe import ENV_NAME_PATTERN
+from molt_compile.source import SourceMap
+from schemas.recipe import ENV_NAME_PATTERN, RlRecipe, SftRecipe
 
 ENV_NAME = re.compile(ENV_NAME_PATTERN)
 
@@ -28,7 +30,7 @@ def _slurm_time_in_words(value: str) -> str | None:
     return f"{days}-{clock}" if days else clock
 
 
-def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
+def slurm_time_format(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.time` is written in one of sbatch's `--time` formats: `minutes`, `minutes:seconds`,
     `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`, `days-hours:minutes:seconds`, or `UNLIMITED` /
@@ -61,7 +63,7 @@ def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
                'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
 
 
-def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+def ray_runtime_env_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     In `launch.ray.runtime_env`, `env_vars` is a mapping of environment variable names (letters, digits, `_`, not
     starting with a digit) to strings, and `excludes` is a list of strings.
@@ -119,7 +121,7 @@ _MEM = re.compile(r"\d+[KMGT]?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+def slurm_option_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.sbatch_options` items are one `--name` or `--name=value` each, not an option the script
     already writes (use its key: `qos`, `mem`, ...); `launch.slurm.srun_options` items are one flag each, not one
@@ -173,7 +175,7 @@ def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
                        f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
 
 
-def slurm_requeue_needs_resume(recipe, derived, source) -> Iterator[Diagnostic]:
+def slurm_requeue_needs_resume(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.requeue: true` is set on an RL recipe with `ckpt.resume: true`.
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, model_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 TOP_LEVEL_MODULES = frozenset({"lm_head", "model"})
 """Module names of a causal LM that hold no dot (every other full name does)."""
@@ -17,7 +20,7 @@ LORA_MIN_LR = 1e-5
 """Below this AdamW lr Molt warns under LoRA (strategy.py:337-343): adapters usually need ~1e-4."""
 
 
-def lora_negative_rank(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_negative_rank(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.lora.dim` is not negative.
 
@@ -43,7 +46,7 @@ def lora_negative_rank(recipe, derived, source) -> Iterator[Diagnostic]:
                    "mean full fine-tuning", "use a positive rank such as 16, or 0 for full fine-tuning")
 
 
-def lora_target_matches_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_target_matches_nothing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Each `actor.lora.target_modules` pattern can match a full module name: it holds a `*` or a `.` (or is a
     top-level module such as `lm_head`).
@@ -74,7 +77,7 @@ def lora_target_matches_nothing(recipe, derived, source) -> Iterator[Diagnostic]
                        "against full module names and matches nothing", f"write '*.{pattern}'")
 
 
-def lora_on_moe_without_targets(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_on_moe_without_targets(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA on a mixture-of-experts model without explicit `actor.lora.target_modules`.
 
@@ -107,7 +110,7 @@ def lora_on_moe_without_targets(recipe, derived, source) -> Iterator[Diagnostic]
                    "name the targets, e.g. target_modules: ['*.self_attn.*_proj']", ["model.arch"])
 
 
-def lora_on_tied_head(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_on_tied_head(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA on a model with tied input/output embeddings whose targets may patch `lm_head`: no explicit targets, or
     a target naming `lm_head`.
@@ -144,7 +147,7 @@ def lora_on_tied_head(recipe, derived, source) -> Iterator[Diagnostic]:
                    "lm_head, e.g. ['*.self_attn.*_proj', '*.mlp.*_proj']", ["model.arch"])
 
 
-def lora_low_learning_rate(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_low_learning_rate(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA with an AdamW learning rate below 1e-5.
 

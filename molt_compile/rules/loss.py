@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def dual_clip_not_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def dual_clip_not_above_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.loss.dual_clip`, when set, is greater than 1.
 
@@ -35,7 +38,7 @@ def dual_clip_not_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
                    "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip")
 
 
-def dual_clip_without_ppo(recipe, derived, source) -> Iterator[Diagnostic]:
+def dual_clip_without_ppo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.loss.dual_clip` set with `loss.mode` other than ppo.
 
@@ -63,7 +66,7 @@ def dual_clip_without_ppo(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"{loss.mode}", "remove actor.loss.dual_clip (or set it to null)", ["actor.loss.mode"])
 
 
-def cispo_clip_ceiling_below_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def cispo_clip_ceiling_below_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Under `loss.mode: cispo`, the second value of `actor.loss.clip` (an absolute ratio ceiling) is at least 1.
 

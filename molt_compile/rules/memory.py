@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from molt_compile import memory
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, model_facts
+from molt_compile.source import SourceMap
 from schemas.catalog import GPUS
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _report(recipe, derived, source):
@@ -19,7 +22,7 @@ def _fsdp_path(recipe, source) -> tuple[str, list[str]]:
                                    "model.gradient_checkpoint", "cluster.gpu"]
 
 
-def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
+def fsdp_memory_exceeds_gpu(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The estimated memory of each FSDP GPU (parameters, gradients, optimizer states, activations of one micro-batch,
     overhead; colocated roles summed) fits the GPU's memory from the GPU catalog.
@@ -58,7 +61,7 @@ def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
                        "train.micro_batch_size or data.max_len, or raise actor.mesh.cp", related)
 
 
-def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+def fsdp_memory_tight(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The estimated FSDP memory per GPU is above 90 % of the GPU's memory (but fits).
 
@@ -96,7 +99,7 @@ def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
                        "leave headroom: actor.offload: optimizer, more actor GPUs, or a smaller micro-batch", related)
 
 
-def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_weights_exceed_gpu_share(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     vLLM weights per engine GPU (`params × dtype bytes / (tp × pp)`) fit in `gpu_memory_utilization × GPU memory`.
 
@@ -132,7 +135,7 @@ def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnos
                    ["rollout.mesh.tp", "rollout.dtype", "cluster.gpu"])
 
 
-def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_kv_cache_too_small(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     After weights and ~1.5 GiB of activations/CUDA graphs, the engine's share holds the KV cache of at least one
     `data.max_len` sequence.
@@ -166,7 +169,7 @@ def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["data.max_len", "rollout.mesh.tp"])
 
 
-def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_memory_tight(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Engine weights plus runtime overhead take more than 90 % of the engine's share of GPU memory (but fit).
 
@@ -200,7 +203,7 @@ def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
                    "raise rollout.gpu_memory_utilization or rollout.mesh.tp", ["rollout.mesh.tp", "cluster.gpu"])
 
 
-def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
+def memory_not_estimated(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info), on a GPU cluster, when memory cannot be estimated: `model.arch` is not set and `model.path` has
     no readable config.json here (a hub name, or a cluster path like /lustre).
@@ -233,7 +236,7 @@ def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set model.arch to a catalog key (`molt-compile explain` lists them)", ["model.arch", "model.path"])
 
 
-def weight_sync_buckets_exceed_engine_headroom(recipe, derived, source) -> Iterator[Diagnostic]:
+def weight_sync_buckets_exceed_engine_headroom(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Two weight-sync buckets (`weight_sync.bucket_bytes` each: one being received, one being loaded) fit in the part
     of an engine GPU that vLLM does not take, `(1 - gpu_memory_utilization) × GPU memory`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import (
     diag,
@@ -15,6 +16,8 @@ from molt_compile.rules._base import (
     role_facts,
     role_size_keys,
 )
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _moe_roles(recipe, derived, source):
@@ -27,7 +30,7 @@ def _moe_roles(recipe, derived, source):
             yield role, facts
 
 
-def moe_without_expert_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_without_expert_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint (actor, reference/teacher or critic) with `actor.mesh.ep: 1`.
 
@@ -60,7 +63,7 @@ def moe_without_expert_parallel(recipe, derived, source) -> Iterator[Diagnostic]
                        ["model.arch" if role == "actor" else f"{role}.path"])
 
 
-def moe_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_with_tensor_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint with `actor.mesh.tp > 1`.
 
@@ -91,7 +94,7 @@ def moe_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
                        "set actor.mesh.tp: 1 and use ep (and cp for long sequences)", ["actor.mesh.ep"])
 
 
-def experts_not_divisible_by_ep(recipe, derived, source) -> Iterator[Diagnostic]:
+def experts_not_divisible_by_ep(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The routed-expert count of each MoE checkpoint is divisible by `actor.mesh.ep`.
 
@@ -128,7 +131,7 @@ def experts_not_divisible_by_ep(recipe, derived, source) -> Iterator[Diagnostic]
                        f"choose ep among {', '.join(map(str, divisors))}, …", ["model.arch"])
 
 
-def ep_not_dividing_world(recipe, derived, source) -> Iterator[Diagnostic]:
+def ep_not_dividing_world(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     For every FSDP role: `dp × cp × tp` (the non-pipeline world) is a multiple of `actor.mesh.ep`.
 
@@ -171,7 +174,7 @@ def ep_not_dividing_world(recipe, derived, source) -> Iterator[Diagnostic]:
                        f"choose ep dividing {world}", list(role_size_keys(role)))
 
 
-def moe_on_hf_fallback(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_on_hf_fallback(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel
     custom class).
@@ -204,7 +207,7 @@ def moe_on_hf_fallback(recipe, derived, source) -> Iterator[Diagnostic]:
                        "implements)", ["actor.mesh.ep"])
 
 
-def ep_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def ep_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     On an MoE actor spanning several nodes, each expert-parallel group (`ep` consecutive ranks) stays inside one
     node — `ep` divides the actor's `gpus_per_node` — unless `env.MOLT_MOE_DISPATCHER: torch`.
@@ -246,7 +249,7 @@ def ep_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["actor.gpus_per_node", "actor.nodes", "env"])
 
 
-def routing_replay_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_on_dense_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay: true` on a dense (non-MoE) model.
 
@@ -276,7 +279,7 @@ def routing_replay_on_dense_model(recipe, derived, source) -> Iterator[Diagnosti
                    "set train.routing_replay: false", ["model.arch"])
 
 
-def routing_replay_with_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_with_partial_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay` together with `train.async.partial_rollout`.
 
@@ -310,7 +313,7 @@ def routing_replay_with_partial_rollout(recipe, derived, source) -> Iterator[Dia
                    "false)", ["train.routing_replay"])
 
 
-def routing_replay_with_mtp(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_with_mtp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay` together with `rollout.mtp_speculative_tokens > 0`.
 
@@ -341,7 +344,7 @@ def routing_replay_with_mtp(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set rollout.mtp_speculative_tokens: 0, or train.routing_replay: false", ["train.routing_replay"])
 
 
-def mtp_with_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+def mtp_with_prefix_caching(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mtp_speculative_tokens > 0` together with `rollout.prefix_caching: true`.
 
@@ -372,7 +375,7 @@ def mtp_with_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
                    ["rollout.mtp_speculative_tokens"])
 
 
-def mtp_without_mtp_head(recipe, derived, source) -> Iterator[Diagnostic]:
+def mtp_without_mtp_head(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mtp_speculative_tokens > 0` on a checkpoint without MTP layers.
 
@@ -403,7 +406,7 @@ def mtp_without_mtp_head(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set rollout.mtp_speculative_tokens: 0", ["model.arch"])
 
 
-def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def expert_parallel_on_dense_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.ep > 1` or `rollout.expert_parallel: true` on a dense model.
 
@@ -437,7 +440,7 @@ def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnost
                    f"{facts.key}: there are no experts to shard", "set rollout.expert_parallel: false", ["model.arch"])
 
 
-def routing_replay_forces_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_forces_prefix_caching(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay: true` with `rollout.prefix_caching: false`.
 

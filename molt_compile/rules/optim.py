@@ -5,8 +5,11 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 SAFE_SCHEDULERS = ("constant", "constant_with_warmup", "cosine_with_min_lr")
 """Schedulers that accept (or ignore) Molt's `min_lr_rate` kwarg (K5)."""
@@ -25,7 +28,7 @@ def _optimizers(recipe):
     return out
 
 
-def muon_with_optimizer_offload(recipe, derived, source) -> Iterator[Diagnostic]:
+def muon_with_optimizer_offload(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.name: muon` (actor or critic) with `actor.offload: optimizer`.
 
@@ -55,7 +58,7 @@ def muon_with_optimizer_offload(recipe, derived, source) -> Iterator[Diagnostic]
                        "set actor.offload: none (or full), or use optimizer name adam", [f"{prefix}.name"])
 
 
-def unknown_lr_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_lr_scheduler(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.scheduler` is one that works with Molt: constant, constant_with_warmup or cosine_with_min_lr.
 
@@ -90,7 +93,7 @@ def unknown_lr_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"use one of {', '.join(SAFE_SCHEDULERS)}")
 
 
-def muon_ns_steps_not_five(recipe, derived, source) -> Iterator[Diagnostic]:
+def muon_ns_steps_not_five(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.muon.ns_steps` is 5 when the optimizer is Muon.
 
@@ -118,7 +121,7 @@ def muon_ns_steps_not_five(recipe, derived, source) -> Iterator[Diagnostic]:
                        f"set {prefix}.muon.ns_steps: 5 (or remove it)")
 
 
-def full_offload_on_one_rank(recipe, derived, source) -> Iterator[Diagnostic]:
+def full_offload_on_one_rank(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.offload: full` with an FSDP world of one GPU.
 

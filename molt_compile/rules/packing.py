@@ -5,9 +5,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, hf_fallback, model_facts
+from molt_compile.source import SourceMap
 from schemas.catalog import MODELS
+from schemas.recipe import RlRecipe, SftRecipe
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 CPU_PACKING_ATTN = ("sdpa", "eager")
@@ -18,7 +21,7 @@ def _packing(recipe, derived) -> bool:
     return bool(dv(derived, "actor.packing", recipe.actor.packing))
 
 
-def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_with_unsupported_attention(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.packing: true` with an attention implementation that cannot run packed batches on the cluster's device:
     on a GPU cluster, `model.attn` other than te, flash_attention_2 or tilelang; on a `cluster.gpu: cpu` cluster,
@@ -61,7 +64,7 @@ def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diag
                    ["actor.packing"])
 
 
-def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_custom_model_with_flash_attention(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Packing on an AutoModel custom (native) model with `model.attn: flash_attention_2`.
 
@@ -91,7 +94,7 @@ def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterat
                    "attention te or tilelang, not flash_attention_2", "set model.attn: te", ["actor.packing"])
 
 
-def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_model_with_automodel_attention(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path with `model.attn` te or tilelang.
 
@@ -121,7 +124,7 @@ def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagn
                    ["model.backend"])
 
 
-def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_architecture_without_thd(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Packing with te/tilelang on an AutoModel custom architecture whose implementation does not consume THD packing
     arguments (per the model catalog).
@@ -153,7 +156,7 @@ def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagno
                    ["model.arch"])
 
 
-def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
+def attention_replaced_by_sdpa(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) that an AutoModel custom model without packing runs sdpa when `model.attn` is not te, sdpa,
     flex or tilelang (e.g. flash_attention_2).
@@ -184,7 +187,7 @@ def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"attention {attn} runs as sdpa", "set model.attn: sdpa (or te) to say what runs")
 
 
-def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Diagnostic]:
+def vlm_context_parallel_without_cp_hook(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A VLM with `actor.mesh.cp > 1` whose model has no AutoModel CP hook (`prepare_model_inputs_for_cp`).
 
@@ -213,7 +216,7 @@ def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Di
                    "which has no AutoModel CP hook", "set actor.mesh.cp: 1", ["model.arch"])
 
 
-def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iterator[Diagnostic]:
+def vlm_context_parallel_freezes_visual_encoder(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) that a VLM with `actor.mesh.cp > 1` trains with its visual encoder frozen.
 
@@ -242,7 +245,7 @@ def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iter
                    "set actor.freeze.visual_encoder: true to say so", ["actor.mesh.cp"])
 
 
-def unknown_model_arch(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_model_arch(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `model.arch`, when set, is a key of the model catalog (`schemas/catalog.py`).
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, fsdp_roles, hf_fallback, model_facts, role_size_keys
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
+def pipeline_parallel_trainer(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.pp > 1`.
 
@@ -35,7 +38,7 @@ def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
                    "set actor.mesh.pp: 1 and shard with tp, cp or ep instead")
 
 
-def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def world_not_divisible_by_model_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Every FSDP role's world (`nodes × gpus_per_node`) is divisible by `tp × cp × pp`.
 
@@ -72,7 +75,7 @@ def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[D
                    list(role_size_keys(role)))
 
 
-def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def model_parallel_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     On a role that spans several nodes, each TP×CP group (tp·cp consecutive ranks) stays inside one node:
     `tp·cp` divides the role's `gpus_per_node`.
@@ -112,7 +115,7 @@ def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagn
                    ["actor.gpus_per_node", "actor.nodes"])
 
 
-def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_fallback_with_model_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel custom class)
     with `tp > 1`, `cp > 1`, or (dense model) `ep > 1`. MoE on the HF path is MOE005.
@@ -152,7 +155,7 @@ def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnos
                        f"set actor.mesh.{axis}: 1 and scale with data parallelism", ["model.backend", "model.arch"])
 
 
-def critic_with_sequence_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def critic_with_sequence_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.sequence_parallel: true` when a critic is built (estimator gae).
 

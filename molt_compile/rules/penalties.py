@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def overlong_penalty_factor_invalid(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_penalty_factor_invalid(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_penalty_factor` is finite and ≥ 0 — checked always, even with the overlong penalty off.
 
@@ -39,7 +42,7 @@ def overlong_penalty_factor_invalid(recipe, derived, source) -> Iterator[Diagnos
                    "finite and nonnegative", "use a value in [0, 1] such as 1.0")
 
 
-def overlong_buffer_out_of_range(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_buffer_out_of_range(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_buffer_len`, when set, is finite and in `(0, data.max_len]`.
 
@@ -69,7 +72,7 @@ def overlong_buffer_out_of_range(recipe, derived, source) -> Iterator[Diagnostic
                    ["data.max_len"])
 
 
-def stop_properly_coef_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def stop_properly_coef_above_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.stop_properly_penalty_coef`, when set, is finite and ≤ 1.
 
@@ -97,7 +100,7 @@ def stop_properly_coef_above_one(recipe, derived, source) -> Iterator[Diagnostic
                    "or a negative one such as -1.0 to replace")
 
 
-def length_penalties_both_set(recipe, derived, source) -> Iterator[Diagnostic]:
+def length_penalties_both_set(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Both `algo.overlong_buffer_len` and `algo.stop_properly_penalty_coef` set.
 
@@ -124,7 +127,7 @@ def length_penalties_both_set(recipe, derived, source) -> Iterator[Diagnostic]:
                    "algo.overlong_buffer_len", ["algo.overlong_buffer_len"])
 
 
-def stop_properly_scale_with_negative_rewards(recipe, derived, source) -> Iterator[Diagnostic]:
+def stop_properly_scale_with_negative_rewards(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A scaling stop-properly coefficient C ∈ [0, 1) while rewards may be negative (`algo.reward_clip` low < 0).
 
@@ -154,7 +157,7 @@ def stop_properly_scale_with_negative_rewards(recipe, derived, source) -> Iterat
                    "(replace: e.g. -1.0), or algo.reward_clip with low >= 0", ["algo.reward_clip"])
 
 
-def overlong_factor_without_buffer(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_factor_without_buffer(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_penalty_factor` written while `algo.overlong_buffer_len` is unset.
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
 from schemas.catalog import GPUS
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def gpus_exceed_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+def gpus_exceed_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The GPUs of all roles — FSDP groups (a colocated ref/critic adds none) plus rollout engines
     (`engines × tp × pp × dp`) — fit in `cluster.nodes × cluster.gpus_per_node`.
@@ -56,7 +59,7 @@ def gpus_exceed_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
                ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"])
 
 
-def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+def role_wider_than_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Each FSDP role's shape fits the cluster per node: `gpus_per_node <= cluster.gpus_per_node` and
     `nodes <= cluster.nodes` (actor, separate ref, SFT model).
@@ -85,8 +88,9 @@ def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
     c = recipe.cluster
     roles = [("actor", recipe.actor.nodes, recipe.actor.gpus_per_node)]
     if recipe.kind == "rl" and dv(derived, "ref.exists") and not dv(derived, "ref.colocated"):
-        roles.append(("ref", recipe.ref.nodes or recipe.actor.nodes,
-                      recipe.ref.gpus_per_node or recipe.actor.gpus_per_node))
+        ref = recipe.ref
+        roles.append(("ref", (ref.nodes if ref else None) or recipe.actor.nodes,
+                      (ref.gpus_per_node if ref else None) or recipe.actor.gpus_per_node))
     for role, nodes, gpn in roles:
         if gpn > c.gpus_per_node:
             yield diag(source, f"{role}.gpus_per_node",
@@ -99,7 +103,7 @@ def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
                        f"set cluster.nodes to at least {nodes}", ["cluster.nodes"])
 
 
-def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic]:
+def colocated_role_size_mismatch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A colocated reference model (`ref.placement: colocate`) sets `nodes`/`gpus_per_node` different from the actor's.
 
@@ -134,7 +138,7 @@ def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic
                        [f"actor.{key}", "ref.placement"])
 
 
-def colocated_engines_exceed_ranks(recipe, derived, source) -> Iterator[Diagnostic]:
+def colocated_engines_exceed_ranks(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With `rollout.placement: colocate`, every engine takes one actor rank's GPU: each engine is one GPU
     (`rollout.mesh` tp × pp × dp = 1), there are at most as many engines as actor ranks, and there is a trainer
@@ -181,7 +185,7 @@ def colocated_engines_exceed_ranks(recipe, derived, source) -> Iterator[Diagnost
                    f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate", ["rollout.placement"])
 
 
-def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_gpu_type(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `cluster.gpu` is a key of the GPU catalog (`schemas/catalog.py`) or `cpu`.
 
@@ -209,7 +213,7 @@ def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
                    (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
 
 
-def idle_gpus(recipe, derived, source) -> Iterator[Diagnostic]:
+def idle_gpus(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     GPUs of the cluster that no role uses.
 

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, fsdp_roles, model_facts, role_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 VLLM_VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of 64 (`DEFAULT_VOCAB_PADDING_SIZE`), then splits the padded rows over tp."""
@@ -40,7 +43,7 @@ def _vllm_shape_problem(heads: int, kv_heads: int, vocab: int, tp: int) -> str |
     return None
 
 
-def rollout_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_tp_does_not_split_the_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With the vLLM engine, `rollout.mesh.tp` divides the policy's attention heads; it divides the KV heads when
     smaller than them, or is a multiple of them when larger (KV heads replicated); and it divides the vocabulary
@@ -80,7 +83,7 @@ def rollout_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Dia
                    f"choose rollout.mesh.tp among {', '.join(map(str, good))}", ["model.arch", "model.path"])
 
 
-def actor_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def actor_tp_does_not_split_the_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.tp` divides the attention heads and the KV heads of every dense FSDP role's checkpoint (policy,
     reference/teacher, critic).

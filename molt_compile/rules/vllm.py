@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def uni_executor_with_tensor_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.executor: uni` with `rollout.mesh.tp > 1`.
 
@@ -36,7 +39,7 @@ def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagn
                    "set rollout.executor: auto (mp or ray is derived), or rollout.mesh.tp: 1", ["rollout.mesh.tp"])
 
 
-def pipeline_parallel_engine_without_ray(recipe, derived, source) -> Iterator[Diagnostic]:
+def pipeline_parallel_engine_without_ray(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.pp > 1` with an executor other than `ray` (set explicitly to uni or mp, with dp 1).
 
@@ -63,7 +66,7 @@ def pipeline_parallel_engine_without_ray(recipe, derived, source) -> Iterator[Di
                    "set rollout.executor: ray (or auto)", ["rollout.mesh.pp"])
 
 
-def data_parallel_engine_without_mp(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_parallel_engine_without_mp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.dp > 1` with an executor other than `mp` (set explicitly to uni or ray).
 
@@ -91,7 +94,7 @@ def data_parallel_engine_without_mp(recipe, derived, source) -> Iterator[Diagnos
                    "set rollout.executor: mp (or auto)", ["rollout.mesh.dp"])
 
 
-def engine_data_parallel_with_pipeline_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_data_parallel_with_pipeline_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.dp > 1` together with `rollout.mesh.pp > 1`.
 
@@ -118,7 +121,7 @@ def engine_data_parallel_with_pipeline_parallel(recipe, derived, source) -> Iter
                    "use more engines instead of engine dp, or set rollout.mesh.dp: 1", ["rollout.mesh.dp"])
 
 
-def mp_engine_wider_than_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def mp_engine_wider_than_node(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An engine on the mp (or uni) executor needs `tp × dp` GPUs on one node: `tp × dp <= cluster.gpus_per_node`.
 
@@ -152,7 +155,7 @@ def mp_engine_wider_than_node(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"cross-node engines, or keep tp × dp <= {gpn}", ["cluster.gpus_per_node", "rollout.executor"])
 
 
-def hf_engine_with_parallel_mesh(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_engine_with_parallel_mesh(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.engine: hf` with an engine mesh larger than one device (`tp × pp × dp > 1`).
 
@@ -181,7 +184,7 @@ def hf_engine_with_parallel_mesh(recipe, derived, source) -> Iterator[Diagnostic
                    ["rollout.engine"])
 
 
-def max_new_tokens_exceeds_context(recipe, derived, source) -> Iterator[Diagnostic]:
+def max_new_tokens_exceeds_context(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.max_new_tokens` (and `eval.max_new_tokens`) smaller than `data.max_len`.
 
@@ -213,7 +216,7 @@ def max_new_tokens_exceeds_context(recipe, derived, source) -> Iterator[Diagnost
                        f"{max_len}", f"set {key} below {max_len} (or raise data.max_len)", ["data.max_len"])
 
 
-def decode_context_parallel_not_dividing_tp(recipe, derived, source) -> Iterator[Diagnostic]:
+def decode_context_parallel_not_dividing_tp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.decode_context_parallel_size` divides `rollout.mesh.tp`.
 
@@ -246,7 +249,7 @@ MOE_BACKENDS = ("triton", "flashinfer_trtllm", "flashinfer_cutlass")
 """vLLM fused-MoE backends named by Molt 0.2.1's help (train_rl_ray.py:756-762)."""
 
 
-def logprobs_for_centering_or_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def logprobs_for_centering_or_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The engine is asked for processed log-probs because of score centering or KL against the rollout policy, with
     IS correction off.
@@ -278,7 +281,7 @@ def logprobs_for_centering_or_kl(recipe, derived, source) -> Iterator[Diagnostic
                "nothing to change; this reports an engine setting the compiler derived")
 
 
-def unknown_moe_backend(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_moe_backend(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.moe_backend` is one of triton, flashinfer_trtllm, flashinfer_cutlass.
 
@@ -305,7 +308,7 @@ def unknown_moe_backend(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"backend ({', '.join(MOE_BACKENDS)})", "use one of them, or remove rollout.moe_backend")
 
 
-def router_balance_without_cache_aware(recipe, derived, source) -> Iterator[Diagnostic]:
+def router_balance_without_cache_aware(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.router_balance_abs` or `rollout.router_balance_rel` written with a `router_policy` other than
     cache_aware.
