@@ -16,7 +16,6 @@ Codes are never reused.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -61,6 +60,8 @@ class Code:
 
     @property
     def doc(self) -> str:
+        import inspect  # only for documentation: a compile never reads it
+
         if self.check is not None:
             return inspect.getdoc(self.check) or ""
         return inspect.cleandoc(self.text)
