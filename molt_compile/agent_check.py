@@ -104,8 +104,10 @@ class _Module:
             return False
         if name not in self.classes or name in seen:
             return None
-        results = [self.derives_from(b, base, seen | {name}) if b else None
-                   for b in (_name(x) for x in self.classes[name].bases)]
+        results = [
+            self.derives_from(b, base, seen | {name}) if b else None
+            for b in (_name(x) for x in self.classes[name].bases)
+        ]
         if True in results:
             return True
         return None if None in results else False
@@ -127,8 +129,6 @@ def inspect_agent(path: str) -> AgentInfo:
     except OSError:
         stamp = None
     return _inspect(path, stamp)
-
-
 
 
 @lru_cache(maxsize=32)
@@ -178,8 +178,12 @@ def _from_value(path: str, mod: _Module, value: ast.AST | None, line: int, depth
             return _from_value(path, mod, mod.assigns[name].value, line, depth + 1)
         return AgentInfo(path, runner="external", runner_line=line)
     what = type(value).__name__.lower()
-    return AgentInfo(path, runner=None, runner_line=line, not_a_runner=f"AgentRunner is bound to a {what}, not a "
-                     "Runner class or instance")
+    return AgentInfo(
+        path,
+        runner=None,
+        runner_line=line,
+        not_a_runner=f"AgentRunner is bound to a {what}, not a Runner class or instance",
+    )
 
 
 def _wrong_env(mod: _Module, callee: str, call: ast.Call) -> str | None:

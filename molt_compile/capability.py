@@ -22,8 +22,12 @@ def check_capabilities(plan: Plan, source: SourceMap | None) -> Iterator[Diagnos
     source = source if source is not None else SourceMap()
     device = device_of(plan)
     for cap in unimplemented(plan):
-        yield CAPABILITY.at(source, cap.key, f"{cap.what} is not implemented by this runtime {_where(cap, device)}",
-                            f"write {cap.instead}" + (f"; tracked in {cap.tracked}" if cap.tracked else ""))
+        yield CAPABILITY.at(
+            source,
+            cap.key,
+            f"{cap.what} is not implemented by this runtime {_where(cap, device)}",
+            f"write {cap.instead}" + (f"; tracked in {cap.tracked}" if cap.tracked else ""),
+        )
 
 
 def _where(cap: Capability, device: str) -> str:

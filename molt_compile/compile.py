@@ -57,8 +57,14 @@ def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> 
     )
 
 
-def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True,
-                   capabilities: bool = True, roots: Sequence[Path | str] = ()) -> CompileResult:
+def compile_recipe(
+    path: Path | str,
+    sets: Sequence[str] = (),
+    *,
+    lower: bool = True,
+    capabilities: bool = True,
+    roots: Sequence[Path | str] = (),
+) -> CompileResult:
     """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
 
     `capabilities=False` skips the capability pass: the plan of a recipe this runtime cannot run (golden plans of

@@ -25,7 +25,6 @@ Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group 
 are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
 """
 
-
 import hashlib
 import json
 from typing import Any, Final, Literal, Self
@@ -71,7 +70,9 @@ def _pretty(data: dict[str, Any]) -> str:
         elif isinstance(value, dict) and value:
             lines.append(f" {_compact(key)}: {{")
             sub = sorted(value)
-            lines += [f"  {_compact(k)}: {_compact(value[k])}{',' if j < len(sub) - 1 else ''}" for j, k in enumerate(sub)]
+            lines += [
+                f"  {_compact(k)}: {_compact(value[k])}{',' if j < len(sub) - 1 else ''}" for j, k in enumerate(sub)
+            ]
             lines.append(f" }}{comma}")
         else:
             lines.append(f" {_compact(key)}: {_compact(value)}{comma}")
@@ -833,8 +834,9 @@ class Plan(PlanModel):
         """Parse a plan; the fingerprint must match the content (a hand-edited plan is rejected)."""
         plan = cls.model_validate_json(text)
         if plan.fingerprint and plan.fingerprint != plan.compute_fingerprint():
-            raise ValueError("plan fingerprint does not match its content: the plan was edited after compiling; "
-                             "recompile the recipe")
+            raise ValueError(
+                "plan fingerprint does not match its content: the plan was edited after compiling; recompile the recipe"
+            )
         return plan
 
     # ------------------------------------------------------------------ lookups

@@ -14,7 +14,6 @@ No cross-field checks live here: those are compiler rules with ids (`molt_compil
 one reports a position, a reason and a fix.
 """
 
-
 import ast
 import inspect
 import re
@@ -327,9 +326,7 @@ class Rollout(Section):
     """vLLM decode context parallelism."""
     mtp_speculative_tokens: NonNegInt = 0
     """MTP speculative decoding tokens (needs an MTP head). 0: off."""
-    router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = (
-        "cache_aware"
-    )
+    router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
     """How requests are routed to engines (Molt 0.2.1's default: cache_aware, token-prefix affinity with a shortest-
     queue fallback when unbalanced). consistent_hash keeps a multi-turn rollout on one engine's KV cache."""
     router_balance_abs: NonNegInt = 10
@@ -406,8 +403,9 @@ class DynamicFiltering(Section):
     """Open interval (lo, hi) that a group's mean score must fall inside to be trained on."""
 
 
-Estimator = Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill",
-                    "flash_reinforce"]
+Estimator = Literal[
+    "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill", "flash_reinforce"
+]
 
 
 class Algo(Section):

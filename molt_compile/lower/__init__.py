@@ -24,7 +24,9 @@ from schemas.recipe import RlRecipe, SftRecipe
 __all__ = ["lower", "placement_unit"]
 
 
-def lower(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap | None = None) -> tuple[Plan | None, list[Diagnostic]]:
+def lower(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap | None = None
+) -> tuple[Plan | None, list[Diagnostic]]:
     """The plan of a validated recipe, or None and the diagnostics that say why it cannot be placed."""
     if isinstance(recipe, SftRecipe):
         return lower_sft(recipe, derived, source)

@@ -37,7 +37,11 @@ RUNTIME_ENV_EXCLUDES = (
     ".mypy_cache",
     "*.sqsh",
 )
-_DTYPES: dict[str, Literal["bfloat16", "float16", "float32"]] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPES: dict[str, Literal["bfloat16", "float16", "float32"]] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+}
 
 
 def diag(code: str, message: str, help: str, path: str, source: SourceMap | None) -> Diagnostic:
@@ -141,8 +145,12 @@ def lora_plan(lora: Any) -> LoraPlan | None:
     """The trained model's LoRA adapters (Molt 0.2.1 actor.lora), None for full fine-tuning."""
     if lora.dim <= 0:
         return None
-    return LoraPlan.model_construct(dim=lora.dim, alpha=lora.alpha, scale=lora.alpha / lora.dim,
-                                    target_modules=list(lora.target_modules) if lora.target_modules else None)
+    return LoraPlan.model_construct(
+        dim=lora.dim,
+        alpha=lora.alpha,
+        scale=lora.alpha / lora.dim,
+        target_modules=list(lora.target_modules) if lora.target_modules else None,
+    )
 
 
 def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> ModelPlan:

@@ -110,19 +110,17 @@ def _place_engines(r: RlRecipe, d: Derived, placer: Placer, gpu_map: list, pgs: 
             gpu_map[n][dev].append(label)
         instances.append(instance(index=i, label=label, node=devices[0][0], bundle_indices=idx, devices=devices))
     engine_units = d.value("rollout.engine_num_gpus")
-    return (
-        role_plan(
-            name="rollout.engine",
-            actor_class="RolloutEngine",
-            count=ro.engines,
-            num_gpus=engine_units,
-            num_cpus=0,
-            placement_group="rollout",
-            scheduling="placement_group",
-            ray_options=ray_options(engine_units, 0, on_cpu),
-            instances=instances,
-            env=engine_env(r, on_cpu),
-        )
+    return role_plan(
+        name="rollout.engine",
+        actor_class="RolloutEngine",
+        count=ro.engines,
+        num_gpus=engine_units,
+        num_cpus=0,
+        placement_group="rollout",
+        scheduling="placement_group",
+        ray_options=ray_options(engine_units, 0, on_cpu),
+        instances=instances,
+        env=engine_env(r, on_cpu),
     )
 
 
@@ -136,8 +134,15 @@ def _colocate_engines(r: RlRecipe, d: Derived, gpu_map: list, pgs: list, roles: 
         label = f"rollout.engine[{i}]"
         for n, dev in rank.devices:
             gpu_map[n][dev].append(label)
-        instances.append(instance(index=i, label=label, node=rank.node, bundle_indices=list(rank.bundle_indices),
-                                  devices=[list(x) for x in rank.devices]))
+        instances.append(
+            instance(
+                index=i,
+                label=label,
+                node=rank.node,
+                bundle_indices=list(rank.bundle_indices),
+                devices=[list(x) for x in rank.devices],
+            )
+        )
     units = d.value("rollout.engine_num_gpus")
     return role_plan(
         name="rollout.engine",
@@ -190,7 +195,14 @@ def _cpu_role(
 
 
 def _place_fsdp(
-    r: RlRecipe, d: Derived, placer: Placer, gpu_map: list, pgs: list, roles: list, on_cpu: bool, source: SourceMap | None
+    r: RlRecipe,
+    d: Derived,
+    placer: Placer,
+    gpu_map: list,
+    pgs: list,
+    roles: list,
+    on_cpu: bool,
+    source: SourceMap | None,
 ) -> list[Diagnostic]:
     mesh = r.actor.mesh
     sizes = [mesh.ep, mesh.cp * mesh.tp]

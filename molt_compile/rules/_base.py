@@ -25,8 +25,9 @@ FINDING = Code("", "", "error")
 """The row a check's diagnostics are built with; `run_rules` stamps the rule's own code, name and severity."""
 
 
-def diag(source: SourceMap, path: str, message: str, help: str = "",
-         related: Iterable[str | tuple[str, str]] = ()) -> Diagnostic:
+def diag(
+    source: SourceMap, path: str, message: str, help: str = "", related: Iterable[str | tuple[str, str]] = ()
+) -> Diagnostic:
     """A finding of the running rule at `path`'s position; `related` are other keys (`"a.b"` or `("a.b", "note")`).
     The rule's code is not written here: `run_rules` stamps the row's."""
     return FINDING.at(source, path, message, help, related)

@@ -43,8 +43,12 @@ def score_centering_top_k_invalid(recipe: RlRecipe, derived: Derived, source: So
     """
     k = recipe.algo.score_centering_top_k
     if k < 0 or k == 1:
-        yield diag(source, "algo.score_centering_top_k", f"algo.score_centering_top_k {k}: score centering "
-                   "needs k >= 2 (or 0 for off)", "use 0 (off) or k >= 2, e.g. 8")
+        yield diag(
+            source,
+            "algo.score_centering_top_k",
+            f"algo.score_centering_top_k {k}: score centering needs k >= 2 (or 0 for off)",
+            "use 0 (off) or k >= 2, e.g. 8",
+        )
 
 
 def score_centering_with_several_epochs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -71,9 +75,13 @@ def score_centering_with_several_epochs(recipe: RlRecipe, derived: Derived, sour
     molt_0_2_1.md V7 (molt_rules.md G8)
     """
     if _on(recipe) and recipe.train.max_epochs != 1:
-        yield diag(source, "train.max_epochs", f"score centering needs one update per rollout batch, but "
-                   f"train.max_epochs is {recipe.train.max_epochs}", "set train.max_epochs: 1",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "train.max_epochs",
+            f"score centering needs one update per rollout batch, but train.max_epochs is {recipe.train.max_epochs}",
+            "set train.max_epochs: 1",
+            ["algo.score_centering_top_k"],
+        )
 
 
 def score_centering_sampling(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -101,8 +109,13 @@ def score_centering_sampling(recipe: RlRecipe, derived: Derived, source: SourceM
     molt_0_2_1.md V8 (molt_rules.md D4)
     """
     if _on(recipe) and recipe.rollout.top_p != 1.0:
-        yield diag(source, "rollout.top_p", f"score centering needs rollout.top_p 1.0, not "
-                   f"{recipe.rollout.top_p}", "set rollout.top_p: 1.0", ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "rollout.top_p",
+            f"score centering needs rollout.top_p 1.0, not {recipe.rollout.top_p}",
+            "set rollout.top_p: 1.0",
+            ["algo.score_centering_top_k"],
+        )
 
 
 def score_centering_with_tensor_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -129,9 +142,13 @@ def score_centering_with_tensor_parallel(recipe: RlRecipe, derived: Derived, sou
     molt_0_2_1.md V9, L8 (molt_rules.md G2)
     """
     if _on(recipe) and recipe.actor.mesh.tp > 1:
-        yield diag(source, "actor.mesh.tp", f"score centering does not support actor.mesh.tp "
-                   f"{recipe.actor.mesh.tp} (the head is not vocab-parallel)", "set actor.mesh.tp: 1",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "actor.mesh.tp",
+            f"score centering does not support actor.mesh.tp {recipe.actor.mesh.tp} (the head is not vocab-parallel)",
+            "set actor.mesh.tp: 1",
+            ["algo.score_centering_top_k"],
+        )
 
 
 def score_centering_with_sequence_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -157,12 +174,18 @@ def score_centering_with_sequence_is(recipe: RlRecipe, derived: Derived, source:
     """
     level = recipe.algo.is_correction.level
     if _on(recipe) and level not in ("off", "token"):
-        yield diag(source, "algo.is_correction.level", f"score centering composes only with token-level "
-                   f"IS, not level {level}", "set algo.is_correction.level: token (or off)",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "algo.is_correction.level",
+            f"score centering composes only with token-level IS, not level {level}",
+            "set algo.is_correction.level: token (or off)",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_with_divergence_gating(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def score_centering_with_divergence_gating(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `algo.is_correction.gating` other than ratio — even with IS off.
 
@@ -186,8 +209,13 @@ def score_centering_with_divergence_gating(recipe: RlRecipe, derived: Derived, s
     """
     gating = recipe.algo.is_correction.gating
     if _on(recipe) and gating != "ratio":
-        yield diag(source, "algo.is_correction.gating", f"score centering needs gating ratio, not {gating}",
-                   "set algo.is_correction.gating: ratio", ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "algo.is_correction.gating",
+            f"score centering needs gating ratio, not {gating}",
+            "set algo.is_correction.gating: ratio",
+            ["algo.score_centering_top_k"],
+        )
 
 
 def score_centering_ratio_drifts(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -217,7 +245,11 @@ def score_centering_ratio_drifts(recipe: RlRecipe, derived: Derived, source: Sou
     ro, t = recipe.rollout, recipe.train
     samples = ro.batch_size * ro.n_samples_per_prompt
     if _on(recipe) and not t.force_on_policy and t.batch_size < samples:
-        yield diag(source, "train.batch_size", f"train.batch_size {t.batch_size} < {samples} samples per "
-                   "rollout batch: later optimizer steps see ratios away from 1 and score centering drifts",
-                   f"set train.batch_size: {samples}, or train.force_on_policy: true",
-                   ["algo.score_centering_top_k", "rollout.batch_size"])
+        yield diag(
+            source,
+            "train.batch_size",
+            f"train.batch_size {t.batch_size} < {samples} samples per "
+            "rollout batch: later optimizer steps see ratios away from 1 and score centering drifts",
+            f"set train.batch_size: {samples}, or train.force_on_policy: true",
+            ["algo.score_centering_top_k", "rollout.batch_size"],
+        )

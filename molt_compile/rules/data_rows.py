@@ -70,13 +70,20 @@ def chat_rows_without_chat_template(recipe: RlRecipe, derived: Derived, source: 
     for key, src, local, split in _row_sources(recipe, source):
         first = source_facts(local, split).first_row
         if isinstance(first, dict) and isinstance(first.get(recipe.data.input_key), list):
-            yield diag(source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
-                       f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
-                       "set data.apply_chat_template: true", [key, "data.input_key"])
+            yield diag(
+                source,
+                "data.apply_chat_template",
+                f"{src}: rows hold chat messages under "
+                f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
+                "set data.apply_chat_template: true",
+                [key, "data.input_key"],
+            )
             return
 
 
-def data_key_missing_from_rows(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def data_key_missing_from_rows(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     The columns the recipe names (`data.input_key`, and `label_key` for RL or `output_key` for SFT) exist in each
     local data file: in the first row of a .jsonl/.json file (and `input_key` in every checked row), in the schema
@@ -110,16 +117,25 @@ def data_key_missing_from_rows(recipe: RlRecipe | SftRecipe, derived: Derived, s
         for k, col in wanted:  # the eval file is what differs when the training file has the column
             path, other = (k, key) if key.startswith("data.") else (key, k)
             if col and col not in facts.columns:
-                yield diag(source, path, f"{k} {col!r} is not a column of {src} ({where} "
-                           f"{', '.join(sorted(facts.columns))})", f"set {k} to one of the columns, or fix {key}",
-                           [other])
+                yield diag(
+                    source,
+                    path,
+                    f"{k} {col!r} is not a column of {src} ({where} {', '.join(sorted(facts.columns))})",
+                    f"set {k} to one of the columns, or fix {key}",
+                    [other],
+                )
                 continue
             scan = _scan(recipe, local, split) if facts.line_based and k == "data.input_key" else None
             if scan is not None and col in scan.missing:
                 (first, count) = scan.missing[col]
-                yield diag(source, path, f"{count} row(s) of {src} have no {k} {col!r} (first: "
-                           f"{src}{first.where}, which {first.what}; {_scanned(scan)})",
-                           f"give every row the {col!r} column, or fix {key}", [other])
+                yield diag(
+                    source,
+                    path,
+                    f"{count} row(s) of {src} have no {k} {col!r} (first: "
+                    f"{src}{first.where}, which {first.what}; {_scanned(scan)})",
+                    f"give every row the {col!r} column, or fix {key}",
+                    [other],
+                )
 
 
 def data_row_malformed(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -155,8 +171,12 @@ def data_row_malformed(recipe: RlRecipe | SftRecipe, derived: Derived, source: S
             continue
         first = scan.malformed[0]
         more = f"; {scan.malformed_count} malformed of {_scanned(scan)}" if scan.malformed_count > 1 else ""
-        yield diag(source, key, f"{src}{first.where}: {first.what}{more}",
-                   "fix the row (one JSON object per line in .jsonl files)")
+        yield diag(
+            source,
+            key,
+            f"{src}{first.where}: {first.what}{more}",
+            "fix the row (one JSON object per line in .jsonl files)",
+        )
 
 
 def data_prompt_empty(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -184,6 +204,11 @@ def data_prompt_empty(recipe: RlRecipe | SftRecipe, derived: Derived, source: So
     for key, src, local, split in _row_sources(recipe, source):
         scan = _scan(recipe, local, split) if source_facts(local, split).line_based else None
         if scan is not None and scan.empty_count:
-            yield diag(source, key, f"{src}: {scan.empty_count} row(s) with an empty prompt "
-                       f"{recipe.data.input_key!r} (first: {src}{scan.empty[0].where}; {_scanned(scan)})",
-                       "drop or fill those rows", ["data.input_key"])
+            yield diag(
+                source,
+                key,
+                f"{src}: {scan.empty_count} row(s) with an empty prompt "
+                f"{recipe.data.input_key!r} (first: {src}{scan.empty[0].where}; {_scanned(scan)})",
+                "drop or fill those rows",
+                ["data.input_key"],
+            )

@@ -35,8 +35,9 @@ def dead_rollout_knob(recipe: RlRecipe, derived: Derived, source: SourceMap) -> 
     for key in ("micro_batch_size", "max_tokens_per_gpu"):
         value = getattr(recipe.rollout, key)
         if value is not None:
-            yield diag(source, f"rollout.{key}", f"rollout.{key} {value} has no effect in Molt",
-                       f"remove rollout.{key}")
+            yield diag(
+                source, f"rollout.{key}", f"rollout.{key} {value} has no effect in Molt", f"remove rollout.{key}"
+            )
 
 
 def freezing_steps_without_critic(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -60,9 +61,14 @@ def freezing_steps_without_critic(recipe: RlRecipe, derived: Derived, source: So
     molt_rules.md B10
     """
     if recipe.actor.freezing_steps > 0 and recipe.algo.estimator != "gae":
-        yield diag(source, "actor.freezing_steps", f"actor.freezing_steps {recipe.actor.freezing_steps} "
-                   f"is ignored without a critic (estimator {recipe.algo.estimator})", "remove actor.freezing_steps",
-                   ["algo.estimator"])
+        yield diag(
+            source,
+            "actor.freezing_steps",
+            f"actor.freezing_steps {recipe.actor.freezing_steps} "
+            f"is ignored without a critic (estimator {recipe.algo.estimator})",
+            "remove actor.freezing_steps",
+            ["algo.estimator"],
+        )
 
 
 def discount_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -89,11 +95,21 @@ def discount_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: Sou
     """
     a = recipe.algo
     if a.lam != 1.0 and a.estimator != "gae":
-        yield diag(source, "algo.lam", f"algo.lam {a.lam} is used only by gae, not {a.estimator}",
-                   "remove algo.lam", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.lam",
+            f"algo.lam {a.lam} is used only by gae, not {a.estimator}",
+            "remove algo.lam",
+            ["algo.estimator"],
+        )
     if a.gamma != 1.0 and a.estimator not in ("reinforce", "gae"):
-        yield diag(source, "algo.gamma", f"algo.gamma {a.gamma} is used only by reinforce and gae, not "
-                   f"{a.estimator}", "remove algo.gamma", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.gamma",
+            f"algo.gamma {a.gamma} is used only by reinforce and gae, not {a.estimator}",
+            "remove algo.gamma",
+            ["algo.estimator"],
+        )
 
 
 def adaptive_kl_with_zero_coef(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -119,8 +135,13 @@ def adaptive_kl_with_zero_coef(recipe: RlRecipe, derived: Derived, source: Sourc
     """
     kl = recipe.algo.kl
     if kl.target and dv(derived, "algo.kl.coef", kl.coef) == 0:
-        yield diag(source, "algo.kl.target", "algo.kl.target adapts a coefficient of 0, which stays 0",
-                   "set algo.kl.coef > 0, or remove algo.kl.target", ["algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.target",
+            "algo.kl.target adapts a coefficient of 0, which stays 0",
+            "set algo.kl.coef > 0, or remove algo.kl.target",
+            ["algo.kl.coef"],
+        )
 
 
 def moe_knob_on_dense_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -149,17 +170,32 @@ def moe_knob_on_dense_model(recipe: RlRecipe | SftRecipe, derived: Derived, sour
     if facts is None or facts.is_moe:
         return
     a = recipe.actor
-    aux_key, aux = ("actor.aux_loss_coef", a.aux_loss_coef) if isinstance(a, SftActor) else \
-        ("actor.loss.aux_loss_coef", a.loss.aux_loss_coef)
+    aux_key, aux = (
+        ("actor.aux_loss_coef", a.aux_loss_coef)
+        if isinstance(a, SftActor)
+        else ("actor.loss.aux_loss_coef", a.loss.aux_loss_coef)
+    )
     if aux > 0:
-        yield diag(source, aux_key, f"{aux_key} {aux} on dense model {facts.key}: there is no router",
-                   f"remove {aux_key}", ["model.arch"])
+        yield diag(
+            source,
+            aux_key,
+            f"{aux_key} {aux} on dense model {facts.key}: there is no router",
+            f"remove {aux_key}",
+            ["model.arch"],
+        )
     if a.freeze.moe_router:
-        yield diag(source, "actor.freeze.moe_router", f"actor.freeze.moe_router on dense model "
-                   f"{facts.key}: there is no router", "remove actor.freeze.moe_router", ["model.arch"])
+        yield diag(
+            source,
+            "actor.freeze.moe_router",
+            f"actor.freeze.moe_router on dense model {facts.key}: there is no router",
+            "remove actor.freeze.moe_router",
+            ["model.arch"],
+        )
 
 
-def sequence_parallel_without_tp(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def sequence_parallel_without_tp(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.sequence_parallel: true` with `actor.mesh.tp: 1`.
 
@@ -180,11 +216,18 @@ def sequence_parallel_without_tp(recipe: RlRecipe | SftRecipe, derived: Derived,
     molt_rules.md §1.1 (fsdp.sequence_parallel)
     """
     if recipe.actor.sequence_parallel and recipe.actor.mesh.tp == 1:
-        yield diag(source, "actor.sequence_parallel", "actor.sequence_parallel has no effect with tp 1",
-                   "remove actor.sequence_parallel, or use tp > 1", ["actor.mesh.tp"])
+        yield diag(
+            source,
+            "actor.sequence_parallel",
+            "actor.sequence_parallel has no effect with tp 1",
+            "remove actor.sequence_parallel, or use tp > 1",
+            ["actor.mesh.tp"],
+        )
 
 
-def optimizer_knob_unused_by_scheduler(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def optimizer_knob_unused_by_scheduler(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `warmup_ratio` written with the `constant` scheduler, `min_lr_ratio` written with a scheduler other than
     `cosine_with_min_lr`, or a `muon:` block with the adam optimizer.
@@ -211,15 +254,29 @@ def optimizer_knob_unused_by_scheduler(recipe: RlRecipe | SftRecipe, derived: De
         optimizers.append(("critic.optimizer", recipe.critic.optimizer))
     for prefix, opt in optimizers:
         if opt.scheduler == "constant" and is_set(source, f"{prefix}.warmup_ratio") and opt.warmup_ratio > 0:
-            yield diag(source, f"{prefix}.warmup_ratio", f"{prefix}.warmup_ratio is ignored by the "
-                       "constant scheduler", "use scheduler constant_with_warmup, or remove warmup_ratio",
-                       [f"{prefix}.scheduler"])
+            yield diag(
+                source,
+                f"{prefix}.warmup_ratio",
+                f"{prefix}.warmup_ratio is ignored by the constant scheduler",
+                "use scheduler constant_with_warmup, or remove warmup_ratio",
+                [f"{prefix}.scheduler"],
+            )
         if opt.scheduler != "cosine_with_min_lr" and is_set(source, f"{prefix}.min_lr_ratio"):
-            yield diag(source, f"{prefix}.min_lr_ratio", f"{prefix}.min_lr_ratio is read only by "
-                       f"cosine_with_min_lr, not {opt.scheduler}", "remove min_lr_ratio", [f"{prefix}.scheduler"])
+            yield diag(
+                source,
+                f"{prefix}.min_lr_ratio",
+                f"{prefix}.min_lr_ratio is read only by cosine_with_min_lr, not {opt.scheduler}",
+                "remove min_lr_ratio",
+                [f"{prefix}.scheduler"],
+            )
         if opt.name != "muon" and is_set(source, f"{prefix}.muon"):
-            yield diag(source, f"{prefix}.muon", f"{prefix}.muon is ignored with optimizer {opt.name}",
-                       f"remove {prefix}.muon, or set {prefix}.name: muon", [f"{prefix}.name"])
+            yield diag(
+                source,
+                f"{prefix}.muon",
+                f"{prefix}.muon is ignored with optimizer {opt.name}",
+                f"remove {prefix}.muon, or set {prefix}.name: muon",
+                [f"{prefix}.name"],
+            )
 
 
 def whiten_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -244,11 +301,18 @@ def whiten_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: Sourc
     """
     est = recipe.algo.estimator
     if is_set(source, "algo.whiten") and est not in ("reinforce", "reinforce_baseline", "gae"):
-        yield diag(source, "algo.whiten", f"algo.whiten is ignored by estimator {est}",
-                   "remove algo.whiten", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.whiten",
+            f"algo.whiten is ignored by estimator {est}",
+            "remove algo.whiten",
+            ["algo.estimator"],
+        )
 
 
-def visual_encoder_freeze_on_text_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def visual_encoder_freeze_on_text_model(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.freeze.visual_encoder: true` on a text-only model.
 
@@ -272,5 +336,10 @@ def visual_encoder_freeze_on_text_model(recipe: RlRecipe | SftRecipe, derived: D
     """
     facts = model_facts(recipe, source)
     if facts is not None and not facts.is_vlm and recipe.actor.freeze.visual_encoder:
-        yield diag(source, "actor.freeze.visual_encoder", f"{facts.key} has no visual encoder to freeze",
-                   "remove actor.freeze.visual_encoder", ["model.arch"])
+        yield diag(
+            source,
+            "actor.freeze.visual_encoder",
+            f"{facts.key} has no visual encoder to freeze",
+            "remove actor.freeze.visual_encoder",
+            ["model.arch"],
+        )

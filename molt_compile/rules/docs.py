@@ -21,16 +21,25 @@ def rule_page(rule: Code) -> str:
 
 def reference() -> str:
     """The whole catalog as one Markdown page."""
-    head = ["# Rule reference", "",
-            "Generated from `molt_compile/rules/` by `python -m molt_compile.rules.docs`; do not edit by hand.", "",
-            "| code | name | severity | kinds |", "|---|---|---|---|"]
-    head += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
-             for r in ALL_RULES]
+    head = [
+        "# Rule reference",
+        "",
+        "Generated from `molt_compile/rules/` by `python -m molt_compile.rules.docs`; do not edit by hand.",
+        "",
+        "| code | name | severity | kinds |",
+        "|---|---|---|---|",
+    ]
+    head += [
+        f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
+        for r in ALL_RULES
+    ]
     cap = CAPABILITY
     head.append(f"| [{cap.code}](#{cap.code.lower()}-{cap.name}) | {cap.name} | {cap.severity} | rl, sft |")
-    cap_page = (f"## {cap.code} {cap.name}\n\nSeverity: **{cap.severity}** · applies to: rl and sft recipes "
-                f"(checked on the lowered plan)\n\n{cap.text.replace('## ', '### ')}\n"
-                f"{(cap.appendix() if cap.appendix else '').replace('## ', '### ')}\n")
+    cap_page = (
+        f"## {cap.code} {cap.name}\n\nSeverity: **{cap.severity}** · applies to: rl and sft recipes "
+        f"(checked on the lowered plan)\n\n{cap.text.replace('## ', '### ')}\n"
+        f"{(cap.appendix() if cap.appendix else '').replace('## ', '### ')}\n"
+    )
     return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES) + "\n" + cap_page
 
 

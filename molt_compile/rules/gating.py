@@ -44,8 +44,12 @@ def is_threshold_arity(recipe: RlRecipe, derived: Derived, source: SourceMap) ->
     """
     n = len(_values(recipe.algo.is_correction))
     if n not in (1, 2):
-        yield diag(source, "algo.is_correction.threshold", f"algo.is_correction.threshold has {n} values; "
-                   "it takes HIGH or [LOW, HIGH]", "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]")
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"algo.is_correction.threshold has {n} values; it takes HIGH or [LOW, HIGH]",
+            "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]",
+        )
 
 
 def is_single_threshold_band(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -71,8 +75,12 @@ def is_single_threshold_band(recipe: RlRecipe, derived: Derived, source: SourceM
     """
     isc = recipe.algo.is_correction
     if isc.level != "off" and len(_values(isc)) == 1:
-        yield diag(source, "algo.is_correction.threshold", f"one threshold value {_values(isc)[0]}: the "
-                   f"band is [-inf, {_values(isc)[0]}] (X1)", "write [0.0, HIGH] to say it in the recipe")
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"one threshold value {_values(isc)[0]}: the band is [-inf, {_values(isc)[0]}] (X1)",
+            "write [0.0, HIGH] to say it in the recipe",
+        )
 
 
 def divergence_gating_with_clip_or_geo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -100,11 +108,21 @@ def divergence_gating_with_clip_or_geo(recipe: RlRecipe, derived: Derived, sourc
     if isc.gating == "ratio" or isc.level == "off":
         return
     if isc.mode != "mask":
-        yield diag(source, "algo.is_correction.mode", f"gating {isc.gating} works only with mode mask, "
-                   f"not {isc.mode}", "set algo.is_correction.mode: mask", ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.mode",
+            f"gating {isc.gating} works only with mode mask, not {isc.mode}",
+            "set algo.is_correction.mode: mask",
+            ["algo.is_correction.gating"],
+        )
     if isc.level == "geo":
-        yield diag(source, "algo.is_correction.level", f"gating {isc.gating} works only at level token or "
-                   "seq, not geo", "set algo.is_correction.level: seq", ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.level",
+            f"gating {isc.gating} works only at level token or seq, not geo",
+            "set algo.is_correction.level: seq",
+            ["algo.is_correction.gating"],
+        )
 
 
 def divergence_gating_with_lower_bound(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -133,10 +151,14 @@ def divergence_gating_with_lower_bound(recipe: RlRecipe, derived: Derived, sourc
         return
     low, high = is_band(isc)
     if low is not None and low > 0:
-        yield diag(source, "algo.is_correction.threshold", f"gating {isc.gating} takes an upper bound "
-                   f"only, but the band's lower value is {low}: on-policy units (divergence 0) are dropped",
-                   f"write one value, algo.is_correction.threshold: {high if high < 0.5 else 5.0e-3}",
-                   ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"gating {isc.gating} takes an upper bound "
+            f"only, but the band's lower value is {low}: on-policy units (divergence 0) are dropped",
+            f"write one value, algo.is_correction.threshold: {high if high < 0.5 else 5.0e-3}",
+            ["algo.is_correction.gating"],
+        )
 
 
 def gating_without_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -162,6 +184,10 @@ def gating_without_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> 
     """
     isc = recipe.algo.is_correction
     if isc.gating != "ratio" and isc.level == "off" and recipe.algo.score_centering_top_k < 2:
-        yield diag(source, "algo.is_correction.gating", f"gating {isc.gating} has no effect: "
-                   "algo.is_correction.level is off", "remove algo.is_correction.gating, or turn IS on (level "
-                   "token or seq)", ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "algo.is_correction.gating",
+            f"gating {isc.gating} has no effect: algo.is_correction.level is off",
+            "remove algo.is_correction.gating, or turn IS on (level token or seq)",
+            ["algo.is_correction.level"],
+        )

@@ -56,9 +56,14 @@ def kl_k1_loss_against_rollout(recipe: RlRecipe, derived: Derived, source: Sourc
     """
     kl = recipe.algo.kl
     if kl_ref_of(recipe) == "rollout" and kl.use_loss and kl.estimator == "k1":
-        yield diag(source, "algo.kl.estimator", "algo.kl.use_loss with estimator k1 against the rollout "
-                   "policy (algo.kl.ref rollout): its gradient raises KL(rollout || policy) instead of lowering it",
-                   "set algo.kl.estimator: k3 (or k2); or algo.kl.use_loss: false", ["algo.kl.use_loss", "algo.kl.ref"])
+        yield diag(
+            source,
+            "algo.kl.estimator",
+            "algo.kl.use_loss with estimator k1 against the rollout "
+            "policy (algo.kl.ref rollout): its gradient raises KL(rollout || policy) instead of lowering it",
+            "set algo.kl.estimator: k3 (or k2); or algo.kl.use_loss: false",
+            ["algo.kl.use_loss", "algo.kl.ref"],
+        )
 
 
 def kl_ref_defaults_to_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -86,12 +91,20 @@ def kl_ref_defaults_to_rollout(recipe: RlRecipe, derived: Derived, source: Sourc
     """
     kl = recipe.algo.kl
     if kl.coef > 0 and kl.ref is None and recipe.algo.estimator != "on_policy_distill":
-        keep = ("; the `ref:` section is then unused (EST010): set algo.kl.ref: model to keep Molt 0.1.6's "
-                "meaning" if recipe.ref is not None else "; Molt 0.1.6 built a reference model for this coefficient")
-        yield diag(source, "algo.kl.coef", f"algo.kl.coef {kl.coef} is KL against the rollout policy "
-                   "(Molt 0.2.1's default algo.kl.ref: rollout): no reference model is built" + keep,
-                   "write algo.kl.ref: rollout to keep this, or algo.kl.ref: model with a `ref:` section for a "
-                   "frozen reference", ["algo.kl.ref"])
+        keep = (
+            "; the `ref:` section is then unused (EST010): set algo.kl.ref: model to keep Molt 0.1.6's meaning"
+            if recipe.ref is not None
+            else "; Molt 0.1.6 built a reference model for this coefficient"
+        )
+        yield diag(
+            source,
+            "algo.kl.coef",
+            f"algo.kl.coef {kl.coef} is KL against the rollout policy "
+            "(Molt 0.2.1's default algo.kl.ref: rollout): no reference model is built" + keep,
+            "write algo.kl.ref: rollout to keep this, or algo.kl.ref: model with a `ref:` section for a "
+            "frozen reference",
+            ["algo.kl.ref"],
+        )
 
 
 def distill_forces_kl_ref_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -119,8 +132,13 @@ def distill_forces_kl_ref_model(recipe: RlRecipe, derived: Derived, source: Sour
     molt_0_2_1.md X2 (molt_rules.md B2)
     """
     if recipe.algo.estimator == "on_policy_distill" and recipe.algo.kl.ref == "rollout":
-        yield diag(source, "algo.kl.ref", "on_policy_distill measures the KL against the teacher: "
-                   "algo.kl.ref is forced to model", "remove algo.kl.ref", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.kl.ref",
+            "on_policy_distill measures the KL against the teacher: algo.kl.ref is forced to model",
+            "remove algo.kl.ref",
+            ["algo.estimator"],
+        )
 
 
 def kl_to_rollout_without_logprobs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -153,10 +171,15 @@ def kl_to_rollout_without_logprobs(recipe: RlRecipe, derived: Derived, source: S
     if not _kl_to_rollout(recipe) or a.is_correction.level != "off" or a.score_centering_top_k >= 2:
         return
     if _runner_kind(recipe, source) == "step":
-        yield diag(source, "algo.kl.coef", "KL against the rollout policy needs the engine's log-probs, "
-                   "but a step agent records them only with IS correction or score centering: Molt fails at the "
-                   "first make_experience (L14)", "turn on algo.is_correction (level token), or set "
-                   "algo.kl.ref: model with a `ref:` section", ["algo.kl.ref", "algo.is_correction.level", "agent.path"])
+        yield diag(
+            source,
+            "algo.kl.coef",
+            "KL against the rollout policy needs the engine's log-probs, "
+            "but a step agent records them only with IS correction or score centering: Molt fails at the "
+            "first make_experience (L14)",
+            "turn on algo.is_correction (level token), or set algo.kl.ref: model with a `ref:` section",
+            ["algo.kl.ref", "algo.is_correction.level", "agent.path"],
+        )
 
 
 def kl_reward_against_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -186,10 +209,14 @@ def kl_reward_against_rollout(recipe: RlRecipe, derived: Derived, source: Source
     """
     a = recipe.algo
     if _kl_to_rollout(recipe) and not a.kl.use_loss and a.estimator not in KL_REWARD_IGNORED | {"on_policy_distill"}:
-        yield diag(source, "algo.kl.use_loss", "a KL reward against the rollout policy is only the "
-                   "train/sampler mismatch (about 0 on-policy): it pulls the policy toward nothing",
-                   "set algo.kl.use_loss: true with estimator k3, or algo.kl.ref: model with a `ref:` section",
-                   ["algo.kl.ref", "algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.use_loss",
+            "a KL reward against the rollout policy is only the "
+            "train/sampler mismatch (about 0 on-policy): it pulls the policy toward nothing",
+            "set algo.kl.use_loss: true with estimator k3, or algo.kl.ref: model with a `ref:` section",
+            ["algo.kl.ref", "algo.kl.coef"],
+        )
 
 
 def kl_reward_with_flash_reinforce(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -217,6 +244,10 @@ def kl_reward_with_flash_reinforce(recipe: RlRecipe, derived: Derived, source: S
     """
     kl = recipe.algo.kl
     if recipe.algo.estimator == "flash_reinforce" and kl.coef > 0 and not kl.use_loss:
-        yield diag(source, "algo.kl.use_loss", "flash_reinforce ignores the per-token KL reward: "
-                   f"algo.kl.coef {kl.coef} has no effect", "set algo.kl.use_loss: true (estimator k2 or k3), or "
-                   "algo.kl.coef: 0", ["algo.estimator", "algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.use_loss",
+            f"flash_reinforce ignores the per-token KL reward: algo.kl.coef {kl.coef} has no effect",
+            "set algo.kl.use_loss: true (estimator k2 or k3), or algo.kl.coef: 0",
+            ["algo.estimator", "algo.kl.coef"],
+        )

@@ -34,8 +34,12 @@ def dual_clip_not_above_one(recipe: RlRecipe, derived: Derived, source: SourceMa
     """
     dc = recipe.actor.loss.dual_clip
     if dc is not None and dc <= 1.0:
-        yield diag(source, "actor.loss.dual_clip", f"actor.loss.dual_clip {dc} must be > 1",
-                   "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip")
+        yield diag(
+            source,
+            "actor.loss.dual_clip",
+            f"actor.loss.dual_clip {dc} must be > 1",
+            "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip",
+        )
 
 
 def dual_clip_without_ppo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -62,8 +66,13 @@ def dual_clip_without_ppo(recipe: RlRecipe, derived: Derived, source: SourceMap)
     """
     loss = recipe.actor.loss
     if loss.dual_clip is not None and loss.mode != "ppo":
-        yield diag(source, "actor.loss.dual_clip", f"actor.loss.dual_clip is PPO-only, but loss.mode is "
-                   f"{loss.mode}", "remove actor.loss.dual_clip (or set it to null)", ["actor.loss.mode"])
+        yield diag(
+            source,
+            "actor.loss.dual_clip",
+            f"actor.loss.dual_clip is PPO-only, but loss.mode is {loss.mode}",
+            "remove actor.loss.dual_clip (or set it to null)",
+            ["actor.loss.mode"],
+        )
 
 
 def cispo_clip_ceiling_below_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -89,6 +98,10 @@ def cispo_clip_ceiling_below_one(recipe: RlRecipe, derived: Derived, source: Sou
     """
     loss = recipe.actor.loss
     if loss.mode == "cispo" and loss.clip[1] < 1.0:
-        yield diag(source, "actor.loss.clip", f"cispo reads actor.loss.clip[1] as an absolute ratio "
-                   f"ceiling; {loss.clip[1]} < 1 clips every token", f"use [{loss.clip[0]}, {1 + loss.clip[1]:g}]",
-                   ["actor.loss.mode"])
+        yield diag(
+            source,
+            "actor.loss.clip",
+            f"cispo reads actor.loss.clip[1] as an absolute ratio ceiling; {loss.clip[1]} < 1 clips every token",
+            f"use [{loss.clip[0]}, {1 + loss.clip[1]:g}]",
+            ["actor.loss.mode"],
+        )

@@ -50,13 +50,18 @@ def gpus_exceed_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: 
     if recipe.kind == "sft":
         what = f"the SFT world needs {used} GPUs"
     else:
-        what = (f"FSDP roles need {dv(derived, 'fsdp.total_gpus')} GPUs + rollout {recipe.rollout.engines} engines × "
-                f"{dv(derived, 'rollout.gpus_per_engine')} = {dv(derived, 'rollout.total_gpus')} GPUs = {used}")
+        what = (
+            f"FSDP roles need {dv(derived, 'fsdp.total_gpus')} GPUs + rollout {recipe.rollout.engines} engines × "
+            f"{dv(derived, 'rollout.gpus_per_engine')} = {dv(derived, 'rollout.total_gpus')} GPUs = {used}"
+        )
     need_nodes = -(-used // c.gpus_per_node) if c.gpus_per_node else used
-    yield diag(source, "cluster.nodes",
-               f"{what} > cluster {c.nodes} × {c.gpus_per_node} = {total} GPUs",
-               f"set cluster.nodes: {need_nodes}, or use fewer engines / a smaller actor",
-               ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"])
+    yield diag(
+        source,
+        "cluster.nodes",
+        f"{what} > cluster {c.nodes} × {c.gpus_per_node} = {total} GPUs",
+        f"set cluster.nodes: {need_nodes}, or use fewer engines / a smaller actor",
+        ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"],
+    )
 
 
 def role_wider_than_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -89,18 +94,31 @@ def role_wider_than_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, sour
     roles = [("actor", recipe.actor.nodes, recipe.actor.gpus_per_node)]
     if recipe.kind == "rl" and dv(derived, "ref.exists") and not dv(derived, "ref.colocated"):
         ref = recipe.ref
-        roles.append(("ref", (ref.nodes if ref else None) or recipe.actor.nodes,
-                      (ref.gpus_per_node if ref else None) or recipe.actor.gpus_per_node))
+        roles.append(
+            (
+                "ref",
+                (ref.nodes if ref else None) or recipe.actor.nodes,
+                (ref.gpus_per_node if ref else None) or recipe.actor.gpus_per_node,
+            )
+        )
     for role, nodes, gpn in roles:
         if gpn > c.gpus_per_node:
-            yield diag(source, f"{role}.gpus_per_node",
-                       f"{role}.gpus_per_node {gpn} > cluster.gpus_per_node {c.gpus_per_node}",
-                       f"spread the {nodes * gpn} GPUs over more nodes (e.g. nodes "
-                       f"{-(-nodes * gpn // max(c.gpus_per_node, 1))}, gpus_per_node {c.gpus_per_node})",
-                       ["cluster.gpus_per_node"])
+            yield diag(
+                source,
+                f"{role}.gpus_per_node",
+                f"{role}.gpus_per_node {gpn} > cluster.gpus_per_node {c.gpus_per_node}",
+                f"spread the {nodes * gpn} GPUs over more nodes (e.g. nodes "
+                f"{-(-nodes * gpn // max(c.gpus_per_node, 1))}, gpus_per_node {c.gpus_per_node})",
+                ["cluster.gpus_per_node"],
+            )
         if nodes > c.nodes:
-            yield diag(source, f"{role}.nodes", f"{role}.nodes {nodes} > cluster.nodes {c.nodes}",
-                       f"set cluster.nodes to at least {nodes}", ["cluster.nodes"])
+            yield diag(
+                source,
+                f"{role}.nodes",
+                f"{role}.nodes {nodes} > cluster.nodes {c.nodes}",
+                f"set cluster.nodes to at least {nodes}",
+                ["cluster.nodes"],
+            )
 
 
 def colocated_role_size_mismatch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -132,10 +150,13 @@ def colocated_role_size_mismatch(recipe: RlRecipe, derived: Derived, source: Sou
     for key in ("nodes", "gpus_per_node"):
         own, actor = getattr(ref, key), getattr(recipe.actor, key)
         if own is not None and own != actor:
-            yield diag(source, f"ref.{key}",
-                       f"ref.{key} {own} differs from actor.{key} {actor}, but a colocated ref shares the actor's GPUs",
-                       f"remove ref.{key} (colocated roles take the actor's size), or set ref.placement: separate",
-                       [f"actor.{key}", "ref.placement"])
+            yield diag(
+                source,
+                f"ref.{key}",
+                f"ref.{key} {own} differs from actor.{key} {actor}, but a colocated ref shares the actor's GPUs",
+                f"remove ref.{key} (colocated roles take the actor's size), or set ref.placement: separate",
+                [f"actor.{key}", "ref.placement"],
+            )
 
 
 def colocated_engines_exceed_ranks(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -171,18 +192,30 @@ def colocated_engines_exceed_ranks(recipe: RlRecipe, derived: Derived, source: S
     per_engine = dv(derived, "rollout.gpus_per_engine")
     ranks = dv(derived, "actor.world")
     if recipe.eval.only:
-        yield diag(source, "rollout.placement",
-                   "rollout.placement: colocate shares the actor's GPUs, but eval.only builds no actor",
-                   "set rollout.placement: separate for an evaluation-only run", ["eval.only"])
+        yield diag(
+            source,
+            "rollout.placement",
+            "rollout.placement: colocate shares the actor's GPUs, but eval.only builds no actor",
+            "set rollout.placement: separate for an evaluation-only run",
+            ["eval.only"],
+        )
     elif per_engine is not None and per_engine > 1:
-        yield diag(source, "rollout.placement",
-                   f"a colocated engine takes one actor rank's GPU, but each engine needs {per_engine} "
-                   f"(rollout.mesh tp × pp × dp)",
-                   "set rollout.mesh to tp 1, pp 1, dp 1, or rollout.placement: separate", ["rollout.mesh"])
+        yield diag(
+            source,
+            "rollout.placement",
+            f"a colocated engine takes one actor rank's GPU, but each engine needs {per_engine} "
+            f"(rollout.mesh tp × pp × dp)",
+            "set rollout.mesh to tp 1, pp 1, dp 1, or rollout.placement: separate",
+            ["rollout.mesh"],
+        )
     elif ranks is not None and ro.engines > ranks:
-        yield diag(source, "rollout.engines",
-                   f"{ro.engines} colocated engines but the actor has {ranks} ranks (one engine per rank's GPU)",
-                   f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate", ["rollout.placement"])
+        yield diag(
+            source,
+            "rollout.engines",
+            f"{ro.engines} colocated engines but the actor has {ranks} ranks (one engine per rank's GPU)",
+            f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate",
+            ["rollout.placement"],
+        )
 
 
 def unknown_gpu_type(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -209,8 +242,12 @@ def unknown_gpu_type(recipe: RlRecipe | SftRecipe, derived: Derived, source: Sou
     gpu = recipe.cluster.gpu
     if gpu not in GPUS:
         close = difflib.get_close_matches(gpu, GPUS, n=1, cutoff=0.3)
-        yield diag(source, "cluster.gpu", f"cluster.gpu {gpu!r} is not in the GPU catalog",
-                   (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
+        yield diag(
+            source,
+            "cluster.gpu",
+            f"cluster.gpu {gpu!r} is not in the GPU catalog",
+            (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}",
+        )
 
 
 def idle_gpus(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
@@ -241,6 +278,10 @@ def idle_gpus(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap)
     idle = dv(derived, "cluster.idle_gpus")
     if idle is not None and idle > 0:
         used, total = dv(derived, "cluster.used_gpus"), dv(derived, "cluster.total_gpus")
-        yield diag(source, "cluster.nodes", f"{idle} of {total} GPUs are idle (roles use {used})",
-                   "shrink the cluster, add engines, or suppress with ignore: {PLACE007: \"why\"}",
-                   ["cluster.gpus_per_node"])
+        yield diag(
+            source,
+            "cluster.nodes",
+            f"{idle} of {total} GPUs are idle (roles use {used})",
+            'shrink the cluster, add engines, or suppress with ignore: {PLACE007: "why"}',
+            ["cluster.gpus_per_node"],
+        )

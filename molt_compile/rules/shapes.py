@@ -77,13 +77,23 @@ def rollout_tp_does_not_split_the_model(recipe: RlRecipe, derived: Derived, sour
     vocab = facts.vocab if _exact(facts, "vocab") else 0
     problem = _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, tp)
     if problem:
-        good = [d for d in _divisors(facts.heads, 64)
-                if _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, d) is None]
-        yield diag(source, "rollout.mesh.tp", f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
-                   f"choose rollout.mesh.tp among {', '.join(map(str, good))}", ["model.arch", "model.path"])
+        good = [
+            d
+            for d in _divisors(facts.heads, 64)
+            if _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, d) is None
+        ]
+        yield diag(
+            source,
+            "rollout.mesh.tp",
+            f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
+            f"choose rollout.mesh.tp among {', '.join(map(str, good))}",
+            ["model.arch", "model.path"],
+        )
 
 
-def actor_tp_does_not_split_the_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+def actor_tp_does_not_split_the_model(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.tp` divides the attention heads and the KV heads of every dense FSDP role's checkpoint (policy,
     reference/teacher, critic).
@@ -122,7 +132,10 @@ def actor_tp_does_not_split_the_model(recipe: RlRecipe | SftRecipe, derived: Der
         bad = [f"{n} {what}" for n, what in ((facts.heads, "attention heads"), (kv, "KV heads")) if n % tp]
         if bad:
             good = [d for d in _divisors(kv, 64) if facts.heads % d == 0]
-            yield diag(source, "actor.mesh.tp",
-                       f"{role} model {facts.key}: its {' and '.join(bad)} are not divisible by actor.mesh.tp {tp}",
-                       f"choose actor.mesh.tp among {', '.join(map(str, good))}",
-                       ["model.arch" if role == "actor" else f"{role}.path"])
+            yield diag(
+                source,
+                "actor.mesh.tp",
+                f"{role} model {facts.key}: its {' and '.join(bad)} are not divisible by actor.mesh.tp {tp}",
+                f"choose actor.mesh.tp among {', '.join(map(str, good))}",
+                ["model.arch" if role == "actor" else f"{role}.path"],
+            )
