@@ -248,7 +248,7 @@ class Actor(Section):
     """Parameters that are not trained."""
     freezing_steps: NonNegInt = 0
     """With gae only: no policy update during the first N steps while the critic warms up."""
-    lora: Lora = Lora()
+    lora: Lora = section(Lora)
     """LoRA adapters on the policy (Molt 0.2.1): the adapter trains, the base stays frozen, each weight sync merges
     `W + scale·B@A` into the weights the engines get, and the HF export is a PEFT adapter directory."""
 
@@ -777,7 +777,7 @@ class SftActor(Section):
     """MoE load-balancing loss coefficient."""
     freeze: Freeze = section(Freeze)
     """Parameters that are not trained."""
-    lora: Lora = Lora()
+    lora: Lora = section(Lora)
     """LoRA adapters on the trained model (Molt 0.2.1 `--model.lora_*`); the HF export is a PEFT adapter directory."""
 
 
