@@ -23,6 +23,7 @@ from molt_compile.lower.common import (
     source_path,
 )
 from molt_compile.lower.placement import place_rl
+from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,
     AgentPlan,
@@ -46,6 +47,7 @@ from schemas.plan import (
     TrainerPlan,
     WeightSyncPlan,
 )
+from schemas.recipe import RlRecipe
 
 RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
 RUNNER_MAX_RESTARTS = 3
@@ -62,7 +64,7 @@ SUPERVISOR_POLL_S = 0.5
 """How often the driver's supervisor looks at the actors while it waits (a death is noticed within this)."""
 
 
-def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnostic]]:
+def lower_rl(r: RlRecipe, d: Derived, source: SourceMap | None) -> tuple[Plan | None, list[Diagnostic]]:
     eval_only = r.eval.only
     need = [] if eval_only else ["actor.dp", "actor.grad_accum"]
     for role in ("ref", "critic"):
@@ -97,7 +99,7 @@ def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnos
     return plan.with_fingerprint(), warnings
 
 
-def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
+def rl_runtime(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlRuntime:
     """The RL runtime slice: what the Ray job reads, section by section."""
     return RlRuntime.model_construct(
         device=d.value("cluster.device"),
@@ -119,12 +121,12 @@ def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
         logging=logging_plan(r, source),
         weight_sync=_weight_sync(d),
         supervisor=SupervisorPlan.model_construct(
-            poll_s=SUPERVISOR_POLL_S, stall_timeout_s=r.train.stall_timeout_s,
-            stop_timeout_s=r.train.stop_timeout_s),
+            poll_s=SUPERVISOR_POLL_S, stall_timeout_s=r.train.stall_timeout_s, stop_timeout_s=r.train.stop_timeout_s
+        ),
     )
 
 
-def _engines(r: Any, d: Derived) -> EnginesPlan:
+def _engines(r: RlRecipe, d: Derived) -> EnginesPlan:
     ro, t = r.rollout, r.train
     in_flight = d.value("rollout.generate_batch_size") * ro.n_samples_per_prompt
     return EnginesPlan.model_construct(
@@ -153,7 +155,7 @@ def _engines(r: Any, d: Derived) -> EnginesPlan:
     )
 
 
-def _engine_args(r: Any) -> dict[str, Any]:
+def _engine_args(r: RlRecipe) -> dict[str, Any]:
     """vLLM engine arguments, only those the recipe set (Molt B16), under vLLM's own names."""
     ro = r.rollout
     args: dict[str, Any] = {}
@@ -190,7 +192,7 @@ def _engine_args(r: Any) -> dict[str, Any]:
     return args
 
 
-def _agent(r: Any, d: Derived, source: Any) -> AgentPlan:
+def _agent(r: RlRecipe, d: Derived, source: SourceMap | None) -> AgentPlan:
     path = d.value("agent.path")
     if path != DISTILL_AGENT_PATH:
         path = resolve_path(path, "agent.path", source)
@@ -215,7 +217,7 @@ def _default_agent() -> Any:
     return Agent(path=DISTILL_AGENT_PATH)
 
 
-def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
+def _data(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlDataPlan:
     dt = r.data
     return RlDataPlan.model_construct(
         prompts=resolve_sources(dt.prompts, "data.prompts", source),
@@ -234,7 +236,7 @@ def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
     )
 
 
-def _sampling(r: Any, d: Derived) -> SamplingPlan:
+def _sampling(r: RlRecipe, d: Derived) -> SamplingPlan:
     ro = r.rollout
     return SamplingPlan.model_construct(
         n_samples_per_prompt=ro.n_samples_per_prompt,
@@ -246,7 +248,7 @@ def _sampling(r: Any, d: Derived) -> SamplingPlan:
     )
 
 
-def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
+def _eval(r: RlRecipe, d: Derived, source: SourceMap | None) -> EvalPlan:
     e = r.eval
     return EvalPlan.model_construct(
         enabled=d.value("eval.enabled"),
@@ -267,7 +269,7 @@ def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
     )
 
 
-def _generator(r: Any, d: Derived, source: Any) -> GeneratorPlan:
+def _generator(r: RlRecipe, d: Derived, source: SourceMap | None) -> GeneratorPlan:
     al, t = r.algo, r.train
     return GeneratorPlan.model_construct(
         batch_size=r.rollout.batch_size,
@@ -275,19 +277,21 @@ def _generator(r: Any, d: Derived, source: Any) -> GeneratorPlan:
         episodes=t.episodes,
         dynamic_filtering=list(al.dynamic_filtering.range) if al.dynamic_filtering else None,
         seed=t.seed,
-        rollout_dump_dir=(resolve_path(t.rollout_dump_dir, "train.rollout_dump_dir", source)
-                          if t.rollout_dump_dir else None),
-        rollout_replay_dir=(resolve_path(t.rollout_replay_dir, "train.rollout_replay_dir", source)
-                            if t.rollout_replay_dir else None),
+        rollout_dump_dir=(
+            resolve_path(t.rollout_dump_dir, "train.rollout_dump_dir", source) if t.rollout_dump_dir else None
+        ),
+        rollout_replay_dir=(
+            resolve_path(t.rollout_replay_dir, "train.rollout_replay_dir", source) if t.rollout_replay_dir else None
+        ),
     )
 
 
-def _queue(r: Any) -> QueuePlan:
+def _queue(r: RlRecipe) -> QueuePlan:
     a = r.train.async_
     return QueuePlan.model_construct(size=a.queue_size, partial_rollout=a.partial_rollout, force_sync=a.force_sync)
 
 
-def _trainer(r: Any, d: Derived) -> TrainerPlan:
+def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
     t, a = r.train, r.actor
     return TrainerPlan.model_construct(
         world=d.value("actor.world"),
@@ -325,9 +329,9 @@ def _trainer(r: Any, d: Derived) -> TrainerPlan:
     )
 
 
-def _ref(r: Any, d: Derived, source: Any) -> RefPlan:
+def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:
     return RefPlan.model_construct(
-        path=model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
+        path=model_path(d.value("ref.path"), "ref.path" if r.ref and r.ref.path else "model.path", source),
         colocated=d.value("ref.colocated"),
         world=d.value("ref.world"),
         dp=d.value("ref.dp") or 1,
@@ -335,7 +339,7 @@ def _ref(r: Any, d: Derived, source: Any) -> RefPlan:
     )
 
 
-def _critic(r: Any, d: Derived, source: Any) -> CriticPlan:
+def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
     cr = r.critic
     optimizer = cr.optimizer if cr is not None else _default_critic_optimizer()
     return CriticPlan.model_construct(
@@ -357,7 +361,7 @@ def _default_critic_optimizer() -> Any:
     return Critic().optimizer
 
 
-def _algo(r: Any, d: Derived) -> AlgoPlan:
+def _algo(r: RlRecipe, d: Derived) -> AlgoPlan:
     al = r.algo
     return AlgoPlan.model_construct(
         estimator=al.estimator,
@@ -388,7 +392,7 @@ def _algo(r: Any, d: Derived) -> AlgoPlan:
     )
 
 
-def _schedule(r: Any, d: Derived) -> SchedulePlan:
+def _schedule(r: RlRecipe, d: Derived) -> SchedulePlan:
     return SchedulePlan.model_construct(
         steps_per_episode=d.value("train.steps_per_episode"),
         total_steps=d.value("train.total_steps"),
