@@ -1,9 +1,8 @@
 """The FSDP2 core shared by the RL trainer ranks (`runtime/trainer.py`) and the SFT job (`runtime/sft.py`).
 
-Model build (HF model, fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the
-root, compute dtype from the plan: `reference/environment.md` §5; plus the chunked log-prob method of
-`runtime/logprobs.py`), the AdamW optimizer and its transformers scheduler from the plan's `OptimizerPlan`, and the
-clipped optimizer step. DCP save/load and the HF export are `runtime/ckpt.py`'s, used by both alike.
+The model and its device mesh come from the plan's backend (`runtime/models/`); here: the AdamW optimizer and its
+transformers scheduler from the plan's `OptimizerPlan`, and the clipped optimizer step. DCP save/load and the HF
+export are `runtime/ckpt.py`'s, used by both alike.
 """
 
 from __future__ import annotations
@@ -13,56 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.logprobs import attach
-
 if TYPE_CHECKING:
-    from schemas.plan import LoraPlan, ModelPlan, OptimizerPlan
-
-
-def is_vlm(path: str) -> bool:
-    """The checkpoint is a vision-language model (its config has a `vision_config`): a fact of the model."""
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
-
-
-def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
-                lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
-    """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
-
-    A frozen model (a reference) is in eval mode without gradients and never checkpoints. `lora`: peft adapters
-    patched in before sharding (`runtime/lora.py`); only they train. A VLM loads as an image-text-to-text model;
-    its language-model layers are the FSDP units and the vision tower stays in the root unit (all-gathered on every
-    forward, so a rank whose micro-batch has no image runs the same collectives). `freeze_visual_encoder` (Molt's:
-    train only the language model and lm_head) stops the tower's gradients.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
-    vlm = is_vlm(path)
-    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
-    model.to(device)
-    if lora is not None:
-        from runtime import lora as lora_adapters
-
-        lora_adapters.apply(model, lora)
-    if trainable and model_plan.gradient_checkpoint != "none":
-        model.gradient_checkpointing_enable()
-        if lora is not None:
-            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
-    if not trainable:
-        model.requires_grad_(False)
-        model.eval()
-    if vlm and freeze_visual_encoder:
-        model.model.visual.requires_grad_(False)
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
-    for layer in (model.model.language_model.layers if vlm else model.model.layers):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    attach(model)  # chunked lm_head log-probs as an FSDP forward method
-    return model
+    from schemas.plan import OptimizerPlan
 
 
 def build_optimizer(opt: OptimizerPlan, model) -> tuple[torch.optim.Optimizer, object]:

@@ -387,7 +387,7 @@ class Generator:
                 position += 1
                 if position in skip:
                     continue
-                yield position, (self.sources[s][i], self.images[s][i] if self.images else None)
+                yield position, (self.sources[s][i], self.images[s][i] if self.images and self.images[s] else None)
 
     # ----------------------------------------------------------------------------------------------- eval
     async def evaluate(self) -> dict[str, float]:
