@@ -4,6 +4,7 @@ Layout under the plan's `ckpt.dir`:
 
     step_000010/            one DCP checkpoint per save (every rank writes its shards: model + optimizer)
       scheduler.pt          LR scheduler state (identical on every rank; rank 0 writes it)
+      critic/               the critic's DCP checkpoint and scheduler.pt, laid out the same (gae only)
       trainer_state.json    written last by the driver: step, prompts consumed, ...; its presence marks the save complete
 
 `latest(root)` returns the newest complete save, so a run killed mid-save resumes from the previous one.
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 STATE_FILE = "trainer_state.json"
+CRITIC_DIR = "critic"
 
 
 def step_dir(root: str | Path, step: int) -> Path:

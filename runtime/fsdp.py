@@ -1,9 +1,10 @@
-"""The FSDP2 core shared by the RL trainer ranks (`runtime/trainer.py`) and the SFT job (`runtime/sft.py`).
+"""The FSDP2 core shared by the RL model groups (policy `runtime/trainer.py`, critic `runtime/critic.py`, separate
+reference `runtime/reference.py`) and the SFT job (`runtime/sft.py`).
 
 Model build (HF model, fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the
 root, compute dtype from the plan: `reference/environment.md` §5; plus the chunked log-prob method of
-`runtime/logprobs.py`), the AdamW optimizer and its transformers scheduler from the plan's `OptimizerPlan`, and the
-clipped optimizer step. DCP save/load and the HF export are `runtime/ckpt.py`'s, used by both alike.
+`runtime/logprobs.py`; or the same architecture with a scalar value head for the critic), the AdamW optimizer and
+its transformers scheduler from the plan's `OptimizerPlan`, and the clipped optimizer step. DCP save/load and the HF export are `runtime/ckpt.py`'s, used by both alike.
 """
 
 from __future__ import annotations
@@ -24,11 +25,37 @@ def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, tr
 
     A frozen model (a reference) is in eval mode without gradients and never checkpoints.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
+    _shard(model, model_plan, mesh, device, trainable)
+    attach(model)  # chunked lm_head log-probs as an FSDP forward method
+    return model
+
+
+def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device):
+    """The critic: `path`'s architecture with its vocabulary head replaced by a scalar head (transformers'
+    `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
+    `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4)."""
+    model = load_value_model(path, model_plan.attn)
+    _shard(model, model_plan, mesh, device, trainable=True)
+    return model
+
+
+def load_value_model(path: str, attn: str):
+    """`path`'s architecture as an unsharded fp32 one-label token classifier, without dropout before the head."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                           attn_implementation=attn)
+
+
+def _shard(model, model_plan: ModelPlan, mesh, device: torch.device, trainable: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     model.to(device)
     if trainable and model_plan.gradient_checkpoint != "none":
         model.gradient_checkpointing_enable()
@@ -39,8 +66,6 @@ def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, tr
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    attach(model)  # chunked lm_head log-probs as an FSDP forward method
-    return model
 
 
 def build_optimizer(opt: OptimizerPlan, model) -> tuple[torch.optim.Optimizer, object]:

@@ -9,7 +9,8 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   `rollout_slots`, which holds `queue.size` tokens: generation is never more than `queue.size` batches ahead.
 - This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
   soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
-  π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
+  π_ref) with the FSDP group, the values V_old with the critic group (gae: runtime/critic.py), per-token KL, clipped
+  rewards, advantages and returns (runtime.algo), trains the critic on the returns, trains `max_epochs` passes in
   optimizer windows of micro_batch × grad_accum rows (micro-batches of fixed rows or of a token budget, padded or
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
@@ -35,11 +36,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
+from runtime.critic import explained_variance, start_critic_group
 from runtime.experience import Experience, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink
 from runtime.plot import plot_run
+from runtime.reference import start_reference_group
 from runtime.runners import AgentRunnerActor
 from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
@@ -63,6 +66,10 @@ class RunResult:
 
 def run(plan: Plan, *, live: bool = True) -> RunResult:
     rl = plan.rl
+    if rl.trainer is None:  # eval.only: no trainer in the plan, one eval round
+        from runtime.eval_only import run_eval_only
+
+        return run_eval_only(plan, live=live)
     stop = _StopFlag()
     # ------------------------------------------------------------------------------------------------ setup
     resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
@@ -73,10 +80,16 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     engines, router = start_rollout(plan, pgs)
     trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs)
                                                        for r in range(rl.trainer.world)])
+    critic = start_critic_group(rl, [actor_options(plan, "critic", r, pgs) for r in range(rl.critic.world)]
+                                ) if rl.critic is not None else None
+    separate_ref = start_reference_group(rl, [actor_options(plan, "ref", r, pgs) for r in range(rl.ref.world)]
+                                         ) if rl.ref is not None and not rl.ref.colocated else None
     step, consumed, last_ckpt, kl_coef = 0, 0, None, rl.algo.kl.coef
     if resume_from is not None:
         last_ckpt, state = str(resume_from[0]), resume_from[1]
         trainer.load_checkpoint(last_ckpt)
+        if critic is not None:
+            critic.load_checkpoint(str(Path(last_ckpt) / ckpt.CRITIC_DIR))
         step, consumed, kl_coef = state["step"], state["prompts_consumed"], state["kl_coef"]
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
@@ -99,7 +112,6 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
         generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
     generator_done = generator.run.remote(step, consumed)
-    world = rl.trainer.world
     prompts_trained = 0
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
@@ -119,7 +131,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
                 status = "requeue" if stop.requeue else "stopped"
                 accounting = ray.get(generator.stop.remote())
                 if stop.requeue and step > 0 and step != last_ckpt_step:
-                    last_ckpt = save_checkpoint(trainer, rl, step, last_consumed, kl_ctl.value)
+                    last_ckpt = save_checkpoint(trainer, critic, rl, step, last_consumed, kl_ctl.value)
                     print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
                 break
             case EndOfStream():
@@ -138,32 +150,42 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             rollout_slots.put(step)  # the next batch may start now, with the weights of this step
         queue_depth = rollout_queue.qsize()
 
-        # --- make experience: π_old, π_ref, KL, rewards, advantages ---
+        # --- make experience: π_old, π_ref, V_old, KL, rewards, advantages and returns ---
         t0 = time.time()
         batch: Experience = ray.get(msg.experience)
         real = batch.batch_size
-        padded = pad_batch_to_multiple(batch, world)
-        old, ref = trainer.forward_logprobs(ray.put(padded))
+        padded = pad_batch_to_multiple(batch, rl.trainer.row_multiple)
+        padded_ref = ray.put(padded)
+        old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, computed by the same ranks
+        if separate_ref is not None:
+            ref = separate_ref.forward_logprobs(padded_ref)
+        values = critic.values(padded_ref) if critic is not None else None
         mask = batch.action_mask
         kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
         rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
                                        batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
         adv = algo.compute_advantages(
             rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
-            gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
+            gamma=rl.algo.gamma, lam=rl.algo.lam, values=values[:real] if values is not None else None,
+            whiten_advantages=rl.algo.whiten)
         pad_rows = padded.batch_size - real
         train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
-                                        _pad_rows(adv.returns, pad_rows))
+                                        _pad_rows(adv.returns, pad_rows), values)
         make_experience_s = time.time() - t0
 
-        # --- policy step on the FSDP group ---
+        # --- critic step (gae), then the policy step on the FSDP group (none while the critic warms up) ---
         t0 = time.time()
-        train_stats = trainer.train(ray.put(train_batch), kl_ctl.value)
+        train_ref = ray.put(train_batch)
+        critic_stats = critic.train(train_ref) if critic is not None else {}
+        critic_train_s = time.time() - t0
+        t0 = time.time()
+        actor_frozen = step < rl.trainer.freezing_steps
+        train_stats = trainer.train(train_ref, kl_ctl.value) if not actor_frozen else {}
         policy_train_s = time.time() - t0
         step += 1
 
-        # --- weight sync to every engine, under the engine lock, then the probe ---
-        sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step)
+        # --- weight sync to every engine, under the engine lock, then the probe (a frozen actor has nothing new) ---
+        sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step) if not actor_frozen else {}
         if rl.queue.force_sync:
             rollout_slots.put(step)
         mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
@@ -174,16 +196,20 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         metrics = {
             **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
             **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
+            **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
             "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
             "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
             "queue/size": float(queue_size), "queue/depth": float(queue_depth),
             "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
             "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
             "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained),
+            "train/actor_frozen": float(actor_frozen),
         }
+        if critic is not None:
+            metrics["timing/critic_train"] = critic_train_s
         if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
             t0 = time.time()
-            last_ckpt = save_checkpoint(trainer, rl, step, msg.prompts_consumed, kl_ctl.value)
+            last_ckpt = save_checkpoint(trainer, critic, rl, step, msg.prompts_consumed, kl_ctl.value)
             last_ckpt_step = step
             metrics["timing/ckpt"] = time.time() - t0
         last_consumed = msg.prompts_consumed
@@ -204,6 +230,9 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             trainer.export_hf(rl.ckpt.hf_dir)
     plot = plot_run(sink.path, Path(rl.logging.out_dir) / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
     trainer.shutdown()
+    for group in (critic, separate_ref):
+        if group is not None:
+            group.shutdown()
     for handle in [generator, lock, *runners, *engines]:
         ray.kill(handle)
     rollout_queue.shutdown()
@@ -274,9 +303,21 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
     }
 
 
-def save_checkpoint(trainer, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:
+def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Experience) -> dict[str, float]:
+    """The critic at collection: its mean value and how much of the returns' variance it explains (gae only)."""
+    if values is None:
+        return {}
+    real, mask = batch.batch_size, batch.action_mask
+    return {"critic/values_mean": float(algo.masked_mean(values[:real], mask)),
+            "critic/returns_mean": float(algo.masked_mean(returns, mask)),
+            "critic/explained_variance": explained_variance(values[:real], returns, mask)}
+
+
+def save_checkpoint(trainer, critic, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:
     path = ckpt.step_dir(rl.ckpt.dir, step)
     trainer.save_checkpoint(str(path))
+    if critic is not None:
+        critic.save_checkpoint(str(path / ckpt.CRITIC_DIR))
     ckpt.write_state(path, {"step": step, "prompts_consumed": prompts_consumed, "kl_coef": kl_coef})
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep)
     return str(path)
@@ -415,6 +456,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
         max_dispatch_attempts=rl.agent.max_restarts + 1,
         eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
         eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
+        eval_pass_k=tuple(ev.pass_k),
     )
 
 

@@ -81,14 +81,6 @@ def _mesh_rows(kind: str, section: Callable[[Plan], object]) -> tuple[Capability
 
 CAPABILITIES: tuple[Capability, ...] = (
     # ---------------------------------------------------------------------------------------------------- RL
-    Capability("rl-critic", "rl", "critic", "a critic (value model) for the gae estimator",
-               lambda p: p.rl.critic is not None, "a critic-free estimator (algo.estimator: reinforce_baseline, "
-               "grpo, rloo, ...) and no `critic:` section", tracked="issue 14"),
-    Capability("rl-ref-separate", "rl", "ref.placement", "a reference or teacher model on its own GPUs",
-               lambda p: p.rl.ref is not None and not p.rl.ref.colocated, "ref.placement: colocate",
-               tracked="issue 14"),
-    Capability("rl-eval-only", "rl", "eval.only", "an evaluation-only run", lambda p: p.rl.trainer is None,
-               "eval.only: false (evaluation runs inside training, every eval.every steps)", tracked="issue 14"),
     Capability("rl-colocated-vllm", "rl", "rollout.placement", "a vLLM engine sharing the trainer's GPU",
                lambda p: _colocated(p) and p.rl.engines.kind == "vllm", "rollout.engine: hf (or placement: separate)",
                devices=frozenset({"cpu"}), tracked="issue 18 (CUDA vLLM does not install on the H200 test machines: "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
@@ -234,7 +235,13 @@ def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
             top_p=d.value("eval.top_p"),
             logprobs=d.value("rollout.logprobs"),
         ),
+        pass_k=_pass_ks(d.value("eval.n_samples_per_prompt")),
     )
+
+
+def _pass_ks(n: int) -> list[int]:
+    """1, 2, 4, ... below n, then n: the pass@k an eval of n samples per prompt reports."""
+    return sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
 
 
 def _generator(r: Any, d: Derived) -> GeneratorPlan:
@@ -286,7 +293,15 @@ def _trainer(r: Any, d: Derived) -> TrainerPlan:
         routing_replay=t.routing_replay,
         full_determinism=t.full_determinism,
         seed=t.seed,
+        row_multiple=_row_multiple(d),
     )
+
+
+def _row_multiple(d: Derived) -> int:
+    """Every FSDP group of the step gets equal rows per rank: the policy's, a separate reference's, the critic's."""
+    worlds = [d.value("actor.world")]
+    worlds += [d.value(f"{role}.world") for role in ("ref", "critic") if d.value(f"{role}.exists")]
+    return math.lcm(*worlds)
 
 
 def _ref(r: Any, d: Derived, source: Any) -> RefPlan:

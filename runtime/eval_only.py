@@ -1,0 +1,55 @@
+"""An evaluation-only run (`eval.only`): score the eval set once and exit (`reference/molt_rules.md` A6, J4).
+
+The plan has no trainer, so no FSDP model and no optimizer is built: only the rollout engines (loaded from
+`model.path`: a policy checkpoint, or the HF export a training run wrote to its `ckpt.hf_dir`), the router, the
+agent runners and the generator, which runs one eval round with `eval.n_samples_per_prompt` samples per prompt.
+Reported: the eval/* metrics of training evals (reward, pass1, response length, truncation) and pass@k for each k of
+`eval.pass_k` with the unbiased estimator (`runtime/passk.py`). Written: metrics.jsonl (one record, step 0) and
+`eval_results.json` in `logging.out_dir`, the metrics with one record per eval prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from runtime.generator import EngineLock, Generator
+from runtime.loop import RunResult, create_placement_groups, generator_spec, role_options, start_rollout, start_runners
+from runtime.metrics import MetricsSink
+from schemas.plan import Plan
+
+RESULTS_FILE = "eval_results.json"
+
+
+def run_eval_only(plan: Plan, *, live: bool = True) -> RunResult:
+    rl = plan.rl
+    out_dir = Path(rl.logging.out_dir)
+    sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir else None, 1, live,
+                       append=False, wandb=rl.logging.wandb, config=plan.recipe)
+    pgs = create_placement_groups(plan)
+    engines, router = start_rollout(plan, pgs)
+    lock = EngineLock.options(**role_options(plan, "lock")).remote()
+    runners = start_runners(plan, router)
+    ray.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
+    # No rollout queue or slots: the generator is only asked for one eval round.
+    generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
+        generator_spec(plan), runners, None, None, lock)
+    sink.status(f"evaluating {rl.eval.dataset} with {rl.eval.sampling.n_samples_per_prompt} samples per prompt")
+    t0 = time.time()
+    metrics, prompts = ray.get(generator.evaluate.remote(per_prompt=True))
+    sink.log(0, metrics)
+    sink.close()
+    results = {"plan": plan.name, "fingerprint": plan.fingerprint, "model": rl.model.path,
+               "dataset": rl.eval.dataset, "n_samples_per_prompt": rl.eval.sampling.n_samples_per_prompt,
+               "pass_k": list(rl.eval.pass_k), "metrics": metrics, "seconds": time.time() - t0, "prompts": prompts}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str))
+    for handle in [generator, lock, *runners, *engines]:
+        ray.kill(handle)
+    for pg in pgs.values():
+        ray.util.remove_placement_group(pg)
+    accounting = {"prompts/consumed": len(prompts), "prompts/trained": 0}
+    return RunResult("finished", 0, accounting, None, sink.path)
