@@ -4,7 +4,8 @@ reference `runtime/reference.py`) and the SFT job (`runtime/sft.py`).
 Model build (HF model, fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the
 root, compute dtype from the plan: `reference/environment.md` §5; plus the chunked log-prob method of
 `runtime/logprobs.py`; or the same architecture with a scalar value head for the critic), the AdamW optimizer and
-its transformers scheduler from the plan's `OptimizerPlan`, and the clipped optimizer step. DCP save/load and the HF export are `runtime/ckpt.py`'s, used by both alike.
+its transformers scheduler from the plan's `OptimizerPlan`, and the clipped optimizer step. DCP save/load and the
+HF export are `runtime/ckpt.py`'s, used by all alike.
 """
 
 from __future__ import annotations
