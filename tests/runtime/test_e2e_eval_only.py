@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def eval_only_run(local_ray):
     plan, result, records = run_recipe(
-        "recipes/demo_math.yaml", "name=test-e2e-eval-only", "eval.only=true", "model.path=data/demo_math/teacher",
+        "recipes/demo_math.yaml", "name=test-e2e-eval-only", "eval.only=true", "model.path=recipes/data/demo_math/teacher",
         "eval.n_samples_per_prompt=8", "ckpt.dir=../ckpt/test-e2e-eval-only/state",
         "ckpt.hf_dir=../ckpt/test-e2e-eval-only/hf", "logging.tensorboard_dir=null")
     return plan, result, records, json.loads((Path(plan.rl.logging.out_dir) / RESULTS_FILE).read_text())
