@@ -56,8 +56,16 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `rollout.generate_batch_size` | generate_batch_size or batch_size | B4 |
 | `rollout.runners` | max(1, runners) | B27 |
 | `rollout.samples_per_step` | batch_size × n_samples_per_prompt | G5 |
-| `rollout.logprobs` | the rollout asks the engine for logprobs (IS correction on) | B14 |
-| `rollout.logprobs_mode` | processed_logprobs with IS on, else raw_logprobs | B14 |
+| `rollout.logprobs` | the rollout asks the engine for logprobs: IS on, score centering, or KL to the rollout | B14, X6 |
+| `rollout.logprobs_mode` | processed_logprobs when logprobs are requested, else raw_logprobs | B14, X6 |
+| `rollout.top_logprobs` | k of score centering (top-k log-probs per generated token), else 0 | 0.2.1 §3.4 |
+| `rollout.prefix_caching` | as set; forced on by routing_replay | 0.2.1 X5 |
+| `train.partial_rollout` | as set, or on when generate_batch_size > rollout.batch_size (Molt X4; the off-policy rules read it, the plan keeps the recipe's engine-lock setting) | 0.2.1 X4 |
+| `algo.is_correction.band` | [low, high]; one value HIGH → [None (-inf), HIGH] | 0.2.1 X1 |
+| `algo.kl.ref` | model or rollout: as set, else rollout; on_policy_distill forces model | 0.2.1 X2, X3 |
+| `algo.kl.to_rollout` | KL coef > 0 against the rollout policy (no reference model needed) | 0.2.1 X7 |
+| `algo.score_centering` | score_centering_top_k ≥ 2 | 0.2.1 F5 |
+| `actor.lora` | LoRA adapters on the trained model (actor.lora.dim > 0) | 0.2.1 F1, F14 |
 | `cluster.used_gpus` * | fsdp.total_gpus + rollout.own_gpus (SFT: actor.world) | J1 |
 | `cluster.idle_gpus` * | total - used (negative: over-subscribed) | J1 |
 | `weight_sync.world_size` | rollout.total_gpus + 1 (trainer rank 0 + every engine worker) | §3.2, I8 |
@@ -490,11 +498,74 @@ def _rollout(b: _Builder, r: Any) -> None:
     is_on = r.algo.is_correction.level != "off"
     b.add("algo.is_correction.enabled", is_on, f"is_correction.level is {r.algo.is_correction.level}",
           ("algo.is_correction.level",))
-    b.add("rollout.logprobs", is_on, "rollout logprobs are requested only for IS correction (B14)",
-          ("algo.is_correction.level",))
-    b.add("rollout.logprobs_mode", "processed_logprobs" if is_on else "raw_logprobs",
-          "IS correction needs the logprobs of the processed (tempered) distribution (B14)" if is_on
-          else "IS off: vLLM's raw logprobs (B14)", ("algo.is_correction.level",))
+    _molt021_rollout(b, r, is_on)
+
+
+def kl_ref_of(r: Any) -> str:
+    """`algo.kl.ref` resolved (Molt 0.2.1 X2, X3): as set, else `model` under on_policy_distill, else `rollout`."""
+    if r.algo.estimator == "on_policy_distill":
+        return "model"
+    return r.algo.kl.ref or "rollout"
+
+
+def is_band(isc: Any) -> tuple[float | None, float]:
+    """(low, high) of the IS band; a single value HIGH is (None, HIGH), i.e. [-inf, HIGH] (Molt 0.2.1 X1).
+    Only valid for one or two values (V5 is rule IS001)."""
+    t = isc.threshold
+    values = [t] if isinstance(t, int | float) else list(t)
+    if len(values) == 1:
+        return None, float(values[0])
+    return float(values[0]), float(values[-1])
+
+
+def _molt021_rollout(b: _Builder, r: Any, is_on: bool) -> None:
+    """Molt 0.2.1's derivations X1, X2/X3, X4, X5, X6 (train_rl_ray.py:1049-1201, 96-150)."""
+    ro, algo = r.rollout, r.algo
+    low, high = is_band(algo.is_correction)
+    b.add("algo.is_correction.band", [low, high], "one threshold value HIGH: [-inf, HIGH] (X1)" if low is None
+          else "algo.is_correction.threshold", ("algo.is_correction.threshold",), forced=low is None)
+    ref_kind = kl_ref_of(r)
+    if r.algo.estimator == "on_policy_distill":
+        why = "on_policy_distill forces kl.ref model: the teacher (X2)"
+    elif algo.kl.ref:
+        why = "algo.kl.ref"
+    else:
+        why = "algo.kl.ref unset: the rollout policy (Molt 0.2.1 default, X3)"
+    b.add("algo.kl.ref", ref_kind, why, ("algo.kl.ref", "algo.estimator"),
+          forced=algo.kl.ref is not None and algo.kl.ref != ref_kind)
+    coef = algo.kl.coef if "coef" in algo.kl.model_fields_set or r.algo.estimator != "on_policy_distill" else 1.0
+    to_rollout = coef > 0 and ref_kind == "rollout"
+    b.add("algo.kl.to_rollout", to_rollout, "kl.coef > 0 and kl.ref rollout: the KL reference is the engine's "
+          "sampled-token log-probs (B29)" if to_rollout else "no KL against the rollout policy",
+          ("algo.kl.coef", "algo.kl.ref"))
+    k = algo.score_centering_top_k
+    b.add("algo.score_centering", k >= 2, f"score_centering_top_k {k}" + ("" if k >= 2 else ": off"),
+          ("algo.score_centering_top_k",))
+    b.add("rollout.top_logprobs", k if k >= 2 else 0, "score centering: the engine returns the top-k log-probs of "
+          "every generated token (§3.4)" if k >= 2 else "no top-k log-probs", ("algo.score_centering_top_k",))
+    need = is_on or k >= 2 or to_rollout
+    why = " or ".join(w for w, on in (("IS correction", is_on), ("score centering", k >= 2),
+                                       ("KL to the rollout policy", to_rollout)) if on)
+    b.add("rollout.logprobs", need, f"{why} reads the engine's log-probs (X6)" if need
+          else "no IS, score centering or KL to the rollout: no log-probs requested (B14, X6)",
+          ("algo.is_correction.level", "algo.score_centering_top_k", "algo.kl.coef"))
+    b.add("rollout.logprobs_mode", "processed_logprobs" if need else "raw_logprobs",
+          f"{why} needs the log-probs of the processed (tempered) distribution (X6)" if need
+          else "vLLM's raw logprobs (B14)", ("algo.is_correction.level", "algo.score_centering_top_k"))
+    gen = ro.generate_batch_size or ro.batch_size
+    forced_partial = gen > ro.batch_size and not r.train.async_.partial_rollout
+    b.add("train.partial_rollout", r.train.async_.partial_rollout or forced_partial,
+          f"generate_batch_size {gen} > rollout.batch_size {ro.batch_size}: Molt 0.2.1 turns partial rollout on (X4); "
+          "the off-policy rules read this, the plan keeps the recipe's engine-lock setting"
+          if forced_partial else "train.async.partial_rollout", ("train.async.partial_rollout",
+                                                                 "rollout.generate_batch_size"), forced=forced_partial)
+    forced_prefix = r.train.routing_replay and not ro.prefix_caching
+    b.add("rollout.prefix_caching", ro.prefix_caching or forced_prefix,
+          "routing_replay forces prefix caching on (vLLM's routed-experts capture needs it, X5)" if forced_prefix
+          else "rollout.prefix_caching", ("rollout.prefix_caching", "train.routing_replay"), forced=forced_prefix)
+    lora = r.actor.lora
+    b.add("actor.lora", lora.dim > 0, f"actor.lora.dim {lora.dim}" + ("" if lora.dim > 0 else ": full fine-tuning"),
+          ("actor.lora.dim",))
 
 
 def _executor(b: _Builder, ro: Any, per_engine: int) -> str:
@@ -698,6 +769,8 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
     b.add("actor.scheduler_steps", None if steps is None else max(1, steps),
           "dataset size unknown" if steps is None else "every optimizer step", ("train.total_steps",))
     _warmup(b, "actor", a.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
+    b.add("actor.lora", a.lora.dim > 0, f"actor.lora.dim {a.lora.dim}" + ("" if a.lora.dim > 0 else
+          ": full fine-tuning"), ("actor.lora.dim",))
     e = r.eval
     enabled = e.dataset is not None
     b.add("eval.enabled", enabled, "eval.dataset set" if enabled else "no eval.dataset", ("eval.dataset",))

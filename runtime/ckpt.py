@@ -52,19 +52,31 @@ def load_sharded(path: str, model, optimizer, scheduler) -> None:
 
 
 def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
-    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM.
+    Under LoRA: a PEFT adapter directory instead (Molt 0.2.1), loadable by `PeftModel.from_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    if getattr(model, "molt_lora", None) is not None:
+        from runtime import lora
+
+        return lora.export_adapter(out_dir, model, model_path, rank)
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
     config = AutoConfig.from_pretrained(model_path)
+    vlm = getattr(config, "vision_config", None) is not None
     with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config,
+                                                                                              dtype=torch.float32)
     hf_model.load_state_dict(sd, strict=False, assign=True)
     hf_model.tie_weights()
     hf_model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
+    if vlm:  # the processor's files travel as they are (a torchvision-less processor cannot save itself whole)
+        for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
+            if (Path(model_path) / name).is_file():
+                shutil.copy(Path(model_path) / name, Path(out_dir) / name)
     return str(out_dir)
 
 

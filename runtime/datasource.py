@@ -130,6 +130,17 @@ def _open_with_datasets(path: Path, suffix: str, split: str, data_dir: str | Non
         raise DataError(f"{path}: cannot be read as a dataset ({type(exc).__name__}: {exc})") from exc
 
 
+def read_images(source: str, split: str, image_key: str, limit: int) -> list:
+    """The image column of the first `limit` rows (None where a row has none), as the dataset holds it: paths,
+    bytes, `{bytes, path}` dicts, or PIL images (an HF `Image` feature decodes to them). `runtime.vlm` loads them."""
+    rows = open_rows(source, split, limit)
+    if rows.table is not None:
+        if image_key not in rows.table.column_names:
+            return [None] * len(rows)
+        return rows.table.select_columns([image_key]).to_dict()[image_key]
+    return [row.get(image_key) for row in rows]
+
+
 def read_prompts(source: str, split: str, input_key: str, label_key: str | None, tools_key: str | None,
                  limit: int) -> list[tuple[object, object, list | None]]:
     """(prompt, label, tools) of the first `limit` rows; label and tools None when their key is unset or absent.

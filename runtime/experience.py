@@ -5,6 +5,11 @@ per-token Python: a list becomes a tensor once, action ranges become masks with 
 the generator, filled with log-probs and advantages by the trainer loop, and sliced per FSDP rank.
 
 Alignment: position t of every (B, T-1) tensor scores token t+1 of `sequences`, i.e. log π(sequences[:, t+1] | ...).
+
+Vision-language rows carry `mm_inputs[i]`: that row's `pixel_values` (patches x features) and `image_grid_thw`
+(images x 3), in image order; each image's grid gives prod(thw) / merge² placeholder tokens in `sequences[i]`, in the
+same order (`image_token_count` checks it). They travel with their row through `select` (sharding, micro-batches,
+packing windows), `concat` and padding, never re-batched across rows.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class Experience:
     # ── Ids ──
     group_ids: Tensor | None = None        # (B,) int64, one per prompt group
     rollout_ids: Tensor | None = None      # (B,) int64, one per rollout
+    # ── Vision-language inputs (None: a text batch) ──
+    mm_inputs: list[dict[str, Tensor] | None] | None = None   # per row: pixel_values, image_grid_thw (or None)
 
     @property
     def batch_size(self) -> int:
@@ -47,10 +54,15 @@ class Experience:
         return self.action_mask.sum(-1)
 
     def tensors(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "mm_inputs" and getattr(self, f.name) is not None}
 
     def select(self, index: Tensor | slice) -> Experience:
-        return replace(self, **{k: v[index] for k, v in self.tensors().items()})
+        mm = self.mm_inputs
+        if mm is not None:
+            picked = range(len(mm))[index] if isinstance(index, slice) else index.tolist()
+            mm = [mm[i] for i in picked]
+        return replace(self, mm_inputs=mm, **{k: v[index] for k, v in self.tensors().items()})
 
     def pad_to(self, width: int, pad_id: int) -> Experience:
         """Right-pad the time axis to `width` tokens (and the (B, T-1) tensors to width-1)."""
@@ -81,7 +93,29 @@ def concat(parts: Sequence[Experience], pad_id: int) -> Experience:
     width = max(p.sequences.shape[1] for p in parts)
     parts = [p.pad_to(width, pad_id) for p in parts]
     keys = parts[0].tensors().keys()
-    return Experience(**{k: torch.cat([getattr(p, k) for p in parts]) for k in keys})
+    mm = None
+    if any(p.mm_inputs is not None for p in parts):
+        mm = [row for p in parts for row in (p.mm_inputs or [None] * p.batch_size)]
+    return Experience(mm_inputs=mm, **{k: torch.cat([getattr(p, k) for p in parts]) for k in keys})
+
+
+def image_token_count(mm: dict[str, Tensor] | None, merge_size: int) -> int:
+    """Placeholder tokens the row's images take in its sequence: sum over images of prod(t, h, w) / merge²."""
+    if mm is None:
+        return 0
+    return int(mm["image_grid_thw"].prod(-1).sum()) // (merge_size * merge_size)
+
+
+def check_image_alignment(exp: Experience, image_token_id: int, merge_size: int) -> None:
+    """Raise if a row's placeholder tokens differ from its images' feature count (the VLM misalignment bug class:
+    the vision tower's features would be scattered into the wrong positions, or the forward would fail)."""
+    for i, mm in enumerate(exp.mm_inputs or [None] * exp.batch_size):
+        tokens = int(((exp.sequences[i] == image_token_id) & exp.attention_mask[i]).sum())
+        features = image_token_count(mm, merge_size)
+        if tokens != features:
+            raise ValueError(f"row {i}: {tokens} image placeholder tokens but {features} image features")
+        if mm is not None and mm["pixel_values"].shape[0] != int(mm["image_grid_thw"].prod(-1).sum()):
+            raise ValueError(f"row {i}: {mm['pixel_values'].shape[0]} patches for grids {mm['image_grid_thw'].tolist()}")
 
 
 def pad_batch_to_multiple(exp: Experience, multiple: int) -> Experience:
@@ -105,6 +139,7 @@ def from_token_lists(
     action_ranges: Sequence[Sequence[tuple[int, int]]],
     rollout_log_probs: Sequence[Sequence[float]],
     pad_id: int,
+    mm_inputs: Sequence[dict[str, Tensor] | None] | None = None,
 ) -> Experience:
     """Tensors for a list of trajectories.
 
@@ -134,4 +169,5 @@ def from_token_lists(
         attention_mask=attention_mask,
         action_mask=token_is_action[:, 1:],
         rollout_log_probs=logps[:, 1:] * token_is_action[:, 1:],
+        mm_inputs=list(mm_inputs) if mm_inputs is not None and any(m is not None for m in mm_inputs) else None,
     )

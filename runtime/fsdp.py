@@ -18,19 +18,41 @@ import torch
 from runtime.logprobs import attach
 
 if TYPE_CHECKING:
-    from schemas.plan import ModelPlan, OptimizerPlan
+    from schemas.plan import LoraPlan, ModelPlan, OptimizerPlan
 
 
-def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True):
+def is_vlm(path: str) -> bool:
+    """The checkpoint is a vision-language model (its config has a `vision_config`): a fact of the model."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def build_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
+                lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
 
-    A frozen model (a reference) is in eval mode without gradients and never checkpoints.
+    A frozen model (a reference) is in eval mode without gradients and never checkpoints. `lora`: peft adapters
+    patched in before sharding (`runtime/lora.py`); only they train. A VLM loads as an image-text-to-text model;
+    its language-model layers are the FSDP units and the vision tower stays in the root unit (all-gathered on every
+    forward, so a rank whose micro-batch has no image runs the same collectives). `freeze_visual_encoder` (Molt's:
+    train only the language model and lm_head) stops the tower's gradients.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
-    _shard(model, model_plan, mesh, device, trainable)
+    vlm = is_vlm(path)
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
+    model.to(device)
+    if lora is not None:
+        from runtime import lora as lora_adapters
+
+        lora_adapters.apply(model, lora)
+    if vlm and freeze_visual_encoder:
+        model.model.visual.requires_grad_(False)
+    _shard(model, model_plan, mesh, trainable, lora=lora is not None,
+           layers=model.model.language_model.layers if vlm else model.model.layers)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 
@@ -40,7 +62,8 @@ def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.devi
     `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
     `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4)."""
     model = load_value_model(path, model_plan.attn)
-    _shard(model, model_plan, mesh, device, trainable=True)
+    model.to(device)
+    _shard(model, model_plan, mesh, trainable=True, lora=False, layers=model.model.layers)
     return model
 
 
@@ -54,17 +77,20 @@ def load_value_model(path: str, attn: str):
                                                            attn_implementation=attn)
 
 
-def _shard(model, model_plan: ModelPlan, mesh, device: torch.device, trainable: bool) -> None:
+def _shard(model, model_plan: ModelPlan, mesh, trainable: bool, lora: bool, layers) -> None:
+    """Checkpointing (trainable models only), eval mode and no gradients for a frozen one, then FSDP2 over `mesh`:
+    each of `layers` is a unit, the rest of the model the root unit."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model.to(device)
     if trainable and model_plan.gradient_checkpoint != "none":
         model.gradient_checkpointing_enable()
+        if lora:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if not trainable:
         model.requires_grad_(False)
         model.eval()
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
@@ -76,7 +102,8 @@ def build_optimizer(opt: OptimizerPlan, model) -> tuple[torch.optim.Optimizer, o
     # Fused on GPUs: one kernel per parameter group and no fp32 temporary of the parameters' size (the multi-tensor
     # path allocates one: 4 B/param at the step's peak, measured by tests/gpu/check_memory.py).
     fused = next(model.parameters()).device.type == "cuda"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+    params = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters only
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
                                   weight_decay=opt.weight_decay, fused=fused)
     extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
     scheduler = get_scheduler(opt.scheduler, optimizer, num_warmup_steps=opt.warmup_steps,

@@ -28,12 +28,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
 
 from runtime.agents import SamplingParams
-from runtime.datasource import read_prompts
+from runtime.datasource import read_images, read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.passk import mean_pass_at_k
@@ -52,6 +53,7 @@ class GeneratorSpec:
     input_key: str
     label_key: str | None
     tools_key: str | None                    # column of per-row tool schemas (rendered by the chat template)
+    image_key: str | None                    # image column of a VLM run (None: text prompts)
     max_samples: int
     tokenizer_path: str
     n_samples_per_prompt: int
@@ -86,6 +88,10 @@ class Generator:
                         for p in spec.prompt_paths]
         self.eval_rows = (read_prompts(spec.eval_path, spec.eval_split, spec.input_key, spec.label_key,
                                        spec.tools_key, spec.max_samples) if spec.eval_path else [])
+        # VLM: each row's images (as the dataset holds them; the runner loads them) and the directory relative
+        # image paths resolve against.
+        self.images = [self._images(p, spec.split) for p in spec.prompt_paths]
+        self.eval_images = self._images(spec.eval_path, spec.eval_split) if spec.eval_path else []
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
         self.consumed = 0                         # prompts dispatched (each prompt is one group)
@@ -98,6 +104,17 @@ class Generator:
         self.runners_dead: set[int] = set()       # runners Ray will not restart any more
         self._next_runner = 0
         self._task: asyncio.Task | None = None
+
+    def _images(self, source: str, split: str) -> list[tuple[object, str]]:
+        if self.spec.image_key is None:
+            return []
+        base = str(Path(source.partition("@")[0]).parent)
+        return [(refs, base) for refs in read_images(source, split, self.spec.image_key, self.spec.max_samples)]
+
+    def _request(self, group_id: int, row, images, n: int, sampling) -> GroupRequest:
+        prompt, label, tools = row
+        refs, base = images if images is not None else (None, None)
+        return GroupRequest(group_id, prompt, label, n, sampling, tools=tools, images=refs, image_dir=base)
 
     # ----------------------------------------------------------------------------------------------- main loop
     async def run(self, start_step: int, resume_consumed: int) -> dict[str, int]:
@@ -181,9 +198,8 @@ class Generator:
                 if item is None:
                     exhausted = True
                     break
-                prompt, label, tools = item
-                self._dispatch(GroupRequest(self.consumed, prompt, label, spec.n_samples_per_prompt, spec.sampling,
-                                            tools=tools))
+                row, images = item
+                self._dispatch(self._request(self.consumed, row, images, spec.n_samples_per_prompt, spec.sampling))
                 self.consumed += 1
             if not self.inflight:
                 break
@@ -290,7 +306,7 @@ class Generator:
                 if skip > 0:
                     skip -= 1
                     continue
-                yield self.sources[s][i]
+                yield self.sources[s][i], (self.images[s][i] if self.images else None)
 
     # ----------------------------------------------------------------------------------------------- eval
     async def evaluate(self, per_prompt: bool = False):
@@ -303,8 +319,8 @@ class Generator:
         failed), its c the surviving samples with a score > 0 (`runtime/passk.py`)."""
         spec = self.spec
         t0 = time.time()
-        reqs = [GroupRequest(-1 - i, p, label, spec.eval_n_samples, spec.eval_sampling, tools=tools)
-                for i, (p, label, tools) in enumerate(self.eval_rows)]
+        reqs = [self._request(-1 - i, row, self.eval_images[i] if self.eval_images else None, spec.eval_n_samples,
+                              spec.eval_sampling) for i, row in enumerate(self.eval_rows)]
         outcomes = await asyncio.gather(*(self._run_group(q) for q in reqs))
         results = [r for r in outcomes if not isinstance(r, str)]
         correct = [sum(s > 0 for s in r.scores) if not isinstance(r, str) else 0 for r in outcomes]

@@ -14,6 +14,11 @@ Two layouts of the same rows:
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
   computed.
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
+
+Vision-language rows (padded only: the compiler turns packing off for VLM runs, Molt's B5) run the whole multimodal
+backbone (`model.model`: vision tower, features scattered into the image placeholders, M-RoPE positions) instead of
+the text decoder; `vision_inputs` concatenates the rows' `pixel_values` / `image_grid_thw` in row order, which is
+the order the backbone fills placeholders in.
 """
 
 from __future__ import annotations
@@ -52,14 +57,29 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
     return torch.cat(picked), (torch.cat(entropy) if with_entropy else None)
 
 
+def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> dict[str, Tensor]:
+    """The backbone's image kwargs for a micro-batch: rows' pixel values and grids concatenated in row order."""
+    rows = [m for m in mm_inputs if m is not None]
+    out = {"mm_token_type_ids": (input_ids == image_token_id).int()}
+    if rows:
+        out["pixel_values"] = torch.cat([m["pixel_values"] for m in rows]).to(device)
+        out["image_grid_thw"] = torch.cat([m["image_grid_thw"] for m in rows]).to(device)
+    return out
+
+
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
-                      temperature: float, with_entropy: bool, chunk_tokens: int) -> tuple[Tensor, Tensor | None]:
+                      temperature: float, with_entropy: bool, chunk_tokens: int,
+                      vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy): decoder once, lm_head in chunks.
 
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state
+    if vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                             **vision).last_hidden_state
+    else:
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                     use_cache=False).last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
@@ -103,12 +123,20 @@ def unpack(flat: Tensor, lengths: Tensor, width: int) -> Tensor:
 
 
 def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False,
-                   packed: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
+                   packed: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                   vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """(b, w-1) log π(sequences[:, t+1] | sequences[:, :t+1]) at logits / temperature, and optionally the entropy.
 
-    `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row.
+    `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row;
+    `vision` (`vision_inputs`) makes it a VLM forward (padded only).
     """
     b, width = sequences.shape
+    if vision is not None:
+        if packed:
+            raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
+        lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens,
+                        vision)
+        return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)
     if not packed:
         lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens)
         return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)

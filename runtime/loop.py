@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
 from runtime.critic import explained_variance, start_critic_group
-from runtime.experience import Experience, pad_batch_to_multiple
+from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink
@@ -159,11 +159,15 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, computed by the same ranks
         if separate_ref is not None:
             ref = separate_ref.forward_logprobs(padded_ref)
+        if rl.algo.kl.ref == "rollout" and rl.algo.kl.coef > 0:
+            ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
         values = critic.values(padded_ref) if critic is not None else None
         mask = batch.action_mask
-        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask) if ref is not None else None
+        kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask,
+                              ref=rl.algo.kl.ref) if ref is not None else None
+        shaping = LengthShaping(rl.algo, batch)
         rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
-                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip))
+                                       batch.group_ids.tolist(), tuple(rl.algo.reward_clip), shape=shaping.shape)
         adv = algo.compute_advantages(
             rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
             gamma=rl.algo.gamma, lam=rl.algo.lam, values=values[:real] if values is not None else None,
@@ -195,6 +199,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         prompts_trained += int(batch.group_ids.unique().numel())
         metrics = {
             **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
+            **image_metrics(batch, rl.model.path),
             **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
             **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
             "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
@@ -202,7 +207,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
             "queue/size": float(queue_size), "queue/depth": float(queue_depth),
             "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
             "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
-            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained),
+            "timing/policy_train": policy_train_s, "prompts/trained": float(prompts_trained), **shaping.metrics,
             "train/actor_frozen": float(actor_frozen),
         }
         if critic is not None:
@@ -244,6 +249,32 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
 
 # ---------------------------------------------------------------------------------------------------- steps
+class LengthShaping:
+    """The plan's length penalty (DAPO overlong or ProRL stop-properly) on the merged rewards, before the clip; its
+    mean R' − R is logged as `train/overlong_penalty` or `train/stop_properly_penalty`."""
+
+    def __init__(self, algo_plan, batch: Experience):
+        self.a, self.batch, self.metrics = algo_plan, batch, {}
+        on = algo_plan.overlong_buffer_len is not None or algo_plan.stop_properly_penalty_coef is not None
+        self.shape = self._shape if on else None
+
+    def _shape(self, merged) -> torch.Tensor:
+        from runtime.algo import penalties
+
+        a, b, n = self.a, self.batch, merged.rewards.numel()
+        if a.overlong_buffer_len is not None:
+            peak = penalties.peak_per_rollout(b.attention_mask.sum(-1), merged.sample_to_rollout, n)
+            shaped, delta = penalties.overlong_penalty(merged.rewards, peak, buffer_len=a.overlong_buffer_len,
+                                                       factor=a.overlong_penalty_factor, max_len=a.overlong_max_len)
+            name = "train/overlong_penalty"
+        else:
+            trunc = penalties.truncated_per_rollout(b.truncated, merged.sample_to_rollout, n)
+            shaped, delta = penalties.stop_properly_penalty(merged.rewards, trunc, coef=a.stop_properly_penalty_coef)
+            name = "train/stop_properly_penalty"
+        self.metrics[name] = float(delta.mean()) if n else 0.0
+        return shaped
+
+
 def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int
                  ) -> dict[str, float]:
     """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe.
@@ -311,6 +342,21 @@ def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Ex
     return {"critic/values_mean": float(algo.masked_mean(values[:real], mask)),
             "critic/returns_mean": float(algo.masked_mean(returns, mask)),
             "critic/explained_variance": explained_variance(values[:real], returns, mask)}
+
+
+def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
+    """VLM batches: placeholder tokens and image features, counted separately (equal when aligned; the batch is
+    checked row by row first, so a misaligned row stops the run instead of training on shifted features)."""
+    if batch.mm_inputs is None:
+        return {}
+    from runtime.engines.weights import image_token_id, merge_size
+
+    token_id, merge = image_token_id(model_path), merge_size(model_path)
+    check_image_alignment(batch, token_id, merge)
+    tokens = int(((batch.sequences == token_id) & batch.attention_mask).sum())
+    features = sum(image_token_count(m, merge) for m in batch.mm_inputs)
+    return {"rollout/image_tokens": float(tokens), "rollout/image_features": float(features),
+            "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
 
 
 def save_checkpoint(trainer, critic, rl, step: int, prompts_consumed: int, kl_coef: float) -> str:
@@ -429,7 +475,8 @@ def start_runners(plan: Plan, router) -> list:
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
     return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
                         name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template)
+        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template,
+        rl.data.max_images_per_prompt)
         for i in range(rl.agent.runners)]
 
 
@@ -447,6 +494,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
     return GeneratorSpec(
         prompt_paths=tuple(rl.data.prompts), split=rl.data.split, prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
         input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
+        image_key=rl.data.image_key if rl.data.max_images_per_prompt > 0 else None,
         max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
         n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
         batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,

@@ -31,8 +31,12 @@ METRICS: dict[str, str] = {
     "rollout/group_reward_std": "mean over groups of the within-group reward standard deviation",
     # ── rollout: everything finished since the previous batch (before filters) ──
     "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, aborted, "
-                                "empty_tokens, no_action_tokens, logprob_misalign)",
+                                "empty_tokens, no_action_tokens, logprob_misalign; VLM: vlm_truncation, "
+                                "too_many_images, image_token_generated)",
     "rollout/dropped/total": "sum of rollout/dropped/<reason>",
+    "rollout/images": "VLM: images in the trained batch",
+    "rollout/image_tokens": "VLM: image placeholder tokens in the trained batch (each row checked equal to its image features)",
+    "rollout/image_features": "VLM: the features their images give (sum of prod(grid_thw) / merge²)",
     "rollout/pre_filter_mean_score": "mean score of every rollout that finished, before group filters",
     "rollout/group_all_pass_rate": "fraction of finished groups whose rollouts all scored > 0",
     "rollout/group_all_fail_rate": "fraction of finished groups whose rollouts all scored <= 0",

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from runtime import microbatch
 from runtime.experience import Experience
+from runtime.logprobs import token_logprobs, vision_inputs
 
 
 def _ray():
@@ -47,6 +48,19 @@ class FsdpRank:
         dist.init_process_group(dist_backend, rank=rank, world_size=world)
         torch.manual_seed(seed)
         self.mesh = dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint; a
+        # subclass sets it from its model's config once built).
+        self.image_token_id: int | None = None
+
+    def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False):
+        """`token_logprobs` of one micro-batch on this rank's device; a VLM's image inputs ride along on every
+        micro-batch, images or not (the same code path on all ranks)."""
+        vision = None
+        if self.image_token_id is not None:
+            vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
+                                   self.image_token_id, self.device)
+        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
+                              temperature, with_entropy=with_entropy, packed=packed, vision=vision)
 
     def shard(self, batch: Experience, balanced: bool) -> tuple[torch.Tensor, Experience, torch.Tensor]:
         """This rank's row indices into `batch`, those rows, and their token lengths."""

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from runtime import fsdp
 from runtime.experience import Experience
-from runtime.logprobs import token_logprobs
 from runtime.ranks import FsdpRank, gather_rows, start_ranks
 
 if TYPE_CHECKING:
@@ -41,6 +40,7 @@ class ReferenceWorker(FsdpRank):
         super().__init__(ref.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t = trainer
         self.model = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False)
+        self.image_token_id = getattr(self.model.config, "image_token_id", None)
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -53,8 +53,7 @@ class ReferenceWorker(FsdpRank):
         out = torch.zeros(shard.action_mask.shape)
         for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), t.micro_batch_size,
                                          t.dynamic_batch_max_tokens):
-            lp, _ = token_logprobs(self.model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                                   t.temperature, packed=t.packing)
+            lp, _ = self.logprobs(self.model, part, t.temperature, t.packing)
             if mb is not None:
                 out[mb, :lp.shape[1]] = lp.cpu()
         return rows, out

@@ -17,10 +17,12 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime import vlm
 from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
 from runtime.experience import Experience, from_token_lists
 
@@ -35,6 +37,8 @@ class GroupRequest:
     sampling: SamplingParams
     attempt: int = 0               # re-dispatches after a runner died
     tools: list | None = None      # the row's tool schemas (`data.tools_key`), or None
+    images: list | None = None     # the row's images (`data.image_key`: PIL, paths, bytes), or None
+    image_dir: str | None = None   # the dataset file's directory: relative image paths resolve against it
 
 
 @dataclass
@@ -59,12 +63,16 @@ def render(tokenizer, prompt, apply_chat_template: bool, tools: list | None = No
 
 class AgentRunnerActor:
     def __init__(self, agent_path: str, tokenizer_path: str, client: GenerateClient, max_length: int,
-                 agent_env: dict[str, str], apply_chat_template: bool):
+                 agent_env: dict[str, str], apply_chat_template: bool, max_images_per_prompt: int = 0):
         os.environ.update(agent_env)  # before the agent module's top-level code reads them
         from transformers import AutoTokenizer
 
         self.runner = load_agent_runner(agent_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        # A VLM run (max_images_per_prompt > 0) renders and encodes prompts with the model's processor.
+        self.max_images = max_images_per_prompt
+        self.processor = vlm.load_processor(tokenizer_path) if max_images_per_prompt > 0 else None
+        self.tokenizer = (self.processor.tokenizer if self.processor is not None
+                          else AutoTokenizer.from_pretrained(tokenizer_path))
         self.client = client
         self.max_length = max_length
         self.apply_chat_template = apply_chat_template
@@ -76,15 +84,29 @@ class AgentRunnerActor:
     async def run_group(self, req: GroupRequest) -> GroupResult:
         # Step runners get the rendered text; chat runners (PRERENDER_PROMPT False) get the dataset's messages and
         # their loopback server renders them once, like an OpenAI-compatible endpoint would.
-        prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template, req.tools)
-                  if self.runner.PRERENDER_PROMPT else req.prompt)
+        vision = {}
+        if self.processor is not None:
+            refs = vlm.as_image_list(req.images)
+            if len(refs) > self.max_images:  # data.max_images_per_prompt: vLLM would reject the request
+                return GroupResult(req.group_id, None, [], [], Counter(too_many_images=req.n), {}, [])
+            base = Path(req.image_dir) if req.image_dir else None
+            images = [vlm.load_image(r, base) for r in refs]
+            vision = {"images": images, "processor": self.processor}
+            prompt = (vlm.render(self.processor, req.prompt, len(images), req.tools)
+                      if self.runner.PRERENDER_PROMPT else req.prompt)
+        else:
+            prompt = (render(self.tokenizer, req.prompt, self.apply_chat_template, req.tools)
+                      if self.runner.PRERENDER_PROMPT else req.prompt)
         episodes = [self.runner.execute(prompt, req.label, sampling=req.sampling, max_length=self.max_length,
-                                        tokenizer=self.tokenizer, client=self.client, tools=req.tools)
+                                        tokenizer=self.tokenizer, client=self.client, tools=req.tools, **vision)
                     for _ in range(req.n)]
         outcomes = await asyncio.gather(*episodes, return_exceptions=True)
         kept, dropped, errors = [], Counter(), []
+        image_token = self.processor.image_token_id if self.processor is not None else None
         for out in outcomes:
             reason = _drop_reason(out)
+            if reason is None and image_token is not None and _generated_image_token(out, image_token):
+                reason = "image_token_generated"
             if reason is None:
                 kept.append(out if isinstance(out, list) else [out])
                 continue
@@ -100,6 +122,8 @@ def _drop_reason(out) -> str | None:
     bad sample drops the whole rollout, so that its reward is never counted from a partial trace."""
     if isinstance(out, GenerationAborted):
         return "aborted"
+    if isinstance(out, vlm.VlmTruncation):
+        return "vlm_truncation"
     if isinstance(out, BaseException):
         return "agent_error"
     for sample in out if isinstance(out, list) else [out]:
@@ -112,6 +136,13 @@ def _drop_reason(out) -> str | None:
     return None if out else "empty_tokens"
 
 
+def _generated_image_token(out, image_token: int) -> bool:
+    """The policy sampled an image placeholder: no image stands behind it, so the trainer's vision forward would
+    misalign every later image of the row (tokens > features). The rollout is dropped."""
+    return any(image_token in sample.token_ids[start:end]
+               for sample in (out if isinstance(out, list) else [out]) for start, end in sample.action_ranges)
+
+
 def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors: list[str],
                   pad_id: int) -> GroupResult:
     """`kept`: per surviving rollout, its samples (one for step runners, one per segment for chat runners)."""
@@ -119,7 +150,8 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
         return GroupResult(req.group_id, None, [], [], dropped, {}, errors)
     samples = [t for rollout in kept for t in rollout]
     exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
-                           [t.rollout_log_probs or [] for t in samples], pad_id)
+                           [t.rollout_log_probs or [] for t in samples], pad_id,
+                           mm_inputs=[t.mm_inputs for t in samples])
     exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
     exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
     exp.truncated = torch.tensor([bool(t.truncated) for t in samples])

@@ -251,7 +251,7 @@ def run_sft(plan: Plan) -> SftResult:
                        f"{window} rows per rank x {world} ranks")
 
     # ---- model, optimizer, scheduler
-    model = fsdp.build_model(s.model, s.model.path, mesh, device)
+    model = fsdp.build_model(s.model, s.model.path, mesh, device, lora=t.lora)
     optimizer, scheduler = fsdp.build_optimizer(opt, model)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {world} ranks ({s.dist_backend}, {s.device}, "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from runtime import fsdp, microbatch
 from runtime.experience import Experience
@@ -54,7 +55,9 @@ class PolicyWorker(FsdpRank):
         checkpointing), `ref` (None: no reference model), `algo` (KL estimator, IS correction)."""
         super().__init__(trainer.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t, self.model_plan, self.algo = trainer, model, algo
-        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True)
+        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora,
+                                      freeze_visual_encoder=trainer.freeze_visual_encoder)
+        self.image_token_id = getattr(self.model.config, "image_token_id", None)
         colocated_ref = ref is not None and ref.colocated
         self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
@@ -67,8 +70,7 @@ class PolicyWorker(FsdpRank):
         return self.shard(batch, balanced=self.t.dynamic_batch_max_tokens is not None)
 
     def _logprobs(self, model, part: Experience, with_entropy: bool = False):
-        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing)
+        return self.logprobs(model, part, self.t.temperature, self.t.packing, with_entropy=with_entropy)
 
     # ----------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
@@ -116,8 +118,9 @@ class PolicyWorker(FsdpRank):
         for _ in range(t.max_epochs):
             for window in microbatch.windows(shard.batch_size, step_rows):
                 total = self.window_tokens(shard, window)
+                stats = self._window_stats(shard, window)
                 for _, part in self.micro_parts(shard, lengths, window, t.micro_batch_size, t.dynamic_batch_max_tokens):
-                    for k, v in self._micro_step(part, total, kl_coef).items():
+                    for k, v in self._micro_step(part, total, kl_coef, stats).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -125,30 +128,50 @@ class PolicyWorker(FsdpRank):
         sums["lr"] = self.scheduler.get_last_lr()[0]
         return sums
 
-    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float) -> dict[str, float]:
+    def _window_stats(self, shard: Experience, window: range):
+        """The window's denominators of `loss.agg_mode`, summed over every rank (None under token-mean, which uses
+        the all-reduced token count alone)."""
+        from runtime.algo import aggregation
+
+        if self.t.loss.agg_mode == "token-mean":
+            return None
+        rows = slice(window.start, window.stop)
+        local = aggregation.window_stats(shard.action_mask[rows], shard.group_ids[rows])
+        parts: list = [None] * self.t.world
+        dist.all_gather_object(parts, local)
+        return aggregation.merge(parts)
+
+    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, window=None) -> dict[str, float]:
         from runtime import algo
+        from runtime.algo import aggregation, mismatch
 
         ls, isc, kl = self.t.loss, self.algo.is_correction, self.algo.kl
         dev = self.device
         mask = part.action_mask.to(dev)
         logp, entropy = self._logprobs(self.model, part, with_entropy=ls.entropy_coef != 0)
         old = part.old_log_probs.to(dev)
-        is_out = algo.is_correction(old, part.rollout_log_probs.to(dev), mask, level=isc.level, mode=isc.mode,
-                                    low=isc.low, high=isc.high)
+        rollout_lp = part.rollout_log_probs.to(dev)
+        is_out = algo.is_correction(old, rollout_lp, mask, level=isc.level, mode=isc.mode, low=isc.low,
+                                    high=isc.high, gating=isc.gating)
         use_kl_loss = kl.use_loss and part.ref_log_probs is not None
+        weights = None if window is None else aggregation.row_weights(ls.agg_mode, part.action_mask,
+                                                                      part.group_ids, window).to(dev)
         out = algo.actor_loss(
             logp, old, part.advantages.to(dev), mask, mode=ls.mode, clip_low=ls.clip_low, clip_high=ls.clip_high,
             global_num_tokens=global_tokens, dp_size=self.t.world, dual_clip=ls.dual_clip,
             is_coef=None if isc.level == "off" else is_out.coef,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
-            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator,
-            entropy=entropy, entropy_coef=ls.entropy_coef)
+            kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
+            entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights)
         out.loss.backward()
         # Per-micro-batch means, weighted by its action tokens so the driver can form batch-level token means.
         tokens = float(mask.sum())
         stats = {f"{k}_x_tokens": float(v) * tokens for k, v in out.metrics.items()}
         stats["is_filter_ratio_x_tokens"] = float(is_out.is_filter_ratio) * tokens
         stats["vllm_kl_x_tokens"] = float(is_out.vllm_kl) * tokens
+        if tokens:
+            stats.update({f"{k}_x_tokens": v * tokens
+                          for k, v in mismatch.mismatch_metrics(logp.detach(), rollout_lp, mask).items()})
         stats["tokens"] = tokens
         return stats
 

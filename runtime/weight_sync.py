@@ -33,6 +33,7 @@ import torch
 # receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
 LM_HEAD = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
+VLM_EMBED = "model.language_model.embed_tokens.weight"  # a VLM's language model (transformers 5 module names)
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,19 @@ class SyncStats:
                 "bytes": float(self.bytes), "buckets": float(self.buckets)}
 
 
+def sync_sources(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(engine name, parameter) of what a sync streams: the floating parameters in module order; under LoRA the
+    merged base weights W + scale·B@A under their HF names, without the adapters (`runtime/lora.py`)."""
+    if getattr(model, "molt_lora", None) is not None:
+        from runtime import lora
+
+        return lora.merged_weights(model)
+    return [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+
+
 def wire_metas(model: torch.nn.Module, dtype: str) -> list[TensorMeta]:
-    """What the sender will stream: floating parameters in module order, at their full (global) shapes."""
-    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in model.named_parameters()
-            if p.is_floating_point()]
+    """What the sender will stream, at the full (global) shapes."""
+    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in sync_sources(model)]
 
 
 def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
@@ -264,7 +274,7 @@ class ShardGather:
 
     def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
                  device: torch.device, bucket_bytes: int):
-        self.params = [p for _, p in model.named_parameters() if p.is_floating_point()]
+        self.params = [p for _, p in sync_sources(model)]
         if len(self.params) != len(metas):
             raise RuntimeError(f"weight sync: {len(self.params)} parameters, {len(metas)} declared")
         self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
@@ -273,6 +283,8 @@ class ShardGather:
 
     def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
+        if hasattr(p, "lora_a"):  # a LoRA-merged weight: sharded like its base weight
+            return p.local(), getattr(p.base, "placements", None) is not None and p.base.placements[0].is_shard(0)
         placements = getattr(p, "placements", None)
         if placements is None:
             return p.detach(), False
@@ -473,4 +485,6 @@ def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.dev
 def tied_aliases(metas: list[TensorMeta], tied: bool) -> dict[str, str]:
     """lm_head.weight -> the embedding, when tied and the trainer did not send it itself."""
     names = {m.name for m in metas}
-    return {LM_HEAD: EMBED} if tied and LM_HEAD not in names and EMBED in names else {}
+    if not tied or LM_HEAD in names:
+        return {}
+    return next(({LM_HEAD: embed} for embed in (EMBED, VLM_EMBED) if embed in names), {})

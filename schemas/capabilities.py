@@ -100,9 +100,13 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("rl-routing-replay", "rl", "train.routing_replay", "MoE routing replay (R3)",
                lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay, "train.routing_replay: false",
                tracked="issue 16"),
-    Capability("rl-images", "rl", "data.max_images_per_prompt", "image inputs (vision-language RL)",
-               lambda p: p.rl.data.max_images_per_prompt > 0, "data.max_images_per_prompt: 0 (text prompts)",
-               tracked="issue 17"),
+    Capability("rl-critic-images", "rl", "critic", "a critic (value model) for image prompts",
+               lambda p: p.rl.critic is not None and p.rl.data.max_images_per_prompt > 0,
+               "a critic-free estimator (grpo, rloo, reinforce_baseline, ...) for a VLM, or data.max_images_per_prompt: 0 "
+               "(the value model loads as a text-only token classifier and never sees the images)", tracked="issue 14"),
+    Capability("rl-images", "rl", "data.max_images_per_prompt", "image inputs with the hf rollout engine",
+               lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.engines.kind == "hf",
+               "rollout.engine: vllm (it takes images), or data.max_images_per_prompt: 0", tracked="issue 17"),
     Capability("rl-automodel", "rl", "model.backend", "the nemo-automodel training backend",
                lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
                "model.backend: hf (HF transformers models under FSDP2)", tracked="issue 16"),
@@ -140,6 +144,10 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability("rl-best-metric", "rl", "ckpt.best_metric_key", "keeping the best checkpoint by a metric",
                lambda p: bool(p.rl.ckpt.best_metric_key), "no `ckpt.best_metric_key` (the newest ckpt.keep are kept)",
                tracked="issue 13"),
+    Capability("rl-score-centering", "rl", "algo.score_centering_top_k", "score centering (the engines' top-k "
+               "log-probs of every generated token carried to the loss)",
+               lambda p: p.rl.algo.score_centering_top_k > 0, "algo.score_centering_top_k: 0 (the centering math is "
+               "runtime/algo/score_centering.py; the engines do not return top-k yet)", tracked="issue 15"),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
     Capability("sft-packing", "sft", "actor.packing", "sequence packing in the SFT trainer",

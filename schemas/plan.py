@@ -239,6 +239,10 @@ class EnginesPlan(PlanModel):
     """Seed of engine i = train.seed + i."""
     router_policy: str
     """Request routing policy across engines."""
+    router_balance_abs: int
+    """cache_aware: sticky until max - min in-flight requests > abs (and the ratio below)."""
+    router_balance_rel: float
+    """cache_aware: ... and max > rel x min in-flight requests."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"]
     """vLLM logprobs mode."""
     max_images_per_prompt: int
@@ -301,6 +305,8 @@ class SamplingPlan(PlanModel):
     """Nucleus sampling."""
     logprobs: bool
     """Ask the engine for sampled-token logprobs."""
+    top_logprobs: int
+    """Top-k log-probs per generated token for score centering (0: none; eval always 0)."""
 
 
 class EvalPlan(PlanModel):
@@ -396,6 +402,20 @@ class LossPlan(PlanModel):
     """Entropy coefficient."""
     aux_loss_coef: float
     """MoE aux loss coefficient."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"]
+    """Aggregation of the policy-gradient term over an optimizer step's window on all DP ranks (KL and entropy
+    stay token-mean)."""
+
+
+class LoraPlan(PlanModel):
+    dim: int
+    """Adapter rank (> 0)."""
+    alpha: int
+    """Adapter alpha."""
+    scale: float
+    """alpha / dim: the merge is W + scale x B @ A."""
+    target_modules: list[str] | None
+    """fnmatch wildcards on full module names; None: every linear layer (lm_head excluded)."""
 
 
 class TrainerPlan(PlanModel):
@@ -448,6 +468,8 @@ class TrainerPlan(PlanModel):
     row_multiple: int
     """Rows of each batch are padded to a multiple of this (empty action masks): the lcm of the worlds of the
     policy, a reference and the critic, so every rank of every FSDP group gets as many rows."""
+    lora: LoraPlan | None
+    """LoRA adapters (None: full fine-tuning)."""
 
 
 class RefPlan(PlanModel):
@@ -491,6 +513,8 @@ class KlPlan(PlanModel):
     """KL estimator."""
     use_loss: bool
     """KL as loss term (else in the reward)."""
+    ref: Literal["model", "rollout"]
+    """KL reference: the reference model's log-probs, or the rollout engine's sampled-token log-probs."""
     target: float | None
     """Adaptive controller target."""
     horizon: int
@@ -502,8 +526,10 @@ class IsCorrectionPlan(PlanModel):
     """IS level."""
     mode: Literal["mask", "clip", "trunc"]
     """IS mode."""
-    low: float
-    """Band low."""
+    gating: Literal["ratio", "binary_kl", "tv"]
+    """Statistic the band tests."""
+    low: float | None
+    """Band low (None: -inf)."""
     high: float
     """Band high."""
 
@@ -523,6 +549,16 @@ class AlgoPlan(PlanModel):
     """Effective KL settings."""
     is_correction: IsCorrectionPlan
     """Importance sampling correction."""
+    score_centering_top_k: int
+    """Score centering on the engine's top-k log-probs (0: off)."""
+    overlong_buffer_len: float | None
+    """DAPO overlong penalty buffer B (None: off)."""
+    overlong_penalty_factor: float
+    """Largest overlong penalty."""
+    overlong_max_len: int
+    """L of the overlong ramp: data.max_len."""
+    stop_properly_penalty_coef: float | None
+    """ProRL stop-properly coefficient on truncated rollouts (None: off)."""
 
 
 class SchedulePlan(PlanModel):
@@ -693,6 +729,8 @@ class SftTrainerPlan(PlanModel):
     """Seed."""
     full_determinism: bool
     """Full determinism."""
+    lora: LoraPlan | None
+    """LoRA adapters (None: full fine-tuning)."""
 
 
 class SftSchedulePlan(PlanModel):

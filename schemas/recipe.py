@@ -98,6 +98,7 @@ class Cluster(Section):
 
 
 # --------------------------------------------------------------------------------------------------- model
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "te", "flex", "tilelang"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 
@@ -192,6 +193,22 @@ class Loss(Section):
     """Entropy bonus coefficient subtracted from the loss. 0: entropy is not computed."""
     aux_loss_coef: float = Field(0.0, ge=0)
     """MoE load-balancing loss coefficient (active above 1e-8)."""
+    agg_mode: LossAggMode = "token-mean"
+    """How the policy-gradient term is averaged over one optimizer step's window, on all data-parallel ranks
+    (Molt 0.2.1 `--actor.loss_agg_mode`): `token-mean` divides by the window's action tokens; `seq-mean-token-mean`
+    averages each row over its tokens, then over the window's rows; `prompt-mean-token-mean` averages each prompt
+    group over its tokens, then over the window's prompts. The KL loss and the entropy term stay token-mean."""
+
+
+class Lora(Section):
+    dim: int = 0
+    """LoRA rank (Molt 0.2.1 `--actor.lora_dim` / `--model.lora_dim`). 0: full fine-tuning; a negative rank is
+    rejected (LORA001: Molt silently treats it as off)."""
+    alpha: int = 32
+    """LoRA alpha; the adapter's scale is alpha / dim."""
+    target_modules: list[str] | None = None
+    """Wildcards matched against **full** module names (`*.q_proj`, `model.layers.*.mlp.down_proj`). None or empty:
+    every linear layer. A bare leaf name such as `q_proj` matches nothing (LORA002)."""
 
 
 class Freeze(Section):
@@ -222,6 +239,9 @@ class Actor(Section):
     """Parameters that are not trained."""
     freezing_steps: NonNegInt = 0
     """With gae only: no policy update during the first N steps while the critic warms up."""
+    lora: Lora = Lora()
+    """LoRA adapters on the policy (Molt 0.2.1): the adapter trains, the base stays frozen, each weight sync merges
+    `W + scale·B@A` into the weights the engines get, and the HF export is a PEFT adapter directory."""
 
 
 # --------------------------------------------------------------------------------------------------- ref / critic
@@ -298,9 +318,17 @@ class Rollout(Section):
     mtp_speculative_tokens: NonNegInt = 0
     """MTP speculative decoding tokens (needs an MTP head). 0: off."""
     router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = (
-        "consistent_hash"
+        "cache_aware"
     )
-    """How requests are routed to engines. consistent_hash keeps a multi-turn rollout on one engine's KV cache."""
+    """How requests are routed to engines (Molt 0.2.1's default: cache_aware, token-prefix affinity with a shortest-
+    queue fallback when unbalanced). consistent_hash keeps a multi-turn rollout on one engine's KV cache."""
+    router_balance_abs: NonNegInt = 10
+    """cache_aware stays sticky until `max_inflight - min_inflight > abs` (and the ratio below) (Molt 0.2.1)."""
+    router_balance_rel: float = Field(1.2, ge=1.0)
+    """cache_aware: the ratio half of the rebalance trigger, `max_inflight > rel x min_inflight` (Molt 0.2.1)."""
+    moe_backend: str | None = None
+    """vLLM fused-MoE kernel backend (triton, flashinfer_trtllm, flashinfer_cutlass). None: vLLM picks. Passed to
+    the engine only when set."""
     batch_size: PositiveInt = 1024
     """Prompt groups per training step."""
     generate_batch_size: PositiveInt | None = None
@@ -334,9 +362,14 @@ class Agent(Section):
 # --------------------------------------------------------------------------------------------------- algo
 class Kl(Section):
     coef: float = Field(0.0, ge=0)
-    """KL coefficient (initial coefficient when adaptive). Needs a `ref:` section when > 0."""
+    """KL coefficient (initial coefficient when adaptive). 0 (Molt 0.2.1's default; 0.1.6 used 0.01): no KL term."""
+    ref: Literal["model", "rollout"] | None = None
+    """What the KL is measured against (Molt 0.2.1 `--algo.kl.ref`): `model`, a frozen reference model (needs a
+    `ref:` section), or `rollout`, the rollout engine's own log-probs of the sampled tokens (no reference model is
+    built). None: `rollout`, or `model` under on_policy_distill (reported as EST015)."""
     estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL approximation: k1 = log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r."""
+    """KL approximation with r = log pi - log pi_ref: k1 = r, k2 = r^2 / 2, k3 = e^-r - 1 + r against a model and
+    e^r - 1 - r against the rollout policy (the form whose gradient descends KL(rollout || policy))."""
     use_loss: bool = False
     """KL as a separate loss term (true) or folded into the per-token reward (false)."""
     target: float | None = None
@@ -350,8 +383,12 @@ class IsCorrection(Section):
     """Granularity of the train/rollout importance ratio; seq and geo are rejection filters."""
     mode: Literal["mask", "clip", "trunc"] = "mask"
     """What happens to units outside the band (seq and geo allow only mask)."""
-    threshold: tuple[float, float] = (0.5, 5.0)
-    """[low, high] band on pi_train / pi_rollout."""
+    threshold: float | list[float] = [0.5, 5.0]
+    """[low, high] band on the gating statistic; a single value HIGH means [-inf, HIGH] (Molt 0.2.1)."""
+    gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+    """The statistic the band tests (Molt 0.2.1): `ratio` = pi_train / pi_rollout; `binary_kl` = the Bernoulli KL
+    between the sampled token's probability under the sampler and under the trainer; `tv` = their absolute
+    difference. The divergences take an upper bound only, with mode mask at level token or seq."""
 
 
 class DynamicFiltering(Section):
@@ -359,12 +396,14 @@ class DynamicFiltering(Section):
     """Open interval (lo, hi) that a group's mean score must fall inside to be trained on."""
 
 
-Estimator = Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"]
+Estimator = Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill",
+                    "flash_reinforce"]
 
 
 class Algo(Section):
     estimator: Estimator = "reinforce"
-    """Advantage estimator. gae needs a critic; on_policy_distill needs a teacher (`ref:`)."""
+    """Advantage estimator. gae needs a critic; on_policy_distill needs a teacher (`ref:`). flash_reinforce
+    (Molt 0.2.1): each sample's reward minus the batch mean, no whitening, discount or KL reward."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount (reinforce and gae)."""
     lam: float = Field(1.0, ge=0, le=1)
@@ -379,6 +418,19 @@ class Algo(Section):
     """Importance-sampling correction between the trainer's and the rollout engine's log-probs."""
     dynamic_filtering: DynamicFiltering | None = None
     """DAPO-style group filter on the mean score. Absent: off."""
+    score_centering_top_k: int = 0
+    """Score centering on the sampler's top-k log-probs of each generated token (Molt 0.2.1): the engine returns k
+    (id, log-prob) pairs per token, the loss adds a head correction that makes the expected gradient zero where the
+    head and a tail model are exact. 0: off; k must be >= 2 (SC001)."""
+    overlong_buffer_len: float | None = None
+    """DAPO overlong penalty (Molt 0.2.1 `--reward.overlong_buffer_len`): a rollout whose longest context exceeds
+    `data.max_len - B` loses up to `overlong_penalty_factor` linearly over the last B tokens, before `reward_clip`.
+    None: off."""
+    overlong_penalty_factor: float = 1.0
+    """Largest overlong penalty (reached at data.max_len). No effect without `overlong_buffer_len`."""
+    stop_properly_penalty_coef: float | None = None
+    """ProRL stop-properly penalty (Molt 0.2.1 `--reward.stop_properly_penalty_coef`) on truncated rollouts, before
+    `reward_clip`: C >= 0 scales their reward by C, a negative C replaces it. At most 1. None: off."""
 
 
 # --------------------------------------------------------------------------------------------------- train
@@ -717,6 +769,8 @@ class SftActor(Section):
     """MoE load-balancing loss coefficient."""
     freeze: Freeze = Freeze()
     """Parameters that are not trained."""
+    lora: Lora = Lora()
+    """LoRA adapters on the trained model (Molt 0.2.1 `--model.lora_*`); the HF export is a PEFT adapter directory."""
 
 
 class SftRecipe(_Common):

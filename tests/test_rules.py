@@ -127,7 +127,7 @@ def test_docstring_has_every_section(rule):
     assert all(p >= 0 for p in positions), f"{rule.code} lacks {[s for s, p in zip(SECTIONS, positions, strict=True) if p < 0]}"
     assert positions == sorted(positions), f"{rule.code}: sections out of order"
     assert len(_yaml_blocks(doc)) == 2, f"{rule.code}: Example and Use instead need one ```yaml block each"
-    assert re.search(r"molt_rules\.md|DESIGN\.md|style_anchors|vLLM|catalog", doc.split("## References")[1])
+    assert re.search(r"molt_rules\.md|molt_0_2_1\.md|DESIGN\.md|style_anchors|vLLM|catalog", doc.split("## References")[1])
 
 
 @pytest.mark.parametrize("rule", ALL_RULES, ids=lambda r: r.code)

@@ -120,8 +120,8 @@ def test_slurm_time_help_spells_units_out(value, spelled):
 
 
 @pytest.mark.parametrize(("text", "code", "says"), [
-    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}\nref:\n", "EST009", "`ref:` is empty (YAML null)"),
-    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}\n", "EST009", "the recipe has no `ref:` section"),
+    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}\nref:\n", "EST009", "`ref:` is empty (YAML null)"),
+    ("algo: {kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}\n", "EST009", "the recipe has no `ref:` section"),
     ("algo: {estimator: gae}\ncritic:\n", "EST002", "`critic:` is empty (YAML null)"),
     ("algo: {estimator: on_policy_distill}\nref:\nagent: null\n", "EST004", "`ref:` is empty (YAML null)"),
 ])

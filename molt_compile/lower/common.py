@@ -16,6 +16,7 @@ from schemas.plan import (
     DerivedEntry,
     InstancePlan,
     LoggingPlan,
+    LoraPlan,
     ModelPlan,
     OptimizerPlan,
     RayOptions,
@@ -145,6 +146,14 @@ def optimizer_plan(o: Any, warmup: int | None, total: int | None) -> OptimizerPl
         min_lr_ratio=o.min_lr_ratio,
         muon=o.muon.model_dump(mode="json") if o.name == "muon" else None,
     )
+
+
+def lora_plan(lora: Any) -> LoraPlan | None:
+    """The trained model's LoRA adapters (Molt 0.2.1 actor.lora), None for full fine-tuning."""
+    if lora.dim <= 0:
+        return None
+    return LoraPlan.model_construct(dim=lora.dim, alpha=lora.alpha, scale=lora.alpha / lora.dim,
+                                    target_modules=list(lora.target_modules) if lora.target_modules else None)
 
 
 def model_plan(r: Any, d: Derived, source: Any) -> ModelPlan:

@@ -15,6 +15,7 @@ from molt_compile.lower.common import (
     derived_entries,
     diag,
     logging_plan,
+    lora_plan,
     model_path,
     model_plan,
     optimizer_plan,
@@ -133,9 +134,11 @@ def _engines(r: Any, d: Derived) -> EnginesPlan:
         max_num_seqs=min(ENGINE_MAX_NUM_SEQS, -(-in_flight // ro.engines)),
         gpu_memory_utilization=ro.gpu_memory_utilization,
         enforce_eager=ro.enforce_eager,
-        prefix_caching=ro.prefix_caching,
+        prefix_caching=d.value("rollout.prefix_caching"),
         seeds=[t.seed + i for i in range(ro.engines)],
         router_policy=ro.router_policy,
+        router_balance_abs=ro.router_balance_abs,
+        router_balance_rel=ro.router_balance_rel,
         logprobs_mode=d.value("rollout.logprobs_mode"),
         max_images_per_prompt=r.data.max_images_per_prompt,
         extra_engine_args=_engine_args(r),
@@ -172,6 +175,10 @@ def _engine_args(r: Any) -> dict[str, Any]:
         args["mm_processor_cache_gb"] = 0
     if r.train.full_determinism:
         args["enable_full_determinism"] = True
+    if ro.moe_backend is not None:
+        args["moe_backend"] = ro.moe_backend
+    if r.algo.score_centering_top_k > 20:
+        args["max_logprobs"] = r.algo.score_centering_top_k  # vLLM's default cap is 20 (Molt vllm_engine.py:530)
     return args
 
 
@@ -215,6 +222,7 @@ def _sampling(r: Any, d: Derived) -> SamplingPlan:
         temperature=ro.temperature,
         top_p=ro.top_p,
         logprobs=d.value("rollout.logprobs"),
+        top_logprobs=d.value("rollout.top_logprobs"),
     )
 
 
@@ -234,6 +242,7 @@ def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
             temperature=d.value("eval.temperature"),
             top_p=d.value("eval.top_p"),
             logprobs=d.value("rollout.logprobs"),
+            top_logprobs=0,  # eval never asks for top-k (Molt rl_trainer.py:814)
         ),
         pass_k=_pass_ks(d.value("eval.n_samples_per_prompt")),
     )
@@ -285,6 +294,7 @@ def _trainer(r: Any, d: Derived) -> TrainerPlan:
             dual_clip=a.loss.dual_clip,
             entropy_coef=a.loss.entropy_coef,
             aux_loss_coef=a.loss.aux_loss_coef,
+            agg_mode=a.loss.agg_mode,
         ),
         freeze_moe_router=a.freeze.moe_router,
         freeze_visual_encoder=a.freeze.visual_encoder,
@@ -294,6 +304,7 @@ def _trainer(r: Any, d: Derived) -> TrainerPlan:
         full_determinism=t.full_determinism,
         seed=t.seed,
         row_multiple=_row_multiple(d),
+        lora=lora_plan(a.lora),
     )
 
 
@@ -348,15 +359,22 @@ def _algo(r: Any, d: Derived) -> AlgoPlan:
             coef=d.value("algo.kl.coef"),
             estimator=d.value("algo.kl.estimator"),
             use_loss=d.value("algo.kl.use_loss"),
+            ref=d.value("algo.kl.ref"),
             target=al.kl.target,
             horizon=al.kl.horizon,
         ),
         is_correction=IsCorrectionPlan.model_construct(
             level=al.is_correction.level,
             mode=al.is_correction.mode,
-            low=al.is_correction.threshold[0],
-            high=al.is_correction.threshold[1],
+            gating=al.is_correction.gating,
+            low=d.value("algo.is_correction.band")[0],
+            high=d.value("algo.is_correction.band")[1],
         ),
+        score_centering_top_k=d.value("rollout.top_logprobs"),
+        overlong_buffer_len=al.overlong_buffer_len,
+        overlong_penalty_factor=al.overlong_penalty_factor,
+        overlong_max_len=r.data.max_len,
+        stop_properly_penalty_coef=al.stop_properly_penalty_coef,
     )
 
 

@@ -13,6 +13,7 @@ from molt_compile.lower.common import (
     diag,
     instance,
     logging_plan,
+    lora_plan,
     model_plan,
     optimizer_plan,
     ray_options,
@@ -160,6 +161,7 @@ def _trainer(r: Any, d: Derived) -> SftTrainerPlan:
         freeze_visual_encoder=a.freeze.visual_encoder,
         seed=t.seed,
         full_determinism=t.full_determinism,
+        lora=lora_plan(a.lora),
     )
 
 

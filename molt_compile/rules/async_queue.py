@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag
+from molt_compile.rules._base import diag, dv
 
 
 def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
@@ -33,10 +33,13 @@ def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Dia
       is_correction: {level: geo, mode: mask, threshold: [0.99, 1.01]}
     ```
 
+    Under score centering (Molt 0.2.1, V10) the head correction accounts for the sampler, so the guard is off.
+    A partial rollout forced by `rollout.generate_batch_size > rollout.batch_size` (X4, ASYNC006) counts too.
+
     ## References
-    molt_rules.md D1, D11, D12
+    molt_rules.md D1, D11, D12; molt_0_2_1.md V10, X4, I15
     """
-    if recipe.eval.only or recipe.algo.is_correction.level != "off":
+    if recipe.eval.only or recipe.algo.is_correction.level != "off" or recipe.algo.score_centering_top_k >= 2:
         return
     q = recipe.train.async_
     if q.queue_size > 1:
@@ -45,17 +48,20 @@ def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Dia
                    "training, but algo.is_correction.level is off: stale tokens are trained on uncorrected",
                    "set algo.is_correction.level: token (or geo with mode mask), or train.async.queue_size: 1",
                    ["algo.is_correction.level"])
-    if q.partial_rollout:
-        yield diag("ASYNC001", source, "train.async.partial_rollout",
-                   "train.async.partial_rollout lets requests straddle a weight sync, but algo.is_correction.level "
-                   "is off: tokens from the old weights are trained on uncorrected",
-                   "set algo.is_correction.level: token, or train.async.partial_rollout: false",
-                   ["algo.is_correction.level"])
+    if q.partial_rollout or dv(derived, "train.partial_rollout", False):
+        forced = not q.partial_rollout
+        yield diag("ASYNC001", source, "rollout.generate_batch_size" if forced else "train.async.partial_rollout",
+                   ("rollout.generate_batch_size > rollout.batch_size turns partial rollout on (X4), which"
+                    if forced else "train.async.partial_rollout") + " lets requests straddle a weight sync, but "
+                   "algo.is_correction.level is off: tokens from the old weights are trained on uncorrected",
+                   "set algo.is_correction.level: token, or " + ("rollout.generate_batch_size <= rollout.batch_size"
+                   if forced else "train.async.partial_rollout: false"), ["algo.is_correction.level"])
 
 
 def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
-    Importance-sampling correction (`algo.is_correction.level` not `off`) together with `rollout.top_p < 1`.
+    Importance-sampling correction (`algo.is_correction.level` not `off`), or KL against the rollout policy
+    (`algo.kl.coef > 0`, `kl.ref: rollout`, Molt 0.2.1 V11), together with `rollout.top_p < 1`.
 
     ## Why it matters
     vLLM's processed log-probs are renormalized over the nucleus, so with `top_p < 1` the rollout log-probs the
@@ -76,7 +82,7 @@ def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
     ```
 
     ## References
-    molt_rules.md D4, B14
+    molt_rules.md D4, B14; molt_0_2_1.md V11
     """
     level = recipe.algo.is_correction.level
     top_p = recipe.rollout.top_p
@@ -85,6 +91,11 @@ def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
                    f"rollout.top_p {top_p} renormalizes the rollout log-probs that IS correction "
                    f"(level {level}) consumes: every importance ratio is biased",
                    "set rollout.top_p: 1.0, or algo.is_correction.level: off", ["algo.is_correction.level"])
+    elif top_p < 1.0 and dv(derived, "algo.kl.to_rollout", False):
+        yield diag("ASYNC002", source, "rollout.top_p",
+                   f"rollout.top_p {top_p} renormalizes the rollout log-probs that the KL against the rollout "
+                   "policy uses as its reference: the KL is biased", "set rollout.top_p: 1.0, or algo.kl.ref: model "
+                   "with a `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
 
 
 def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
@@ -148,8 +159,8 @@ def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Di
     molt_rules.md D2, D10, D12
     """
     q = recipe.train.async_
-    if recipe.eval.only or recipe.algo.is_correction.level != "off":
-        return
+    if recipe.eval.only or recipe.algo.is_correction.level != "off" or recipe.algo.score_centering_top_k >= 2:
+        return  # Molt 0.2.1 skips the warning under score centering (V10)
     if q.queue_size == 1 and not q.partial_rollout and not q.force_sync:
         yield diag("ASYNC004", source, "train.async.force_sync",
                    "train.async.force_sync is false: each batch is generated with weights one step stale, and "
@@ -178,14 +189,57 @@ def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Di
       is_correction: {level: geo, mode: mask, threshold: [0.99, 1.01]}
     ```
 
+    Only for `gating: ratio`; a divergence gate (binary_kl, tv) has its own band rule (IS004). One value HIGH
+    is the band [-inf, HIGH] (X1).
+
     ## References
-    molt_rules.md D9, §6.4
+    molt_rules.md D9, §6.4; molt_0_2_1.md I9
     """
     isc = recipe.algo.is_correction
-    low, high = isc.threshold
-    if isc.level == "off" or (low < 1.0 < high):
+    band = dv(derived, "algo.is_correction.band")
+    if isc.level == "off" or isc.gating != "ratio" or band is None:
         return
+    low, high = band
+    if (low is None or low < 1.0) and 1.0 < high:
+        return
+    low = float("-inf") if low is None else low
     why = "is empty" if low >= high else "does not contain 1 (an on-policy token's ratio)"
     yield diag("ASYNC005", source, "algo.is_correction.threshold",
                f"algo.is_correction.threshold [{low}, {high}] {why}: every token is filtered and the gradient is zero",
                "use a band around 1, e.g. [0.99, 1.01] or [0.5, 2.0]", ["algo.is_correction.level"])
+
+
+def generate_batch_forces_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.generate_batch_size > rollout.batch_size` with `train.async.partial_rollout: false`.
+
+    ## Why it matters
+    Surplus groups in flight keep generating across weight syncs. Molt 0.2.1 keeps them only with partial rollout
+    and turns it on itself in its CLI (X4), before the off-policy guard (ASYNC001) runs, which then treats the run
+    as partial; ASYNC001 names this as the root cause when it fires. (This runtime carries surplus groups across
+    steps either way; the plan's `queue.partial_rollout`, which decides whether generation holds the engine lock,
+    stays as the recipe says.)
+
+    ## Example
+    ```yaml
+    rollout: {generate_batch_size: 32}
+    algo: {is_correction: {level: token}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {generate_batch_size: 32}
+    train: {async: {partial_rollout: true}}
+    algo: {is_correction: {level: token}}
+    ```
+
+    ## References
+    molt_0_2_1.md X4, I15, §4 D12 (molt_rules.md B4)
+    """
+    ro = recipe.rollout
+    if ro.generate_batch_size and ro.generate_batch_size > ro.batch_size and not recipe.train.async_.partial_rollout:
+        yield diag("ASYNC006", source, "rollout.generate_batch_size", f"rollout.generate_batch_size "
+                   f"{ro.generate_batch_size} > rollout.batch_size {ro.batch_size}: surplus groups run across "
+                   "weight syncs, which Molt 0.2.1 treats as partial rollout (X4)", "nothing to change; set "
+                   "generate_batch_size <= batch_size to keep each rollout within one policy version",
+                   ["train.async.partial_rollout"])

@@ -226,21 +226,24 @@ def kl_loss_with_k1(recipe, derived, source) -> Iterator[Diagnostic]:
 
     ## Example
     ```yaml
-    algo: {kl: {coef: 0.001, estimator: k1, use_loss: true}}
+    algo: {kl: {coef: 0.001, estimator: k1, use_loss: true, ref: model}}
     ref: {placement: colocate}
     ```
 
     ## Use instead
     ```yaml
-    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}
     ref: {placement: colocate}
     ```
+
+    Against the rollout policy (`kl.ref: rollout`) the k1 loss is an error instead (KL001).
 
     ## References
     molt_rules.md C2, §6.5
     """
     kl = recipe.algo.kl
-    if recipe.algo.estimator != "on_policy_distill" and kl.use_loss and kl.estimator == "k1" and kl.coef > 0:
+    if (recipe.algo.estimator != "on_policy_distill" and kl.use_loss and kl.estimator == "k1" and kl.coef > 0
+            and kl.ref == "model"):
         yield diag("EST007", source, "algo.kl.estimator",
                    "algo.kl.use_loss with estimator k1: the k1 loss has a zero expected gradient and does not "
                    "pull the policy toward the reference", "set algo.kl.estimator: k2 (or k3)", ["algo.kl.use_loss"])
@@ -257,13 +260,13 @@ def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnost
 
     ## Example
     ```yaml
-    algo: {estimator: grpo, kl: {coef: 0.001, estimator: k1, use_loss: false}}
+    algo: {estimator: grpo, kl: {coef: 0.001, estimator: k1, use_loss: false, ref: model}}
     ref: {placement: colocate}
     ```
 
     ## Use instead
     ```yaml
-    algo: {estimator: grpo, kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    algo: {estimator: grpo, kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}
     ref: {placement: colocate}
     ```
 
@@ -272,7 +275,7 @@ def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnost
     """
     kl = recipe.algo.kl
     est = recipe.algo.estimator
-    if est in GROUP_ESTIMATORS and recipe.ref is not None and kl.coef > 0 and not kl.use_loss:
+    if est in GROUP_ESTIMATORS and recipe.ref is not None and kl.coef > 0 and not kl.use_loss and kl.ref == "model":
         yield diag("EST008", source, "algo.kl.use_loss",
                    f"algo.estimator {est} ignores the per-token KL reward: the reference model is computed for "
                    "nothing", "set algo.kl.use_loss: true (with estimator k2), or remove the `ref:` section and "
@@ -281,37 +284,42 @@ def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnost
 
 def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
-    `algo.kl.coef > 0` without a `ref:` section (not on_policy_distill, which has its own rule).
+    `algo.kl.coef > 0` with `algo.kl.ref: model` but no `ref:` section (not on_policy_distill, which has its own
+    rule).
 
     ## Why it matters
-    A KL penalty needs a reference model. In Molt any coef > 0 builds one implicitly; a recipe makes it explicit
-    with a `ref:` section, which also says where it is placed.
+    A KL penalty against a model needs that model. In Molt 0.2.1 `kl.ref model` with a coefficient builds one
+    implicitly (X7); a recipe makes it explicit with a `ref:` section, which also says where it is placed. (KL
+    against the rollout policy, the default `kl.ref`, needs no model.)
 
     ## Example
     ```yaml
-    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}
     ref: null
     ```
 
     ## Use instead
     ```yaml
-    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true}}
+    algo: {kl: {coef: 0.001, estimator: k2, use_loss: true, ref: model}}
     ref: {placement: colocate}
     ```
 
     ## References
-    molt_rules.md B3, B8
+    molt_rules.md B3, B8; molt_0_2_1.md X7
     """
     coef = recipe.algo.kl.coef
-    if coef > 0 and recipe.ref is None and recipe.algo.estimator != "on_policy_distill":
+    if coef > 0 and recipe.ref is None and recipe.algo.estimator != "on_policy_distill" and \
+            recipe.algo.kl.ref == "model":
         yield diag("EST009", source, "algo.kl.coef",
-                   f"algo.kl.coef {coef} needs a reference model, but {_no_section(source, 'ref')}",
-                   _add_section(source, "ref", "{placement: colocate}") + ", or set algo.kl.coef: 0", ["ref"])
+                   f"algo.kl.coef {coef} against a reference model (algo.kl.ref: model) needs one, but "
+                   f"{_no_section(source, 'ref')}", _add_section(source, "ref", "{placement: colocate}") +
+                   ", or set algo.kl.ref: rollout", ["ref", "algo.kl.ref"])
 
 
 def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
     """## What it checks
-    A `ref:` section while `algo.kl.coef` is 0 (and the estimator is not on_policy_distill).
+    A `ref:` section while `algo.kl.coef` is 0, or while the KL is measured against the rollout policy
+    (`algo.kl.ref` rollout, Molt 0.2.1's default) — and the estimator is not on_policy_distill.
 
     ## Why it matters
     Nothing reads the reference log-probs; the model still takes GPUs or memory and a forward pass every step.
@@ -331,9 +339,17 @@ def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
     ## References
     molt_rules.md B8
     """
-    if recipe.ref is not None and recipe.algo.kl.coef == 0 and recipe.algo.estimator != "on_policy_distill":
+    kl = recipe.algo.kl
+    if recipe.ref is None or recipe.algo.estimator == "on_policy_distill":
+        return
+    if kl.coef == 0:
         yield diag("EST010", source, "ref", "a `ref:` section is set but algo.kl.coef is 0: nothing uses it",
                    "remove the `ref:` section, or set algo.kl.coef > 0", ["algo.kl.coef"])
+    elif kl.ref != "model":
+        yield diag("EST010", source, "ref", "a `ref:` section is set but the KL is measured against the rollout "
+                   "policy (algo.kl.ref " + ("unset: Molt 0.2.1's default rollout" if kl.ref is None else "rollout")
+                   + "): nothing uses the reference model", "set algo.kl.ref: model to use it (Molt 0.1.6's "
+                   "meaning), or remove the `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
 
 
 def dynamic_filtering_empty_range(recipe, derived, source) -> Iterator[Diagnostic]:

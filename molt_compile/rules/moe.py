@@ -435,3 +435,36 @@ def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnost
     if recipe.kind == "rl" and recipe.rollout.expert_parallel:
         yield diag("MOE012", source, "rollout.expert_parallel", f"rollout.expert_parallel on dense model "
                    f"{facts.key}: there are no experts to shard", "set rollout.expert_parallel: false", ["model.arch"])
+
+
+def routing_replay_forces_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay: true` with `rollout.prefix_caching: false`.
+
+    ## Why it matters
+    vLLM's routed-experts capture, which R3 replays, needs prefix caching; Molt 0.2.1 turns it on itself in its
+    CLI (X5). Reported so the engine setting the plan carries is visible in the recipe.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    rollout: {expert_parallel: true, prefix_caching: false}
+    train: {routing_replay: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {mesh: {ep: 4}}
+    rollout: {expert_parallel: true, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## References
+    molt_0_2_1.md X5, §4 B16 (molt_rules.md F1)
+    """
+    if recipe.train.routing_replay and not recipe.rollout.prefix_caching:
+        yield diag("MOE013", source, "train.routing_replay", "routing_replay turns rollout.prefix_caching on "
+                   "(vLLM's routed-experts capture needs it, X5)", "write rollout.prefix_caching: true",
+                   ["rollout.prefix_caching"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, dv
+from molt_compile.rules._base import diag, dv, is_set
 
 
 def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
@@ -240,3 +240,94 @@ def decode_context_parallel_not_dividing_tp(recipe, derived, source) -> Iterator
         yield diag("VLLM008", source, "rollout.decode_context_parallel_size",
                    f"rollout.decode_context_parallel_size {dcp} does not divide rollout.mesh.tp {ro.mesh.tp}",
                    "use a divisor of rollout.mesh.tp", ["rollout.mesh.tp"])
+
+
+MOE_BACKENDS = ("triton", "flashinfer_trtllm", "flashinfer_cutlass")
+"""vLLM fused-MoE backends named by Molt 0.2.1's help (train_rl_ray.py:756-762)."""
+
+
+def logprobs_for_centering_or_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    The engine is asked for processed log-probs because of score centering or KL against the rollout policy, with
+    IS correction off.
+
+    ## Why it matters
+    Molt 0.2.1 switches vLLM to `logprobs_mode: processed_logprobs` (and `logprobs=k` under centering) in its CLI
+    whenever any of IS, centering or KL-to-rollout reads them (X6); before 0.2.1 only IS did. Reported so the
+    engine setting is visible.
+
+    ## Example
+    ```yaml
+    algo: {score_centering_top_k: 8}
+    ```
+
+    ## Use instead
+    ```yaml
+    algo: {score_centering_top_k: 0}
+    ```
+
+    ## References
+    molt_0_2_1.md X6, §4 B14 (molt_rules.md B14)
+    """
+    if recipe.algo.is_correction.level != "off" or not dv(derived, "rollout.logprobs", False):
+        return
+    k = dv(derived, "rollout.top_logprobs", 0)
+    why = f"score centering (top {k} log-probs per token)" if k else "the KL against the rollout policy"
+    yield diag("VLLM010", source, "algo.score_centering_top_k" if k else "algo.kl.coef", f"{why} reads the "
+               "engine's processed log-probs: logprobs_mode processed_logprobs (X6)",
+               "nothing to change; this reports an engine setting the compiler derived")
+
+
+def unknown_moe_backend(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.moe_backend` is one of triton, flashinfer_trtllm, flashinfer_cutlass.
+
+    ## Why it matters
+    Molt passes the string to vLLM unvalidated, and unknown engine arguments are dropped with a notice, so a typo
+    silently runs the default kernel.
+
+    ## Example
+    ```yaml
+    rollout: {moe_backend: flashinfer}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {moe_backend: flashinfer_cutlass}
+    ```
+
+    ## References
+    molt_0_2_1.md F13, I16 (molt_rules.md B16)
+    """
+    b = recipe.rollout.moe_backend
+    if b is not None and b not in MOE_BACKENDS:
+        yield diag("VLLM011", source, "rollout.moe_backend", f"rollout.moe_backend {b!r} is not a vLLM fused-MoE "
+                   f"backend ({', '.join(MOE_BACKENDS)})", "use one of them, or remove rollout.moe_backend")
+
+
+def router_balance_without_cache_aware(recipe, derived, source) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.router_balance_abs` or `rollout.router_balance_rel` written with a `router_policy` other than
+    cache_aware.
+
+    ## Why it matters
+    Only the cache_aware policy has a rebalance trigger; under any other policy the thresholds do nothing.
+
+    ## Example
+    ```yaml
+    rollout: {router_policy: consistent_hash, router_balance_abs: 32}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {router_policy: cache_aware, router_balance_abs: 32}
+    ```
+
+    ## References
+    molt_0_2_1.md F11, F12, I16 (molt_rules.md §3.1)
+    """
+    ro = recipe.rollout
+    for key in ("router_balance_abs", "router_balance_rel"):
+        if is_set(source, f"rollout.{key}") and ro.router_policy != "cache_aware":
+            yield diag("VLLM012", source, f"rollout.{key}", f"rollout.{key} is used only by router_policy "
+                       f"cache_aware, not {ro.router_policy}", f"remove rollout.{key}", ["rollout.router_policy"])

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, Protocol
 from uuid import uuid4
 
+from runtime import vlm
 from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
+from runtime.vlm import VlmTruncation
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,9 @@ class Result:
     score: float | Any | None = None
     """Score for dynamic filtering; None means "the reward"."""
     images: list | None = None
-    """New images for the next turn (VLM agents). Accepted for API parity; the text-only runner ignores them."""
+    """New images for the next turn (VLM step agents): PIL images or paths. Each needs one image placeholder in
+    `observation` (the processor's image token, e.g. `<|vision_start|><|image_pad|><|vision_end|>`); those
+    missing are put in front of the text. They join the conversation's earlier images in the next engine call."""
     sampling_params: SamplingParams | None = None
     """Replaces the sampling parameters (including the per-turn token cap) from the next turn on."""
 
@@ -102,7 +106,8 @@ class Trajectory:
     info: dict = field(default_factory=dict)  # the last step's info
     turns: int = 0  # engine calls made
     finish_reasons: list[str] = field(default_factory=list)  # one per turn
-    images: list | None = None
+    images: list | None = None  # every image of the episode, in placeholder order (VLM)
+    mm_inputs: dict | None = None  # their pixel_values / image_grid_thw, aligned with the placeholders in token_ids
     group_id: str | None = None  # one per prompt group (n rollouts); the group baselines average over it
     rollout_id: str | None = None  # one per rollout; step-samples of one rollout share it
 
@@ -171,8 +176,13 @@ class Runner(ABC):
         tokenizer: Tokenizer,
         client: GenerateClient,
         tools: list | None = None,
+        images: list | None = None,
+        processor: Any = None,
     ) -> Trajectory | list[Trajectory]:
-        """One episode: a trajectory, or several step-samples sharing one `rollout_id` (chat runners)."""
+        """One episode: a trajectory, or several step-samples sharing one `rollout_id` (chat runners).
+
+        VLM runs pass the row's `images` (PIL) and the model's `processor`; `prompt` then holds one image
+        placeholder per image."""
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -223,14 +233,17 @@ class StepEnvRunner(Runner):
         tokenizer: Tokenizer,
         client: GenerateClient,
         tools: list | None = None,
+        images: list | None = None,
+        processor: Any = None,
     ) -> Trajectory:
         # `tools` are already rendered into the prompt by the dataset's chat template (parity with the chat path).
         env = self.env_cls()
         session_id = uuid4().hex  # every turn of this episode goes to the same engine (warm prefix cache)
         try:
             first = await env.reset({"observation": prompt, "label": label})
+            vision = _Vision(processor, list(images or [])) if processor is not None else None
             return await self._run_episode(env, first["observation"], prompt, label, sampling, max_length,
-                                           tokenizer, client, session_id)
+                                           tokenizer, client, session_id, vision)
         finally:
             # The env may own a subprocess or a sandbox; close it on every path, and never let a close failure mask
             # the episode's own outcome or exception.
@@ -240,11 +253,18 @@ class StepEnvRunner(Runner):
                 logger.warning("Env.close() failed; its resources may leak", exc_info=True)
 
     async def _run_episode(self, env, observation, prompt, label, sampling, max_length, tokenizer, client,
-                           session_id) -> Trajectory:
-        prompt_ids = await tokenize(tokenizer, observation)
+                           session_id, vision: _Vision | None = None) -> Trajectory:
+        mm = None
+        if vision is not None and vision.images:
+            prompt_ids, mm = vision.encode(observation, vision.images)
+        else:
+            prompt_ids = await tokenize(tokenizer, observation)
         # Keep room for the first turn; cut the prompt from the left (its end holds the question and the
-        # generation header, which the model needs most).
+        # generation header, which the model needs most). Never through an image: that rollout is dropped.
         max_prompt_len = max(1, max_length - (sampling.max_tokens or _MIN_GENERATION_RESERVE))
+        if len(prompt_ids) > max_prompt_len and mm is not None:
+            raise VlmTruncation(f"VLM prompt of {len(prompt_ids)} tokens exceeds {max_prompt_len} (max_len "
+                                f"{max_length} - max_new_tokens); images cannot be cut")
         if len(prompt_ids) > max_prompt_len:
             logger.warning("prompt of %d tokens cut to the last %d (max_length %d)", len(prompt_ids),
                            max_prompt_len, max_length)
@@ -254,6 +274,7 @@ class StepEnvRunner(Runner):
         traj = Trajectory(
             prompt=prompt, label=label, observation_text=observation, token_ids=list(prompt_ids),
             rollout_log_probs=[0.0] * len(prompt_ids) if sampling.logprobs else None, rollout_id=session_id,
+            images=list(vision.images) if vision is not None and vision.images else None, mm_inputs=mm,
         )
         # Fixed for the episode: the logprob column must stay aligned even if an env swaps the sampling params.
         want_logprobs = traj.rollout_log_probs is not None
@@ -263,9 +284,10 @@ class StepEnvRunner(Runner):
                 traj.truncated = True
                 break
             turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, remaining))
+            extra = {"images": traj.images} if traj.images else {}  # text clients never see the keyword
             out = await client.generate(
                 list(traj.token_ids), max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
-                top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs,
+                top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs, **extra,
             )
             if not isinstance(out, GenerateOutput):
                 raise TypeError(f"engine client returned {type(out).__name__}, expected GenerateOutput")
@@ -294,13 +316,28 @@ class StepEnvRunner(Runner):
 
             traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None)
             traj.observation_text += action_text
-            feedback_ids = await tokenize(tokenizer, result.observation)
+            feedback_text, new_mm = result.observation, None
+            if result.images and vision is None:
+                raise TypeError(f"{type(env).__name__}.step returned images, but this is not a VLM run "
+                                "(data.max_images_per_prompt: 0)")
+            if result.images:
+                new_images = [vision.load(x) for x in result.images]
+                feedback_text = vision.with_placeholders(feedback_text, len(new_images))
+                feedback_ids, new_mm = vision.encode(feedback_text, new_images)
+            else:
+                feedback_ids = await tokenize(tokenizer, feedback_text)
             room = max_length - len(traj.token_ids)
+            if new_mm is not None and len(feedback_ids) > room:
+                raise VlmTruncation(f"turn {traj.turns}: feedback with {len(result.images)} image(s) needs "
+                                    f"{len(feedback_ids)} tokens, {room} left; images cannot be cut")
+            if new_mm is not None:
+                traj.images = [*(traj.images or []), *new_images]
+                traj.mm_inputs = vlm.join_inputs(traj.mm_inputs, new_mm)
             if len(feedback_ids) > room:
                 # The trainer packs at most max_length tokens; cut the feedback rather than emit an over-long sample.
                 feedback_ids = feedback_ids[:max(room, 0)]
                 traj.truncated = True
-            traj.append_feedback(result.observation, feedback_ids)
+            traj.append_feedback(feedback_text, feedback_ids)
 
             if result.sampling_params is not None:
                 sampling = result.sampling_params
@@ -315,6 +352,25 @@ class StepEnvRunner(Runner):
 
 
 # --------------------------------------------------------------------------------------------------- loading
+class _Vision:
+    """A VLM episode's processor and images: expanded token ids and model inputs (`runtime.vlm`)."""
+
+    def __init__(self, processor, images: list):
+        self.processor, self.images = processor, images
+        self.placeholder = "<|vision_start|>" + processor.image_token + "<|vision_end|>"
+
+    def encode(self, text: str, images: list) -> tuple[list[int], dict | None]:
+        return vlm.encode(self.processor, text, images)
+
+    @staticmethod
+    def load(ref):
+        return vlm.load_image(ref)
+
+    def with_placeholders(self, text: str, n_images: int) -> str:
+        missing = n_images - text.count(self.processor.image_token)
+        return self.placeholder * max(missing, 0) + text
+
+
 class AgentLoadError(Exception):
     """An agent file cannot be used; the message names the file and the fix."""
 

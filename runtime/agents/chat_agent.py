@@ -80,9 +80,13 @@ class ChatAgentRunner(Runner):
         tokenizer: Tokenizer,
         client: GenerateClient,
         tools: list | None = None,
+        images: list | None = None,
+        processor: Any = None,
     ) -> Trajectory | list[Trajectory]:
         """One episode. Returns one trajectory per recorded segment (usually one); all share the session's
         `rollout_id` and carry the episode's reward, so the group estimators count the rollout once."""
+        if images:
+            raise NotImplementedError("ChatAgentRunner: image prompts are not supported yet (step agents are)")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         server = self.server
         session = server.open_session(sampling, max_length, tokenizer, client, tools)

@@ -1,8 +1,10 @@
 """Pure RL algorithm functions (no Ray, no models): rewards, advantages, KL, IS correction, losses.
 
-One module per concern: `reward` (grouping, clipping, whitening), `advantages` (the seven estimators), `kl`
-(k1/k2/k3 and the coefficient controllers), `is_correction` (level × mode), `losses` (PPO/GSPO/CISPO, value, SFT,
-global-token-mean aggregation). Shapes: (B, T) per-token tensors on the action axis with an `action_mask`.
+One module per concern: `reward` (grouping, length shaping, clipping, whitening), `advantages` (the eight
+estimators, with Molt 0.2.1's flash_reinforce), `kl` (k1/k2/k3 against a model or the rollout policy, and the
+coefficient controllers), `is_correction` (level × mode × gating), `losses` (PPO/GSPO/CISPO, value, SFT),
+`aggregation` (token-, seq- and prompt-mean over an optimizer step's window), `penalties` (DAPO overlong, ProRL
+stop-properly), `score_centering` (the top-k head correction), `mismatch` (train–inference mismatch metrics). Shapes: (B, T) per-token tensors on the action axis with an `action_mask`.
 """
 
 from runtime.algo.advantages import ESTIMATORS, Advantages, compute_advantages

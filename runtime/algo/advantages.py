@@ -13,6 +13,7 @@ marks the tokens the policy generated; R_i is the clipped reward of rollout i; k
 | rloo               | R − (Σ_group R − R)/(n − 1); a singleton keeps R              | no             |
 | gae                | A_t = δ_t + γλ·A_{t+1}, δ_t = r_t + γ·V_{t+1} − V_t           | A yes, returns no |
 | on_policy_distill  | A_t = −β·kl_t (kl = log π_student − log π_teacher with k1)    | no             |
+| flash_reinforce    | R_i − mean_batch(R), per sample; no KL reward, γ, λ (0.2.1)    | no             |
 
 The group statistics are vectorised with `index_add_` over `group_index`, so a 10k-rollout batch costs a handful of
 tensor ops, not a Python loop per group. Only reinforce with γ < 1 and gae walk the token axis (a loop over T with
@@ -28,7 +29,8 @@ from torch import Tensor
 
 from runtime.algo.reward import GROUP_ESTIMATORS, RolloutRewards, whiten
 
-ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill")
+ESTIMATORS = ("reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill",
+              "flash_reinforce")
 GRPO_EPS = 1e-9
 
 
@@ -88,6 +90,13 @@ def rloo(rewards: Tensor, group_index: Tensor) -> Tensor:
     r = rewards.double()
     leave_one_out = (sums - r) / (counts - 1).clamp(min=1)
     return torch.where(counts > 1, r - leave_one_out, r).to(rewards.dtype)
+
+
+def flash_reinforce(rewards: Tensor) -> Tensor:
+    """(S,) a_i = R_i − mean_j R_j over the whole train-step batch of step-samples (Molt 0.2.1 advantage.py:199-210):
+    no group structure, no whitening, KL reward or discount. R = [1, 0, 0, 1, 1] gives [.4, −.6, −.6, .4, .4]."""
+    r = rewards.double()
+    return (r - r.mean()).to(rewards.dtype) if r.numel() else rewards.clone()
 
 
 def broadcast(rollout_advantages: Tensor, sample_to_rollout: Tensor, action_mask: Tensor) -> Tensor:
@@ -218,6 +227,9 @@ def compute_advantages(
             raise ValueError("gae needs the critic's values (B, T)")
         advantages, returns = gae(rollouts.rewards[rollouts.sample_to_rollout], values, action_mask, kl, kl_coef,
                                   gamma, lam)
+    elif estimator == "flash_reinforce":
+        returns = broadcast(flash_reinforce(rollouts.rewards), rollouts.sample_to_rollout, action_mask)
+        advantages = returns
     elif estimator == "on_policy_distill":
         if kl is None:
             raise ValueError("on_policy_distill needs the per-token KL to the teacher")

@@ -14,6 +14,12 @@ mismatch. Two knobs:
     clip:  coef = clamp(u, low, high)
     trunc: coef = min(u, high)                         (TIS: only the upper tail is capped)
 
+Gating (Molt 0.2.1 `is_correction_gating`, molt_0_2_1.md §3.3): the statistic tested against the band is the ratio
+(above), or a divergence between the sampled token's probability under the sampler P = e^{lμ} and the trainer
+Q = e^{lo}: `binary_kl` = P·ln(P/Q) + (1−P)·ln((1−P)/(1−Q)) (P, Q clamped to [1e-6, 1−1e-6]) or `tv` = |P − Q|.
+At seq level a divergence is averaged over the sequence's tokens; divergences take mode mask at token or seq level
+only, and survivors keep their per-token ratio. A band `low` of None is −inf (one threshold value).
+
 The loss is multiplied by `coef` (detached). Known schemes: token+trunc = TIS, token+mask = IcePop,
 geo+mask = seq-mask-TIS, seq+mask = product-ratio rejection. seq/geo only make sense with mask (rule D5; the compiler
 rejects the other combinations, and so does this function).
@@ -30,6 +36,8 @@ from runtime.algo.kl import LOG_RATIO_LIMIT, safe_log_ratio
 
 IS_LEVELS = ("off", "token", "seq", "geo")
 IS_MODES = ("mask", "clip", "trunc")
+IS_GATINGS = ("ratio", "binary_kl", "tv")
+PROB_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -55,12 +63,15 @@ def is_correction(
     *,
     level: str,
     mode: str,
-    low: float,
+    low: float | None,
     high: float,
+    gating: str = "ratio",
 ) -> IsCorrection:
-    if level not in IS_LEVELS or mode not in IS_MODES:
-        raise ValueError(f"IS correction level must be one of {IS_LEVELS} and mode one of {IS_MODES}, "
-                         f"got {level!r}, {mode!r}")
+    if level not in IS_LEVELS or mode not in IS_MODES or gating not in IS_GATINGS:
+        raise ValueError(f"IS correction level must be one of {IS_LEVELS}, mode one of {IS_MODES} and gating one of "
+                         f"{IS_GATINGS}, got {level!r}, {mode!r}, {gating!r}")
+    if gating != "ratio" and (mode != "mask" or level == "geo"):
+        raise ValueError(f"gating {gating!r} supports only mode 'mask' at level token or seq")
     mask = action_mask.bool()
     if level == "off":
         ones = torch.ones_like(old_log_probs, dtype=torch.float32)
@@ -76,7 +87,11 @@ def is_correction(
     with torch.no_grad():
         log_w = safe_log_ratio(old_log_probs, rollout_log_probs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
         w = torch.exp(log_w)  # (B, T) per-token π_old / π_rollout
-        if level == "token":
+        low = float("-inf") if low is None else low
+        if gating != "ratio":
+            div = divergence(old_log_probs, rollout_log_probs, gating)
+            unit = div if level == "token" else masked_mean(div, mask, dim=-1).unsqueeze(-1)
+        elif level == "token":
             unit = w  # (B, T)
         elif level == "seq":
             unit = torch.exp((log_w * mask).sum(dim=-1, keepdim=True).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
@@ -100,3 +115,15 @@ def is_correction(
             is_filter_ratio = filtered.float().mean()
         vllm_kl = masked_mean(safe_log_ratio(rollout_log_probs, old_log_probs), mask)
     return IsCorrection(coef=coef * mask, filtered=filtered, is_filter_ratio=is_filter_ratio, vllm_kl=vllm_kl)
+
+
+def divergence(old_log_probs: Tensor, rollout_log_probs: Tensor, gating: str) -> Tensor:
+    """(B, T) per-token divergence between the sampler's and the trainer's probability of the sampled token.
+    e^{lμ} = 0.5, e^{lo} = 0.6 gives binary_kl 0.020411 and tv 0.1."""
+    p_rollout = torch.exp(rollout_log_probs.float())
+    q_train = torch.exp(old_log_probs.float())
+    if gating == "tv":
+        return (p_rollout - q_train).abs()
+    p = p_rollout.clamp(PROB_EPS, 1 - PROB_EPS)
+    q = q_train.clamp(PROB_EPS, 1 - PROB_EPS)
+    return p * torch.log(p / q) + (1 - p) * torch.log((1 - p) / (1 - q))

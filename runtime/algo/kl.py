@@ -7,6 +7,10 @@ r = log π − log π_ref (NaN → 0, ±∞ → ±30):
     k2 = r² / 2                 clamped to [−10, 10]
     k3 = exp(−r) − 1 + r        clamped to [−10, 10]; unbiased for KL(π‖π_ref) under samples of π, always ≥ 0
 
+Against the rollout policy (Molt 0.2.1 `kl.ref: rollout`, molt_0_2_1.md §3.5) the reference log-probs are the
+engine's own (π_ref = μ) and the tokens are drawn from μ, so k3 takes its mirrored form e^r − 1 − r, whose gradient
+(π/μ − 1)∇log π descends KL(μ‖π) and is exactly 0 where π = μ. (k1 as a loss would ascend it: rule KL001.)
+
 Where they go: folded into the per-token reward (−β·kl_t) for reinforce, gae and on_policy_distill when
 `kl.use_loss` is off, or added to the actor loss as β·token-mean(kl) when it is on (`losses.actor_loss`).
 
@@ -30,13 +34,17 @@ def safe_log_ratio(log_probs: Tensor, other_log_probs: Tensor) -> Tensor:
     return torch.nan_to_num(diff, nan=0.0, posinf=LOG_RATIO_LIMIT, neginf=-LOG_RATIO_LIMIT)
 
 
-def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, estimator: str, action_mask: Tensor | None = None) -> Tensor:
-    """(B, T) per-token KL estimate; zero off `action_mask` when one is given."""
+def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, estimator: str, action_mask: Tensor | None = None,
+                ref: str = "model") -> Tensor:
+    """(B, T) per-token KL estimate; zero off `action_mask` when one is given. `ref` is the plan's `kl.ref`:
+    `model` (a frozen reference) or `rollout` (the engine's log-probs), which only changes k3's form."""
     r = safe_log_ratio(log_probs, ref_log_probs)
     if estimator == "k1":
         kl = r
     elif estimator == "k2":
         kl = (r.pow(2) / 2).clamp(-KL_CLAMP, KL_CLAMP)
+    elif estimator == "k3" and ref == "rollout":
+        kl = (torch.exp(r) - 1 - r).clamp(-KL_CLAMP, KL_CLAMP)
     elif estimator == "k3":
         kl = (torch.exp(-r) - 1 + r).clamp(-KL_CLAMP, KL_CLAMP)
     else:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.algo.aggregation import aggregate
 from runtime.algo.is_correction import masked_mean
 from runtime.algo.kl import LOG_RATIO_LIMIT, kl_estimate, safe_log_ratio
 
@@ -94,6 +95,7 @@ def policy_loss(
     dp_size: int = 1,
     dual_clip: float | None = None,
     is_coef: Tensor | None = None,  # (B, T) from `is_correction`, None = no IS correction
+    row_weights: Tensor | None = None,  # (B,) from `aggregation.row_weights`; None = global token mean
 ) -> PolicyLossOutput:
     mask = action_mask.bool()
     log_ratio = torch.where(mask, safe_log_ratio(log_probs, old_log_probs), torch.zeros_like(log_probs.float()))
@@ -111,7 +113,8 @@ def policy_loss(
     if is_coef is not None:
         loss_mat = loss_mat * is_coef
     return PolicyLossOutput(
-        loss=global_token_mean(loss_mat, mask, global_num_tokens, dp_size),
+        loss=global_token_mean(loss_mat, mask, global_num_tokens, dp_size) if row_weights is None
+        else aggregate(loss_mat, mask, row_weights, dp_size),
         reported_loss=masked_mean(loss_mat.detach(), mask),
         clip_ratio=masked_mean(clipped.float(), mask),
         policy_kl=masked_mean(-log_ratio.detach(), mask),
@@ -146,21 +149,24 @@ def actor_loss(
     ref_log_probs: Tensor | None = None,  # (B, T), only when KL is a loss term
     kl_coef: float = 0.0,
     kl_estimator: str = "k2",
+    kl_ref: str = "model",  # plan `kl.ref`: k3's form against a model or the rollout policy
     entropy: Tensor | None = None,  # (B, T) from `entropy_from_logits`, only when entropy_coef != 0
     entropy_coef: float = 0.0,
+    row_weights: Tensor | None = None,  # (B,) `loss.agg_mode` weights of the policy term (None: token mean)
 ) -> ActorLossOutput:
     """total = policy + β·token-mean(k(log π, log π_ref)) − entropy_coef·token-mean(H)  (Molt policy_actor.py).
+    The policy term follows `row_weights` (Molt 0.2.1 loss_agg_mode); KL and entropy stay token-mean (I17).
 
     Every term uses the same global token count, so the sum stays split-invariant. The KL term is skipped when
     β = 0 (as Molt zeroes it when the initial coefficient is 0).
     """
     out = policy_loss(log_probs, old_log_probs, advantages, action_mask, mode=mode, clip_low=clip_low,
                       clip_high=clip_high, global_num_tokens=global_num_tokens, dp_size=dp_size,
-                      dual_clip=dual_clip, is_coef=is_coef)
+                      dual_clip=dual_clip, is_coef=is_coef, row_weights=row_weights)
     total = out.loss
     metrics = {"policy_loss": out.reported_loss, "clip_ratio": out.clip_ratio, "policy_kl": out.policy_kl}
     if ref_log_probs is not None and kl_coef != 0.0:
-        kl = kl_estimate(log_probs, ref_log_probs, kl_estimator, action_mask)
+        kl = kl_estimate(log_probs, ref_log_probs, kl_estimator, action_mask, ref=kl_ref)
         total = total + kl_coef * global_token_mean(kl, action_mask, global_num_tokens, dp_size)
         metrics["kl_loss"] = masked_mean(kl.detach(), action_mask)
     if entropy is not None and entropy_coef != 0.0:

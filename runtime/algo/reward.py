@@ -5,7 +5,9 @@
    counting it once per step would over-weight long episodes in the group mean. So those estimators merge samples by
    `rollout_id` (first sample wins) and group rollouts by `group_id`. reinforce, gae and on_policy_distill score every
    sample on its own: each sample is its own rollout and its own group.
-2. Clipping to `algo.reward_clip`, on the per-rollout reward, before any baseline.
+2. Length penalties (Molt 0.2.1 overlong / stop-properly, `penalties.py`), on the per-rollout reward, when the plan
+   turns one on: `shape` maps the merged rewards to the shaped ones.
+3. Clipping to `algo.reward_clip`, on the per-rollout reward, before any baseline.
 
 Whitening (`whiten`) lives here too because several estimators share it: (A − μ)/σ with μ, σ over the action tokens
 of the whole batch.
@@ -13,7 +15,7 @@ of the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +84,15 @@ def prepare_rewards(
     rollout_ids: Sequence[str],
     group_ids: Sequence[str],
     reward_clip: tuple[float, float],
+    shape: Callable[[RolloutRewards], Tensor] | None = None,
 ) -> RolloutRewards:
-    """Group (for the group estimators) then clip: the estimator's input."""
+    """Group (for the group estimators), shape (length penalties), then clip: the estimator's input."""
     if estimator in GROUP_ESTIMATORS:
         merged = merge_rollout_rewards(sample_rewards, rollout_ids, group_ids)
     else:
         merged = per_sample_rewards(sample_rewards)
-    return RolloutRewards(clip_rewards(merged.rewards, reward_clip), merged.group_index, merged.sample_to_rollout)
+    rewards = merged.rewards if shape is None else shape(merged)
+    return RolloutRewards(clip_rewards(rewards, reward_clip), merged.group_index, merged.sample_to_rollout)
 
 
 def whiten(advantages: Tensor, action_mask: Tensor, eps: float = 1e-8) -> Tensor:

@@ -21,6 +21,7 @@ def cpu_engines_plan(kind: Literal["vllm", "hf"], count: int = 1, *, seed: int =
         expert_parallel=False, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=0.5, enforce_eager=True,
         prefix_caching=True, seeds=[seed + i for i in range(count)], router_policy=router_policy,
+        router_balance_abs=10, router_balance_rel=1.2,
         logprobs_mode=logprobs_mode, max_images_per_prompt=0, extra_engine_args={},
     )
 

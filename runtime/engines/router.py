@@ -115,11 +115,13 @@ class Router:
         return a if self._in_flight[a] <= self._in_flight[b] else b
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool) -> GenerateOutput:
+                       session_id: str, logprobs: bool, images: list | None = None) -> GenerateOutput:
         i = self.pick(session_id)
         self._in_flight[i] += 1
+        extra = {"images": images} if images else {}  # VLM: the conversation's images, in placeholder order
         try:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
-                                                         top_p=top_p, session_id=session_id, logprobs=logprobs)
+                                                         top_p=top_p, session_id=session_id, logprobs=logprobs,
+                                                         **extra)
         finally:
             self._in_flight[i] -= 1

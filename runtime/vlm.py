@@ -1,0 +1,119 @@
+"""Images in RL rollouts: loading dataset images, the processor, and token/feature alignment.
+
+The contract (Qwen-VL style, what `runtime.tiny_vlm` builds and what vLLM's Qwen2.5-VL expects):
+- the chat template renders each image as `<|vision_start|><|image_pad|><|vision_end|>`;
+- the processor expands each `<|image_pad|>` to prod(grid_thw) / merge² copies (one per merged patch) and returns
+  `pixel_values` (patches x features) and `image_grid_thw` (images x 3);
+- the *expanded* ids are what the trainer sees, aligned with the features (`experience.check_image_alignment`);
+- vLLM takes the prompt with each run of placeholders collapsed back to one token plus the images, and expands it
+  again with the same processor (`collapse_image_runs`), so engine and trainer see the same sequence.
+
+Dataset images (`data.image_key`) may be PIL images (HF `Image` features decode to them), paths (relative to the
+dataset file's directory, else to the working directory), raw bytes, or `{"bytes": ..., "path": ...}` dicts
+(an undecoded HF image feature). A prompt's text may mark where images go with `<image>` (geo3k style); otherwise
+the images come first in the user turn.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+IMAGE_MARKER = "<image>"
+
+
+class VlmTruncation(RuntimeError):
+    """The context budget would cut through an image's placeholder tokens: the rollout is dropped (`vlm_truncation`,
+    Molt's rule: a half image misaligns tokens and features)."""
+
+
+def load_image(ref: Any, base_dir: Path | None = None):
+    """A PIL RGB image from a dataset image reference (see the module docstring)."""
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        if ref.get("bytes"):
+            return load_image(ref["bytes"], base_dir)
+        return load_image(ref["path"], base_dir)
+    if isinstance(ref, (bytes, bytearray)):
+        return Image.open(io.BytesIO(ref)).convert("RGB")
+    path = Path(ref)
+    if not path.is_absolute() and base_dir is not None and (base_dir / path).is_file():
+        path = base_dir / path
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+def as_image_list(value: Any) -> list:
+    """A row's image column as a list (a single image or path is a list of one; None is empty)."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def load_processor(path: str):
+    from transformers import AutoProcessor
+
+    from runtime import no_torchvision
+
+    no_torchvision.allow()
+    return AutoProcessor.from_pretrained(path)
+
+
+def messages_with_images(prompt: Any, n_images: int) -> list[dict]:
+    """Chat messages whose user content has `n_images` image parts: at each `<image>` marker, else first."""
+    if not isinstance(prompt, str):
+        return prompt  # already chat messages with their own image parts
+    if IMAGE_MARKER in prompt:
+        parts: list[dict] = []
+        for i, piece in enumerate(prompt.split(IMAGE_MARKER)):
+            if i:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        return [{"role": "user", "content": parts}]
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+
+
+def render(processor, prompt: Any, n_images: int, tools: list | None = None) -> str:
+    """The prompt text with one image placeholder per image (the processor's chat template)."""
+    return processor.apply_chat_template(messages_with_images(prompt, n_images), tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def encode(processor, text: str, images: list) -> tuple[list[int], dict | None]:
+    """Expanded token ids of `text` and the images' model inputs ({pixel_values, image_grid_thw}, None: no image)."""
+    if not images:
+        return list(processor.tokenizer.encode(text, add_special_tokens=False)), None
+    enc = processor(text=[text], images=images, return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+
+
+def join_inputs(a: dict | None, b: dict | None) -> dict | None:
+    """Model inputs of two consecutive image lists (a turn's new images after the earlier ones)."""
+    import torch
+
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: torch.cat([a[k], b[k]]) for k in ("pixel_values", "image_grid_thw")}
+
+
+def collapse_image_runs(token_ids: list[int], image_token_id: int) -> list[int]:
+    """Each run of consecutive image placeholders as one placeholder: the prompt form vLLM expands itself."""
+    out: list[int] = []
+    for tok in token_ids:
+        if tok == image_token_id and out and out[-1] == image_token_id:
+            continue
+        out.append(tok)
+    return out
+
+
+def image_token_id(processor) -> int:
+    return int(processor.image_token_id)
+
+
+def merge_size(processor) -> int:
+    return int(processor.image_processor.merge_size)
