@@ -90,7 +90,8 @@ class Generator:
                                        spec.tools_key, spec.max_samples) if spec.eval_path else [])
         # VLM: each row's images (as the dataset holds them; the runner loads them) and the directory relative
         # image paths resolve against.
-        self.images = [self._images(p, spec.split) for p in spec.prompt_paths]
+        # Text prompts: no image lists at all ([[]] per source would be truthy and index out of range).
+        self.images = [self._images(p, spec.split) for p in spec.prompt_paths] if spec.image_key else []
         self.eval_images = self._images(spec.eval_path, spec.eval_split) if spec.eval_path else []
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
