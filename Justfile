@@ -46,12 +46,14 @@ test-fast: setup
 # Lint the code and every shipped recipe.
 lint: setup
     {{bin}}/ruff check schemas molt_compile runtime tests recipes
+    {{bin}}/ruff format --check schemas molt_compile
+    {{bin}}/mypy
     # Molt's rules only: the launch recipes ask for what this runtime does not run yet (CAP001; `just smoke` lists them)
     {{bin}}/molt-compile lint --no-capabilities recipes/
 
 # Benchmarks: cold compile time, lowering at scale, runtime step timings.
-bench: setup
-    {{bin}}/python -m tests.bench
+bench *NAMES: setup
+    {{bin}}/python -m tests.bench {{NAMES}}
 
 # Regenerate the JSON Schema and the golden plans (review the diff before committing).
 regen: setup

@@ -66,7 +66,7 @@ def _name(node: ast.AST) -> str | None:
 class _Module:
     def __init__(self, tree: ast.Module):
         self.classes: dict[str, ast.ClassDef] = {}
-        self.assigns: dict[str, ast.AST] = {}
+        self.assigns: dict[str, ast.Assign | ast.AnnAssign] = {}
         self.imported: set[str] = set()
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
@@ -104,8 +104,10 @@ class _Module:
             return False
         if name not in self.classes or name in seen:
             return None
-        results = [self.derives_from(b, base, seen | {name}) if b else None
-                   for b in (_name(x) for x in self.classes[name].bases)]
+        results = [
+            self.derives_from(b, base, seen | {name}) if b else None
+            for b in (_name(x) for x in self.classes[name].bases)
+        ]
         if True in results:
             return True
         return None if None in results else False
@@ -127,9 +129,6 @@ def inspect_agent(path: str) -> AgentInfo:
     except OSError:
         stamp = None
     return _inspect(path, stamp)
-
-
-inspect_agent.cache_clear = lambda: _inspect.cache_clear()  # type: ignore[attr-defined]
 
 
 @lru_cache(maxsize=32)
@@ -158,11 +157,14 @@ def _inspect(path: str, stamp: int | None) -> AgentInfo:
     return AgentInfo(path)
 
 
-def _from_value(path: str, mod: _Module, value: ast.AST, line: int, depth: int = 0) -> AgentInfo:
+inspect_agent.cache_clear = lambda: _inspect.cache_clear()  # type: ignore[attr-defined]
+
+
+def _from_value(path: str, mod: _Module, value: ast.AST | None, line: int, depth: int = 0) -> AgentInfo:
     if isinstance(value, ast.Call):
         callee = _name(value.func)
         kind = mod.class_kind(callee) if callee else None
-        if kind is None:
+        if kind is None or callee is None:
             return AgentInfo(path, runner="external", runner_line=line)  # a factory we cannot see: trusted
         env = _wrong_env(mod, callee, value)
         return AgentInfo(path, runner=kind, runner_line=line, wrong_env=env, wrong_env_line=line if env else None)
@@ -176,8 +178,12 @@ def _from_value(path: str, mod: _Module, value: ast.AST, line: int, depth: int =
             return _from_value(path, mod, mod.assigns[name].value, line, depth + 1)
         return AgentInfo(path, runner="external", runner_line=line)
     what = type(value).__name__.lower()
-    return AgentInfo(path, runner=None, runner_line=line, not_a_runner=f"AgentRunner is bound to a {what}, not a "
-                     "Runner class or instance")
+    return AgentInfo(
+        path,
+        runner=None,
+        runner_line=line,
+        not_a_runner=f"AgentRunner is bound to a {what}, not a Runner class or instance",
+    )
 
 
 def _wrong_env(mod: _Module, callee: str, call: ast.Call) -> str | None:

@@ -31,9 +31,14 @@ SCHEMA_IDS = {None: SCHEMA_ID, "sft": "urn:molt-recipes:schema:recipe-sft:v1"}
 SCHEMA_FILES = {None: "recipe.schema.json", "sft": "recipe_sft.schema.json"}
 _FORMATS = click.Choice(["text", "json", "github"])
 _ROOTS = click.option(
-    "--recipe-root", "roots", multiple=True, metavar="DIR", type=click.Path(file_okay=False, path_type=Path),
+    "--recipe-root",
+    "roots",
+    multiple=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False, path_type=Path),
     help="A directory of trusted recipes that `extends` may read, besides the recipe's own repository "
-         "(also $MOLT_RECIPE_ROOTS, `:`-separated). Repeatable.")
+    "(also $MOLT_RECIPE_ROOTS, `:`-separated). Repeatable.",
+)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -43,8 +48,14 @@ def _console(stderr: bool = False, pipe_width: int = 140) -> Any:
 
     stream = sys.stderr if stderr else sys.stdout
     tty = stream.isatty()
-    return Console(file=stream, highlight=False, soft_wrap=False, width=None if tty else pipe_width,
-                   force_terminal=tty, no_color=not tty)
+    return Console(
+        file=stream,
+        highlight=False,
+        soft_wrap=False,
+        width=None if tty else pipe_width,
+        force_terminal=tty,
+        no_color=not tty,
+    )
 
 
 def _print_diagnostics(diags: list[Any], result: Any, fmt: str) -> None:
@@ -65,8 +76,9 @@ def _short_summary(result: Any) -> str:
     r = result.recipe
     parts = [f"recipe `{r.name}` ({r.kind}) is valid"]
     if result.derived is not None and "cluster.used_gpus" in result.derived:
-        parts.append(f"{result.derived.value('cluster.used_gpus')} of {result.derived.value('cluster.total_gpus')} "
-                     "devices used")
+        parts.append(
+            f"{result.derived.value('cluster.used_gpus')} of {result.derived.value('cluster.total_gpus')} devices used"
+        )
     return "; ".join(parts)
 
 
@@ -99,8 +111,13 @@ def recipe_json_schema(kind: str | None = None) -> dict[str, Any]:
     if kind == "sft":
         schema["$ref"] = "#/$defs/SftRecipe"
     else:
-        schema.update({"if": {"properties": {"kind": {"const": "sft"}}, "required": ["kind"]},
-                       "then": {"$ref": "#/$defs/SftRecipe"}, "else": {"$ref": "#/$defs/RlRecipe"}})
+        schema.update(
+            {
+                "if": {"properties": {"kind": {"const": "sft"}}, "required": ["kind"]},
+                "then": {"$ref": "#/$defs/SftRecipe"},
+                "else": {"$ref": "#/$defs/RlRecipe"},
+            }
+        )
     head = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": SCHEMA_IDS[kind],
@@ -109,8 +126,11 @@ def recipe_json_schema(kind: str | None = None) -> dict[str, Any]:
         + " This schema describes one file (keys may come from `extends`, so none is required here; molt-compile"
         " checks the merged recipe). Start a recipe with"
         f" `# yaml-language-server: $schema=../schemas/{SCHEMA_FILES[kind]}` for completion and hover docs"
-        + (" (SFT recipes whose `kind: sft` comes from a base)." if kind == "sft" else
-           "; an SFT recipe that inherits `kind: sft` names recipe_sft.schema.json instead."),
+        + (
+            " (SFT recipes whose `kind: sft` comes from a base)."
+            if kind == "sft"
+            else "; an SFT recipe that inherits `kind: sft` names recipe_sft.schema.json instead."
+        ),
     }
     return {**head, **schema}
 
@@ -120,8 +140,7 @@ class _RecipeOrCommand(click.Group):
     """A group whose default command is `compile`: an unknown first word is a recipe path."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names \
-                and args[0] != "--version":
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names and args[0] != "--version":
             args = ["compile", *args]
         return super().parse_args(ctx, args)
 
@@ -158,20 +177,43 @@ def cli() -> None:
 
 @cli.command("compile")
 @click.argument("recipe")
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-              help="Override a recipe key (dotted path; the value is read as YAML). Repeatable.")
+@click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a recipe key (dotted path; the value is read as YAML). Repeatable.",
+)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
 @click.option("--plan-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan JSON here.")
-@click.option("--slurm", "slurm_out", type=click.Path(dir_okay=False, path_type=Path),
-              help="Render the Slurm sbatch script for the plan here.")
+@click.option(
+    "--slurm",
+    "slurm_out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Render the Slurm sbatch script for the plan here.",
+)
 @click.option("--submit", is_flag=True, help="Submit the plan as a Ray job (a local cluster without --address).")
 @click.option("--address", metavar="URL", help="Ray Jobs address (http://HOST:8265). Default: launch.ray.address.")
 @click.option("--follow", is_flag=True, help="With --submit: stream the job's logs until it ends.")
-@click.option("--smoke", is_flag=True, help="Run the recipe shrunk to this machine's CPUs: a random small model of "
-              "its architecture, 2 steps, an eval, a checkpoint and a resume (`explain --smoke` shows the changes).")
+@click.option(
+    "--smoke",
+    is_flag=True,
+    help="Run the recipe shrunk to this machine's CPUs: a random small model of "
+    "its architecture, 2 steps, an eval, a checkpoint and a resume (`explain --smoke` shows the changes).",
+)
 @_ROOTS
-def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | None, slurm_out: Path | None,
-                submit: bool, address: str | None, follow: bool, smoke: bool, roots: tuple[Path, ...] = ()) -> None:
+def compile_cmd(
+    recipe: str,
+    sets: tuple[str, ...],
+    fmt: str,
+    plan_out: Path | None,
+    slurm_out: Path | None,
+    submit: bool,
+    address: str | None,
+    follow: bool,
+    smoke: bool,
+    roots: tuple[Path, ...] = (),
+) -> None:
     """Validate RECIPE, print its diagnostics and a summary of its plan."""
     from molt_compile.compile import compile_recipe
     from molt_compile.render import count_line, render_json, summary_dict
@@ -184,8 +226,9 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
     plan = result.plan
     status = result.exit_status
     if fmt == "json":
-        summary = summary_dict(result.diagnostics, status, recipe=recipe,
-                               fingerprint=getattr(plan, "fingerprint", None))
+        summary = summary_dict(
+            result.diagnostics, status, recipe=recipe, fingerprint=getattr(plan, "fingerprint", None)
+        )
         sys.stdout.write(render_json(result.diagnostics, plan.to_json() if plan is not None else None, summary))
     else:
         _print_diagnostics(result.diagnostics, result, fmt)
@@ -197,7 +240,7 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
                 _console().print(render_summary(plan, memory_report(result.recipe, result.derived, result.source)))
             elif result.recipe is not None and status == 0:
                 click.echo(_short_summary(result))
-            click.echo(count_line(result.diagnostics, result.source.root_file if result.source else recipe))
+            click.echo(count_line(result.diagnostics, (result.source.root_file if result.source else None) or recipe))
     if status != 0:
         sys.exit(status)
     if plan_out:
@@ -218,15 +261,24 @@ def compile_cmd(recipe: str, sets: tuple[str, ...], fmt: str, plan_out: Path | N
         unset = [k for k in ("account", "partition") if not getattr(result.recipe.launch.slurm, k)]
         if unset:  # legal, but on a shared cluster usually a mistake: say which defaults the job gets
             keys = " and ".join(f"launch.slurm.{k}" for k in unset)
-            click.echo(f"warning: {keys} {'are' if len(unset) > 1 else 'is'} unset: the job gets the cluster's "
-                       f"default {' and '.join(unset)}", err=fmt != "text")
+            click.echo(
+                f"warning: {keys} {'are' if len(unset) > 1 else 'is'} unset: the job gets the cluster's "
+                f"default {' and '.join(unset)}",
+                err=fmt != "text",
+            )
         click.echo(submit_hint(slurm_out), err=fmt != "text")
     if submit:
         from molt_compile.submit import submit as submit_fn
 
         job_root = result.source.job_root if result.source else None  # the plan's paths are relative to it
-        sys.exit(submit_fn(plan, address=address or result.recipe.launch.ray.address, follow=follow,
-                           root=Path(job_root) if job_root else None))
+        sys.exit(
+            submit_fn(
+                plan,
+                address=address or result.recipe.launch.ray.address,
+                follow=follow,
+                root=Path(job_root) if job_root else None,
+            )
+        )
 
 
 def _smoke(recipe: Path, sets: tuple[str, ...], fmt: str) -> int:
@@ -257,9 +309,13 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @cli.command()
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
-@click.option("--capabilities/--no-capabilities", default=True, show_default=True,
-              help="Check each recipe against what this runtime implements (CAP001). --no-capabilities checks Molt's "
-                   "rules only (recipes meant for another runtime build).")
+@click.option(
+    "--capabilities/--no-capabilities",
+    default=True,
+    show_default=True,
+    help="Check each recipe against what this runtime implements (CAP001). --no-capabilities checks Molt's "
+    "rules only (recipes meant for another runtime build).",
+)
 @_ROOTS
 def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
@@ -282,8 +338,9 @@ def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tup
         loaded = r.loaded
         own = loaded.own_keys if loaded else frozenset()
         fragment = loaded is not None and (
-            loaded.is_fragment or (Path(os.path.realpath(f)) in extended and not {"kind", "name"} <= own))
-        if fragment:
+            loaded.is_fragment or (Path(os.path.realpath(f)) in extended and not {"kind", "name"} <= own)
+        )
+        if fragment and loaded is not None:
             fragments += 1
             diags = [d for d in loaded.diagnostics if d.code.startswith(("YAML", "LOAD"))]
         else:
@@ -304,8 +361,9 @@ def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tup
     status = 1 if bag.has_errors else 0
     label = f"checked {checked} recipe{'s' if checked != 1 else ''}"
     if fmt == "json":
-        sys.stdout.write(render_json(ordered, None, summary_dict(ordered, status, recipes=checked,
-                                                                 fragments=fragments)))
+        sys.stdout.write(
+            render_json(ordered, None, summary_dict(ordered, status, recipes=checked, fragments=fragments))
+        )
     else:
         from molt_compile import render
 
@@ -378,11 +436,18 @@ def _show(value: Any) -> str:
 @click.argument("keys", nargs=-1)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
 @click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Output format.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
+)
 @_ROOTS
-def explain(recipe: str, keys: tuple[str, ...], sets: tuple[str, ...], smoke: bool, fmt: str = "text",
-            roots: tuple[Path, ...] = ()) -> None:
+def explain(
+    recipe: str,
+    keys: tuple[str, ...],
+    sets: tuple[str, ...],
+    smoke: bool,
+    fmt: str = "text",
+    roots: tuple[Path, ...] = (),
+) -> None:
     """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
     means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`;
     also `molt-compile catalog`). KEY... shows only those keys and what lies under them (globs: `*.lr`), and the
@@ -403,7 +468,9 @@ def explain(recipe: str, keys: tuple[str, ...], sets: tuple[str, ...], smoke: bo
     console = _console(pipe_width=240)  # piped: one row per line, so that grep finds a key with its source
     model = type(result.recipe)
     rows = []
-    table = Table(title=f"{result.source.root_file}: resolved values", title_justify="left")
+    table = Table(
+        title=f"{result.source.root_file if result.source else recipe}: resolved values", title_justify="left"
+    )
     wide = console.width >= 160  # else (a 100-column terminal) every column folds, the meaning most
     table.add_column("key", no_wrap=wide, overflow="fold")
     table.add_column("value", overflow="fold", max_width=40 if wide else 20)
@@ -416,8 +483,11 @@ def explain(recipe: str, keys: tuple[str, ...], sets: tuple[str, ...], smoke: bo
         if matches(path, keys):
             rows.append((path, value, _where(result, path), doc))
             table.add_row(path, _show(value), _where(result, path), doc)
-    derived_rows = [dv for dv in (result.derived.values() if result.derived is not None else [])
-                    if matches(dv.name, keys) or any(matches(i, keys) for i in dv.inputs) and keys]
+    derived_rows = [
+        dv
+        for dv in (result.derived.values() if result.derived is not None else [])
+        if matches(dv.name, keys) or any(matches(i, keys) for i in dv.inputs) and keys
+    ]
     if fmt == "json":
         explain_json(result, rows, derived_rows)
         sys.exit(result.exit_status)
@@ -452,16 +522,24 @@ def _catalog_tables() -> list[Any]:
 
     from schemas.catalog import GPUS, MODELS
 
-    models = Table(title="model catalog: keys for model.arch (else <model.path>/config.json is read)",
-                   title_justify="left")
+    models = Table(
+        title="model catalog: keys for model.arch (else <model.path>/config.json is read)", title_justify="left"
+    )
     for column in ("model.arch", "checkpoint", "params (active)", "heads / kv", "experts", "notes"):
         models.add_column(column, overflow="fold")
     for m in MODELS.values():
         params = _count(m.params_total) + (f" ({_count(m.params_active)})" if m.is_moe else "")
-        notes = ", ".join(n for n, on in (("VLM", m.is_vlm), ("MTP", m.has_mtp_head),
-                                          ("AutoModel", m.native_automodel)) if on)
-        models.add_row(m.key, m.hf_name, params, f"{m.heads} / {m.kv_heads}",
-                       f"{m.experts} top-{m.experts_per_token}" if m.is_moe else "-", notes)
+        notes = ", ".join(
+            n for n, on in (("VLM", m.is_vlm), ("MTP", m.has_mtp_head), ("AutoModel", m.native_automodel)) if on
+        )
+        models.add_row(
+            m.key,
+            m.hf_name,
+            params,
+            f"{m.heads} / {m.kv_heads}",
+            f"{m.experts} top-{m.experts_per_token}" if m.is_moe else "-",
+            notes,
+        )
     gpus = Table(title="GPU catalog: keys for cluster.gpu", title_justify="left")
     for column in ("cluster.gpu", "memory GiB", "GPUs per node", "CPUs per node"):
         gpus.add_column(column)
@@ -495,8 +573,9 @@ def _explain_smoke(result: Any) -> int:
 @cli.command()
 @click.argument("a")
 @click.argument("b")
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Output format.")
+@click.option(
+    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
+)
 @_ROOTS
 def diff(a: str, b: str, fmt: str = "text", roots: tuple[Path, ...] = ()) -> None:
     """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
@@ -521,80 +600,46 @@ def diff(a: str, b: str, fmt: str = "text", roots: tuple[Path, ...] = ()) -> Non
 # ------------------------------------------------------------------------------------------------ rules
 @cli.command()
 @click.argument("code", required=False)
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True,
-              help="Output format (json: every code, or CODE's documentation).")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format (json: every code, or CODE's documentation).",
+)
 def rules(code: str | None, fmt: str = "text") -> None:
-    """List every diagnostic code (rules, loader, schema), or print the documentation of CODE."""
-    import inspect
-
+    """List every diagnostic code (loader, schema, rules, placement, capability), or print the documentation of CODE."""
     if fmt == "json":
         from molt_compile.cli_more import rules_json
 
         sys.exit(rules_json(code))
+    from molt_compile.codes import catalog
 
-    from molt_compile.codes import LOADER_CODES
-
-    try:
-        from molt_compile.rules import ALL_RULES as all_rules
-    except ImportError as e:  # the catalog is written in parallel; the loader's codes are documented regardless
-        all_rules, missing = (), f"the rule catalog `molt_compile.rules.ALL_RULES` is not available in this build ({e})"
-    else:
-        missing = ""
+    codes = catalog()
     if code:
-        wanted = code.upper()
-        for rule in all_rules:
-            if rule.code == wanted:
-                click.echo(f"{rule.code} {rule.name} ({rule.severity})\n")
-                click.echo(inspect.cleandoc(rule.check.__doc__ or "(no documentation)"))
-                return
-        for row in LOADER_CODES:
-            if row.code == wanted:
-                click.echo(f"{row.code} {row.name} (error, blocker)\n\n{row.doc}")
-                return
-        from molt_compile import capability
+        row = codes.get(code.upper())
+        if row is None:
+            from molt_compile.schema_walk import closest
 
-        if wanted == capability.CODE:
-            click.echo(f"{capability.CODE} {capability.NAME} (error)\n\n{capability.DOC}\n"
-                       f"## The capability table\n{capability.table_markdown()}")
-            return
-        from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
-
-        for place in PLACE_CODES:
-            if place.code == wanted:
-                click.echo(f"{place.code} {place.name} ({place.severity})\n\n{place.doc}")
-                return
-        from molt_compile.schema_walk import closest
-
-        known = [r.code for r in all_rules] + [r.code for r in LOADER_CODES] + [p.code for p in PLACE_CODES] \
-            + [capability.CODE]
-        guess = closest(wanted, known)
-        click.echo(f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True)
-        if missing:
-            click.echo(f"molt-compile: {missing}", err=True)
-        sys.exit(2)
+            guess = closest(code.upper(), list(codes))
+            click.echo(
+                f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True
+            )
+            sys.exit(2)
+        click.echo(f"{row.code} {row.name} ({row.severity}{', blocker' if row.blocker else ''})\n")
+        click.echo(row.doc or "(no documentation)")
+        if row.appendix is not None:
+            click.echo(f"\n{row.appendix()}")
+        return
     from rich.table import Table
 
     table = Table(title="diagnostic codes", title_justify="left")
     for column in ("code", "name", "severity", "checks"):
         table.add_column(column, overflow="fold")
-    for rule in all_rules:
-        doc = inspect.cleandoc(rule.check.__doc__ or "")
-        first = next((ln for ln in doc.splitlines() if ln.strip() and not ln.startswith("#")), "")
-        table.add_row(rule.code, rule.name, rule.severity, first)
-    for row in LOADER_CODES:
-        table.add_row(row.code, row.name, "error", row.doc.split(". ")[0].replace("\n", " "))
-    from molt_compile.lower import PLACE_CODES  # placement diagnostics of the lowering (PLAN)
-
-    for place in PLACE_CODES:
-        table.add_row(place.code, place.name, place.severity, place.doc.split(". ")[0].replace("\n", " "))
-    from molt_compile import capability
-
-    table.add_row(capability.CODE, capability.NAME, "error", "a setting this runtime does not implement on the "
-                  "recipe's device kind (the capability table)")
+    for row in codes.values():
+        table.add_row(row.code, row.name, row.severity, row.summary)
     _console().print(table)
-    if missing:
-        click.echo(f"molt-compile: {missing}", err=True)
-        sys.exit(2)
 
 
 def main() -> None:

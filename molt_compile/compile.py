@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from molt_compile.capability import check_capabilities
+from molt_compile.codes import BUILTIN
 from molt_compile.derive import derive
 from molt_compile.diagnostics import Diagnostic, Diagnostics
 from molt_compile.load import Loaded, load_recipe
 from molt_compile.lower import lower as lower_plan
 from molt_compile.rules import run_rules
-from molt_compile.source import SourceMap
+from molt_compile.source import Pos, SourceMap
 from molt_compile.validate import validate
 
 
@@ -49,13 +50,21 @@ def _internal_error(pass_name: str, error: Exception, root_file: str | None) -> 
         raise error
     frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
     where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
-    return Diagnostic(code="INTERNAL001", severity="error", name="internal-error", blocker=True, file=root_file,
-                      message=f"the {pass_name} pass failed: {type(error).__name__}: {error}{where}",
-                      help="a bug in molt-compile, not in the recipe; MOLT_COMPILE_DEBUG=1 shows the traceback")
+    return BUILTIN["INTERNAL001"].diagnostic(
+        f"the {pass_name} pass failed: {type(error).__name__}: {error}{where}",
+        pos=Pos(root_file, None, None),
+        help="a bug in molt-compile, not in the recipe; MOLT_COMPILE_DEBUG=1 shows the traceback",
+    )
 
 
-def compile_recipe(path: Path | str, sets: Sequence[str] = (), *, lower: bool = True,
-                   capabilities: bool = True, roots: Sequence[Path | str] = ()) -> CompileResult:
+def compile_recipe(
+    path: Path | str,
+    sets: Sequence[str] = (),
+    *,
+    lower: bool = True,
+    capabilities: bool = True,
+    roots: Sequence[Path | str] = (),
+) -> CompileResult:
     """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
 
     `capabilities=False` skips the capability pass: the plan of a recipe this runtime cannot run (golden plans of

@@ -37,10 +37,10 @@ counts read the whole file (a line count, ~3 ms per MiB)."""
 @dataclass(frozen=True)
 class SourceFacts:
     rows: int | None
-    how: str                                  # how the rows were counted, or why they could not be
-    columns: tuple[str, ...] | None = None    # None: unknown
-    line_based: bool = False                  # a JSON/JSONL file (rows can be scanned)
-    first_row: object = None                  # the first row of a JSON/JSONL file
+    how: str  # how the rows were counted, or why they could not be
+    columns: tuple[str, ...] | None = None  # None: unknown
+    line_based: bool = False  # a JSON/JSONL file (rows can be scanned)
+    first_row: object = None  # the first row of a JSON/JSONL file
 
 
 def source_facts(path: str, split: str) -> SourceFacts:
@@ -76,8 +76,8 @@ def _facts(path: str, split: str, size: int, mtime: int, is_dir: bool) -> Source
             n, cols = _parquet_footer(p)
             return SourceFacts(n, "parquet footer num_rows", cols)
         if suffix == ".arrow":
-            n, cols = _arrow_stream(p)
-            return SourceFacts(n, "arrow record batches", cols)
+            n, arrow_cols = _arrow_stream(p)
+            return SourceFacts(n, "arrow record batches", arrow_cols)
     except (OSError, ValueError, struct.error, IndexError, KeyError, TypeError) as exc:
         return SourceFacts(None, f"cannot be read at compile time ({exc})")
     return SourceFacts(None, "not a local json/jsonl/parquet/arrow file or save_to_disk dir (counted at run time)")
@@ -127,18 +127,18 @@ def _json_rows(p: Path, split: str) -> tuple[list | None, str]:
 
 @dataclass(frozen=True)
 class RowIssue:
-    where: str        # appended to the file's name: ":41" (JSONL line) or " row 3" (JSON list index)
+    where: str  # appended to the file's name: ":41" (JSONL line) or " row 3" (JSON list index)
     what: str
 
 
 @dataclass(frozen=True)
 class RowScan:
-    checked: int                               # rows checked
-    complete: bool                             # every row was checked (else the first SCAN_BYTES)
-    malformed: tuple[RowIssue, ...] = ()       # not JSON / not an object (first few)
+    checked: int  # rows checked
+    complete: bool  # every row was checked (else the first SCAN_BYTES)
+    malformed: tuple[RowIssue, ...] = ()  # not JSON / not an object (first few)
     malformed_count: int = 0
-    missing: dict = field(default_factory=dict)   # column -> (first RowIssue, count) of rows without it
-    empty: tuple[RowIssue, ...] = ()           # rows whose prompt is empty (first few)
+    missing: dict = field(default_factory=dict)  # column -> (first RowIssue, count) of rows without it
+    empty: tuple[RowIssue, ...] = ()  # rows whose prompt is empty (first few)
     empty_count: int = 0
 
 
@@ -173,8 +173,8 @@ def _scan(path: str, split: str, columns: tuple[str, ...], prompt_key: str | Non
     try:
         obj = json.loads(p.read_bytes())
     except ValueError as exc:
-        line = getattr(exc, "lineno", "?")
-        acc.bad(f":{line}", f"not valid JSON ({getattr(exc, 'msg', exc)})")
+        decode = exc if isinstance(exc, json.JSONDecodeError) else None
+        acc.bad(f":{decode.lineno if decode else '?'}", f"not valid JSON ({decode.msg if decode else exc})")
         return acc.result(complete=True)
     rows = obj if isinstance(obj, list) else obj.get(split) if isinstance(obj, dict) else None
     for i, row in enumerate(rows if isinstance(rows, list) else []):
@@ -187,9 +187,11 @@ class _ScanAcc:
 
     def __init__(self, columns: tuple[str, ...], prompt_key: str | None):
         self.columns, self.prompt_key = columns, prompt_key
-        self.checked, self.malformed, self.malformed_count = 0, [], 0
+        self.checked, self.malformed_count = 0, 0
+        self.malformed: list[RowIssue] = []
         self.missing: dict[str, list] = {}
-        self.empty, self.empty_count = [], 0
+        self.empty: list[RowIssue] = []
+        self.empty_count = 0
 
     def add(self, where: str, line: bytes) -> None:
         try:
@@ -221,8 +223,15 @@ class _ScanAcc:
                 self.empty.append(RowIssue(where, "empty prompt"))
 
     def result(self, complete: bool) -> RowScan:
-        return RowScan(self.checked, complete, tuple(self.malformed), self.malformed_count,
-                       {k: (v[0], v[1]) for k, v in self.missing.items()}, tuple(self.empty), self.empty_count)
+        return RowScan(
+            self.checked,
+            complete,
+            tuple(self.malformed),
+            self.malformed_count,
+            {k: (v[0], v[1]) for k, v in self.missing.items()},
+            tuple(self.empty),
+            self.empty_count,
+        )
 
 
 def _is_empty(value) -> bool:
@@ -237,8 +246,21 @@ def _is_empty(value) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- parquet
-_T_STOP, _T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE, _T_BINARY, _T_LIST, _T_SET, _T_MAP, \
-    _T_STRUCT = range(13)
+(
+    _T_STOP,
+    _T_TRUE,
+    _T_FALSE,
+    _T_BYTE,
+    _T_I16,
+    _T_I32,
+    _T_I64,
+    _T_DOUBLE,
+    _T_BINARY,
+    _T_LIST,
+    _T_SET,
+    _T_MAP,
+    _T_STRUCT,
+) = range(13)
 
 
 class _Compact:
@@ -268,7 +290,7 @@ class _Compact:
     def binary(self) -> bytes:
         n = self.varint()
         self.pos += n
-        return self.buf[self.pos - n:self.pos]
+        return self.buf[self.pos - n : self.pos]
 
     def fields(self):
         """(field id, type) of a struct's fields, until its STOP; the caller reads or skips each value."""
@@ -328,7 +350,7 @@ def _parquet_footer(p: Path) -> tuple[int, tuple[str, ...]]:
         f.seek(-8 - length, os.SEEK_END)
         r = _Compact(f.read(length))
     rows, schema = None, []
-    for fid, kind in r.fields():           # FileMetaData: 2 schema list<SchemaElement>, 3 num_rows i64
+    for fid, kind in r.fields():  # FileMetaData: 2 schema list<SchemaElement>, 3 num_rows i64
         if fid == 2 and kind == _T_LIST:
             size, _ = r.list_header()
             for _ in range(size):
@@ -378,7 +400,7 @@ def _arrow_stream(p: Path) -> tuple[int, tuple[str, ...] | None]:
     rows, cols = 0, None
     with p.open("rb") as f:
         if f.read(6) == b"ARROW1":
-            f.seek(8)                      # IPC file: magic + padding, then a stream
+            f.seek(8)  # IPC file: magic + padding, then a stream
         else:
             f.seek(0)
         while True:
@@ -386,12 +408,12 @@ def _arrow_stream(p: Path) -> tuple[int, tuple[str, ...] | None]:
             if len(head) < 4:
                 break
             (size,) = struct.unpack("<i", head)
-            if size == -1:                 # continuation marker (format >= 0.15), then the length
+            if size == -1:  # continuation marker (format >= 0.15), then the length
                 head = f.read(4)
                 if len(head) < 4:
                     break
                 (size,) = struct.unpack("<i", head)
-            if size == 0:                  # end of stream
+            if size == 0:  # end of stream
                 break
             meta = f.read(size)
             kind, header, body = _message(meta)
@@ -445,5 +467,5 @@ def _schema_names(meta: bytes, schema: int) -> tuple[str, ...]:
         field_table = at + struct.unpack_from("<I", meta, at)[0]
         s = _indirect(meta, field_table, 0)
         n = struct.unpack_from("<I", meta, s)[0] if s is not None else 0
-        names.append(meta[s + 4:s + 4 + n].decode("utf-8", "replace") if s is not None else "")
+        names.append(meta[s + 4 : s + 4 + n].decode("utf-8", "replace") if s is not None else "")
     return tuple(names)

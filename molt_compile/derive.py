@@ -208,8 +208,12 @@ def _backend(b: _Builder, r: Any, source: Any) -> None:
     if r.model.backend == "hf":
         b.add("model.backend", "hf", "model.backend: hf", ("model.backend",))
     elif hf_fallback(r, facts):
-        b.add("model.backend", "hf", f"{facts.key} has no AutoModel custom implementation: HF transformers (H9)",
-              ("model.backend", "model.arch", "model.path"))
+        b.add(
+            "model.backend",
+            "hf",
+            f"{facts.key} has no AutoModel custom implementation: HF transformers (H9)",
+            ("model.backend", "model.arch", "model.path"),
+        )
     else:
         b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
 
@@ -268,21 +272,32 @@ def resolve_sources(spec: str, key: str, source: Any = None) -> list[str]:
 def _cluster(b: _Builder, r: Any) -> None:
     c = r.cluster
     on_cpu = c.gpu == "cpu"
-    b.add("cluster.device", "cpu" if on_cpu else "cuda",
-          "cluster.gpu is cpu: every role runs on CPU device slots" if on_cpu else f"cluster.gpu is {c.gpu}",
-          ("cluster.gpu",))
-    b.add("cluster.device_resource", "device_slot" if on_cpu else "GPU",
-          "CPU cluster: a device is the custom Ray resource device_slot" if on_cpu else "roles request Ray GPUs",
-          ("cluster.gpu",))
-    b.add("cluster.total_gpus", c.nodes * c.gpus_per_node,
-          f"nodes {c.nodes} × gpus_per_node {c.gpus_per_node}", ("cluster.nodes", "cluster.gpus_per_node"))
+    b.add(
+        "cluster.device",
+        "cpu" if on_cpu else "cuda",
+        "cluster.gpu is cpu: every role runs on CPU device slots" if on_cpu else f"cluster.gpu is {c.gpu}",
+        ("cluster.gpu",),
+    )
+    b.add(
+        "cluster.device_resource",
+        "device_slot" if on_cpu else "GPU",
+        "CPU cluster: a device is the custom Ray resource device_slot" if on_cpu else "roles request Ray GPUs",
+        ("cluster.gpu",),
+    )
+    b.add(
+        "cluster.total_gpus",
+        c.nodes * c.gpus_per_node,
+        f"nodes {c.nodes} × gpus_per_node {c.gpus_per_node}",
+        ("cluster.nodes", "cluster.gpus_per_node"),
+    )
     _cpus_per_node(b, c)
     offload = r.actor.offload
     if on_cpu:
         b.add("dist.backend", "gloo", "CPU cluster: torch.distributed over gloo", ("cluster.gpu",))
     elif offload == "full":
-        b.add("dist.backend", "cuda:nccl,cpu:gloo", "actor.offload full keeps parameters on CPU (B26)",
-              ("actor.offload",))
+        b.add(
+            "dist.backend", "cuda:nccl,cpu:gloo", "actor.offload full keeps parameters on CPU (B26)", ("actor.offload",)
+        )
     else:
         b.add("dist.backend", "nccl", "GPU cluster without full offload (B26)", ("cluster.gpu", "actor.offload"))
 
@@ -295,8 +310,12 @@ def _cpus_per_node(b: _Builder, c: Any) -> None:
     if profile is not None:
         b.add("cluster.cpus_per_node", profile, f"node profile of GPU {c.gpu} in the GPU catalog", ("cluster.gpu",))
     else:
-        b.add("cluster.cpus_per_node", None, "not set and not in the GPU catalog: sized from the plan's needs",
-              ("cluster.cpus_per_node", "cluster.gpu"))
+        b.add(
+            "cluster.cpus_per_node",
+            None,
+            "not set and not in the GPU catalog: sized from the plan's needs",
+            ("cluster.cpus_per_node", "cluster.gpu"),
+        )
 
 
 def _gpu_catalog_cpus(gpu: str) -> int | None:
@@ -306,93 +325,189 @@ def _gpu_catalog_cpus(gpu: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- FSDP roles
-def _fsdp_role(b: _Builder, role: str, world: int, world_reason: str, world_inputs: tuple[str, ...],
-               mesh: Any, batch: int, micro: int, dynamic: bool, mesh_key: str, train_key: str) -> None:
+def _fsdp_role(
+    b: _Builder,
+    role: str,
+    world: int,
+    world_reason: str,
+    world_inputs: tuple[str, ...],
+    mesh: Any,
+    batch: int,
+    micro: int,
+    dynamic: bool,
+    mesh_key: str,
+    train_key: str,
+) -> None:
     """world, model_parallel, dp and grad_accum of one FSDP role (actor, ref, critic or the SFT model)."""
     b.add(f"{role}.world", world, world_reason, world_inputs)
     mp = mesh.tp * mesh.cp
-    b.add(f"{role}.model_parallel", mp, f"tp {mesh.tp} × cp {mesh.cp}; EP is not counted (G2)",
-          (f"{mesh_key}.tp", f"{mesh_key}.cp"))
+    b.add(
+        f"{role}.model_parallel",
+        mp,
+        f"tp {mesh.tp} × cp {mesh.cp}; EP is not counted (G2)",
+        (f"{mesh_key}.tp", f"{mesh_key}.cp"),
+    )
     if world % mp:
-        b.add(f"{role}.dp", None, f"world {world} is not divisible by tp × cp = {mp} (G3)",
-              (f"{role}.world", f"{role}.model_parallel"))
+        b.add(
+            f"{role}.dp",
+            None,
+            f"world {world} is not divisible by tp × cp = {mp} (G3)",
+            (f"{role}.world", f"{role}.model_parallel"),
+        )
     else:
-        b.add(f"{role}.dp", world // mp, f"world {world} / (tp × cp = {mp})", (f"{role}.world", f"{role}.model_parallel"))
+        b.add(
+            f"{role}.dp", world // mp, f"world {world} / (tp × cp = {mp})", (f"{role}.world", f"{role}.model_parallel")
+        )
     dp = b.v(f"{role}.dp")
     inputs = (f"{train_key}.batch_size", f"{train_key}.micro_batch_size", f"{role}.dp")
     if dynamic:
-        b.add(f"{role}.grad_accum", 1, "dynamic batching builds microbatches by tokens: one window (B25)",
-              ("train.dynamic_batch",))
+        b.add(
+            f"{role}.grad_accum",
+            1,
+            "dynamic batching builds microbatches by tokens: one window (B25)",
+            ("train.dynamic_batch",),
+        )
     elif dp is None:
         b.add(f"{role}.grad_accum", None, "dp is undefined", inputs)
     elif batch % (micro * dp):
-        b.add(f"{role}.grad_accum", None,
-              f"batch_size {batch} is not a multiple of micro_batch_size {micro} × dp {dp} = {micro * dp} (G4)", inputs)
+        b.add(
+            f"{role}.grad_accum",
+            None,
+            f"batch_size {batch} is not a multiple of micro_batch_size {micro} × dp {dp} = {micro * dp} (G4)",
+            inputs,
+        )
     else:
-        b.add(f"{role}.grad_accum", batch // (micro * dp),
-              f"batch_size {batch} / (micro_batch_size {micro} × dp {dp})", inputs)
+        b.add(
+            f"{role}.grad_accum",
+            batch // (micro * dp),
+            f"batch_size {batch} / (micro_batch_size {micro} × dp {dp})",
+            inputs,
+        )
 
 
 def _rl_roles(b: _Builder, r: Any, source: Any = None) -> None:
     a, t = r.actor, r.train
     dynamic = t.dynamic_batch is not None
-    _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
-               ("actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size, t.micro_batch_size, dynamic,
-               "actor.mesh", "train")
+    _fsdp_role(
+        b,
+        "actor",
+        a.nodes * a.gpus_per_node,
+        f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
+        ("actor.nodes", "actor.gpus_per_node"),
+        a.mesh,
+        t.batch_size,
+        t.micro_batch_size,
+        dynamic,
+        "actor.mesh",
+        "train",
+    )
     # ref: exists exactly when the section is present (Recipe v1 makes Molt's hidden kl.coef > 0 switch explicit)
     if r.ref is None:
         bare = source is not None and source.is_set("ref")  # `ref:` alone is YAML null: no reference model
-        b.add("ref.exists", False, "`ref:` is empty (YAML null): no reference model" if bare else "no `ref:` section",
-              ("ref",))
+        b.add(
+            "ref.exists",
+            False,
+            "`ref:` is empty (YAML null): no reference model" if bare else "no `ref:` section",
+            ("ref",),
+        )
     else:
         why = "teacher of on_policy_distill" if r.algo.estimator == "on_policy_distill" else "KL reference model"
         b.add("ref.exists", True, f"`ref:` section present ({why})", ("ref",))
-        b.add("ref.path", r.ref.path or r.model.path,
-              "ref.path" if r.ref.path else "ref.path unset: the policy checkpoint (B9)", ("ref.path", "model.path"))
+        b.add(
+            "ref.path",
+            r.ref.path or r.model.path,
+            "ref.path" if r.ref.path else "ref.path unset: the policy checkpoint (B9)",
+            ("ref.path", "model.path"),
+        )
         colocated = r.ref.placement == "colocate"
         b.add("ref.colocated", colocated, f"ref.placement is {r.ref.placement}", ("ref.placement",))
         nodes = r.ref.nodes or a.nodes
         gpn = r.ref.gpus_per_node or a.gpus_per_node
-        _fsdp_role(b, "ref", nodes * gpn, f"ref nodes {nodes} × gpus_per_node {gpn} (unset: the actor's)",
-                   ("ref.nodes", "ref.gpus_per_node", "actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size,
-                   t.micro_batch_size, dynamic, "actor.mesh", "train")
+        _fsdp_role(
+            b,
+            "ref",
+            nodes * gpn,
+            f"ref nodes {nodes} × gpus_per_node {gpn} (unset: the actor's)",
+            ("ref.nodes", "ref.gpus_per_node", "actor.nodes", "actor.gpus_per_node"),
+            a.mesh,
+            t.batch_size,
+            t.micro_batch_size,
+            dynamic,
+            "actor.mesh",
+            "train",
+        )
     # critic: Molt builds one exactly for gae (B8); the section only configures it
     if r.algo.estimator != "gae":
         b.add("critic.exists", False, f"estimator {r.algo.estimator} needs no value model", ("algo.estimator",))
     else:
         critic = r.critic if r.critic is not None else _default_critic()
         b.add("critic.exists", True, "estimator gae needs a value model (B8)", ("algo.estimator",))
-        b.add("critic.path", critic.path or r.model.path,
-              "critic.path" if critic.path else "critic.path unset: the policy checkpoint (B9)",
-              ("critic.path", "model.path"))
-        b.add("critic.colocated", critic.placement == "colocate", f"critic.placement is {critic.placement}",
-              ("critic.placement",))
-        _fsdp_role(b, "critic", b.v("actor.world"), "the critic always has the actor's size (J3)", ("actor.world",),
-                   a.mesh, t.batch_size, t.micro_batch_size, dynamic, "actor.mesh", "train")
-        b.add("critic.max_epochs", critic.max_epochs or t.max_epochs,
-              "critic.max_epochs" if critic.max_epochs else "critic.max_epochs unset: train.max_epochs (B9)",
-              ("critic.max_epochs", "train.max_epochs"))
-        b.add("critic.freeze_moe_router", critic.freeze_moe_router or a.freeze.moe_router,
-              "critic.freeze_moe_router or actor.freeze.moe_router (B9)",
-              ("critic.freeze_moe_router", "actor.freeze.moe_router"))
+        b.add(
+            "critic.path",
+            critic.path or r.model.path,
+            "critic.path" if critic.path else "critic.path unset: the policy checkpoint (B9)",
+            ("critic.path", "model.path"),
+        )
+        b.add(
+            "critic.colocated",
+            critic.placement == "colocate",
+            f"critic.placement is {critic.placement}",
+            ("critic.placement",),
+        )
+        _fsdp_role(
+            b,
+            "critic",
+            b.v("actor.world"),
+            "the critic always has the actor's size (J3)",
+            ("actor.world",),
+            a.mesh,
+            t.batch_size,
+            t.micro_batch_size,
+            dynamic,
+            "actor.mesh",
+            "train",
+        )
+        b.add(
+            "critic.max_epochs",
+            critic.max_epochs or t.max_epochs,
+            "critic.max_epochs" if critic.max_epochs else "critic.max_epochs unset: train.max_epochs (B9)",
+            ("critic.max_epochs", "train.max_epochs"),
+        )
+        b.add(
+            "critic.freeze_moe_router",
+            critic.freeze_moe_router or a.freeze.moe_router,
+            "critic.freeze_moe_router or actor.freeze.moe_router (B9)",
+            ("critic.freeze_moe_router", "actor.freeze.moe_router"),
+        )
     ref_col = b.v("ref.exists") and b.v("ref.colocated")
     critic_col = b.v("critic.exists") and b.v("critic.colocated")
     colocate = bool(ref_col or critic_col)
     if colocate:
         who = " and ".join(n for n, c in (("ref", ref_col), ("critic", critic_col)) if c)
-        b.add("fsdp.colocate", True, f"{who} colocated with the actor: one shared PACK group (B8)",
-              ("ref.placement", "critic.placement"))
+        b.add(
+            "fsdp.colocate",
+            True,
+            f"{who} colocated with the actor: one shared PACK group (B8)",
+            ("ref.placement", "critic.placement"),
+        )
     else:
         b.add("fsdp.colocate", False, "no ref or critic shares the actor's GPUs", ("ref.placement", "critic.placement"))
     frac = COLOCATED_GPU_FRACTION
     shared = colocate or r.rollout.placement == "colocate"
-    b.add("actor.num_gpus", frac if shared else 1, "colocated: each model (and an engine) takes 0.2 GPU (B33)"
-          if shared else "one whole GPU per rank", ("fsdp.colocate", "rollout.placement"))
+    b.add(
+        "actor.num_gpus",
+        frac if shared else 1,
+        "colocated: each model (and an engine) takes 0.2 GPU (B33)" if shared else "one whole GPU per rank",
+        ("fsdp.colocate", "rollout.placement"),
+    )
     for role, col in (("ref", ref_col), ("critic", critic_col)):
         if b.v(f"{role}.exists"):
-            b.add(f"{role}.num_gpus", frac if col else 1,
-                  "colocated: 0.2 GPU of the actor's bundle (B33)" if col else "its own GPUs, one per rank",
-                  (f"{role}.colocated",))
+            b.add(
+                f"{role}.num_gpus",
+                frac if col else 1,
+                "colocated: 0.2 GPU of the actor's bundle (B33)" if col else "its own GPUs, one per rank",
+                (f"{role}.colocated",),
+            )
     _fsdp_total(b, r, ref_col, critic_col)
 
 
@@ -416,36 +531,59 @@ def _fsdp_total(b: _Builder, r: Any, ref_col: bool, critic_col: bool) -> None:
         else:
             parts.append(f"{role} {b.v(f'{role}.world')}")
             total += b.v(f"{role}.world")
-    b.add("fsdp.total_gpus", total, " + ".join(parts) + " (§3.2)",
-          ("actor.world", "ref.world", "critic.world", "fsdp.colocate"))
+    b.add(
+        "fsdp.total_gpus",
+        total,
+        " + ".join(parts) + " (§3.2)",
+        ("actor.world", "ref.world", "critic.world", "fsdp.colocate"),
+    )
 
 
 def _actor_extras(b: _Builder, r: Any) -> None:
     a, t = r.actor, r.train
     vlm = r.data.max_images_per_prompt > 0
     if vlm and a.packing:
-        b.add("actor.packing", False, "VLM run (data.max_images_per_prompt > 0): RL never packs images (B5)",
-              ("actor.packing", "data.max_images_per_prompt"), forced=True)
+        b.add(
+            "actor.packing",
+            False,
+            "VLM run (data.max_images_per_prompt > 0): RL never packs images (B5)",
+            ("actor.packing", "data.max_images_per_prompt"),
+            forced=True,
+        )
     else:
         b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
-    b.add("actor.temperature", r.rollout.temperature, "trained models divide logits by rollout.temperature (B17)",
-          ("rollout.temperature",))
+    b.add(
+        "actor.temperature",
+        r.rollout.temperature,
+        "trained models divide logits by rollout.temperature (B17)",
+        ("rollout.temperature",),
+    )
     mp = a.mesh.tp * a.mesh.cp
     shuffle = mp <= 1 and t.dynamic_batch is None
-    b.add("actor.shuffle_microbatches", shuffle, "only without tp/cp and without dynamic batching (G11)",
-          ("actor.mesh.tp", "actor.mesh.cp", "train.dynamic_batch"))
+    b.add(
+        "actor.shuffle_microbatches",
+        shuffle,
+        "only without tp/cp and without dynamic batching (G11)",
+        ("actor.mesh.tp", "actor.mesh.cp", "train.dynamic_batch"),
+    )
     if t.dynamic_batch is None:
         b.add("actor.dynamic_batch_max_tokens", None, "dynamic batching off", ("train.dynamic_batch",))
         b.add("actor.local_batch_size", None, "dynamic batching off", ("train.dynamic_batch",))
     else:
         cap = t.dynamic_batch.max_tokens_per_gpu * mp
-        b.add("actor.dynamic_batch_max_tokens", cap,
-              f"max_tokens_per_gpu {t.dynamic_batch.max_tokens_per_gpu} × cp × tp {mp} (G9)",
-              ("train.dynamic_batch.max_tokens_per_gpu", "actor.mesh.tp", "actor.mesh.cp"))
+        b.add(
+            "actor.dynamic_batch_max_tokens",
+            cap,
+            f"max_tokens_per_gpu {t.dynamic_batch.max_tokens_per_gpu} × cp × tp {mp} (G9)",
+            ("train.dynamic_batch.max_tokens_per_gpu", "actor.mesh.tp", "actor.mesh.cp"),
+        )
         dp = b.v("actor.dp")
-        b.add("actor.local_batch_size", None if dp is None else t.batch_size // dp,
-              "dp undefined" if dp is None else f"batch_size {t.batch_size} // dp {dp}; a remainder is dropped (G9)",
-              ("train.batch_size", "actor.dp"))
+        b.add(
+            "actor.local_batch_size",
+            None if dp is None else t.batch_size // dp,
+            "dp undefined" if dp is None else f"batch_size {t.batch_size} // dp {dp}; a remainder is dropped (G9)",
+            ("train.batch_size", "actor.dp"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- rollout
@@ -453,8 +591,12 @@ def _rollout(b: _Builder, r: Any) -> None:
     ro = r.rollout
     m = ro.mesh
     per_engine = m.tp * m.pp * m.dp
-    b.add("rollout.gpus_per_engine", per_engine, f"tp {m.tp} × pp {m.pp} × dp {m.dp}",
-          ("rollout.mesh.tp", "rollout.mesh.pp", "rollout.mesh.dp"))
+    b.add(
+        "rollout.gpus_per_engine",
+        per_engine,
+        f"tp {m.tp} × pp {m.pp} × dp {m.dp}",
+        ("rollout.mesh.tp", "rollout.mesh.pp", "rollout.mesh.dp"),
+    )
     executor = _executor(b, ro, per_engine)
     if executor == "mp":
         engine_gpus, bundle_gpus, bundles = m.tp * m.dp, m.tp * m.dp, ro.engines
@@ -470,34 +612,64 @@ def _rollout(b: _Builder, r: Any) -> None:
     if colocated:
         engine_gpus = COLOCATED_GPU_FRACTION
         why = "colocated: the engine takes 0.2 GPU of its actor rank's bundle, like a colocated FSDP model (B33)"
-    b.add("rollout.engine_num_gpus", engine_gpus, why, ("rollout.executor", "rollout.gpus_per_engine",
-                                                        "rollout.placement"))
+    b.add(
+        "rollout.engine_num_gpus",
+        engine_gpus,
+        why,
+        ("rollout.executor", "rollout.gpus_per_engine", "rollout.placement"),
+    )
     b.add("rollout.bundle_gpus", bundle_gpus, why, ("rollout.executor", "rollout.gpus_per_engine"))
-    b.add("rollout.bundles", bundles, f"{bundles} bundles of {bundle_gpus} GPU in one PACK group (§3.1)",
-          ("rollout.engines", "rollout.executor", "rollout.gpus_per_engine"))
-    b.add("rollout.total_gpus", ro.engines * per_engine, f"engines {ro.engines} × {per_engine} GPUs per engine",
-          ("rollout.engines", "rollout.gpus_per_engine"))
-    b.add("rollout.own_gpus", 0 if colocated else ro.engines * per_engine,
-          "colocated: the engines use the actor's GPUs" if colocated else "rollout.total_gpus",
-          ("rollout.total_gpus", "rollout.placement"))
+    b.add(
+        "rollout.bundles",
+        bundles,
+        f"{bundles} bundles of {bundle_gpus} GPU in one PACK group (§3.1)",
+        ("rollout.engines", "rollout.executor", "rollout.gpus_per_engine"),
+    )
+    b.add(
+        "rollout.total_gpus",
+        ro.engines * per_engine,
+        f"engines {ro.engines} × {per_engine} GPUs per engine",
+        ("rollout.engines", "rollout.gpus_per_engine"),
+    )
+    b.add(
+        "rollout.own_gpus",
+        0 if colocated else ro.engines * per_engine,
+        "colocated: the engines use the actor's GPUs" if colocated else "rollout.total_gpus",
+        ("rollout.total_gpus", "rollout.placement"),
+    )
     ep = m.tp * m.dp if ro.expert_parallel else 1
-    b.add("rollout.expert_parallel_size", ep,
-          f"expert_parallel: tp {m.tp} × dp {m.dp} (I8)" if ro.expert_parallel else "expert_parallel off",
-          ("rollout.expert_parallel", "rollout.mesh.tp", "rollout.mesh.dp"))
+    b.add(
+        "rollout.expert_parallel_size",
+        ep,
+        f"expert_parallel: tp {m.tp} × dp {m.dp} (I8)" if ro.expert_parallel else "expert_parallel off",
+        ("rollout.expert_parallel", "rollout.mesh.tp", "rollout.mesh.dp"),
+    )
     b.add("rollout.max_model_len", r.data.max_len, "vLLM max_model_len is data.max_len (B16)", ("data.max_len",))
     if ro.generate_batch_size is None:
-        b.add("rollout.generate_batch_size", ro.batch_size, "generate_batch_size unset: rollout.batch_size (B4)",
-              ("rollout.generate_batch_size", "rollout.batch_size"))
+        b.add(
+            "rollout.generate_batch_size",
+            ro.batch_size,
+            "generate_batch_size unset: rollout.batch_size (B4)",
+            ("rollout.generate_batch_size", "rollout.batch_size"),
+        )
     else:
-        b.add("rollout.generate_batch_size", ro.generate_batch_size, "set in the recipe",
-              ("rollout.generate_batch_size",))
+        b.add(
+            "rollout.generate_batch_size", ro.generate_batch_size, "set in the recipe", ("rollout.generate_batch_size",)
+        )
     b.add("rollout.runners", max(1, ro.runners), f"max(1, rollout.runners {ro.runners}) (B27)", ("rollout.runners",))
-    b.add("rollout.samples_per_step", ro.batch_size * ro.n_samples_per_prompt,
-          f"batch_size {ro.batch_size} prompt groups × n_samples_per_prompt {ro.n_samples_per_prompt}",
-          ("rollout.batch_size", "rollout.n_samples_per_prompt"))
+    b.add(
+        "rollout.samples_per_step",
+        ro.batch_size * ro.n_samples_per_prompt,
+        f"batch_size {ro.batch_size} prompt groups × n_samples_per_prompt {ro.n_samples_per_prompt}",
+        ("rollout.batch_size", "rollout.n_samples_per_prompt"),
+    )
     is_on = r.algo.is_correction.level != "off"
-    b.add("algo.is_correction.enabled", is_on, f"is_correction.level is {r.algo.is_correction.level}",
-          ("algo.is_correction.level",))
+    b.add(
+        "algo.is_correction.enabled",
+        is_on,
+        f"is_correction.level is {r.algo.is_correction.level}",
+        ("algo.is_correction.level",),
+    )
     _molt021_rollout(b, r, is_on)
 
 
@@ -522,8 +694,13 @@ def _molt021_rollout(b: _Builder, r: Any, is_on: bool) -> None:
     """Molt 0.2.1's derivations X1, X2/X3, X4, X5, X6 (train_rl_ray.py:1049-1201, 96-150)."""
     ro, algo = r.rollout, r.algo
     low, high = is_band(algo.is_correction)
-    b.add("algo.is_correction.band", [low, high], "one threshold value HIGH: [-inf, HIGH] (X1)" if low is None
-          else "algo.is_correction.threshold", ("algo.is_correction.threshold",), forced=low is None)
+    b.add(
+        "algo.is_correction.band",
+        [low, high],
+        "one threshold value HIGH: [-inf, HIGH] (X1)" if low is None else "algo.is_correction.threshold",
+        ("algo.is_correction.threshold",),
+        forced=low is None,
+    )
     ref_kind = kl_ref_of(r)
     if r.algo.estimator == "on_policy_distill":
         why = "on_policy_distill forces kl.ref model: the teacher (X2)"
@@ -531,70 +708,134 @@ def _molt021_rollout(b: _Builder, r: Any, is_on: bool) -> None:
         why = "algo.kl.ref"
     else:
         why = "algo.kl.ref unset: the rollout policy (Molt 0.2.1 default, X3)"
-    b.add("algo.kl.ref", ref_kind, why, ("algo.kl.ref", "algo.estimator"),
-          forced=algo.kl.ref is not None and algo.kl.ref != ref_kind)
+    b.add(
+        "algo.kl.ref",
+        ref_kind,
+        why,
+        ("algo.kl.ref", "algo.estimator"),
+        forced=algo.kl.ref is not None and algo.kl.ref != ref_kind,
+    )
     coef = algo.kl.coef if "coef" in algo.kl.model_fields_set or r.algo.estimator != "on_policy_distill" else 1.0
     to_rollout = coef > 0 and ref_kind == "rollout"
-    b.add("algo.kl.to_rollout", to_rollout, "kl.coef > 0 and kl.ref rollout: the KL reference is the engine's "
-          "sampled-token log-probs (B29)" if to_rollout else "no KL against the rollout policy",
-          ("algo.kl.coef", "algo.kl.ref"))
+    b.add(
+        "algo.kl.to_rollout",
+        to_rollout,
+        "kl.coef > 0 and kl.ref rollout: the KL reference is the engine's sampled-token log-probs (B29)"
+        if to_rollout
+        else "no KL against the rollout policy",
+        ("algo.kl.coef", "algo.kl.ref"),
+    )
     k = algo.score_centering_top_k
-    b.add("algo.score_centering", k >= 2, f"score_centering_top_k {k}" + ("" if k >= 2 else ": off"),
-          ("algo.score_centering_top_k",))
-    b.add("rollout.top_logprobs", k if k >= 2 else 0, "score centering: the engine returns the top-k log-probs of "
-          "every generated token (§3.4)" if k >= 2 else "no top-k log-probs", ("algo.score_centering_top_k",))
+    b.add(
+        "algo.score_centering",
+        k >= 2,
+        f"score_centering_top_k {k}" + ("" if k >= 2 else ": off"),
+        ("algo.score_centering_top_k",),
+    )
+    b.add(
+        "rollout.top_logprobs",
+        k if k >= 2 else 0,
+        "score centering: the engine returns the top-k log-probs of every generated token (§3.4)"
+        if k >= 2
+        else "no top-k log-probs",
+        ("algo.score_centering_top_k",),
+    )
     need = is_on or k >= 2 or to_rollout
-    why = " or ".join(w for w, on in (("IS correction", is_on), ("score centering", k >= 2),
-                                       ("KL to the rollout policy", to_rollout)) if on)
-    b.add("rollout.logprobs", need, f"{why} reads the engine's log-probs (X6)" if need
-          else "no IS, score centering or KL to the rollout: no log-probs requested (B14, X6)",
-          ("algo.is_correction.level", "algo.score_centering_top_k", "algo.kl.coef"))
-    b.add("rollout.logprobs_mode", "processed_logprobs" if need else "raw_logprobs",
-          f"{why} needs the log-probs of the processed (tempered) distribution (X6)" if need
-          else "vLLM's raw logprobs (B14)", ("algo.is_correction.level", "algo.score_centering_top_k"))
+    why = " or ".join(
+        w
+        for w, on in (("IS correction", is_on), ("score centering", k >= 2), ("KL to the rollout policy", to_rollout))
+        if on
+    )
+    b.add(
+        "rollout.logprobs",
+        need,
+        f"{why} reads the engine's log-probs (X6)"
+        if need
+        else "no IS, score centering or KL to the rollout: no log-probs requested (B14, X6)",
+        ("algo.is_correction.level", "algo.score_centering_top_k", "algo.kl.coef"),
+    )
+    b.add(
+        "rollout.logprobs_mode",
+        "processed_logprobs" if need else "raw_logprobs",
+        f"{why} needs the log-probs of the processed (tempered) distribution (X6)"
+        if need
+        else "vLLM's raw logprobs (B14)",
+        ("algo.is_correction.level", "algo.score_centering_top_k"),
+    )
     gen = ro.generate_batch_size or ro.batch_size
     forced_partial = gen > ro.batch_size and not r.train.async_.partial_rollout
-    b.add("train.partial_rollout", r.train.async_.partial_rollout or forced_partial,
-          f"generate_batch_size {gen} > rollout.batch_size {ro.batch_size}: Molt 0.2.1 turns partial rollout on (X4); "
-          "the off-policy rules read this, the plan keeps the recipe's engine-lock setting"
-          if forced_partial else "train.async.partial_rollout", ("train.async.partial_rollout",
-                                                                 "rollout.generate_batch_size"), forced=forced_partial)
+    b.add(
+        "train.partial_rollout",
+        r.train.async_.partial_rollout or forced_partial,
+        f"generate_batch_size {gen} > rollout.batch_size {ro.batch_size}: Molt 0.2.1 turns partial rollout on (X4); "
+        "the off-policy rules read this, the plan keeps the recipe's engine-lock setting"
+        if forced_partial
+        else "train.async.partial_rollout",
+        ("train.async.partial_rollout", "rollout.generate_batch_size"),
+        forced=forced_partial,
+    )
     forced_prefix = r.train.routing_replay and not ro.prefix_caching
-    b.add("rollout.prefix_caching", ro.prefix_caching or forced_prefix,
-          "routing_replay forces prefix caching on (vLLM's routed-experts capture needs it, X5)" if forced_prefix
-          else "rollout.prefix_caching", ("rollout.prefix_caching", "train.routing_replay"), forced=forced_prefix)
+    b.add(
+        "rollout.prefix_caching",
+        ro.prefix_caching or forced_prefix,
+        "routing_replay forces prefix caching on (vLLM's routed-experts capture needs it, X5)"
+        if forced_prefix
+        else "rollout.prefix_caching",
+        ("rollout.prefix_caching", "train.routing_replay"),
+        forced=forced_prefix,
+    )
     lora = r.actor.lora
-    b.add("actor.lora", lora.dim > 0, f"actor.lora.dim {lora.dim}" + ("" if lora.dim > 0 else ": full fine-tuning"),
-          ("actor.lora.dim",))
+    b.add(
+        "actor.lora",
+        lora.dim > 0,
+        f"actor.lora.dim {lora.dim}" + ("" if lora.dim > 0 else ": full fine-tuning"),
+        ("actor.lora.dim",),
+    )
 
 
 def _executor(b: _Builder, ro: Any, per_engine: int) -> str:
     m = ro.mesh
     if ro.engine == "hf":
-        return b.add("rollout.executor", "uni", "hf engine: transformers generate inside the engine actor",
-                     ("rollout.engine",))
+        return b.add(
+            "rollout.executor", "uni", "hf engine: transformers generate inside the engine actor", ("rollout.engine",)
+        )
     if ro.executor != "auto":
         return b.add("rollout.executor", ro.executor, "set in the recipe", ("rollout.executor",))
     if per_engine == 1:
         return b.add("rollout.executor", "uni", "auto: tp × pp × dp = 1 (B15)", ("rollout.executor", "rollout.mesh"))
     if m.dp > 1:
-        return b.add("rollout.executor", "mp", f"auto: dp {m.dp} > 1 needs the mp executor (B15)",
-                     ("rollout.executor", "rollout.mesh.dp"))
-    return b.add("rollout.executor", "ray", f"auto: {per_engine} GPUs per engine with dp 1 (B15)",
-                 ("rollout.executor", "rollout.mesh"))
+        return b.add(
+            "rollout.executor",
+            "mp",
+            f"auto: dp {m.dp} > 1 needs the mp executor (B15)",
+            ("rollout.executor", "rollout.mesh.dp"),
+        )
+    return b.add(
+        "rollout.executor",
+        "ray",
+        f"auto: {per_engine} GPUs per engine with dp 1 (B15)",
+        ("rollout.executor", "rollout.mesh"),
+    )
 
 
 def _gpu_totals(b: _Builder, r: Any) -> None:
     fsdp, own, vllm = b.v("fsdp.total_gpus"), b.v("rollout.own_gpus"), b.v("rollout.total_gpus")
     total = b.v("cluster.total_gpus")
     b.add("cluster.used_gpus", fsdp + own, f"FSDP {fsdp} + rollout {own} (J1)", ("fsdp.total_gpus", "rollout.own_gpus"))
-    b.add("cluster.idle_gpus", total - fsdp - own, f"cluster {total} - used {fsdp + own}",
-          ("cluster.total_gpus", "cluster.used_gpus"))
+    b.add(
+        "cluster.idle_gpus",
+        total - fsdp - own,
+        f"cluster {total} - used {fsdp + own}",
+        ("cluster.total_gpus", "cluster.used_gpus"),
+    )
     b.add("weight_sync.world_size", vllm + 1, f"trainer rank 0 + {vllm} engine workers (§3.2)", ("rollout.total_gpus",))
     per_engine = b.v("rollout.gpus_per_engine")
-    b.add("weight_sync.engine_rank_offsets", [1 + i * per_engine for i in range(r.rollout.engines)],
-          f"rank 0 is the trainer; engine i's {per_engine} workers follow at 1 + i × {per_engine}",
-          ("rollout.engines", "rollout.gpus_per_engine"))
+    b.add(
+        "weight_sync.engine_rank_offsets",
+        [1 + i * per_engine for i in range(r.rollout.engines)],
+        f"rank 0 is the trainer; engine i's {per_engine} workers follow at 1 + i × {per_engine}",
+        ("rollout.engines", "rollout.gpus_per_engine"),
+    )
     on_cpu = r.cluster.gpu == "cpu"
     if on_cpu:
         method, why = "gloo_broadcast", "CPU: gloo broadcast from trainer rank 0"
@@ -605,8 +846,12 @@ def _gpu_totals(b: _Builder, r: Any) -> None:
     b.add("weight_sync.method", method, why, ("cluster.gpu", "rollout.placement"))
     # Buckets large enough that per-bucket latency is noise next to bandwidth, small enough that the two a sender or
     # receiver holds are far below a GPU's memory headroom (checked by the weight-sync rule).
-    b.add("weight_sync.bucket_bytes", (64 if on_cpu else 512) << 20,
-          "CPU: 64 MiB buckets" if on_cpu else "GPU: 512 MiB buckets", ("cluster.gpu",))
+    b.add(
+        "weight_sync.bucket_bytes",
+        (64 if on_cpu else 512) << 20,
+        "CPU: 64 MiB buckets" if on_cpu else "GPU: 512 MiB buckets",
+        ("cluster.gpu",),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- algorithm
@@ -615,25 +860,46 @@ def _algo(b: _Builder, r: Any) -> None:
     distill = r.algo.estimator == "on_policy_distill"
     if distill:
         coef_set = "coef" in kl.model_fields_set
-        b.add("algo.kl.coef", kl.coef if coef_set else 1.0,
-              "set in the recipe" if coef_set else "on_policy_distill: coef defaults to 1.0 (B2)",
-              ("algo.kl.coef", "algo.estimator"))
-        b.add("algo.kl.estimator", "k1", "on_policy_distill forces k1 (B2)", ("algo.kl.estimator", "algo.estimator"),
-              forced=kl.estimator != "k1")
-        b.add("algo.kl.use_loss", False, "on_policy_distill folds the KL into the reward (B2)",
-              ("algo.kl.use_loss", "algo.estimator"), forced=kl.use_loss)
+        b.add(
+            "algo.kl.coef",
+            kl.coef if coef_set else 1.0,
+            "set in the recipe" if coef_set else "on_policy_distill: coef defaults to 1.0 (B2)",
+            ("algo.kl.coef", "algo.estimator"),
+        )
+        b.add(
+            "algo.kl.estimator",
+            "k1",
+            "on_policy_distill forces k1 (B2)",
+            ("algo.kl.estimator", "algo.estimator"),
+            forced=kl.estimator != "k1",
+        )
+        b.add(
+            "algo.kl.use_loss",
+            False,
+            "on_policy_distill folds the KL into the reward (B2)",
+            ("algo.kl.use_loss", "algo.estimator"),
+            forced=kl.use_loss,
+        )
     else:
         b.add("algo.kl.coef", kl.coef, "algo.kl.coef", ("algo.kl.coef",))
         b.add("algo.kl.estimator", kl.estimator, "algo.kl.estimator", ("algo.kl.estimator",))
         b.add("algo.kl.use_loss", kl.use_loss, "algo.kl.use_loss", ("algo.kl.use_loss",))
-    b.add("algo.kl.adaptive", bool(kl.target), "kl.target set: adaptive controller (C9)" if kl.target
-          else "kl.target unset: fixed coefficient", ("algo.kl.target",))
+    b.add(
+        "algo.kl.adaptive",
+        bool(kl.target),
+        "kl.target set: adaptive controller (C9)" if kl.target else "kl.target unset: fixed coefficient",
+        ("algo.kl.target",),
+    )
     if r.agent is not None:
         b.add("agent.path", r.agent.path, "agent.path (relative to the recipe file)", ("agent.path",))
         b.add("agent.max_turns", r.agent.max_turns, "exported to runners as MAX_AGENT_TURNS", ("agent.max_turns",))
     elif distill:
-        b.add("agent.path", DISTILL_AGENT_PATH, "on_policy_distill without an agent: the built-in single-turn, "
-              "reward-0 distill agent (B2)", ("agent", "algo.estimator"))
+        b.add(
+            "agent.path",
+            DISTILL_AGENT_PATH,
+            "on_policy_distill without an agent: the built-in single-turn, reward-0 distill agent (B2)",
+            ("agent", "algo.estimator"),
+        )
         b.add("agent.max_turns", 1, "built-in distill agent is single-turn", ("algo.estimator",))
     else:
         b.add("agent.path", None, "no `agent:` section (required unless on_policy_distill, A3)", ("agent",))
@@ -643,49 +909,93 @@ def _algo(b: _Builder, r: Any) -> None:
 # ---------------------------------------------------------------------------------------------- schedule
 def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
     ro, t, d = r.rollout, r.train, r.data
-    count, why = count_rows(resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs,
-                            d.split, source)
+    count, why = count_rows(
+        resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs, d.split, source
+    )
     b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
     if count is None:
         for name in ("train.steps_per_episode", "train.total_steps", "train.optimizer_steps"):
             b.add(name, None, "dataset size unknown", ("data.prompt_count",))
     else:
         spe = count // ro.batch_size
-        refill = "; fewer when dynamic filtering drops groups (backfilled with new prompts)" if r.algo.dynamic_filtering else ""
-        b.add("train.steps_per_episode", spe, f"{count} prompts // rollout.batch_size {ro.batch_size} (B11){refill}",
-              ("data.prompt_count", "rollout.batch_size", "algo.dynamic_filtering"))
-        b.add("train.total_steps", spe * t.episodes, f"{spe} steps × episodes {t.episodes}",
-              ("train.steps_per_episode", "train.episodes"))
+        refill = (
+            "; fewer when dynamic filtering drops groups (backfilled with new prompts)"
+            if r.algo.dynamic_filtering
+            else ""
+        )
+        b.add(
+            "train.steps_per_episode",
+            spe,
+            f"{count} prompts // rollout.batch_size {ro.batch_size} (B11){refill}",
+            ("data.prompt_count", "rollout.batch_size", "algo.dynamic_filtering"),
+        )
+        b.add(
+            "train.total_steps",
+            spe * t.episodes,
+            f"{spe} steps × episodes {t.episodes}",
+            ("train.steps_per_episode", "train.episodes"),
+        )
         if t.force_on_policy:
             opt = count // ro.batch_size * t.episodes * t.max_epochs
-            why = (f"force_on_policy: {count} // batch {ro.batch_size} × episodes {t.episodes} × max_epochs "
-                   f"{t.max_epochs} (B11)")
+            why = (
+                f"force_on_policy: {count} // batch {ro.batch_size} × episodes {t.episodes} × max_epochs "
+                f"{t.max_epochs} (B11)"
+            )
         else:
             opt = count * ro.n_samples_per_prompt // t.batch_size * t.episodes * t.max_epochs
-            why = (f"{count} prompts × n {ro.n_samples_per_prompt} // train.batch_size {t.batch_size} × episodes "
-                   f"{t.episodes} × max_epochs {t.max_epochs} (B11)")
-        b.add("train.optimizer_steps", opt, why, ("data.prompt_count", "rollout.n_samples_per_prompt",
-                                                  "train.batch_size", "train.episodes", "train.max_epochs"))
+            why = (
+                f"{count} prompts × n {ro.n_samples_per_prompt} // train.batch_size {t.batch_size} × episodes "
+                f"{t.episodes} × max_epochs {t.max_epochs} (B11)"
+            )
+        b.add(
+            "train.optimizer_steps",
+            opt,
+            why,
+            (
+                "data.prompt_count",
+                "rollout.n_samples_per_prompt",
+                "train.batch_size",
+                "train.episodes",
+                "train.max_epochs",
+            ),
+        )
     if t.force_on_policy:
-        b.add("train.optimizer_steps_per_step", 1, "force_on_policy: one optimizer step per rollout batch (G10)",
-              ("train.force_on_policy",))
+        b.add(
+            "train.optimizer_steps_per_step",
+            1,
+            "force_on_policy: one optimizer step per rollout batch (G10)",
+            ("train.force_on_policy",),
+        )
     else:
         sps = b.v("rollout.samples_per_step")
-        b.add("train.optimizer_steps_per_step", sps // t.batch_size * t.max_epochs,
-              f"samples {sps} // train.batch_size {t.batch_size} × max_epochs {t.max_epochs}; a partial window is "
-              "dropped (G8)", ("rollout.samples_per_step", "train.batch_size", "train.max_epochs"))
+        b.add(
+            "train.optimizer_steps_per_step",
+            sps // t.batch_size * t.max_epochs,
+            f"samples {sps} // train.batch_size {t.batch_size} × max_epochs {t.max_epochs}; a partial window is "
+            "dropped (G8)",
+            ("rollout.samples_per_step", "train.batch_size", "train.max_epochs"),
+        )
     opt = b.v("train.optimizer_steps")
     freeze = r.actor.freezing_steps if b.v("critic.exists") else 0
     if opt is None:
         b.add("actor.scheduler_steps", None, "dataset size unknown", ("train.optimizer_steps",))
     else:
-        b.add("actor.scheduler_steps", max(1, opt - freeze),
-              f"max(1, optimizer steps {opt} - freezing_steps {freeze}) (B10)" if freeze
-              else f"max(1, optimizer steps {opt}) (B10)", ("train.optimizer_steps", "actor.freezing_steps"))
+        b.add(
+            "actor.scheduler_steps",
+            max(1, opt - freeze),
+            f"max(1, optimizer steps {opt} - freezing_steps {freeze}) (B10)"
+            if freeze
+            else f"max(1, optimizer steps {opt}) (B10)",
+            ("train.optimizer_steps", "actor.freezing_steps"),
+        )
     _warmup(b, "actor", r.actor.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
     if b.v("critic.exists"):
-        b.add("critic.scheduler_steps", opt, "the critic schedules over every optimizer step (B10)",
-              ("train.optimizer_steps",))
+        b.add(
+            "critic.scheduler_steps",
+            opt,
+            "the critic schedules over every optimizer step (B10)",
+            ("train.optimizer_steps",),
+        )
         critic = r.critic if r.critic is not None else _default_critic()
         _warmup(b, "critic", critic.optimizer.warmup_ratio, "critic.optimizer.warmup_ratio")
 
@@ -695,8 +1005,12 @@ def _warmup(b: _Builder, role: str, ratio: float, ratio_key: str) -> None:
     if steps is None:
         b.add(f"{role}.warmup_steps", None, "scheduler length unknown", (f"{role}.scheduler_steps", ratio_key))
     else:
-        b.add(f"{role}.warmup_steps", math.ceil(steps * ratio), f"ceil({steps} × warmup_ratio {ratio})",
-              (f"{role}.scheduler_steps", ratio_key))
+        b.add(
+            f"{role}.warmup_steps",
+            math.ceil(steps * ratio),
+            f"ceil({steps} × warmup_ratio {ratio})",
+            (f"{role}.scheduler_steps", ratio_key),
+        )
 
 
 def _rl_eval_ckpt(b: _Builder, r: Any) -> None:
@@ -712,15 +1026,23 @@ def _rl_eval_ckpt(b: _Builder, r: Any) -> None:
         if own is not None:
             b.add(f"eval.{key}", own, "set in the recipe", (f"eval.{key}",))
         else:
-            b.add(f"eval.{key}", getattr(ro, key), f"eval.{key} unset: rollout.{key} (B13)",
-                  (f"eval.{key}", f"rollout.{key}"))
+            b.add(
+                f"eval.{key}",
+                getattr(ro, key),
+                f"eval.{key} unset: rollout.{key} (B13)",
+                (f"eval.{key}", f"rollout.{key}"),
+            )
     _ckpt(b, r)
 
 
 def _ckpt(b: _Builder, r: Any) -> None:
     c = r.ckpt
-    b.add("ckpt.every", None if c.every == -1 else c.every,
-          "ckpt.every -1: never (B12)" if c.every == -1 else f"every {c.every} steps", ("ckpt.every",))
+    b.add(
+        "ckpt.every",
+        None if c.every == -1 else c.every,
+        "ckpt.every -1: never (B12)" if c.every == -1 else f"every {c.every} steps",
+        ("ckpt.every",),
+    )
     if c.dcp_keep is None:
         b.add("ckpt.dcp_keep", c.keep, "ckpt.dcp_keep unset: ckpt.keep (B7)", ("ckpt.dcp_keep", "ckpt.keep"))
     else:
@@ -740,53 +1062,95 @@ def _rl(b: _Builder, r: Any, source: Any) -> None:
 # ---------------------------------------------------------------------------------------------- SFT
 def _sft(b: _Builder, r: Any, source: Any) -> None:
     a, t, d = r.actor, r.train, r.data
-    _fsdp_role(b, "actor", a.nodes * a.gpus_per_node, f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
-               ("actor.nodes", "actor.gpus_per_node"), a.mesh, t.batch_size, t.micro_batch_size, False,
-               "actor.mesh", "train")
+    _fsdp_role(
+        b,
+        "actor",
+        a.nodes * a.gpus_per_node,
+        f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
+        ("actor.nodes", "actor.gpus_per_node"),
+        a.mesh,
+        t.batch_size,
+        t.micro_batch_size,
+        False,
+        "actor.mesh",
+        "train",
+    )
     b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
     b.add("sft.nnodes", a.nodes, "one torchrun per node", ("actor.nodes",))
     b.add("sft.nproc_per_node", a.gpus_per_node, "one process per GPU", ("actor.gpus_per_node",))
     port = r.launch.slurm.master_port
-    b.add("sft.master_port", port, f"launch.slurm.master_port {port}: torchrun rendezvous port on the head node "
-          f"(Molt's SFT scripts use {SFT_MASTER_PORT}, sft_omni3 29511; §5.1)", ("launch.slurm.master_port",))
+    b.add(
+        "sft.master_port",
+        port,
+        f"launch.slurm.master_port {port}: torchrun rendezvous port on the head node "
+        f"(Molt's SFT scripts use {SFT_MASTER_PORT}, sft_omni3 29511; §5.1)",
+        ("launch.slurm.master_port",),
+    )
     total = b.v("cluster.total_gpus")
     world = b.v("actor.world")
     b.add("cluster.used_gpus", world, f"the SFT world {world}", ("actor.world",))
-    b.add("cluster.idle_gpus", total - world, f"cluster {total} - used {world}", ("cluster.total_gpus", "cluster.used_gpus"))
-    count, why = count_rows(resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs,
-                            d.split, source)
+    b.add(
+        "cluster.idle_gpus",
+        total - world,
+        f"cluster {total} - used {world}",
+        ("cluster.total_gpus", "cluster.used_gpus"),
+    )
+    count, why = count_rows(
+        resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs, d.split, source
+    )
     b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
     if count is None:
         b.add("train.steps_per_epoch", None, "dataset size unknown", ("data.sample_count",))
         b.add("train.total_steps", None, "dataset size unknown", ("data.sample_count",))
     else:
         spe = count // t.batch_size
-        b.add("train.steps_per_epoch", spe, f"{count} samples // batch_size {t.batch_size} (M6)",
-              ("data.sample_count", "train.batch_size"))
-        b.add("train.total_steps", spe * t.max_epochs, f"{spe} steps × max_epochs {t.max_epochs}",
-              ("train.steps_per_epoch", "train.max_epochs"))
+        b.add(
+            "train.steps_per_epoch",
+            spe,
+            f"{count} samples // batch_size {t.batch_size} (M6)",
+            ("data.sample_count", "train.batch_size"),
+        )
+        b.add(
+            "train.total_steps",
+            spe * t.max_epochs,
+            f"{spe} steps × max_epochs {t.max_epochs}",
+            ("train.steps_per_epoch", "train.max_epochs"),
+        )
     steps = b.v("train.total_steps")
-    b.add("actor.scheduler_steps", None if steps is None else max(1, steps),
-          "dataset size unknown" if steps is None else "every optimizer step", ("train.total_steps",))
+    b.add(
+        "actor.scheduler_steps",
+        None if steps is None else max(1, steps),
+        "dataset size unknown" if steps is None else "every optimizer step",
+        ("train.total_steps",),
+    )
     _warmup(b, "actor", a.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
-    b.add("actor.lora", a.lora.dim > 0, f"actor.lora.dim {a.lora.dim}" + ("" if a.lora.dim > 0 else
-          ": full fine-tuning"), ("actor.lora.dim",))
+    b.add(
+        "actor.lora",
+        a.lora.dim > 0,
+        f"actor.lora.dim {a.lora.dim}" + ("" if a.lora.dim > 0 else ": full fine-tuning"),
+        ("actor.lora.dim",),
+    )
     e = r.eval
     enabled = e.dataset is not None
     b.add("eval.enabled", enabled, "eval.dataset set" if enabled else "no eval.dataset", ("eval.dataset",))
     if not enabled:
         b.add("eval.every", None, "no eval", ("eval.dataset",))
     elif e.every == -1:
-        b.add("eval.every", b.v("train.steps_per_epoch"), "SFT eval.every -1: once per epoch (B12)",
-              ("eval.every", "train.steps_per_epoch"))
+        b.add(
+            "eval.every",
+            b.v("train.steps_per_epoch"),
+            "SFT eval.every -1: once per epoch (B12)",
+            ("eval.every", "train.steps_per_epoch"),
+        )
     else:
         b.add("eval.every", e.every, f"every {e.every} steps", ("eval.every",))
     _ckpt(b, r)
 
 
 # ---------------------------------------------------------------------------------------------- data counting
-def count_rows(sources: list[str], max_samples: int, probs: Any, split: str,
-               source: Any = None) -> tuple[int | None, str]:
+def count_rows(
+    sources: list[str], max_samples: int, probs: Any, split: str, source: Any = None
+) -> tuple[int | None, str]:
     """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
 
     Counts local json/jsonl/parquet/arrow files and save_to_disk / DatasetDict directories from their headers

@@ -49,16 +49,22 @@ def _recipe_values(result: Any) -> dict[str, Any]:
 def _role_values(plan: Any) -> dict[str, Any]:
     out = {}
     for r in plan.roles:
-        out[r.name] = (f"{r.count} × ({r.num_gpus:g} dev, {r.num_cpus:g} CPU) "
-                       f"{r.placement_group or r.scheduling}")
+        out[r.name] = f"{r.count} × ({r.num_gpus:g} dev, {r.num_cpus:g} CPU) {r.placement_group or r.scheduling}"
     return out
 
 
 def _cluster_values(plan: Any) -> dict[str, Any]:
     c = plan.cluster
-    return {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu, "device": c.device,
-            "total_gpus": c.total_gpus, "used_gpus": c.used_gpus, "idle_gpus": c.total_gpus - c.used_gpus,
-            "cpus_per_node": c.cpus_per_node}
+    return {
+        "nodes": c.nodes,
+        "gpus_per_node": c.gpus_per_node,
+        "gpu": c.gpu,
+        "device": c.device,
+        "total_gpus": c.total_gpus,
+        "used_gpus": c.used_gpus,
+        "idle_gpus": c.total_gpus - c.used_gpus,
+        "cpus_per_node": c.cpus_per_node,
+    }
 
 
 def _pg_values(plan: Any) -> dict[str, Any]:
@@ -125,12 +131,16 @@ def diff_values(a: Any, b: Any) -> tuple[dict[str, dict[str, list[Any]]], bool]:
     whether the recipes differ. `molt-compile diff --format json` prints it."""
     pairs = [("recipe", _recipe_values(a), _recipe_values(b)), ("derived", _derived_values(a), _derived_values(b))]
     if a.plan is not None and b.plan is not None:
-        pairs += [("cluster", _cluster_values(a.plan), _cluster_values(b.plan)),
-                  ("roles", _role_values(a.plan), _role_values(b.plan)),
-                  ("placement groups", _pg_values(a.plan), _pg_values(b.plan)),
-                  ("device map", _map_values(a.plan), _map_values(b.plan))]
-    sections = {name: {k: [va.get(k), vb.get(k)] for k in sorted(va.keys() | vb.keys()) if va.get(k) != vb.get(k)}
-                for name, va, vb in pairs}
+        pairs += [
+            ("cluster", _cluster_values(a.plan), _cluster_values(b.plan)),
+            ("roles", _role_values(a.plan), _role_values(b.plan)),
+            ("placement groups", _pg_values(a.plan), _pg_values(b.plan)),
+            ("device map", _map_values(a.plan), _map_values(b.plan)),
+        ]
+    sections = {
+        name: {k: [va.get(k), vb.get(k)] for k in sorted(va.keys() | vb.keys()) if va.get(k) != vb.get(k)}
+        for name, va, vb in pairs
+    }
     sections = {name: changes for name, changes in sections.items() if changes}
     changed = bool(sections) or getattr(a.plan, "fingerprint", None) != getattr(b.plan, "fingerprint", None)
     return sections, changed

@@ -1,7 +1,7 @@
 """Pass 1, load: a recipe file -> plain data + a SourceMap, with `extends` and `--set` resolved.
 
 Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
-bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml round-trip parser, no constructors run), and
+bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's pure-Python safe parser, no constructors run), and
 plain Python data is then built here from the node tree. That is where the loader
 - keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
   list items as `algo.reward_clip.0`);
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_compile.codes import name_of
+from molt_compile.codes import BUILTIN
 from molt_compile.diagnostics import Diagnostic, Related
 from molt_compile.source import Pos, SourceMap
 
@@ -117,10 +117,20 @@ def display_path(path: Path) -> str:
         return absolute.as_posix()
 
 
-def _diag(code: str, message: str, *, file: str | None = None, line: int | None = None, col: int | None = None,
-          path: str = "", help: str = "", related: tuple[Related, ...] = (), origin: str = "") -> Diagnostic:
-    return Diagnostic(code=code, severity="error", message=message, path=path, file=file, line=line, col=col,
-                      help=help, related=related, name=name_of(code), blocker=True, origin=origin)
+def _diag(
+    code: str,
+    message: str,
+    *,
+    file: str | None = None,
+    line: int | None = None,
+    col: int | None = None,
+    path: str = "",
+    help: str = "",
+    related: tuple[Related, ...] = (),
+    origin: str = "",
+) -> Diagnostic:
+    pos = Pos(file, line, col, origin or "file")
+    return BUILTIN[code].diagnostic(message, pos=pos, path=path, help=help, related=related)
 
 
 class _Abort(Exception):
@@ -156,8 +166,9 @@ class _Builder:
         mark = node.start_mark
         return Pos(self.file, mark.line + 1, mark.column + 1, "file")
 
-    def error(self, code: str, node: Any, message: str, path: str, help: str = "",
-              related: tuple[Related, ...] = ()) -> Diagnostic:
+    def error(
+        self, code: str, node: Any, message: str, path: str, help: str = "", related: tuple[Related, ...] = ()
+    ) -> Diagnostic:
         p = self.pos(node)
         return _diag(code, message, file=self.file, line=p.line, col=p.col, path=path, help=help, related=related)
 
@@ -166,16 +177,36 @@ class _Builder:
 
         self.count += 1
         if self.count > MAX_NODES:
-            raise _Abort(self.error("YAML005", node, f"the document expands to more than {MAX_NODES:,} YAML nodes "
-                                    "(aliases expanded)", path,
-                                    help="a recipe is small; remove the anchors/aliases that multiply the document"))
+            raise _Abort(
+                self.error(
+                    "YAML005",
+                    node,
+                    f"the document expands to more than {MAX_NODES:,} YAML nodes (aliases expanded)",
+                    path,
+                    help="a recipe is small; remove the anchors/aliases that multiply the document",
+                )
+            )
         if depth > MAX_DEPTH:
-            raise _Abort(self.error("YAML008", node, f"mappings and lists nested deeper than {MAX_DEPTH} levels",
-                                    path, help="flatten the document; recipe keys are at most a few levels deep"))
+            raise _Abort(
+                self.error(
+                    "YAML008",
+                    node,
+                    f"mappings and lists nested deeper than {MAX_DEPTH} levels",
+                    path,
+                    help="flatten the document; recipe keys are at most a few levels deep",
+                )
+            )
         if isinstance(node, (MappingNode, SequenceNode)):
             if id(node) in self.stack:
-                raise _Abort(self.error("YAML005", node, "an alias refers to the collection that contains it "
-                                        "(a recursive document)", path, help="remove the self-referencing alias"))
+                raise _Abort(
+                    self.error(
+                        "YAML005",
+                        node,
+                        "an alias refers to the collection that contains it (a recursive document)",
+                        path,
+                        help="remove the self-referencing alias",
+                    )
+                )
             self.stack.add(id(node))
             try:
                 if isinstance(node, MappingNode):
@@ -202,8 +233,9 @@ class _Builder:
     def _mapping(self, node: Any, path: str, depth: int) -> dict[str, Any] | None:
         tag = str(node.tag)
         if tag != _MAP:
-            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a mapping", path,
-                                         help=_TAG_HELP))
+            self.diags.append(
+                self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a mapping", path, help=_TAG_HELP)
+            )
             return None
         out: dict[str, Any] = {}
         first_seen: dict[str, Any] = {}
@@ -218,10 +250,16 @@ class _Builder:
             child = f"{path}.{key}" if path else key
             if key in first_seen:
                 first = self.pos(first_seen[key])
-                self.diags.append(self.error(
-                    "YAML003", key_node, f"duplicate key `{key}`", child,
-                    help="keep one of them; YAML parsers disagree on which one wins",
-                    related=(Related(child, first.file, first.line, first.col, "first set here"),)))
+                self.diags.append(
+                    self.error(
+                        "YAML003",
+                        key_node,
+                        f"duplicate key `{key}`",
+                        child,
+                        help="keep one of them; YAML parsers disagree on which one wins",
+                        related=(Related(child, first.file, first.line, first.col, "first set here"),),
+                    )
+                )
                 continue
             first_seen[key] = key_node
             out[key] = self.build(value_node, child, depth + 1)
@@ -244,16 +282,25 @@ class _Builder:
         if isinstance(key_node, ScalarNode) and str(key_node.tag) == _STR:
             return key_node.value
         shown = key_node.value if isinstance(key_node, ScalarNode) else "a collection"
-        self.diags.append(self.error("YAML009", key_node, f"mapping key `{shown}` is not a string", path,
-                                     help=f'quote it if it is a name: "{shown}":' if isinstance(key_node, ScalarNode)
-                                     else "use a plain name as the key"))
+        self.diags.append(
+            self.error(
+                "YAML009",
+                key_node,
+                f"mapping key `{shown}` is not a string",
+                path,
+                help=f'quote it if it is a name: "{shown}":'
+                if isinstance(key_node, ScalarNode)
+                else "use a plain name as the key",
+            )
+        )
         return None
 
     def _sequence(self, node: Any, path: str, depth: int) -> list[Any] | None:
         tag = str(node.tag)
         if tag != _SEQ:
-            self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a list", path,
-                                         help=_TAG_HELP))
+            self.diags.append(
+                self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}` on a list", path, help=_TAG_HELP)
+            )
             return None
         out = []
         for i, item in enumerate(node.value):
@@ -283,19 +330,27 @@ class _Builder:
             if tag == _FLOAT:
                 return _parse_float(text)
         except ValueError:
-            self.diags.append(self.error("YAML004", node, f"`{text}` cannot be read as `{_short(tag)}`", path,
-                                         help="remove the tag or fix the value"))
+            self.diags.append(
+                self.error(
+                    "YAML004",
+                    node,
+                    f"`{text}` cannot be read as `{_short(tag)}`",
+                    path,
+                    help="remove the tag or fix the value",
+                )
+            )
             return None
         self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}`", path, help=_TAG_HELP))
         return None
 
 
-_TAG_HELP = ("remove the tag: recipes are plain data, and nothing (no Python object, no include) is constructed "
-             "while loading")
+_TAG_HELP = (
+    "remove the tag: recipes are plain data, and nothing (no Python object, no include) is constructed while loading"
+)
 
 
 def _short(tag: str) -> str:
-    return "!!" + tag[len(_T):] if tag.startswith(_T) else tag
+    return "!!" + tag[len(_T) :] if tag.startswith(_T) else tag
 
 
 def _parse_int(text: str) -> int:
@@ -352,7 +407,7 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
     try:
-        return True, YAML(typ="rt", pure=True).compose(text)
+        return True, YAML(typ="safe", pure=True).compose(text)  # composing only: no comments, no constructors
     except MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
@@ -362,19 +417,42 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
         indent = bad_line[: len(bad_line) - len(bad_line.lstrip(" \t"))]
         if "\t" in problem or "\t" in indent:
             tab_col = indent.index("\t") + 1 if "\t" in indent else col
-            diags.append(_diag("YAML002", "tab character used for indentation", file=file, line=line, col=tab_col,
-                               help="indent with spaces; YAML does not allow tabs in indentation"))
+            diags.append(
+                _diag(
+                    "YAML002",
+                    "tab character used for indentation",
+                    file=file,
+                    line=line,
+                    col=tab_col,
+                    help="indent with spaces; YAML does not allow tabs in indentation",
+                )
+            )
         else:
             context = f" ({e.context})" if e.context and e.problem else ""
             related: tuple[Related, ...] = ()
             cm = e.context_mark
             if e.context and cm is not None and (cm.line + 1, cm.column + 1) != (line, col):
                 related = (Related("", file, cm.line + 1, cm.column + 1, f"{e.context} that started here"),)
-            diags.append(_diag("YAML001", f"YAML syntax error: {problem}{context}", file=file, line=line, col=col,
-                               help=_syntax_help(problem), related=related))
+            diags.append(
+                _diag(
+                    "YAML001",
+                    f"YAML syntax error: {problem}{context}",
+                    file=file,
+                    line=line,
+                    col=col,
+                    help=_syntax_help(problem),
+                    related=related,
+                )
+            )
     except RecursionError:
-        diags.append(_diag("YAML008", "mappings and lists nested deeper than the parser can follow", file=file,
-                           help="flatten the document; recipe keys are at most a few levels deep"))
+        diags.append(
+            _diag(
+                "YAML008",
+                "mappings and lists nested deeper than the parser can follow",
+                file=file,
+                help="flatten the document; recipe keys are at most a few levels deep",
+            )
+        )
     except YAMLError as e:
         diags.append(_diag("YAML001", f"YAML syntax error: {e}", file=file))
     return False, None
@@ -382,7 +460,9 @@ def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool
 
 def _syntax_help(problem: str) -> str:
     if "mapping values are not allowed" in problem:
-        return "a `key: value` cannot hold another `key:` on the same line; quote the value or start a new indented line"
+        return (
+            "a `key: value` cannot hold another `key:` on the same line; quote the value or start a new indented line"
+        )
     if "another document" in problem:
         return "a recipe is one YAML document; remove the extra `---`"
     if "undefined alias" in problem:
@@ -390,8 +470,9 @@ def _syntax_help(problem: str) -> str:
     return "check brackets, quotes and indentation on this line and the one before"
 
 
-def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | None,
-               lines: dict[str, list[str]] | None = None) -> str | None:
+def _read_file(
+    path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | None, lines: dict[str, list[str]] | None = None
+) -> str | None:
     """Read a recipe file's text with every check that can fail before parsing. `at` is the extends
     diagnostic template (position of the `extends` entry) when this is a base, None for the recipe itself."""
     try:
@@ -400,8 +481,14 @@ def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | 
         if at is not None:
             diags.append(at)
         else:
-            diags.append(_diag("LOAD001", f"recipe file `{file}` does not exist", file=file,
-                               help="check the path; recipes live under recipes/"))
+            diags.append(
+                _diag(
+                    "LOAD001",
+                    f"recipe file `{file}` does not exist",
+                    file=file,
+                    help="check the path; recipes live under recipes/",
+                )
+            )
         return None
     import stat
 
@@ -410,13 +497,26 @@ def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | 
             diags.append(at)
         else:
             what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            diags.append(_diag("LOAD002", f"`{file}` is {what}, not a recipe file", file=file,
-                               help=f"to check every recipe under it: molt-compile lint {file}"
-                               if stat.S_ISDIR(st.st_mode) else "pass a .yaml recipe file"))
+            diags.append(
+                _diag(
+                    "LOAD002",
+                    f"`{file}` is {what}, not a recipe file",
+                    file=file,
+                    help=f"to check every recipe under it: molt-compile lint {file}"
+                    if stat.S_ISDIR(st.st_mode)
+                    else "pass a .yaml recipe file",
+                )
+            )
         return None
     if st.st_size > MAX_FILE_BYTES:
-        diags.append(_diag("YAML007", f"`{file}` is {st.st_size:,} bytes; the recipe size cap is "
-                           f"{MAX_FILE_BYTES:,} bytes", file=file, help="a recipe is a few KiB; is this the right file?"))
+        diags.append(
+            _diag(
+                "YAML007",
+                f"`{file}` is {st.st_size:,} bytes; the recipe size cap is {MAX_FILE_BYTES:,} bytes",
+                file=file,
+                help="a recipe is a few KiB; is this the right file?",
+            )
+        )
         return None
     try:
         raw = path.read_bytes()[: MAX_FILE_BYTES + 1]
@@ -430,8 +530,16 @@ def _read_file(path: Path, file: str, diags: list[Diagnostic], at: Diagnostic | 
             lines[file] = raw.decode("utf-8", "replace").splitlines()  # only to show the line with a caret
         line = raw.count(b"\n", 0, e.start) + 1
         col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        diags.append(_diag("YAML006", f"byte 0x{raw[e.start]:02x} at offset {e.start} is not valid UTF-8",
-                           file=file, line=line, col=col, help="save the file as UTF-8"))
+        diags.append(
+            _diag(
+                "YAML006",
+                f"byte 0x{raw[e.start]:02x} at offset {e.start} is not valid UTF-8",
+                file=file,
+                line=line,
+                col=col,
+                help="save the file as UTF-8",
+            )
+        )
         return None
 
 
@@ -455,16 +563,31 @@ def _build_layer(text: str, file: str, diags: list[Diagnostic]) -> _Layer | None
     """One file's text -> its data and positions (no `extends` yet), or None with diagnostics."""
     too_deep = _flow_too_deep(text)
     if too_deep:
-        diags.append(_diag("YAML008", f"mappings and lists nested deeper than {MAX_DEPTH} levels", file=file,
-                           line=too_deep[0], col=too_deep[1],
-                           help="flatten the document; recipe keys are at most a few levels deep"))
+        diags.append(
+            _diag(
+                "YAML008",
+                f"mappings and lists nested deeper than {MAX_DEPTH} levels",
+                file=file,
+                line=too_deep[0],
+                col=too_deep[1],
+                help="flatten the document; recipe keys are at most a few levels deep",
+            )
+        )
         return None
     ok, node = _compose(text, file, diags)
     if not ok:
         return None
     if node is None:
-        diags.append(_diag("LOAD003", f"`{file}` is empty: it holds no YAML document", file=file, line=1, col=1,
-                           help="a recipe starts with `version: 1`, `name: ...`, `kind: rl|sft`"))
+        diags.append(
+            _diag(
+                "LOAD003",
+                f"`{file}` is empty: it holds no YAML document",
+                file=file,
+                line=1,
+                col=1,
+                help="a recipe starts with `version: 1`, `name: ...`, `kind: rl|sft`",
+            )
+        )
         return None
     from ruamel.yaml.nodes import MappingNode
 
@@ -472,8 +595,16 @@ def _build_layer(text: str, file: str, diags: list[Diagnostic]) -> _Layer | None
     if not isinstance(node, MappingNode):
         p = builder.pos(node)
         what = "a list" if type(node).__name__ == "SequenceNode" else "a single value"
-        diags.append(_diag("LOAD004", f"the document is {what}; a recipe is a mapping of keys", file=file,
-                           line=p.line, col=p.col, help="start with `version: 1`, `name: ...`, `kind: rl|sft` at column 1"))
+        diags.append(
+            _diag(
+                "LOAD004",
+                f"the document is {what}; a recipe is a mapping of keys",
+                file=file,
+                line=p.line,
+                col=p.col,
+                help="start with `version: 1`, `name: ...`, `kind: rl|sft` at column 1",
+            )
+        )
         return None
     try:
         data = builder.build(node)
@@ -502,9 +633,15 @@ class _Tree:
         file = display_path(path)
         if at is None and real.exists() and not _inside(real, self.roots):
             # The recipe itself is a symbolic link out of its repository (a planted recipes/x.yaml -> /etc/shadow).
-            self.diags.append(_diag("LOAD011", f"`{file}` links to a file outside the recipe roots; it was not read",
-                                    file=file, help="compile the file it links to, inside its own repository, or "
-                                    f"name that directory with --recipe-root DIR or {ROOTS_ENV}=DIR"))
+            self.diags.append(
+                _diag(
+                    "LOAD011",
+                    f"`{file}` links to a file outside the recipe roots; it was not read",
+                    file=file,
+                    help="compile the file it links to, inside its own repository, or "
+                    f"name that directory with --recipe-root DIR or {ROOTS_ENV}=DIR",
+                )
+            )
             return None
         is_recipe = real.suffix in RECIPE_SUFFIXES
         text = _read_file(path, file, self.diags, at, self.source.lines if is_recipe else None)
@@ -533,41 +670,76 @@ class _Tree:
             entries = [(f"extends.{i}", x) for i, x in enumerate(ext)]
         else:
             p = layer.values.get("extends")
-            self.diags.append(_diag("LOAD007", "`extends` must be a path or a list of paths", file=layer.file,
-                                    line=p and p.line, col=p and p.col, path="extends",
-                                    help="extends: base/rl.yaml   or   extends: [base/rl.yaml, base/8gpu.yaml]"))
+            self.diags.append(
+                _diag(
+                    "LOAD007",
+                    "`extends` must be a path or a list of paths",
+                    file=layer.file,
+                    line=p.line if p else None,
+                    col=p.col if p else None,
+                    path="extends",
+                    help="extends: base/rl.yaml   or   extends: [base/rl.yaml, base/8gpu.yaml]",
+                )
+            )
             return
         for key, target in entries:
-            p = layer.values.get(key) or layer.values.get("extends")
+            p = layer.values.get(key) or layer.values.get("extends") or Pos(layer.file, None, None)
             target_path = real.parent / target
             target_real = Path(os.path.realpath(target_path))
             chain = [f for _, f in stack]
             if any(target_real == s for s, _ in stack):
-                self.diags.append(_diag(
-                    "LOAD005", f"`extends: {target}` makes a cycle: {' -> '.join(chain + [display_path(target_path)])}",
-                    file=layer.file, line=p.line, col=p.col, path="extends",
-                    help="remove this entry, or move the shared keys into a base that extends nothing",
-                    related=tuple(Related("extends", f, None, None, "in the chain") for f in chain[:-1])))
+                self.diags.append(
+                    _diag(
+                        "LOAD005",
+                        f"`extends: {target}` makes a cycle: {' -> '.join(chain + [display_path(target_path)])}",
+                        file=layer.file,
+                        line=p.line,
+                        col=p.col,
+                        path="extends",
+                        help="remove this entry, or move the shared keys into a base that extends nothing",
+                        related=tuple(Related("extends", f, None, None, "in the chain") for f in chain[:-1]),
+                    )
+                )
                 continue
             if target_real in self.done:
                 continue  # a diamond: the base was applied already, at its first position
             outside = not _inside(target_real, self.roots)
             # Checked before the file is opened; outside the roots not even its existence reaches the output.
             if outside or (target_real.suffix not in RECIPE_SUFFIXES and target_real.is_file()):
-                why = ("is outside the recipe roots (" + ", ".join(f"`{r}`" for r in self.roots) + ")"
-                       if outside else "is not a `.yaml` recipe file")
-                self.diags.append(_diag("LOAD011", f"`extends` target `{target}` {why}; it was not read",
-                                        file=layer.file, line=p.line, col=p.col, path="extends", help=_ROOTS_HELP))
+                why = (
+                    "is outside the recipe roots (" + ", ".join(f"`{r}`" for r in self.roots) + ")"
+                    if outside
+                    else "is not a `.yaml` recipe file"
+                )
+                self.diags.append(
+                    _diag(
+                        "LOAD011",
+                        f"`extends` target `{target}` {why}; it was not read",
+                        file=layer.file,
+                        line=p.line,
+                        col=p.col,
+                        path="extends",
+                        help=_ROOTS_HELP,
+                    )
+                )
                 continue
-            missing = _diag("LOAD006", f"`extends` target `{target}` is not a file (looked for "
-                            f"`{display_path(target_path)}`)", file=layer.file, line=p.line, col=p.col,
-                            path="extends", help="paths in `extends` are relative to the file that contains them")
+            missing = _diag(
+                "LOAD006",
+                f"`extends` target `{target}` is not a file (looked for `{display_path(target_path)}`)",
+                file=layer.file,
+                line=p.line,
+                col=p.col,
+                path="extends",
+                help="paths in `extends` are relative to the file that contains them",
+            )
             self.targets.append(target_real)
             self.load(target_path, stack, missing)
 
 
-_ROOTS_HELP = (f"extend recipes of this repository, or name another directory of trusted recipes with "
-               f"--recipe-root DIR or {ROOTS_ENV}=DIR")
+_ROOTS_HELP = (
+    f"extend recipes of this repository, or name another directory of trusted recipes with "
+    f"--recipe-root DIR or {ROOTS_ENV}=DIR"
+)
 
 
 # ------------------------------------------------------------------------------------------------ merging
@@ -606,16 +778,23 @@ def _recipe_type(data: dict[str, Any]) -> Any:
     return {"rl": RlRecipe, "sft": SftRecipe}.get(kind, Recipe) if isinstance(kind, str) else Recipe
 
 
-def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: dict[str, Pos],
-               diags: list[Diagnostic]) -> None:
+def _apply_set(
+    item: str, data: dict[str, Any], values: dict[str, Pos], keys: dict[str, Pos], diags: list[Diagnostic]
+) -> None:
     from molt_compile import schema_walk as sw
 
     key, eq, raw = item.partition("=")
     key = key.strip()
     segments: list[str | int] = [int(s) if s.isdigit() else s for s in key.split(".")] if key else []
     if not eq or not key or any(s == "" for s in segments):
-        diags.append(_diag("LOAD008", f"`--set {item}` is not of the form dotted.key=value", origin="--set",
-                           help="for example: --set train.async.queue_size=2"))
+        diags.append(
+            _diag(
+                "LOAD008",
+                f"`--set {item}` is not of the form dotted.key=value",
+                origin="--set",
+                help="for example: --set train.async.queue_size=2",
+            )
+        )
         return
     root = _recipe_type(data)
     types, bad = sw.type_at(root, segments)
@@ -629,15 +808,19 @@ def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: di
         wrong = str(segments[bad])
         guess = sw.closest(wrong, candidates or []) if candidates else None
         if guess:
-            fixed = ".".join([*map(str, segments[:bad]), guess, *map(str, segments[bad + 1:])])
+            fixed = ".".join([*map(str, segments[:bad]), guess, *map(str, segments[bad + 1 :])])
             hint = f"did you mean `{fixed}`?"
         else:
             elsewhere = sw.sections_with_key(root, wrong)
-            hint = (f"`{wrong}` is a key of " + ", ".join(f"`{s}`" for s in elsewhere)) if elsewhere else (
-                f"`{parent or 'the recipe'}` has: " + ", ".join(candidates or []) if candidates else "")
+            hint = (
+                (f"`{wrong}` is a key of " + ", ".join(f"`{s}`" for s in elsewhere))
+                if elsewhere
+                else (f"`{parent or 'the recipe'}` has: " + ", ".join(candidates or []) if candidates else "")
+            )
         where = f"`{parent}`" if parent else "the recipe"
-        diags.append(_diag("LOAD009", f"`--set {key}`: {where} has no key `{wrong}`", path=key, origin="--set",
-                           help=hint))
+        diags.append(
+            _diag("LOAD009", f"`--set {key}`: {where} has no key `{wrong}`", path=key, origin="--set", help=hint)
+        )
         return
     sink: list[Diagnostic] = []
     ok, node = _compose(raw, None, sink)
@@ -650,13 +833,27 @@ def _apply_set(item: str, data: dict[str, Any], values: dict[str, Pos], keys: di
             sink.append(e.diag)
     if sink:
         reason = sink[0].message.removeprefix("YAML syntax error: ")
-        diags.append(_diag("LOAD010", f"`--set {item}`: the value is not valid YAML ({reason})", path=key,
-                           origin="--set", help=f"quote it if it is a string: --set {key}='\"{raw}\"'"))
+        diags.append(
+            _diag(
+                "LOAD010",
+                f"`--set {item}`: the value is not valid YAML ({reason})",
+                path=key,
+                origin="--set",
+                help=f"quote it if it is a string: --set {key}='\"{raw}\"'",
+            )
+        )
         return
     if not _assign(data, segments, value):
         parent = ".".join(map(str, segments[:-1]))
-        diags.append(_diag("LOAD009", f"`--set {key}`: `{parent}` has no item {segments[-1]} to set", path=key,
-                           origin="--set", help=f"set the whole list instead: --set {parent}=[...]"))
+        diags.append(
+            _diag(
+                "LOAD009",
+                f"`--set {key}`: `{parent}` has no item {segments[-1]} to set",
+                path=key,
+                origin="--set",
+                help=f"set the whole list instead: --set {parent}=[...]",
+            )
+        )
         return
     for p in [p for p in values if p == key or p.startswith(key + ".")]:
         del values[p]
@@ -675,7 +872,8 @@ def _assign(data: dict[str, Any], segments: list[str | int], value: Any) -> bool
     while depth < len(segments) - 1:
         seg = segments[depth]
         present = (isinstance(target, dict) and seg in target) or (
-            isinstance(target, list) and isinstance(seg, int) and seg < len(target))
+            isinstance(target, list) and isinstance(seg, int) and seg < len(target)
+        )
         if not present or not isinstance(target[seg], (dict, list)):
             break
         target = target[seg]
@@ -701,8 +899,9 @@ def load_recipe(path: Path | str, sets: Sequence[str] = (), roots: Sequence[Path
     source = SourceMap(root_file=display_path(path), job_root=str(project) if project else None)
     tree = _Tree(diags, source, recipe_roots(path, roots))
     root = tree.load(path, (), None)
-    loaded = Loaded(data=None, source=source, diagnostics=diags, files=tree.files, extends_targets=tree.targets,
-                    path=path)
+    loaded = Loaded(
+        data=None, source=source, diagnostics=diags, files=tree.files, extends_targets=tree.targets, path=path
+    )
     if root is None:
         return loaded
     loaded.own_keys = frozenset(root.data)

@@ -75,8 +75,12 @@ class RoleMemory:
 
     @property
     def largest_term(self) -> str:
-        terms = {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
-                 "activations": self.activations}
+        terms = {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer states": self.optimizer,
+            "activations": self.activations,
+        }
         return max(terms, key=terms.__getitem__)
 
 
@@ -101,8 +105,11 @@ class GpuGroupMemory:
         return " + ".join(r.role for r in self.roles)
 
     def breakdown(self) -> str:
-        parts = [f"{r.role}: params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optimizer)}, "
-                 f"activations {gib(r.activations)}" for r in self.roles]
+        parts = [
+            f"{r.role}: params {gib(r.params)}, grads {gib(r.grads)}, optimizer {gib(r.optimizer)}, "
+            f"activations {gib(r.activations)}"
+            for r in self.roles
+        ]
         return "; ".join(parts) + f"; allocator slack {gib(self.slack)}; overhead {gib(FSDP_OVERHEAD_BYTES)}"
 
 
@@ -149,8 +156,11 @@ def estimate(recipe: Any, derived: Any, facts: Any, gpu: Any, ref_facts: Any = N
     capacity = gpu.memory_gib * GIB
     roles = _fsdp_roles(recipe, derived)
     groups: list[GpuGroupMemory] = []
-    colocated = [_role_memory(recipe, derived, r, ref_facts if r == "ref" and ref_facts else facts)
-                 for r, together in roles if together]
+    colocated = [
+        _role_memory(recipe, derived, r, ref_facts if r == "ref" and ref_facts else facts)
+        for r, together in roles
+        if together
+    ]
     if colocated:
         groups.append(GpuGroupMemory(tuple(colocated), capacity))
     for role, together in roles:

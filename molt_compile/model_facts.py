@@ -23,15 +23,30 @@ TOPK_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"
 MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 # Architectures (config.json `architectures[0]`) with a custom NVIDIA AutoModel implementation that Molt uses.
 # Everything else falls back to HF transformers (H9). Dense Qwen3 is on the HF path in Molt (slurm/rl_qwen3_4b.sh).
-NATIVE_ARCHITECTURES = frozenset({
-    "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-    "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeForCausalLM",
-    "NemotronHForCausalLM", "NemotronH_Nano_Omni", "GptOssForCausalLM",
-})
+NATIVE_ARCHITECTURES = frozenset(
+    {
+        "Qwen3MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "Glm4MoeForCausalLM",
+        "NemotronHForCausalLM",
+        "NemotronH_Nano_Omni",
+        "GptOssForCausalLM",
+    }
+)
 # Custom implementations known to consume THD packing kwargs (H4): DSA/MLA models with tilelang, DeepSeek/Qwen-MoE.
-THD_ARCHITECTURES = frozenset({
-    "GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "Qwen3MoeForCausalLM",
-})
+THD_ARCHITECTURES = frozenset(
+    {
+        "GlmMoeDsaForCausalLM",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV32ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    }
+)
 
 
 def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFacts | None:
@@ -79,7 +94,8 @@ def _from_config_dir(path: str, stamp: int) -> ModelFacts | None:
 
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     """A ModelFacts from a parsed HF config.json (VLM configs keep the language model under `text_config`)."""
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    nested = cfg.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else cfg
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else cfg.get("model_type", "unknown")
     layers = _int(text, "num_hidden_layers")
@@ -97,16 +113,35 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     mtp = max((_int(text, k) or _int(cfg, k) for k in MTP_KEYS), default=0)
     tie = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     total = _estimate_params(layers, hidden, heads, kv_heads, head_dim, inter, vocab, experts, tie)
-    active = _estimate_params(layers, hidden, heads, kv_heads, head_dim, inter, vocab, min(topk, experts) or 0, tie) \
-        if experts > 1 else total
+    active = (
+        _estimate_params(layers, hidden, heads, kv_heads, head_dim, inter, vocab, min(topk, experts) or 0, tie)
+        if experts > 1
+        else total
+    )
     return ModelSpec(
-        key=arch, hf_name=source, architecture=arch, params_total=total, params_active=active, layers=layers,
-        hidden_size=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
-        vocab=vocab, experts=experts if experts > 1 else 0, experts_per_token=topk if experts > 1 else 0,
-        is_vlm="vision_config" in cfg, has_mtp_head=mtp > 0, native_automodel=arch in NATIVE_ARCHITECTURES,
-        thd_packing=arch in THD_ARCHITECTURES, cp_hook="vision_config" in cfg and arch in NATIVE_ARCHITECTURES,
-        kv_bytes_per_token=gqa_kv_bytes(layers, kv_heads, head_dim), tie_embeddings=tie,
-        estimated=("params_total", "params_active"), source=source,
+        key=arch,
+        hf_name=source,
+        architecture=arch,
+        params_total=total,
+        params_active=active,
+        layers=layers,
+        hidden_size=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab=vocab,
+        experts=experts if experts > 1 else 0,
+        experts_per_token=topk if experts > 1 else 0,
+        is_vlm="vision_config" in cfg,
+        has_mtp_head=mtp > 0,
+        native_automodel=arch in NATIVE_ARCHITECTURES,
+        thd_packing=arch in THD_ARCHITECTURES,
+        cp_hook="vision_config" in cfg and arch in NATIVE_ARCHITECTURES,
+        kv_bytes_per_token=gqa_kv_bytes(layers, kv_heads, head_dim),
+        tie_embeddings=tie,
+        estimated=("params_total", "params_active"),
+        source=source,
     )
 
 
@@ -115,8 +150,17 @@ def _int(d: dict, key: str) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
-def _estimate_params(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int,
-                     mlp_copies: int, tie: bool) -> int:
+def _estimate_params(
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inter: int,
+    vocab: int,
+    mlp_copies: int,
+    tie: bool,
+) -> int:
     """Parameter count of a standard decoder (estimate): attention q,k,v,o + gated MLP (× experts) + embeddings."""
     attn = hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
     mlp = 3 * hidden * inter * max(1, mlp_copies)

@@ -111,13 +111,21 @@ def render_text(diags: Iterable[Diagnostic], lines: dict[str, list[str]], root_f
 
 
 _STYLES = {
-    "header-error": "bold red", "header-warning": "bold yellow", "header-info": "bold cyan",
-    "arrow": "blue", "gutter": "blue", "source": "", "caret": "bold red", "help": "green", "note": "dim",
+    "header-error": "bold red",
+    "header-warning": "bold yellow",
+    "header-info": "bold cyan",
+    "arrow": "blue",
+    "gutter": "blue",
+    "source": "",
+    "caret": "bold red",
+    "help": "green",
+    "note": "dim",
 }
 
 
-def print_rich(console: Any, diags: Iterable[Diagnostic], lines: dict[str, list[str]],
-               root_file: str | None = None) -> None:
+def print_rich(
+    console: Any, diags: Iterable[Diagnostic], lines: dict[str, list[str]], root_file: str | None = None
+) -> None:
     """Print diagnostics with colour through a rich Console (the CLI uses this only on a TTY)."""
     from rich.text import Text
 

@@ -9,19 +9,44 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rich.console import Group
+from rich.console import ConsoleRenderable, Group
 from rich.table import Table
 from rich.text import Text
 
 from schemas.plan import Plan
 
 _INDEX = re.compile(r"\[(\d+)\]$")
-KEY_DERIVED_RL = ("actor.world", "actor.dp", "actor.grad_accum", "ref.exists", "critic.exists", "fsdp.colocate",
-                  "rollout.executor", "rollout.gpus_per_engine", "rollout.total_gpus", "fsdp.total_gpus",
-                  "weight_sync.world_size", "rollout.samples_per_step", "data.prompt_count",
-                  "train.steps_per_episode", "train.total_steps", "eval.every", "ckpt.every")
-KEY_DERIVED_SFT = ("actor.world", "actor.dp", "actor.grad_accum", "sft.nnodes", "sft.nproc_per_node",
-                   "data.sample_count", "train.steps_per_epoch", "train.total_steps", "eval.every", "ckpt.every")
+KEY_DERIVED_RL = (
+    "actor.world",
+    "actor.dp",
+    "actor.grad_accum",
+    "ref.exists",
+    "critic.exists",
+    "fsdp.colocate",
+    "rollout.executor",
+    "rollout.gpus_per_engine",
+    "rollout.total_gpus",
+    "fsdp.total_gpus",
+    "weight_sync.world_size",
+    "rollout.samples_per_step",
+    "data.prompt_count",
+    "train.steps_per_episode",
+    "train.total_steps",
+    "eval.every",
+    "ckpt.every",
+)
+KEY_DERIVED_SFT = (
+    "actor.world",
+    "actor.dp",
+    "actor.grad_accum",
+    "sft.nnodes",
+    "sft.nproc_per_node",
+    "data.sample_count",
+    "train.steps_per_epoch",
+    "train.total_steps",
+    "eval.every",
+    "ckpt.every",
+)
 
 
 def _role_of(label: str) -> tuple[str, int | None]:
@@ -49,19 +74,13 @@ def node_summary(devices: list[list[str]]) -> str:
 
 def _ranges(values: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
-    values = sorted(set(values))
-    out, start, prev = [], None, None
-    for v in values:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
         else:
-            out.append(f"{start}-{prev}" if start != prev else f"{start}")
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}-{prev}" if start != prev else f"{start}")
-    return ",".join(out)
+            runs.append([v, v])
+    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def grouped_nodes(gpu_map: list[list[list[str]]]) -> list[tuple[str, str, str]]:
@@ -75,7 +94,7 @@ def grouped_nodes(gpu_map: list[list[list[str]]]) -> list[tuple[str, str, str]]:
         while end + 1 < n and summaries[end + 1] == summaries[start]:
             end += 1
         indices: dict[str, list[int]] = {}
-        for node in gpu_map[start:end + 1]:
+        for node in gpu_map[start : end + 1]:
             for labels in node:
                 for label in labels:
                     role, idx = _role_of(label)
@@ -104,9 +123,11 @@ def render_summary(plan: Plan, memory: Any = None) -> Group:
     c = plan.cluster
     unit = "GPU" if c.device == "cuda" else "device slot"
     header = Text.assemble(
-        (f"plan {plan.name}", "bold"), f" ({plan.kind})  fingerprint {plan.fingerprint[:12]}\n",
+        (f"plan {plan.name}", "bold"),
+        f" ({plan.kind})  fingerprint {plan.fingerprint[:12]}\n",
         f"cluster: {c.nodes} node(s) × {c.gpus_per_node} {c.gpu} = {c.total_gpus} {unit}s, "
-        f"{c.used_gpus} used, {c.total_gpus - c.used_gpus} idle; {c.cpus_per_node} CPUs per node")
+        f"{c.used_gpus} used, {c.total_gpus - c.used_gpus} idle; {c.cpus_per_node} CPUs per node",
+    )
 
     roles = Table(title="roles", title_justify="left")
     for col in ("role", "class", "count", f"{unit}s each", "CPUs each", "placement", "nodes"):
@@ -132,7 +153,7 @@ def render_summary(plan: Plan, memory: Any = None) -> Group:
     for name in KEY_DERIVED_RL if plan.kind == "rl" else KEY_DERIVED_SFT:
         if name in by_name:
             derived.add_row(name, _fmt(by_name[name].value), by_name[name].reason)
-    parts = [header, roles, devmap, derived]
+    parts: list[ConsoleRenderable] = [header, roles, devmap, derived]
     if memory is not None and (memory.fsdp_groups or memory.engine is not None):
         parts.append(_memory_table(memory))
     return Group(*parts)
@@ -149,6 +170,10 @@ def _memory_table(memory: Any) -> Table:
         table.add_row(group.label, gib(group.total), gib(group.capacity), biggest.largest_term)
     if memory.engine is not None:
         e = memory.engine
-        table.add_row("rollout.engine (vLLM share)", gib(e.share), gib(e.capacity),
-                      f"weights {gib(e.weights)}, KV cache {gib(max(e.kv_room, 0))}")
+        table.add_row(
+            "rollout.engine (vLLM share)",
+            gib(e.share),
+            gib(e.capacity),
+            f"weights {gib(e.weights)}, KV cache {gib(max(e.kv_room, 0))}",
+        )
     return table

@@ -65,9 +65,11 @@ def child_types(tp: Any, key: str | int) -> list[Any] | None:
             idx = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else None
             if idx is not None:
                 if len(args) == 2 and args[1] is Ellipsis:
-                    found, _ = True, out.append(args[0])
+                    found = True
+                    out.append(args[0])
                 elif idx < len(args):
-                    found, _ = True, out.append(args[idx])
+                    found = True
+                    out.append(args[idx])
         elif m is Any or m is object:
             found = True
             out.append(Any)

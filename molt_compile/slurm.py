@@ -29,8 +29,15 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-PORT_NAMES = ("node_manager", "object_manager", "metrics_export", "dashboard_agent_listen", "dashboard_agent_grpc",
-              "runtime_env_agent", "ray_client_server")
+PORT_NAMES = (
+    "node_manager",
+    "object_manager",
+    "metrics_export",
+    "dashboard_agent_listen",
+    "dashboard_agent_grpc",
+    "runtime_env_agent",
+    "ray_client_server",
+)
 WORKER_PORTS_PER_NODE = 200
 PORT_BLOCK = 10 + WORKER_PORTS_PER_NODE
 """Ports of one node: the named ones, a few spare, then its Ray worker ports."""
@@ -78,8 +85,10 @@ def sbatch_quote(value: object, key: str = "") -> str:
     when it holds a control character (a newline would end the comment and turn the rest into shell code)."""
     text = str(value)
     if CONTROL.search(text):
-        raise SlurmRenderError(f"{key or 'an #SBATCH value'}: {text!r} holds a control character (newline, tab, "
-                               "escape); Slurm options must be one line of printable text")
+        raise SlurmRenderError(
+            f"{key or 'an #SBATCH value'}: {text!r} holds a control character (newline, tab, "
+            "escape); Slurm options must be one line of printable text"
+        )
     return shlex.quote(text)
 
 
@@ -94,7 +103,7 @@ def env_value(value: str) -> str:
     pos = 0
     for m in ENV_REF.finditer(value):
         if m.start() > pos:
-            parts.append(shell_quote(value[pos:m.start()]))
+            parts.append(shell_quote(value[pos : m.start()]))
         parts.append(f'"${{{m.group(1)}:?must be set in the environment that runs sbatch}}"')
         pos = m.end()
     if pos < len(value) or not parts:
@@ -114,7 +123,7 @@ def command_words(argv: list[str], variables: dict[str, str]) -> str:
         pos = 0
         for m in pattern.finditer(arg):
             if m.start() > pos:
-                pieces.append(shell_quote(arg[pos:m.start()]))
+                pieces.append(shell_quote(arg[pos : m.start()]))
             pieces.append(f'"${{{variables[m.group(0)]}}}"')
             pos = m.end()
         if pos < len(arg) or not pieces:
@@ -136,7 +145,8 @@ def node_ports(ray_port: int, dashboard_port: int, nodes: int) -> dict[str, list
         if start + PORT_BLOCK - 1 > 65535:
             raise SlurmRenderError(
                 f"launch.slurm.ray_port: {ray_port} leaves no room for the ports of {nodes} nodes "
-                f"({PORT_BLOCK} each, up to 65535); use a lower port such as 6379")
+                f"({PORT_BLOCK} each, up to 65535); use a lower port such as 6379"
+            )
         for i, name in enumerate(PORT_NAMES):
             table[name].append(start + i)
         table["min_worker"].append(start + 10)
@@ -152,8 +162,14 @@ def _template():
 
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("molt_compile", "templates"),
-        undefined=jinja2.StrictUndefined, autoescape=False, comment_start_string="{##", comment_end_string="##}", trim_blocks=True, lstrip_blocks=True,
-        keep_trailing_newline=True)
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        comment_start_string="{##",
+        comment_end_string="##}",
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
     env.filters["q"] = shell_quote
     env.filters["sbatch"] = sbatch_quote
     env.filters["comment"] = comment_text
@@ -168,8 +184,9 @@ def _env_lines(plan: Plan) -> list[tuple[str, str]]:
     lines = []
     for key, value in plan.env.items():
         if not ENV_NAME.match(key):
-            raise SlurmRenderError(f"env: {key!r} is not an environment variable name (letters, digits and _, not "
-                                   "starting with a digit)")
+            raise SlurmRenderError(
+                f"env: {key!r} is not an environment variable name (letters, digits and _, not starting with a digit)"
+            )
         lines.append((key, env_value(str(value))))
     return lines
 
@@ -183,9 +200,13 @@ def _container_args(slurm: dict[str, Any]) -> list[str]:
     mount_words = shell_quote(",".join(mounts) + ",") if mounts else ""
     # A named container is created by the first step on a node and reused by the later ones (pyxis), so the image
     # is unpacked once per node for the whole job, not once per step; pyxis's default job scope removes it at the end.
-    return [f"--container-image={shell_quote(image)}", '--container-name="molt-$SLURM_JOB_ID"',
-            f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
-            '--container-workdir="$MOLT_ROOT"', "--no-container-mount-home"]
+    return [
+        f"--container-image={shell_quote(image)}",
+        '--container-name="molt-$SLURM_JOB_ID"',
+        f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
+        '--container-workdir="$MOLT_ROOT"',
+        "--no-container-mount-home",
+    ]
 
 
 def _delimiter(label: str, plan: Plan, body: str) -> str:
@@ -209,10 +230,12 @@ def render_sbatch(plan: Plan) -> str:
     dashboard_port = int(slurm.get("dashboard_port", 8265))
     plan_json = plan.to_json().rstrip("\n")
     sbatch_values = [(k, slurm[k]) for k in SBATCH_VALUE_KEYS if slurm.get(k) not in (None, "")]
-    for key, value in (("name", plan.name), *((f"launch.slurm.{k}", slurm.get(k)) for k in ("time", "account",
-                                                                                         "partition")),
-                       *((f"launch.slurm.{k}", v) for k, v in sbatch_values),
-                       *((f"launch.slurm.sbatch_options[{i}]", v) for i, v in enumerate(slurm.get("sbatch_options") or []))):
+    for key, value in (
+        ("name", plan.name),
+        *((f"launch.slurm.{k}", slurm.get(k)) for k in ("time", "account", "partition")),
+        *((f"launch.slurm.{k}", v) for k, v in sbatch_values),
+        *((f"launch.slurm.sbatch_options[{i}]", v) for i, v in enumerate(slurm.get("sbatch_options") or [])),
+    ):
         if value is not None:
             sbatch_quote(value, key)  # refuses control characters, naming the key
     setup = [str(line) for line in slurm.get("setup") or []]
@@ -220,38 +243,51 @@ def render_sbatch(plan: Plan) -> str:
         if "\x00" in line:
             raise SlurmRenderError(f"launch.slurm.setup[{i}]: holds a NUL character")
     values = dict(
-        name=plan.name, source=plan.source, fingerprint=plan.fingerprint, kind=plan.kind,
+        name=plan.name,
+        source=plan.source,
+        fingerprint=plan.fingerprint,
+        kind=plan.kind,
         nodes=int(cluster.nodes),
         gpus_per_node=int(cluster.gpus_per_node) if cluster.device == "cuda" else 0,
-        time=slurm.get("time") or "04:00:00", account=slurm.get("account"), partition=slurm.get("partition"),
-        env=_env_lines(plan), setup=setup,
+        time=slurm.get("time") or "04:00:00",
+        account=slurm.get("account"),
+        partition=slurm.get("partition"),
+        env=_env_lines(plan),
+        setup=setup,
         srun_args=[shell_quote(str(f)) for f in slurm.get("srun_options") or []],
         container_args=_container_args(slurm) + [shell_quote(str(f)) for f in slurm.get("srun_options") or []],
-        exclusive=bool(slurm.get("exclusive", True)), sbatch_values=sbatch_values,
-        requeue=bool(slurm.get("requeue")) and plan.kind == "rl", requeue_signal_s=int(slurm.get("requeue_signal_s", 300)),
+        exclusive=bool(slurm.get("exclusive", True)),
+        sbatch_values=sbatch_values,
+        requeue=bool(slurm.get("requeue")) and plan.kind == "rl",
+        requeue_signal_s=int(slurm.get("requeue_signal_s", 300)),
         requeue_exit=REQUEUE_EXIT_STATUS,
         sbatch_options=[str(o) for o in slurm.get("sbatch_options") or []],
-        num_cpus=num_cpus, num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
         resources_json=json.dumps({k: v for k, v in sorted(res.items())}, separators=(",", ":")) if res else "",
         node_resources_text=", ".join(f"{k} {v:g}" for k, v in sorted(cluster.node_resources.items())),
-        ray_port=ray_port, dashboard_port=dashboard_port,
+        ray_port=ray_port,
+        dashboard_port=dashboard_port,
         ready_timeout_s=int(slurm.get("ready_timeout_s", 600)),
-        plan_json=plan_json, plan_delimiter=_delimiter("PLAN", plan, plan_json),
+        plan_json=plan_json,
+        plan_delimiter=_delimiter("PLAN", plan, plan_json),
         node_delimiter=f"MOLT_NODE_SCRIPT_END_{plan.fingerprint[:12] or 'X'}",
     )
     if plan.kind == "rl":
-        values["ports"] = node_ports(ray_port, dashboard_port, values["nodes"])
+        values["ports"] = node_ports(ray_port, dashboard_port, cluster.nodes)
         values["entrypoint"] = command_words(plan.entrypoint, {PLAN_FILE_PLACEHOLDER: "MOLT_PLAN_FILE"})
     else:
         command = plan.sft.command if plan.sft is not None else plan.entrypoint
         values["node_command"] = command_words(
-            command, {"{node_rank}": "NODE_RANK", "{master_addr}": "MASTER_ADDR", PLAN_FILE_PLACEHOLDER: "PLAN_FILE"})
+            command, {"{node_rank}": "NODE_RANK", "{master_addr}": "MASTER_ADDR", PLAN_FILE_PLACEHOLDER: "PLAN_FILE"}
+        )
     script = _template().render(**values)
     lines = script.splitlines()
     for key in ("plan_delimiter", "node_delimiter"):
         if lines.count(values[key]) != 1:  # a value that ends a heredoc early would run as shell code
-            raise SlurmRenderError(f"internal: the heredoc delimiter {values[key]} occurs "
-                                   f"{lines.count(values[key])} times in the script")
+            raise SlurmRenderError(
+                f"internal: the heredoc delimiter {values[key]} occurs {lines.count(values[key])} times in the script"
+            )
     return script
 
 
@@ -261,6 +297,8 @@ def submit_hint(path: object) -> str:
 
     hint = f"  submit it from the project root: sbatch {shlex.quote(str(path))}"
     if shutil.which("sbatch") is None:
-        hint += ("\n  (sbatch is not installed on this machine: copy the project and the script to a Slurm login "
-                 "node, or test with .ci/slurm_up.sh, which starts a two-node Slurm here)")
+        hint += (
+            "\n  (sbatch is not installed on this machine: copy the project and the script to a Slurm login "
+            "node, or test with .ci/slurm_up.sh, which starts a two-node Slurm here)"
+        )
     return hint

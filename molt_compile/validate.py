@@ -10,25 +10,39 @@ and the closest choice for an enum value. Schema errors are blockers (exit 2).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from molt_compile import schema_walk as sw
-from molt_compile.codes import name_of
+from molt_compile.codes import BUILTIN
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.load import Loaded
 from molt_compile.source import Pos
 
 _TYPE_WORDS = {
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "a whole number",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "bool_type": "true or false", "bool_parsing": "true or false",
-    "string_type": "a string", "string_unicode": "a string",
-    "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping",
-    "list_type": "a list", "tuple_type": "a list", "iterable_type": "a list", "none_required": "null",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "a whole number",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "string_unicode": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "iterable_type": "a list",
+    "none_required": "null",
 }
 _RANGE_WORDS = {
-    "greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="),
-    "less_than": ("lt", "<"), "less_than_equal": ("le", "<="),
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
 }
 
 
@@ -52,10 +66,7 @@ def _dotted(segments: list[Any]) -> str:
 
 
 def _error(code: str, message: str, path: str, pos: Pos | None, help: str = "") -> Diagnostic:
-    pos = pos or Pos(None, None, None, "default")
-    return Diagnostic(code=code, severity="error", message=message, path=path, file=pos.file, line=pos.line,
-                      col=pos.col, help=help, name=name_of(code), blocker=True,
-                      origin="" if pos.layer == "file" else pos.layer)
+    return BUILTIN[code].diagnostic(message, pos=pos or Pos(None, None, None, "default"), path=path, help=help)
 
 
 class _Where:
@@ -71,8 +82,11 @@ class _Where:
         return self.loaded.key_positions.get(path) or self.value(path)
 
     def section(self, path: str) -> Pos:
-        return (self.loaded.key_positions.get(path) or self.loaded.source.positions.get(path) or self.root()) \
-            if path else self.root()
+        return (
+            (self.loaded.key_positions.get(path) or self.loaded.source.positions.get(path) or self.root())
+            if path
+            else self.root()
+        )
 
     def root(self) -> Pos:
         return Pos(self.loaded.source.root_file, None, None, "file")
@@ -102,22 +116,49 @@ def _check_version_kind(data: dict[str, Any], where: _Where) -> tuple[list[Diagn
     diags: list[Diagnostic] = []
     version = data.get("version")
     if "version" not in data:
-        diags.append(_error("SCHEMA006", "missing key `version`", "version", where.root(),
-                            help=f"add `version: {RECIPE_VERSION}` at the top of the recipe"))
+        diags.append(
+            _error(
+                "SCHEMA006",
+                "missing key `version`",
+                "version",
+                where.root(),
+                help=f"add `version: {RECIPE_VERSION}` at the top of the recipe",
+            )
+        )
     elif type(version) is not int or version != RECIPE_VERSION:
-        diags.append(_error("SCHEMA006", f"unsupported recipe version {describe(version)}; this molt-compile reads "
-                            f"version {RECIPE_VERSION}", "version", where.value("version"),
-                            help=f"write `version: {RECIPE_VERSION}` (see schemas/recipe.schema.json)"))
+        diags.append(
+            _error(
+                "SCHEMA006",
+                f"unsupported recipe version {describe(version)}; this molt-compile reads version {RECIPE_VERSION}",
+                "version",
+                where.value("version"),
+                help=f"write `version: {RECIPE_VERSION}` (see schemas/recipe.schema.json)",
+            )
+        )
     kinds = {"rl": RlRecipe, "sft": SftRecipe}
     kind = data.get("kind")
     if "kind" not in data:
-        diags.append(_error("SCHEMA004", "missing key `kind`", "kind", where.root(),
-                            help="add `kind: rl` (reinforcement learning) or `kind: sft` (supervised fine-tuning)"))
+        diags.append(
+            _error(
+                "SCHEMA004",
+                "missing key `kind`",
+                "kind",
+                where.root(),
+                help="add `kind: rl` (reinforcement learning) or `kind: sft` (supervised fine-tuning)",
+            )
+        )
         return diags, None
     if not isinstance(kind, str) or kind not in kinds:  # a list or mapping is unhashable: test the type first
         guess = sw.closest(str(kind), list(kinds)) if isinstance(kind, str) else None
-        diags.append(_error("SCHEMA005", f"`kind` must be `rl` or `sft`, got {describe(kind)}", "kind",
-                            where.value("kind"), help=f"did you mean `{guess}`?" if guess else "use `kind: rl` or `kind: sft`"))
+        diags.append(
+            _error(
+                "SCHEMA005",
+                f"`kind` must be `rl` or `sft`, got {describe(kind)}",
+                "kind",
+                where.value("kind"),
+                help=f"did you mean `{guess}`?" if guess else "use `kind: rl` or `kind: sft`",
+            )
+        )
         return diags, None
     return diags, kinds[kind]
 
@@ -143,8 +184,10 @@ def _unknown_key(model: Any, segments: list[Any], where: _Where) -> Diagnostic:
     return _error("SCHEMA001", f"unknown key `{key}` {where_msg}", path, where.key(path), help=help)
 
 
-def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Where) -> list[Diagnostic]:
-    by_path: dict[str, list[tuple[list[Any], dict]]] = {}
+def _map_errors(
+    model: Any, errors: Sequence[Mapping[str, Any]], data: dict[str, Any], where: _Where
+) -> list[Diagnostic]:
+    by_path: dict[str, list[tuple[list[Any], Mapping[str, Any]]]] = {}
     for err in errors:
         if err["loc"] and err["loc"][0] in ("version", "kind"):
             continue  # checked by hand, with better messages
@@ -161,39 +204,87 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
             diags.append(_unknown_key(model, segments, where))
         elif kind == "missing" and segments and isinstance(segments[-1], int):
             listed = _dotted(segments[:-1])
-            diags.append(_error("SCHEMA003", f"`{listed}` has too few items: item {segments[-1]} is missing",
-                                listed, where.value(listed), help=_list_len_help(model, segments[:-1])))
+            diags.append(
+                _error(
+                    "SCHEMA003",
+                    f"`{listed}` has too few items: item {segments[-1]} is missing",
+                    listed,
+                    where.value(listed),
+                    help=_list_len_help(model, segments[:-1]),
+                )
+            )
         elif kind == "missing":
             parent = _dotted(segments[:-1])
             doc = sw.field_doc(model, segments)
-            diags.append(_error("SCHEMA004", f"missing required key `{path}`", path, where.section(parent),
-                                help=f"add `{segments[-1]}:` under `{parent}`" if parent else f"add `{path}:`"
-                                + (f" ({doc})" if doc else "")))
+            diags.append(
+                _error(
+                    "SCHEMA004",
+                    f"missing required key `{path}`",
+                    path,
+                    where.section(parent),
+                    help=f"add `{segments[-1]}:` under `{parent}`"
+                    if parent
+                    else f"add `{path}:`" + (f" ({doc})" if doc else ""),
+                )
+            )
         elif kind == "literal_error":
             types, _ = sw.type_at(model, segments)
             choices = sw.literal_choices(types or [])
             shown = ", ".join(str(c) for c in choices)
             guess = sw.closest(str(value), [str(c) for c in choices]) if value is not None else None
-            diags.append(_error("SCHEMA005", f"`{path}` must be one of {shown}; got {describe(value)}", path,
-                                where.value(path),
-                                help=f"did you mean `{guess}`?" if guess else f"choose one of: {shown}"))
+            diags.append(
+                _error(
+                    "SCHEMA005",
+                    f"`{path}` must be one of {shown}; got {describe(value)}",
+                    path,
+                    where.value(path),
+                    help=f"did you mean `{guess}`?" if guess else f"choose one of: {shown}",
+                )
+            )
         elif kind in _RANGE_WORDS:
             bound_key, op = _RANGE_WORDS[kind]
             bound = err.get("ctx", {}).get(bound_key)
-            diags.append(_error("SCHEMA003", f"`{path}` must be {op} {bound}, got {describe(value)}", path,
-                                where.value(path), help=_range_help(model, segments, op, bound)))
+            diags.append(
+                _error(
+                    "SCHEMA003",
+                    f"`{path}` must be {op} {bound}, got {describe(value)}",
+                    path,
+                    where.value(path),
+                    help=_range_help(model, segments, op, bound),
+                )
+            )
         elif kind == "too_long" or kind == "too_short":
             ctx = err.get("ctx", {})
-            diags.append(_error("SCHEMA003", f"`{path}` has {ctx.get('actual_length', '?')} items; "
-                                f"{_len_words(ctx)}", path, where.value(path), help=_list_len_help(model, segments)))
+            diags.append(
+                _error(
+                    "SCHEMA003",
+                    f"`{path}` has {ctx.get('actual_length', '?')} items; {_len_words(ctx)}",
+                    path,
+                    where.value(path),
+                    help=_list_len_help(model, segments),
+                )
+            )
         elif kind == "string_pattern_mismatch" and err["loc"][-1] == "[key]":  # a mapping key: env names
-            diags.append(_error("SCHEMA007", f"`{value}` is not an environment variable name (in `{_dotted(segments[:-1])}`)",
-                                path, where.key(path),
-                                help="a name is letters, digits and `_`, not starting with a digit; the value goes "
-                                f"after the colon: `{_env_name_guess(str(value))}: ...`"))
+            diags.append(
+                _error(
+                    "SCHEMA007",
+                    f"`{value}` is not an environment variable name (in `{_dotted(segments[:-1])}`)",
+                    path,
+                    where.key(path),
+                    help="a name is letters, digits and `_`, not starting with a digit; the value goes "
+                    f"after the colon: `{_env_name_guess(str(value))}: ...`",
+                )
+            )
         elif kind in ("string_pattern_mismatch", "string_too_long", "string_too_short"):
-            diags.append(_error("SCHEMA007", f"`{path}` is not allowed: {err['msg'].lower()}; got {describe(value)}",
-                                path, where.value(path), help=_string_help(path, value)))
+            diags.append(
+                _error(
+                    "SCHEMA007",
+                    f"`{path}` is not allowed: {err['msg'].lower()}; got {describe(value)}",
+                    path,
+                    where.value(path),
+                    help=_string_help(path, value),
+                )
+            )
         else:
             expected = []
             for _, e in group:
@@ -205,10 +296,17 @@ def _map_errors(model: Any, errors: list[dict], data: dict[str, Any], where: _Wh
                 if expected == ["a mapping"] and value is None:
                     help = f"an empty `{segments[-1]}:` is null; write `{segments[-1]}: {{}}` for the defaults, or remove it"
                 elif expected == ["a string"] and isinstance(value, (int, float, bool)):
-                    shown = str(value).lower() if isinstance(value, bool) else value
+                    shown = str(value).lower() if isinstance(value, bool) else str(value)
                     help = f'quote it: `{segments[-1]}: "{shown}"`'
-                diags.append(_error("SCHEMA002", f"`{path}` must be {' or '.join(expected)}, got {describe(value)}",
-                                    path, where.value(path), help=help))
+                diags.append(
+                    _error(
+                        "SCHEMA002",
+                        f"`{path}` must be {' or '.join(expected)}, got {describe(value)}",
+                        path,
+                        where.value(path),
+                        help=help,
+                    )
+                )
             else:
                 diags.append(_error("SCHEMA007", f"`{path}`: {err['msg']}", path, where.value(path)))
     return diags
@@ -229,7 +327,8 @@ def _list_len_help(model: Any, segments: list[Any]) -> str:
             args = typing.get_args(m)
             if typing.get_origin(m) is tuple and args and args[-1] is not Ellipsis:
                 return f"give exactly {len(args)} items, e.g. [{', '.join('...' for _ in args)}]" + (
-                    f" ({sw.field_doc(model, segments)})" if sw.field_doc(model, segments) else "")
+                    f" ({sw.field_doc(model, segments)})" if sw.field_doc(model, segments) else ""
+                )
     return ""
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from schemas.plan import Plan
+from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
 DEVICES = ("cpu", "cuda")
 
@@ -64,109 +64,286 @@ def _trainer_mesh(plan: Plan, axis: str) -> int:
     return getattr(t.mesh, axis) if t is not None else 1
 
 
-def _mesh_rows(kind: str, section: Callable[[Plan], object]) -> tuple[Capability, ...]:
+def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None]) -> tuple[Capability, ...]:
     def asks(axis: str) -> Callable[[Plan], bool]:
         def check(plan: Plan) -> bool:
             trainer = section(plan)
             return trainer is not None and getattr(trainer.mesh, axis) > 1
+
         return check
 
     names = {"tp": "tensor", "cp": "context", "ep": "expert"}
     return tuple(
-        Capability(f"{kind}-trainer-{axis}", kind, f"actor.mesh.{axis}", f"{names[axis]} parallelism in the trainer "
-                   f"(actor.mesh.{axis} > 1)", asks(axis), f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
-                   tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)")
-        for axis in ("tp", "cp", "ep"))
+        Capability(
+            f"{kind}-trainer-{axis}",
+            kind,
+            f"actor.mesh.{axis}",
+            f"{names[axis]} parallelism in the trainer (actor.mesh.{axis} > 1)",
+            asks(axis),
+            f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
+            tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)",
+        )
+        for axis in ("tp", "cp", "ep")
+    )
 
 
 CAPABILITIES: tuple[Capability, ...] = (
     # ---------------------------------------------------------------------------------------------------- RL
-    Capability("rl-colocated-vllm", "rl", "rollout.placement", "a vLLM engine sharing the trainer's GPU",
-               lambda p: _colocated(p) and p.rl.engines.kind == "vllm", "rollout.engine: hf (or placement: separate)",
-               devices=frozenset({"cpu"}), tracked="issue 18 (CUDA vLLM does not install on the H200 test machines: "
-               "its sleep mode and a CUDA IPC refit are untested)"),
-    Capability("rl-colocated-wide", "rl", "rollout.engines", "colocated engines beyond trainer rank 0's GPU",
-               lambda p: _colocated(p) and (p.rl.engines.count > 1 or p.cluster.nodes > 1),
-               "rollout.engines: 1 on one node (the CUDA IPC sender is trainer rank 0), or placement: separate",
-               devices=frozenset({"cpu"}), tracked="issue 21 (multi-GPU)"),
+    Capability(
+        "rl-colocated-vllm",
+        "rl",
+        "rollout.placement",
+        "a vLLM engine sharing the trainer's GPU",
+        lambda p: _colocated(p) and p.rl.engines.kind == "vllm",
+        "rollout.engine: hf (or placement: separate)",
+        devices=frozenset({"cpu"}),
+        tracked="issue 18 (CUDA vLLM does not install on the H200 test machines: "
+        "its sleep mode and a CUDA IPC refit are untested)",
+    ),
+    Capability(
+        "rl-colocated-wide",
+        "rl",
+        "rollout.engines",
+        "colocated engines beyond trainer rank 0's GPU",
+        lambda p: _colocated(p) and (p.rl.engines.count > 1 or p.cluster.nodes > 1),
+        "rollout.engines: 1 on one node (the CUDA IPC sender is trainer rank 0), or placement: separate",
+        devices=frozenset({"cpu"}),
+        tracked="issue 21 (multi-GPU)",
+    ),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
-    Capability("rl-packing", "rl", "actor.packing", "sequence packing in the trainer",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.packing, "actor.packing: false",
-               devices=frozenset({"cpu"}), tracked="issue 11 (cuda: flash_attention_2 varlen, tests/gpu/check_packing.py)"),
-    Capability("rl-dynamic-batch", "rl", "train.dynamic_batch", "micro-batches by token budget",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.dynamic_batch_max_tokens is not None,
-               "no `train.dynamic_batch` (fixed micro-batches of train.micro_batch_size)", devices=frozenset({"cpu"}),
-               tracked="issue 11 (cuda: with packing, tests/gpu/check_packing.py)"),
-    Capability("rl-routing-replay", "rl", "train.routing_replay", "MoE routing replay (R3)",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay, "train.routing_replay: false",
-               tracked="issue 16"),
-    Capability("rl-critic-images", "rl", "critic", "a critic (value model) for image prompts",
-               lambda p: p.rl.critic is not None and p.rl.data.max_images_per_prompt > 0,
-               "a critic-free estimator (grpo, rloo, reinforce_baseline, ...) for a VLM, or data.max_images_per_prompt: 0 "
-               "(the value model loads as a text-only token classifier and never sees the images)", tracked="issue 14"),
-    Capability("rl-images", "rl", "data.max_images_per_prompt", "image inputs with the hf rollout engine",
-               lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.engines.kind == "hf",
-               "rollout.engine: vllm (it takes images), or data.max_images_per_prompt: 0", tracked="issue 17"),
-    Capability("rl-automodel", "rl", "model.backend", "the nemo-automodel training backend",
-               lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
-               "model.backend: hf (HF transformers models under FSDP2)", tracked="issue 16"),
-    Capability("rl-offload", "rl", "actor.offload", "CPU offload of the optimizer or parameters",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.offload != "none", "actor.offload: none",
-               tracked="issue 11"),
-    Capability("rl-muon", "rl", "actor.optimizer.name", "the Muon optimizer",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.optimizer.name != "adam",
-               "actor.optimizer.name: adam", tracked="issue 15"),
-    Capability("rl-force-on-policy", "rl", "train.force_on_policy", "on-policy ratios forced to 1",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.force_on_policy,
-               "train.force_on_policy: false (π_old is computed by the trainer before each step)", tracked="issue 15"),
-    Capability("rl-full-determinism", "rl", "train.full_determinism", "deterministic kernels and seeding",
-               lambda p: p.rl.trainer is not None and p.rl.trainer.full_determinism, "train.full_determinism: false",
-               tracked="issue 13"),
-    Capability("rl-data-format", "rl", "data.prompts", "prompt data whose rows the compiler could not count (a hub "
-               "name, or a path not on this machine): the run needs its step count",
-               lambda p: p.rl.schedule.total_steps is None,
-               "a local jsonl/json/parquet/arrow file or save_to_disk directory", tracked="issue 14"),
-    Capability("rl-rollout-dump", "rl", "train.rollout_dump_dir", "saving every rollout batch",
-               lambda p: _recipe(p, "train", "rollout_dump_dir") is not None, "no `train.rollout_dump_dir`",
-               tracked="issue 13"),
-    Capability("rl-rollout-replay", "rl", "train.rollout_replay_dir", "training on replayed rollout batches",
-               lambda p: _recipe(p, "train", "rollout_replay_dir") is not None, "no `train.rollout_replay_dir`",
-               tracked="issue 13"),
-    Capability("rl-weight-check", "rl", "train.check_weight_update_equal", "the engine weight equality check",
-               lambda p: bool(_recipe(p, "train", "check_weight_update_equal")),
-               "train.check_weight_update_equal: false (every sync is checked by the log-prob probe)",
-               tracked="issue 13"),
-    Capability("rl-warm-resume", "rl", "ckpt.warm_resume_rollouts", "restoring untrained rollouts on resume",
-               lambda p: p.rl.ckpt.warm_resume_rollouts, "ckpt.warm_resume_rollouts: false", tracked="issue 13"),
-    Capability("rl-disk-cap", "rl", "ckpt.max_disk_gb", "a disk cap on checkpoints",
-               lambda p: p.rl.ckpt.max_disk_gb is not None, "no `ckpt.max_disk_gb` (ckpt.keep bounds the count)",
-               tracked="issue 13"),
-    Capability("rl-best-metric", "rl", "ckpt.best_metric_key", "keeping the best checkpoint by a metric",
-               lambda p: bool(p.rl.ckpt.best_metric_key), "no `ckpt.best_metric_key` (the newest ckpt.keep are kept)",
-               tracked="issue 13"),
-    Capability("rl-score-centering", "rl", "algo.score_centering_top_k", "score centering (the engines' top-k "
-               "log-probs of every generated token carried to the loss)",
-               lambda p: p.rl.algo.score_centering_top_k > 0, "algo.score_centering_top_k: 0 (the centering math is "
-               "runtime/algo/score_centering.py; the engines do not return top-k yet)", tracked="issue 15"),
+    Capability(
+        "rl-packing",
+        "rl",
+        "actor.packing",
+        "sequence packing in the trainer",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.packing,
+        "actor.packing: false",
+        devices=frozenset({"cpu"}),
+        tracked="issue 11 (cuda: flash_attention_2 varlen, tests/gpu/check_packing.py)",
+    ),
+    Capability(
+        "rl-dynamic-batch",
+        "rl",
+        "train.dynamic_batch",
+        "micro-batches by token budget",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.dynamic_batch_max_tokens is not None,
+        "no `train.dynamic_batch` (fixed micro-batches of train.micro_batch_size)",
+        devices=frozenset({"cpu"}),
+        tracked="issue 11 (cuda: with packing, tests/gpu/check_packing.py)",
+    ),
+    Capability(
+        "rl-routing-replay",
+        "rl",
+        "train.routing_replay",
+        "MoE routing replay (R3)",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay,
+        "train.routing_replay: false",
+        tracked="issue 16",
+    ),
+    Capability(
+        "rl-critic-images",
+        "rl",
+        "critic",
+        "a critic (value model) for image prompts",
+        lambda p: p.rl.critic is not None and p.rl.data.max_images_per_prompt > 0,
+        "a critic-free estimator (grpo, rloo, reinforce_baseline, ...) for a VLM, or data.max_images_per_prompt: 0 "
+        "(the value model loads as a text-only token classifier and never sees the images)",
+        tracked="issue 14",
+    ),
+    Capability(
+        "rl-images",
+        "rl",
+        "data.max_images_per_prompt",
+        "image inputs with the hf rollout engine",
+        lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.engines.kind == "hf",
+        "rollout.engine: vllm (it takes images), or data.max_images_per_prompt: 0",
+        tracked="issue 17",
+    ),
+    Capability(
+        "rl-automodel",
+        "rl",
+        "model.backend",
+        "the nemo-automodel training backend",
+        lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
+        "model.backend: hf (HF transformers models under FSDP2)",
+        tracked="issue 16",
+    ),
+    Capability(
+        "rl-offload",
+        "rl",
+        "actor.offload",
+        "CPU offload of the optimizer or parameters",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.offload != "none",
+        "actor.offload: none",
+        tracked="issue 11",
+    ),
+    Capability(
+        "rl-muon",
+        "rl",
+        "actor.optimizer.name",
+        "the Muon optimizer",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.optimizer.name != "adam",
+        "actor.optimizer.name: adam",
+        tracked="issue 15",
+    ),
+    Capability(
+        "rl-force-on-policy",
+        "rl",
+        "train.force_on_policy",
+        "on-policy ratios forced to 1",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.force_on_policy,
+        "train.force_on_policy: false (π_old is computed by the trainer before each step)",
+        tracked="issue 15",
+    ),
+    Capability(
+        "rl-full-determinism",
+        "rl",
+        "train.full_determinism",
+        "deterministic kernels and seeding",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.full_determinism,
+        "train.full_determinism: false",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-data-format",
+        "rl",
+        "data.prompts",
+        "prompt data whose rows the compiler could not count (a hub "
+        "name, or a path not on this machine): the run needs its step count",
+        lambda p: p.rl.schedule.total_steps is None,
+        "a local jsonl/json/parquet/arrow file or save_to_disk directory",
+        tracked="issue 14",
+    ),
+    Capability(
+        "rl-rollout-dump",
+        "rl",
+        "train.rollout_dump_dir",
+        "saving every rollout batch",
+        lambda p: _recipe(p, "train", "rollout_dump_dir") is not None,
+        "no `train.rollout_dump_dir`",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-rollout-replay",
+        "rl",
+        "train.rollout_replay_dir",
+        "training on replayed rollout batches",
+        lambda p: _recipe(p, "train", "rollout_replay_dir") is not None,
+        "no `train.rollout_replay_dir`",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-weight-check",
+        "rl",
+        "train.check_weight_update_equal",
+        "the engine weight equality check",
+        lambda p: bool(_recipe(p, "train", "check_weight_update_equal")),
+        "train.check_weight_update_equal: false (every sync is checked by the log-prob probe)",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-warm-resume",
+        "rl",
+        "ckpt.warm_resume_rollouts",
+        "restoring untrained rollouts on resume",
+        lambda p: p.rl.ckpt.warm_resume_rollouts,
+        "ckpt.warm_resume_rollouts: false",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-disk-cap",
+        "rl",
+        "ckpt.max_disk_gb",
+        "a disk cap on checkpoints",
+        lambda p: p.rl.ckpt.max_disk_gb is not None,
+        "no `ckpt.max_disk_gb` (ckpt.keep bounds the count)",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-best-metric",
+        "rl",
+        "ckpt.best_metric_key",
+        "keeping the best checkpoint by a metric",
+        lambda p: bool(p.rl.ckpt.best_metric_key),
+        "no `ckpt.best_metric_key` (the newest ckpt.keep are kept)",
+        tracked="issue 13",
+    ),
+    Capability(
+        "rl-score-centering",
+        "rl",
+        "algo.score_centering_top_k",
+        "score centering (the engines' top-k log-probs of every generated token carried to the loss)",
+        lambda p: p.rl.algo.score_centering_top_k > 0,
+        "algo.score_centering_top_k: 0 (the centering math is "
+        "runtime/algo/score_centering.py; the engines do not return top-k yet)",
+        tracked="issue 15",
+    ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
-    Capability("sft-packing", "sft", "actor.packing", "sequence packing in the SFT trainer",
-               lambda p: p.sft.trainer.packing, "actor.packing: false", tracked="issue 11"),
-    Capability("sft-offload", "sft", "actor.offload", "CPU offload of the optimizer or parameters",
-               lambda p: p.sft.trainer.offload != "none", "actor.offload: none", tracked="issue 11"),
-    Capability("sft-images", "sft", "data.image_key", "image inputs (VLM SFT)",
-               lambda p: p.sft.data.image_key is not None, "no `data.image_key`", tracked="issue 17"),
-    Capability("sft-interleave", "sft", "data.dataset_probs", "interleaving several datasets by probability",
-               lambda p: p.sft.data.probs is not None, "one dataset (or no `data.dataset_probs`)",
-               tracked="issue 14"),
-    Capability("sft-muon", "sft", "actor.optimizer.name", "the Muon optimizer",
-               lambda p: p.sft.trainer.optimizer.name != "adam", "actor.optimizer.name: adam", tracked="issue 15"),
-    Capability("sft-automodel", "sft", "model.backend", "the nemo-automodel training backend",
-               lambda p: p.sft.model.backend == "automodel", "model.backend: hf", tracked="issue 16"),
-    Capability("sft-data-format", "sft", "data.dataset", "SFT data whose rows the compiler could not count (a hub "
-               "name, or a path not on this machine)", lambda p: p.sft.schedule.total_steps is None,
-               "a local jsonl/json/parquet/arrow file or save_to_disk directory (the step count and the LR schedule "
-               "come from its row count)", tracked="issue 14"),
+    Capability(
+        "sft-packing",
+        "sft",
+        "actor.packing",
+        "sequence packing in the SFT trainer",
+        lambda p: p.sft.trainer.packing,
+        "actor.packing: false",
+        tracked="issue 11",
+    ),
+    Capability(
+        "sft-offload",
+        "sft",
+        "actor.offload",
+        "CPU offload of the optimizer or parameters",
+        lambda p: p.sft.trainer.offload != "none",
+        "actor.offload: none",
+        tracked="issue 11",
+    ),
+    Capability(
+        "sft-images",
+        "sft",
+        "data.image_key",
+        "image inputs (VLM SFT)",
+        lambda p: p.sft.data.image_key is not None,
+        "no `data.image_key`",
+        tracked="issue 17",
+    ),
+    Capability(
+        "sft-interleave",
+        "sft",
+        "data.dataset_probs",
+        "interleaving several datasets by probability",
+        lambda p: p.sft.data.probs is not None,
+        "one dataset (or no `data.dataset_probs`)",
+        tracked="issue 14",
+    ),
+    Capability(
+        "sft-muon",
+        "sft",
+        "actor.optimizer.name",
+        "the Muon optimizer",
+        lambda p: p.sft.trainer.optimizer.name != "adam",
+        "actor.optimizer.name: adam",
+        tracked="issue 15",
+    ),
+    Capability(
+        "sft-automodel",
+        "sft",
+        "model.backend",
+        "the nemo-automodel training backend",
+        lambda p: p.sft.model.backend == "automodel",
+        "model.backend: hf",
+        tracked="issue 16",
+    ),
+    Capability(
+        "sft-data-format",
+        "sft",
+        "data.dataset",
+        "SFT data whose rows the compiler could not count (a hub name, or a path not on this machine)",
+        lambda p: p.sft.schedule.total_steps is None,
+        "a local jsonl/json/parquet/arrow file or save_to_disk directory (the step count and the LR schedule "
+        "come from its row count)",
+        tracked="issue 14",
+    ),
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
 

@@ -25,15 +25,13 @@ Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group 
 are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION: Final = 1
 PLAN_FILE_PLACEHOLDER = "{plan_file}"
 """Substituted by the launcher with the plan file's path (relative to the job's working directory)."""
 DEVICE_SLOT_RESOURCE = "device_slot"
@@ -72,7 +70,9 @@ def _pretty(data: dict[str, Any]) -> str:
         elif isinstance(value, dict) and value:
             lines.append(f" {_compact(key)}: {{")
             sub = sorted(value)
-            lines += [f"  {_compact(k)}: {_compact(value[k])}{',' if j < len(sub) - 1 else ''}" for j, k in enumerate(sub)]
+            lines += [
+                f"  {_compact(k)}: {_compact(value[k])}{',' if j < len(sub) - 1 else ''}" for j, k in enumerate(sub)
+            ]
             lines.append(f" }}{comma}")
         else:
             lines.append(f" {_compact(key)}: {_compact(value)}{comma}")
@@ -823,7 +823,7 @@ class Plan(PlanModel):
     def compute_fingerprint(self) -> str:
         return hashlib.sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
 
-    def with_fingerprint(self) -> Plan:
+    def with_fingerprint(self) -> Self:
         """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
         return self.model_copy(update={"fingerprint": self.compute_fingerprint()})
 
@@ -836,12 +836,13 @@ class Plan(PlanModel):
         return _compact(data) if indent is None else _pretty(data)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Plan:
+    def from_json(cls, text: str | bytes) -> Self:
         """Parse a plan; the fingerprint must match the content (a hand-edited plan is rejected)."""
         plan = cls.model_validate_json(text)
         if plan.fingerprint and plan.fingerprint != plan.compute_fingerprint():
-            raise ValueError("plan fingerprint does not match its content: the plan was edited after compiling; "
-                             "recompile the recipe")
+            raise ValueError(
+                "plan fingerprint does not match its content: the plan was edited after compiling; recompile the recipe"
+            )
         return plan
 
     # ------------------------------------------------------------------ lookups

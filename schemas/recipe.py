@@ -14,14 +14,12 @@ No cross-field checks live here: those are compiler rules with ids (`molt_compil
 one reports a position, a reason and a fix.
 """
 
-from __future__ import annotations
-
 import ast
 import inspect
 import re
 import sys
 from functools import cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -72,6 +70,17 @@ class Section(BaseModel):
                 field = cls.__pydantic_fields__.get(name)
                 if field is not None:
                     field.description = doc
+
+
+def section(model: type[BaseModel]) -> Any:
+    """A nested section that defaults to its own defaults. A factory, not an instance: an instance built while this
+    module is imported would build that model's validator then (defeating `defer_build`), in every compile. The
+    JSON Schema still shows the default."""
+
+    def schema_default(schema: dict[str, Any]) -> None:
+        schema["default"] = model().model_dump(mode="json", by_alias=True)
+
+    return Field(default_factory=model, json_schema_extra=schema_default)
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -177,7 +186,7 @@ class Optimizer(Section):
     """Warmup steps = ceil(total optimizer steps x ratio)."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Floor of the LR as a fraction of `lr` (scheduler kwarg `min_lr_rate`)."""
-    muon: Muon = Muon()
+    muon: Muon = section(Muon)
     """Muon settings; used only with `name: muon`."""
 
 
@@ -223,7 +232,7 @@ class Actor(Section):
     """Nodes of the policy FSDP group (also sizes the critic)."""
     gpus_per_node: PositiveInt = 8
     """GPUs per node of the policy FSDP group (also sizes the critic)."""
-    mesh: FsdpMesh = FsdpMesh()
+    mesh: FsdpMesh = section(FsdpMesh)
     """FSDP2 / AutoModel parallel mesh. dp = world / (tp x cp) is derived."""
     sequence_parallel: bool = False
     """Sequence parallelism inside the TP region (illegal with the critic)."""
@@ -231,15 +240,15 @@ class Actor(Section):
     """Pack sequences without padding (THD / varlen)."""
     offload: Literal["none", "optimizer", "full"] = "none"
     """CPU offload: `optimizer` runs AdamW on CPU; `full` also offloads parameters."""
-    optimizer: Optimizer = Optimizer()
+    optimizer: Optimizer = section(Optimizer)
     """Policy optimizer and LR schedule."""
-    loss: Loss = Loss()
+    loss: Loss = section(Loss)
     """Policy loss."""
-    freeze: Freeze = Freeze()
+    freeze: Freeze = section(Freeze)
     """Parameters that are not trained."""
     freezing_steps: NonNegInt = 0
     """With gae only: no policy update during the first N steps while the critic warms up."""
-    lora: Lora = Lora()
+    lora: Lora = section(Lora)
     """LoRA adapters on the policy (Molt 0.2.1): the adapter trains, the base stays frozen, each weight sync merges
     `W + scale·B@A` into the weights the engines get, and the HF export is a PEFT adapter directory."""
 
@@ -281,7 +290,7 @@ class Rollout(Section):
     """`separate`: engines on GPUs of their own (Molt). `colocate`: engine i shares actor rank i's GPU (a hybrid
     engine, for one-GPU machines): one bundle holds both, weights reach the engine through CUDA IPC on GPUs (gloo
     on CPU), and the engine's `gpu_memory_utilization` is its share of that GPU."""
-    mesh: RolloutMesh = RolloutMesh()
+    mesh: RolloutMesh = section(RolloutMesh)
     """Parallel mesh of each engine; an engine uses tp x pp x dp GPUs."""
     expert_parallel: bool = False
     """vLLM TP+EP hybrid (EP = tp x dp per engine)."""
@@ -317,9 +326,7 @@ class Rollout(Section):
     """vLLM decode context parallelism."""
     mtp_speculative_tokens: NonNegInt = 0
     """MTP speculative decoding tokens (needs an MTP head). 0: off."""
-    router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = (
-        "cache_aware"
-    )
+    router_policy: Literal["consistent_hash", "cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
     """How requests are routed to engines (Molt 0.2.1's default: cache_aware, token-prefix affinity with a shortest-
     queue fallback when unbalanced). consistent_hash keeps a multi-turn rollout on one engine's KV cache."""
     router_balance_abs: NonNegInt = 10
@@ -396,8 +403,9 @@ class DynamicFiltering(Section):
     """Open interval (lo, hi) that a group's mean score must fall inside to be trained on."""
 
 
-Estimator = Literal["reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill",
-                    "flash_reinforce"]
+Estimator = Literal[
+    "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill", "flash_reinforce"
+]
 
 
 class Algo(Section):
@@ -412,9 +420,9 @@ class Algo(Section):
     """Whiten advantages over the batch (reinforce, reinforce_baseline, gae)."""
     reward_clip: tuple[float, float] = (-10.0, 10.0)
     """Clamp on each rollout's reward before the estimator."""
-    kl: Kl = Kl()
+    kl: Kl = section(Kl)
     """KL penalty to the reference model."""
-    is_correction: IsCorrection = IsCorrection()
+    is_correction: IsCorrection = section(IsCorrection)
     """Importance-sampling correction between the trainer's and the rollout engine's log-probs."""
     dynamic_filtering: DynamicFiltering | None = None
     """DAPO-style group filter on the mean score. Absent: off."""
@@ -693,9 +701,9 @@ class SlurmLaunch(Section):
 
 
 class Launch(Section):
-    ray: RayLaunch = RayLaunch()
+    ray: RayLaunch = section(RayLaunch)
     """Ray Jobs submission."""
-    slurm: SlurmLaunch = SlurmLaunch()
+    slurm: SlurmLaunch = section(SlurmLaunch)
     """Slurm script rendering."""
 
 
@@ -709,17 +717,17 @@ class _Common(Section):
     """Base recipe(s), relative to this file; later wins, maps merge, lists replace."""
     description: str | None = None
     """One line on what this recipe trains."""
-    cluster: Cluster = Cluster()
+    cluster: Cluster = section(Cluster)
     """The cluster the job runs on."""
     model: Model
     """The trained model."""
-    ckpt: Ckpt = Ckpt()
+    ckpt: Ckpt = section(Ckpt)
     """Checkpoints."""
-    logging: Logging = Logging()
+    logging: Logging = section(Logging)
     """Metrics and logs."""
     env: dict[EnvName, str] = {}
     """Job-wide environment variables. Secrets only by reference: `${env:NAME}`."""
-    launch: Launch = Launch()
+    launch: Launch = section(Launch)
     """How the job is launched."""
     ignore: dict[str, str] = {}
     """Per-rule suppressions `CODE: reason`. An ignore that suppresses nothing is reported."""
@@ -730,23 +738,23 @@ class RlRecipe(_Common):
 
     kind: Literal["rl"]
     """rl: reinforcement learning on Ray."""
-    actor: Actor = Actor()
+    actor: Actor = section(Actor)
     """The trained policy's FSDP group."""
     ref: Ref | None = None
     """Reference model (KL) or distillation teacher. Absent: none."""
     critic: Critic | None = None
     """Value model (gae only). Absent: none."""
-    rollout: Rollout = Rollout()
+    rollout: Rollout = section(Rollout)
     """Rollout engines and sampling."""
     agent: Agent | None = None
     """The agent that turns prompts into rewarded trajectories. on_policy_distill may omit it."""
-    algo: Algo = Algo()
+    algo: Algo = section(Algo)
     """Advantages, KL, importance sampling and filtering."""
-    train: RlTrain = RlTrain()
+    train: RlTrain = section(RlTrain)
     """Optimizer steps, batching and the async pipeline."""
     data: RlData
     """Prompt dataset."""
-    eval: RlEval = RlEval()
+    eval: RlEval = section(RlEval)
     """Evaluation."""
 
 
@@ -755,7 +763,7 @@ class SftActor(Section):
     """Nodes (one torchrun per node)."""
     gpus_per_node: PositiveInt = 8
     """GPUs per node (torchrun --nproc-per-node)."""
-    mesh: FsdpMesh = FsdpMesh()
+    mesh: FsdpMesh = section(FsdpMesh)
     """FSDP2 / AutoModel parallel mesh."""
     sequence_parallel: bool = False
     """Sequence parallelism inside the TP region."""
@@ -767,9 +775,9 @@ class SftActor(Section):
     """Optimizer and LR schedule."""
     aux_loss_coef: float = Field(0.0, ge=0)
     """MoE load-balancing loss coefficient."""
-    freeze: Freeze = Freeze()
+    freeze: Freeze = section(Freeze)
     """Parameters that are not trained."""
-    lora: Lora = Lora()
+    lora: Lora = section(Lora)
     """LoRA adapters on the trained model (Molt 0.2.1 `--model.lora_*`); the HF export is a PEFT adapter directory."""
 
 
@@ -778,13 +786,13 @@ class SftRecipe(_Common):
 
     kind: Literal["sft"]
     """sft: supervised fine-tuning with torchrun."""
-    actor: SftActor = SftActor()
+    actor: SftActor = section(SftActor)
     """The trained model's FSDP group."""
-    train: SftTrain = SftTrain()
+    train: SftTrain = section(SftTrain)
     """Batching and epochs."""
     data: SftData
     """Training data."""
-    eval: SftEval = SftEval()
+    eval: SftEval = section(SftEval)
     """Evaluation."""
 
 

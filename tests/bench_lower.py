@@ -1,7 +1,10 @@
 """Benchmark: cold-process compile + lower of the largest recipes (`just bench` calls `run()`).
 
 - GLM-5.2 EP256 (recipes/glm5_ep256.yaml): 36 nodes, 288 GPUs. Target < 0.2 s.
-- A synthetic 1,024-node recipe (tests/data/plan/synthetic_1024.yaml, GLM scaled to 8,192 GPUs). Target < 1 s.
+- A synthetic 1,024-node recipe (tests/data/plan/synthetic_1024.yaml, GLM scaled to 8,192 GPUs). Target < 0.5 s.
+
+Both ask for what this runtime does not run yet (CAP001), which drops the plan; the child skips the capability pass
+so that the plan is still serialised (`tests/bench_compile.py` measures the CLI with every check).
 
 "Cold process" means a fresh interpreter per compile (imports included), with the bytecode cache warm, as a user
 running `molt-compile` twice would see it. Each measurement is a subprocess that runs `compile_recipe` and
@@ -26,9 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {
     "glm5_ep256": (ROOT / "recipes" / "glm5_ep256.yaml", 0.2),
-    "synthetic_1024_nodes": (ROOT / "tests" / "data" / "plan" / "synthetic_1024.yaml", 1.0),
+    "synthetic_1024_nodes": (ROOT / "tests" / "data" / "plan" / "synthetic_1024.yaml", 0.5),
 }
-_CHILD = ("import sys\nfrom molt_compile.compile import compile_recipe\nr = compile_recipe(sys.argv[1])\n"
+_CHILD = ("import sys\nfrom molt_compile.compile import compile_recipe\nr = compile_recipe(sys.argv[1], capabilities=False)\n"
           "sys.exit(0 if r.plan is not None and r.plan.to_json() else 3)\n")
 
 

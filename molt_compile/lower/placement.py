@@ -19,13 +19,14 @@ schedule), so they never hold up placement on a small cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError, Placer, placement_unit
 from molt_compile.lower.common import agent_env, bundle, diag, engine_env, instance, ray_options, role_plan
+from molt_compile.source import SourceMap
 from schemas.plan import PlacementGroupPlan, RolePlan
+from schemas.recipe import RlRecipe
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Placement:
     cpus_needed: float
 
 
-def place_rl(r: Any, d: Derived, source: Any) -> tuple[Placement, list[Diagnostic]]:
+def place_rl(r: RlRecipe, d: Derived, source: SourceMap | None) -> tuple[Placement, list[Diagnostic]]:
     c = r.cluster
     on_cpu = d.value("cluster.device") == "cpu"
     g = c.gpus_per_node
@@ -82,7 +83,7 @@ def place_rl(r: Any, d: Derived, source: Any) -> tuple[Placement, list[Diagnosti
     return Placement(pgs, roles, gpu_map, max(placer.cpu_used) if placer.cpu_used else 0.0), warnings
 
 
-def _place_engines(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, on_cpu: bool) -> RolePlan:
+def _place_engines(r: RlRecipe, d: Derived, placer: Placer, gpu_map: list, pgs: list, on_cpu: bool) -> RolePlan:
     """Engines on GPUs of their own: one PACK group, created first."""
     g = r.cluster.gpus_per_node
     ro = r.rollout
@@ -109,23 +110,21 @@ def _place_engines(r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list,
             gpu_map[n][dev].append(label)
         instances.append(instance(index=i, label=label, node=devices[0][0], bundle_indices=idx, devices=devices))
     engine_units = d.value("rollout.engine_num_gpus")
-    return (
-        role_plan(
-            name="rollout.engine",
-            actor_class="RolloutEngine",
-            count=ro.engines,
-            num_gpus=engine_units,
-            num_cpus=0,
-            placement_group="rollout",
-            scheduling="placement_group",
-            ray_options=ray_options(engine_units, 0, on_cpu),
-            instances=instances,
-            env=engine_env(r, on_cpu),
-        )
+    return role_plan(
+        name="rollout.engine",
+        actor_class="RolloutEngine",
+        count=ro.engines,
+        num_gpus=engine_units,
+        num_cpus=0,
+        placement_group="rollout",
+        scheduling="placement_group",
+        ray_options=ray_options(engine_units, 0, on_cpu),
+        instances=instances,
+        env=engine_env(r, on_cpu),
     )
 
 
-def _colocate_engines(r: Any, d: Derived, gpu_map: list, pgs: list, roles: list, on_cpu: bool) -> RolePlan:
+def _colocate_engines(r: RlRecipe, d: Derived, gpu_map: list, pgs: list, roles: list, on_cpu: bool) -> RolePlan:
     """Engine i in actor rank i's bundle (rollout.placement: colocate; one GPU per engine, engines <= ranks: the
     placement rules hold that)."""
     actor = next(role for role in roles if role.name == "actor")
@@ -135,8 +134,15 @@ def _colocate_engines(r: Any, d: Derived, gpu_map: list, pgs: list, roles: list,
         label = f"rollout.engine[{i}]"
         for n, dev in rank.devices:
             gpu_map[n][dev].append(label)
-        instances.append(instance(index=i, label=label, node=rank.node, bundle_indices=list(rank.bundle_indices),
-                                  devices=[list(x) for x in rank.devices]))
+        instances.append(
+            instance(
+                index=i,
+                label=label,
+                node=rank.node,
+                bundle_indices=list(rank.bundle_indices),
+                devices=[list(x) for x in rank.devices],
+            )
+        )
     units = d.value("rollout.engine_num_gpus")
     return role_plan(
         name="rollout.engine",
@@ -189,7 +195,14 @@ def _cpu_role(
 
 
 def _place_fsdp(
-    r: Any, d: Derived, placer: Placer, gpu_map: list, pgs: list, roles: list, on_cpu: bool, source: Any
+    r: RlRecipe,
+    d: Derived,
+    placer: Placer,
+    gpu_map: list,
+    pgs: list,
+    roles: list,
+    on_cpu: bool,
+    source: SourceMap | None,
 ) -> list[Diagnostic]:
     mesh = r.actor.mesh
     sizes = [mesh.ep, mesh.cp * mesh.tp]
@@ -198,7 +211,7 @@ def _place_fsdp(
     warnings: list[Diagnostic] = []
     colocate = d.value("fsdp.colocate")
     members = [("actor", "PolicyWorker")]
-    separate = []
+    separate: list[tuple[str, str]] = []
     for role, cls in (("ref", "ReferenceWorker"), ("critic", "CriticWorker")):
         if d.value(f"{role}.exists"):
             (members if d.value(f"{role}.colocated") else separate).append((role, cls))
@@ -242,7 +255,7 @@ def _place_fsdp(
 
 
 def _split_groups(
-    pg: str, nodes: list[int], sizes: list[int], names: tuple[str, ...], g: int, source: Any
+    pg: str, nodes: list[int], sizes: list[int], names: tuple[str, ...], g: int, source: SourceMap | None
 ) -> list[Diagnostic]:
     """PLACE104 for each group kind whose groups could have stayed on one node but did not."""
     out = []
@@ -261,7 +274,6 @@ def _split_groups(
                     "give the FSDP group whole nodes: change the engines' footprint so they fill whole nodes",
                     "actor.mesh",
                     source,
-                    "warning",
                 )
             )
     return out

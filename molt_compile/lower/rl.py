@@ -24,6 +24,7 @@ from molt_compile.lower.common import (
     source_path,
 )
 from molt_compile.lower.placement import place_rl
+from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,
     AgentPlan,
@@ -46,6 +47,7 @@ from schemas.plan import (
     TrainerPlan,
     WeightSyncPlan,
 )
+from schemas.recipe import RlRecipe
 
 RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
 RUNNER_MAX_RESTARTS = 3
@@ -57,7 +59,7 @@ WEIGHT_SYNC_TIMEOUT_S = 600
 """Forming the weight-sync group waits for every engine to be up; one sync of a large model stays well under."""
 
 
-def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnostic]]:
+def lower_rl(r: RlRecipe, d: Derived, source: SourceMap | None) -> tuple[Plan | None, list[Diagnostic]]:
     eval_only = r.eval.only
     need = [] if eval_only else ["actor.dp", "actor.grad_accum"]
     for role in ("ref", "critic"):
@@ -92,7 +94,7 @@ def lower_rl(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnos
     return plan.with_fingerprint(), warnings
 
 
-def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
+def rl_runtime(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlRuntime:
     """The RL runtime slice: what the Ray job reads, section by section."""
     return RlRuntime.model_construct(
         device=d.value("cluster.device"),
@@ -116,7 +118,7 @@ def rl_runtime(r: Any, d: Derived, source: Any) -> RlRuntime:
     )
 
 
-def _engines(r: Any, d: Derived) -> EnginesPlan:
+def _engines(r: RlRecipe, d: Derived) -> EnginesPlan:
     ro, t = r.rollout, r.train
     in_flight = d.value("rollout.generate_batch_size") * ro.n_samples_per_prompt
     return EnginesPlan.model_construct(
@@ -145,7 +147,7 @@ def _engines(r: Any, d: Derived) -> EnginesPlan:
     )
 
 
-def _engine_args(r: Any) -> dict[str, Any]:
+def _engine_args(r: RlRecipe) -> dict[str, Any]:
     """vLLM engine arguments, only those the recipe set (Molt B16), under vLLM's own names."""
     ro = r.rollout
     args: dict[str, Any] = {}
@@ -182,7 +184,7 @@ def _engine_args(r: Any) -> dict[str, Any]:
     return args
 
 
-def _agent(r: Any, d: Derived, source: Any) -> AgentPlan:
+def _agent(r: RlRecipe, d: Derived, source: SourceMap | None) -> AgentPlan:
     path = d.value("agent.path")
     if path != DISTILL_AGENT_PATH:
         path = resolve_path(path, "agent.path", source)
@@ -195,7 +197,7 @@ def _agent(r: Any, d: Derived, source: Any) -> AgentPlan:
     )
 
 
-def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
+def _data(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlDataPlan:
     dt = r.data
     return RlDataPlan.model_construct(
         prompts=resolve_sources(dt.prompts, "data.prompts", source),
@@ -214,7 +216,7 @@ def _data(r: Any, d: Derived, source: Any) -> RlDataPlan:
     )
 
 
-def _sampling(r: Any, d: Derived) -> SamplingPlan:
+def _sampling(r: RlRecipe, d: Derived) -> SamplingPlan:
     ro = r.rollout
     return SamplingPlan.model_construct(
         n_samples_per_prompt=ro.n_samples_per_prompt,
@@ -226,7 +228,7 @@ def _sampling(r: Any, d: Derived) -> SamplingPlan:
     )
 
 
-def _eval(r: Any, d: Derived, source: Any) -> EvalPlan:
+def _eval(r: RlRecipe, d: Derived, source: SourceMap | None) -> EvalPlan:
     e = r.eval
     return EvalPlan.model_construct(
         enabled=d.value("eval.enabled"),
@@ -253,7 +255,7 @@ def _pass_ks(n: int) -> list[int]:
     return sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
 
 
-def _generator(r: Any, d: Derived) -> GeneratorPlan:
+def _generator(r: RlRecipe, d: Derived) -> GeneratorPlan:
     al, t = r.algo, r.train
     return GeneratorPlan.model_construct(
         batch_size=r.rollout.batch_size,
@@ -264,12 +266,12 @@ def _generator(r: Any, d: Derived) -> GeneratorPlan:
     )
 
 
-def _queue(r: Any) -> QueuePlan:
+def _queue(r: RlRecipe) -> QueuePlan:
     a = r.train.async_
     return QueuePlan.model_construct(size=a.queue_size, partial_rollout=a.partial_rollout, force_sync=a.force_sync)
 
 
-def _trainer(r: Any, d: Derived) -> TrainerPlan:
+def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
     t, a = r.train, r.actor
     return TrainerPlan.model_construct(
         world=d.value("actor.world"),
@@ -315,9 +317,9 @@ def _row_multiple(d: Derived) -> int:
     return math.lcm(*worlds)
 
 
-def _ref(r: Any, d: Derived, source: Any) -> RefPlan:
+def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:
     return RefPlan.model_construct(
-        path=model_path(d.value("ref.path"), "ref.path" if r.ref.path else "model.path", source),
+        path=model_path(d.value("ref.path"), "ref.path" if r.ref and r.ref.path else "model.path", source),
         colocated=d.value("ref.colocated"),
         world=d.value("ref.world"),
         dp=d.value("ref.dp") or 1,
@@ -325,7 +327,7 @@ def _ref(r: Any, d: Derived, source: Any) -> RefPlan:
     )
 
 
-def _critic(r: Any, d: Derived, source: Any) -> CriticPlan:
+def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
     cr = r.critic
     optimizer = cr.optimizer if cr is not None else _default_critic_optimizer()
     return CriticPlan.model_construct(
@@ -347,7 +349,7 @@ def _default_critic_optimizer() -> Any:
     return Critic().optimizer
 
 
-def _algo(r: Any, d: Derived) -> AlgoPlan:
+def _algo(r: RlRecipe, d: Derived) -> AlgoPlan:
     al = r.algo
     return AlgoPlan.model_construct(
         estimator=al.estimator,
@@ -378,7 +380,7 @@ def _algo(r: Any, d: Derived) -> AlgoPlan:
     )
 
 
-def _schedule(r: Any, d: Derived) -> SchedulePlan:
+def _schedule(r: RlRecipe, d: Derived) -> SchedulePlan:
     return SchedulePlan.model_construct(
         steps_per_episode=d.value("train.steps_per_episode"),
         total_steps=d.value("train.total_steps"),

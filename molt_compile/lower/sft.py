@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from molt_compile.derive import Derived, resolve_path, resolve_sources
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.common import (
@@ -22,6 +20,7 @@ from molt_compile.lower.common import (
     runtime_env,
     source_path,
 )
+from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,
     MeshPlan,
@@ -32,11 +31,12 @@ from schemas.plan import (
     SftSchedulePlan,
     SftTrainerPlan,
 )
+from schemas.recipe import SftRecipe
 
 SFT_MODULE = "runtime.sft"
 
 
-def lower_sft(r: Any, d: Derived, source: Any) -> tuple[Plan | None, list[Diagnostic]]:
+def lower_sft(r: SftRecipe, d: Derived, source: SourceMap | None) -> tuple[Plan | None, list[Diagnostic]]:
     diags = required(d, ["actor.dp", "actor.grad_accum"], source)
     a, c = r.actor, r.cluster
     if a.nodes > c.nodes or a.gpus_per_node > c.gpus_per_node:
@@ -116,7 +116,7 @@ def _torchrun_role(nnodes: int, nproc: int, on_cpu: bool) -> RolePlan:
     )
 
 
-def _sft_runtime(r: Any, d: Derived, source: Any, command: list[str]) -> SftRuntime:
+def _sft_runtime(r: SftRecipe, d: Derived, source: SourceMap | None, command: list[str]) -> SftRuntime:
     a, e = r.actor, r.eval
     return SftRuntime.model_construct(
         device=d.value("cluster.device"),
@@ -142,7 +142,7 @@ def _sft_runtime(r: Any, d: Derived, source: Any, command: list[str]) -> SftRunt
     )
 
 
-def _trainer(r: Any, d: Derived) -> SftTrainerPlan:
+def _trainer(r: SftRecipe, d: Derived) -> SftTrainerPlan:
     a, t = r.actor, r.train
     return SftTrainerPlan.model_construct(
         world=d.value("actor.world"),
@@ -165,7 +165,7 @@ def _trainer(r: Any, d: Derived) -> SftTrainerPlan:
     )
 
 
-def _data(r: Any, d: Derived, source: Any) -> SftDataPlan:
+def _data(r: SftRecipe, d: Derived, source: SourceMap | None) -> SftDataPlan:
     dt = r.data
     return SftDataPlan.model_construct(
         dataset=resolve_sources(dt.dataset, "data.dataset", source),
@@ -184,7 +184,7 @@ def _data(r: Any, d: Derived, source: Any) -> SftDataPlan:
     )
 
 
-def _chat_template(value: str | None, source: Any) -> str | None:
+def _chat_template(value: str | None, source: SourceMap | None) -> str | None:
     """A .jinja path is resolved like other paths; a literal template is kept."""
     if value and value.endswith(".jinja") and "\n" not in value:
         return resolve_path(value, "data.chat_template", source)

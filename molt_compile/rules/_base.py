@@ -1,56 +1,36 @@
-"""What every rule module shares: the `Rule` row, the diagnostic builder and small lookups.
+"""What every rule module shares: the finding builder and small lookups (the row type is `codes.Code`).
 
 A check is `check(recipe, derived, source) -> Iterable[Diagnostic]`. It never raises and never prints. It sets
-`code`, `path` (the key that is wrong), `message` (with the numbers), `help` (the smallest fix) and `related`
-(the other keys involved); `run_rules` stamps the row's `name` and `severity`, so one code has one severity.
+`path` (the key that is wrong), `message` (with the numbers), `help` (the smallest fix) and `related` (the other
+keys involved); `run_rules` stamps the row's `code`, `name` and `severity`, so a rule never repeats its code and one
+code has one severity.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from molt_compile.diagnostics import Diagnostic, Related, Severity
+from molt_compile.codes import Code
+from molt_compile.diagnostics import Diagnostic
 from molt_compile.source import SourceMap
-
-Check = Callable[[Any, Any, SourceMap], Iterable[Diagnostic]]
 
 GROUP_ESTIMATORS = frozenset({"rloo", "reinforce_baseline", "grpo", "dr_grpo"})
 """Estimators whose baseline is the group of rollouts of one prompt (C1, C7)."""
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One row of the catalog. The check's docstring is the rule's documentation page."""
-
-    code: str
-    name: str
-    severity: Severity
-    check: Check
-    kinds: tuple[str, ...] = ("rl",)
-    """Recipe kinds the rule applies to."""
-
-    @property
-    def doc(self) -> str:
-        import inspect  # only for docs
-
-        return inspect.getdoc(self.check) or ""
+FINDING = Code("", "", "error")
+"""The row a check's diagnostics are built with; `run_rules` stamps the rule's own code, name and severity."""
 
 
-def diag(code: str, source: SourceMap, path: str, message: str, help: str = "",
-         related: Iterable[str | tuple[str, str]] = ()) -> Diagnostic:
-    """A diagnostic at `path`'s position; `related` are other keys (`"a.b"` or `("a.b", "note")`)."""
-    pos = source.pos(path)
-    rel = []
-    for item in related:
-        rpath, note = (item, "") if isinstance(item, str) else item
-        rpos = source.pos(rpath)
-        rel.append(Related(rpath, rpos.file, rpos.line, rpos.col, note))
-    return Diagnostic(code=code, severity="error", message=message, path=path, file=pos.file, line=pos.line,
-                      col=pos.col, help=help, related=tuple(rel), origin="" if pos.layer == "file" else pos.layer)
+def diag(
+    source: SourceMap, path: str, message: str, help: str = "", related: Iterable[str | tuple[str, str]] = ()
+) -> Diagnostic:
+    """A finding of the running rule at `path`'s position; `related` are other keys (`"a.b"` or `("a.b", "note")`).
+    The rule's code is not written here: `run_rules` stamps the row's."""
+    return FINDING.at(source, path, message, help, related)
 
 
 def dv(derived: Any, name: str, default: Any = None) -> Any:
@@ -74,13 +54,12 @@ def path_base(source: SourceMap | None, key: str) -> Path | None:
     file that set it (a base resolves against itself), or the job root (the recipe's project root; its directory
     outside a project) for `--set` and defaults. None without a source map (a bare recipe in tests): path checks
     are skipped."""
-    if source is None or not getattr(source, "root_file", None):
+    if source is None or not source.root_file:
         return None
     pos = source.pos(key)
     if pos.layer == "file" and pos.file:
         return _resolved_parent(pos.file)
-    root = getattr(source, "job_root", None)
-    return Path(root) if root else _resolved_parent(source.root_file)
+    return Path(source.job_root) if source.job_root else _resolved_parent(source.root_file)
 
 
 def _facts(path: str | None, arch: str | None, base: str | None):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+def async_rollout_without_is_correction(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.async.queue_size > 1` or `train.async.partial_rollout: true` while `algo.is_correction.level` is `off`.
 
@@ -43,22 +46,33 @@ def async_rollout_without_is_correction(recipe, derived, source) -> Iterator[Dia
         return
     q = recipe.train.async_
     if q.queue_size > 1:
-        yield diag("ASYNC001", source, "train.async.queue_size",
-                   f"train.async.queue_size {q.queue_size} lets generation run {q.queue_size - 1} batch(es) ahead of "
-                   "training, but algo.is_correction.level is off: stale tokens are trained on uncorrected",
-                   "set algo.is_correction.level: token (or geo with mode mask), or train.async.queue_size: 1",
-                   ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "train.async.queue_size",
+            f"train.async.queue_size {q.queue_size} lets generation run {q.queue_size - 1} batch(es) ahead of "
+            "training, but algo.is_correction.level is off: stale tokens are trained on uncorrected",
+            "set algo.is_correction.level: token (or geo with mode mask), or train.async.queue_size: 1",
+            ["algo.is_correction.level"],
+        )
     if q.partial_rollout or dv(derived, "train.partial_rollout", False):
         forced = not q.partial_rollout
-        yield diag("ASYNC001", source, "rollout.generate_batch_size" if forced else "train.async.partial_rollout",
-                   ("rollout.generate_batch_size > rollout.batch_size turns partial rollout on (X4), which"
-                    if forced else "train.async.partial_rollout") + " lets requests straddle a weight sync, but "
-                   "algo.is_correction.level is off: tokens from the old weights are trained on uncorrected",
-                   "set algo.is_correction.level: token, or " + ("rollout.generate_batch_size <= rollout.batch_size"
-                   if forced else "train.async.partial_rollout: false"), ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "rollout.generate_batch_size" if forced else "train.async.partial_rollout",
+            (
+                "rollout.generate_batch_size > rollout.batch_size turns partial rollout on (X4), which"
+                if forced
+                else "train.async.partial_rollout"
+            )
+            + " lets requests straddle a weight sync, but "
+            "algo.is_correction.level is off: tokens from the old weights are trained on uncorrected",
+            "set algo.is_correction.level: token, or "
+            + ("rollout.generate_batch_size <= rollout.batch_size" if forced else "train.async.partial_rollout: false"),
+            ["algo.is_correction.level"],
+        )
 
 
-def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_correction_with_top_p(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Importance-sampling correction (`algo.is_correction.level` not `off`), or KL against the rollout policy
     (`algo.kl.coef > 0`, `kl.ref: rollout`, Molt 0.2.1 V11), together with `rollout.top_p < 1`.
@@ -87,18 +101,26 @@ def is_correction_with_top_p(recipe, derived, source) -> Iterator[Diagnostic]:
     level = recipe.algo.is_correction.level
     top_p = recipe.rollout.top_p
     if level != "off" and top_p < 1.0:
-        yield diag("ASYNC002", source, "rollout.top_p",
-                   f"rollout.top_p {top_p} renormalizes the rollout log-probs that IS correction "
-                   f"(level {level}) consumes: every importance ratio is biased",
-                   "set rollout.top_p: 1.0, or algo.is_correction.level: off", ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "rollout.top_p",
+            f"rollout.top_p {top_p} renormalizes the rollout log-probs that IS correction "
+            f"(level {level}) consumes: every importance ratio is biased",
+            "set rollout.top_p: 1.0, or algo.is_correction.level: off",
+            ["algo.is_correction.level"],
+        )
     elif top_p < 1.0 and dv(derived, "algo.kl.to_rollout", False):
-        yield diag("ASYNC002", source, "rollout.top_p",
-                   f"rollout.top_p {top_p} renormalizes the rollout log-probs that the KL against the rollout "
-                   "policy uses as its reference: the KL is biased", "set rollout.top_p: 1.0, or algo.kl.ref: model "
-                   "with a `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
+        yield diag(
+            source,
+            "rollout.top_p",
+            f"rollout.top_p {top_p} renormalizes the rollout log-probs that the KL against the rollout "
+            "policy uses as its reference: the KL is biased",
+            "set rollout.top_p: 1.0, or algo.kl.ref: model with a `ref:` section",
+            ["algo.kl.ref", "algo.kl.coef"],
+        )
 
 
-def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
+def seq_level_is_without_mask(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.level` `seq` or `geo` with a `mode` other than `mask`.
 
@@ -124,13 +146,16 @@ def seq_level_is_without_mask(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     isc = recipe.algo.is_correction
     if isc.level in ("seq", "geo") and isc.mode != "mask":
-        yield diag("ASYNC003", source, "algo.is_correction.mode",
-                   f"algo.is_correction.level {isc.level} is a rejection filter and supports only mode mask, "
-                   f"not {isc.mode}", "set algo.is_correction.mode: mask, or use level: token for clip/trunc",
-                   ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "algo.is_correction.mode",
+            f"algo.is_correction.level {isc.level} is a rejection filter and supports only mode mask, not {isc.mode}",
+            "set algo.is_correction.mode: mask, or use level: token for clip/trunc",
+            ["algo.is_correction.level"],
+        )
 
 
-def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Diagnostic]:
+def stale_rollouts_without_is_correction(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     IS correction off, queue size 1, no partial rollout, and `train.async.force_sync: false`.
 
@@ -162,14 +187,17 @@ def stale_rollouts_without_is_correction(recipe, derived, source) -> Iterator[Di
     if recipe.eval.only or recipe.algo.is_correction.level != "off" or recipe.algo.score_centering_top_k >= 2:
         return  # Molt 0.2.1 skips the warning under score centering (V10)
     if q.queue_size == 1 and not q.partial_rollout and not q.force_sync:
-        yield diag("ASYNC004", source, "train.async.force_sync",
-                   "train.async.force_sync is false: each batch is generated with weights one step stale, and "
-                   "algo.is_correction.level off leaves that uncorrected",
-                   "set train.async.force_sync: true, or algo.is_correction.level: token",
-                   ["train.async.queue_size", "algo.is_correction.level"])
+        yield diag(
+            source,
+            "train.async.force_sync",
+            "train.async.force_sync is false: each batch is generated with weights one step stale, and "
+            "algo.is_correction.level off leaves that uncorrected",
+            "set train.async.force_sync: true, or algo.is_correction.level: token",
+            ["train.async.queue_size", "algo.is_correction.level"],
+        )
 
 
-def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_threshold_band_excludes_on_policy(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An IS threshold band `[low, high]` that is empty (`low >= high`) or does not contain 1.
 
@@ -204,12 +232,18 @@ def is_threshold_band_excludes_on_policy(recipe, derived, source) -> Iterator[Di
         return
     low = float("-inf") if low is None else low
     why = "is empty" if low >= high else "does not contain 1 (an on-policy token's ratio)"
-    yield diag("ASYNC005", source, "algo.is_correction.threshold",
-               f"algo.is_correction.threshold [{low}, {high}] {why}: every token is filtered and the gradient is zero",
-               "use a band around 1, e.g. [0.99, 1.01] or [0.5, 2.0]", ["algo.is_correction.level"])
+    yield diag(
+        source,
+        "algo.is_correction.threshold",
+        f"algo.is_correction.threshold [{low}, {high}] {why}: every token is filtered and the gradient is zero",
+        "use a band around 1, e.g. [0.99, 1.01] or [0.5, 2.0]",
+        ["algo.is_correction.level"],
+    )
 
 
-def generate_batch_forces_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def generate_batch_forces_partial_rollout(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.generate_batch_size > rollout.batch_size` with `train.async.partial_rollout: false`.
 
@@ -238,8 +272,12 @@ def generate_batch_forces_partial_rollout(recipe, derived, source) -> Iterator[D
     """
     ro = recipe.rollout
     if ro.generate_batch_size and ro.generate_batch_size > ro.batch_size and not recipe.train.async_.partial_rollout:
-        yield diag("ASYNC006", source, "rollout.generate_batch_size", f"rollout.generate_batch_size "
-                   f"{ro.generate_batch_size} > rollout.batch_size {ro.batch_size}: surplus groups run across "
-                   "weight syncs, which Molt 0.2.1 treats as partial rollout (X4)", "nothing to change; set "
-                   "generate_batch_size <= batch_size to keep each rollout within one policy version",
-                   ["train.async.partial_rollout"])
+        yield diag(
+            source,
+            "rollout.generate_batch_size",
+            f"rollout.generate_batch_size "
+            f"{ro.generate_batch_size} > rollout.batch_size {ro.batch_size}: surplus groups run across "
+            "weight syncs, which Molt 0.2.1 treats as partial rollout (X4)",
+            "nothing to change; set generate_batch_size <= batch_size to keep each rollout within one policy version",
+            ["train.async.partial_rollout"],
+        )

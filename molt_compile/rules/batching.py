@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, fsdp_roles, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _role_dps(recipe, derived) -> list[tuple[str, int]]:
@@ -23,7 +26,9 @@ def _ref_size_key(source) -> str:
     return "ref.gpus_per_node" if is_set(source, "ref.gpus_per_node") else "ref.nodes"
 
 
-def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def train_batch_not_divisible_by_dp(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     For every FSDP role (actor, a separately sized reference model, the SFT model):
     `train.batch_size = micro_batch_size × dp × grad_accum` with an integer `grad_accum`, unless dynamic batching.
@@ -61,13 +66,17 @@ def train_batch_not_divisible_by_dp(recipe, derived, source) -> Iterator[Diagnos
             fix += f", or size the ref group so that its dp divides {t.batch_size}"
         else:
             path, who, size = "train.batch_size", "", ["actor.gpus_per_node", "actor.mesh"]
-        yield diag("BATCH001", source, path,
-                   f"train.batch_size {t.batch_size} is not a multiple of micro_batch_size {t.micro_batch_size} × "
-                   f"{role} dp {dp} = {unit}{who}", f"set train.batch_size to {fix}",
-                   ["train.batch_size", "train.micro_batch_size", *size])
+        yield diag(
+            source,
+            path,
+            f"train.batch_size {t.batch_size} is not a multiple of micro_batch_size {t.micro_batch_size} × "
+            f"{role} dp {dp} = {unit}{who}",
+            f"set train.batch_size to {fix}",
+            ["train.batch_size", "train.micro_batch_size", *size],
+        )
 
 
-def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_fewer_than_dp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.batch_size × n_samples_per_prompt >= dp` of every FSDP role (actor, separate ref, critic).
 
@@ -96,14 +105,17 @@ def rollout_samples_fewer_than_dp(recipe, derived, source) -> Iterator[Diagnosti
     samples = r.batch_size * r.n_samples_per_prompt
     for role, dp in _role_dps(recipe, derived):
         if samples < dp:
-            yield diag("BATCH002", source, "rollout.batch_size",
-                       f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = "
-                       f"{samples} samples per step < {role} dp {dp}: they cannot be balanced over the ranks",
-                       f"raise rollout.batch_size to at least {-(-dp // r.n_samples_per_prompt)}",
-                       ["rollout.n_samples_per_prompt", "actor.gpus_per_node"])
+            yield diag(
+                source,
+                "rollout.batch_size",
+                f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = "
+                f"{samples} samples per step < {role} dp {dp}: they cannot be balanced over the ranks",
+                f"raise rollout.batch_size to at least {-(-dp // r.n_samples_per_prompt)}",
+                ["rollout.n_samples_per_prompt", "actor.gpus_per_node"],
+            )
 
 
-def rollout_samples_below_train_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_below_train_batch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Unless `train.force_on_policy`: `rollout.batch_size × n_samples_per_prompt >= train.batch_size`.
 
@@ -130,15 +142,20 @@ def rollout_samples_below_train_batch(recipe, derived, source) -> Iterator[Diagn
     r, t = recipe.rollout, recipe.train
     samples = r.batch_size * r.n_samples_per_prompt
     if not t.force_on_policy and not recipe.eval.only and samples < t.batch_size:
-        yield diag("BATCH003", source, "rollout.batch_size",
-                   f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = {samples} "
-                   f"samples per step < train.batch_size {t.batch_size}: no optimizer step is ever taken",
-                   f"raise rollout.batch_size to {-(-t.batch_size // r.n_samples_per_prompt)}, lower "
-                   "train.batch_size, or set train.force_on_policy: true", ["rollout.n_samples_per_prompt",
-                                                                           "train.batch_size"])
+        yield diag(
+            source,
+            "rollout.batch_size",
+            f"rollout.batch_size {r.batch_size} × n_samples_per_prompt {r.n_samples_per_prompt} = {samples} "
+            f"samples per step < train.batch_size {t.batch_size}: no optimizer step is ever taken",
+            f"raise rollout.batch_size to {-(-t.batch_size // r.n_samples_per_prompt)}, lower "
+            "train.batch_size, or set train.force_on_policy: true",
+            ["rollout.n_samples_per_prompt", "train.batch_size"],
+        )
 
 
-def rollout_samples_not_multiple_of_train_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_samples_not_multiple_of_train_batch(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Unless `train.force_on_policy`: `rollout.batch_size × n_samples_per_prompt` is a multiple of `train.batch_size`.
 
@@ -164,14 +181,17 @@ def rollout_samples_not_multiple_of_train_batch(recipe, derived, source) -> Iter
     r, t = recipe.rollout, recipe.train
     samples = r.batch_size * r.n_samples_per_prompt
     if not t.force_on_policy and not recipe.eval.only and samples > t.batch_size and samples % t.batch_size:
-        yield diag("BATCH004", source, "rollout.batch_size",
-                   f"{samples} samples per step is not a multiple of train.batch_size {t.batch_size}: "
-                   f"{samples % t.batch_size} samples are dropped every step",
-                   f"make rollout.batch_size × n_samples_per_prompt a multiple of {t.batch_size}",
-                   ["rollout.n_samples_per_prompt", "train.batch_size"])
+        yield diag(
+            source,
+            "rollout.batch_size",
+            f"{samples} samples per step is not a multiple of train.batch_size {t.batch_size}: "
+            f"{samples % t.batch_size} samples are dropped every step",
+            f"make rollout.batch_size × n_samples_per_prompt a multiple of {t.batch_size}",
+            ["rollout.n_samples_per_prompt", "train.batch_size"],
+        )
 
 
-def force_on_policy_with_several_epochs(recipe, derived, source) -> Iterator[Diagnostic]:
+def force_on_policy_with_several_epochs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.force_on_policy: true` with `train.max_epochs != 1`.
 
@@ -194,13 +214,16 @@ def force_on_policy_with_several_epochs(recipe, derived, source) -> Iterator[Dia
     """
     t = recipe.train
     if t.force_on_policy and t.max_epochs != 1:
-        yield diag("BATCH005", source, "train.max_epochs",
-                   f"train.force_on_policy takes one optimizer step per rollout batch, but max_epochs is "
-                   f"{t.max_epochs}", "set train.max_epochs: 1, or train.force_on_policy: false",
-                   ["train.force_on_policy"])
+        yield diag(
+            source,
+            "train.max_epochs",
+            f"train.force_on_policy takes one optimizer step per rollout batch, but max_epochs is {t.max_epochs}",
+            "set train.max_epochs: 1, or train.force_on_policy: false",
+            ["train.force_on_policy"],
+        )
 
 
-def dynamic_batch_without_packing(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_batch_without_packing(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.dynamic_batch` while the effective packing is off (`actor.packing: false`, or a VLM run that never packs).
 
@@ -223,13 +246,17 @@ def dynamic_batch_without_packing(recipe, derived, source) -> Iterator[Diagnosti
     molt_rules.md G9, B5
     """
     if recipe.train.dynamic_batch is not None and not dv(derived, "actor.packing", recipe.actor.packing):
-        yield diag("BATCH006", source, "train.dynamic_batch",
-                   "train.dynamic_batch needs packed batches, but packing is off"
-                   + (" (VLM runs never pack)" if recipe.actor.packing else ""),
-                   "set actor.packing: true (text models), or remove train.dynamic_batch", ["actor.packing"])
+        yield diag(
+            source,
+            "train.dynamic_batch",
+            "train.dynamic_batch needs packed batches, but packing is off"
+            + (" (VLM runs never pack)" if recipe.actor.packing else ""),
+            "set actor.packing: true (text models), or remove train.dynamic_batch",
+            ["actor.packing"],
+        )
 
 
-def dynamic_batch_smaller_than_dp(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_batch_smaller_than_dp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With `train.dynamic_batch`: `train.batch_size >= dp`.
 
@@ -255,13 +282,19 @@ def dynamic_batch_smaller_than_dp(recipe, derived, source) -> Iterator[Diagnosti
     dp = dv(derived, "actor.dp")
     t = recipe.train
     if t.dynamic_batch is not None and dp is not None and t.batch_size < dp:
-        yield diag("BATCH007", source, "train.batch_size",
-                   f"train.batch_size {t.batch_size} < dp {dp}: under dynamic batching each rank gets "
-                   f"{t.batch_size} // {dp} = 0 samples", f"set train.batch_size to at least {dp}",
-                   ["train.dynamic_batch", "actor.gpus_per_node"])
+        yield diag(
+            source,
+            "train.batch_size",
+            f"train.batch_size {t.batch_size} < dp {dp}: under dynamic batching each rank gets "
+            f"{t.batch_size} // {dp} = 0 samples",
+            f"set train.batch_size to at least {dp}",
+            ["train.dynamic_batch", "actor.gpus_per_node"],
+        )
 
 
-def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def rank_samples_not_multiple_of_micro_batch(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Without dynamic batching: the samples each actor rank gets per step (`samples // dp`) are a multiple of
     `train.micro_batch_size`.
@@ -293,14 +326,20 @@ def rank_samples_not_multiple_of_micro_batch(recipe, derived, source) -> Iterato
         return
     per_rank = r.batch_size * r.n_samples_per_prompt // dp
     if per_rank % t.micro_batch_size:
-        yield diag("BATCH008", source, "train.micro_batch_size",
-                   f"each rank gets {per_rank} samples per step ({r.batch_size} × {r.n_samples_per_prompt} // dp "
-                   f"{dp}), not a multiple of micro_batch_size {t.micro_batch_size}: "
-                   f"{per_rank % t.micro_batch_size} sample(s) per rank are dropped", "make samples per rank a multiple of "
-                   "train.micro_batch_size", ["rollout.batch_size", "rollout.n_samples_per_prompt"])
+        yield diag(
+            source,
+            "train.micro_batch_size",
+            f"each rank gets {per_rank} samples per step ({r.batch_size} × {r.n_samples_per_prompt} // dp "
+            f"{dp}), not a multiple of micro_batch_size {t.micro_batch_size}: "
+            f"{per_rank % t.micro_batch_size} sample(s) per rank are dropped",
+            "make samples per rank a multiple of train.micro_batch_size",
+            ["rollout.batch_size", "rollout.n_samples_per_prompt"],
+        )
 
 
-def dataset_smaller_than_batch(recipe, derived, source) -> Iterator[Diagnostic]:
+def dataset_smaller_than_batch(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     When the dataset is counted at compile time: RL prompts `>= rollout.batch_size`; SFT samples
     `>= train.batch_size`.
@@ -325,12 +364,24 @@ def dataset_smaller_than_batch(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md M6, B11
     """
     if recipe.kind == "sft":
-        count, batch, path, data_key = dv(derived, "data.sample_count"), recipe.train.batch_size, \
-            "train.batch_size", "data.dataset"
+        count, batch, path, data_key = (
+            dv(derived, "data.sample_count"),
+            recipe.train.batch_size,
+            "train.batch_size",
+            "data.dataset",
+        )
     else:
-        count, batch, path, data_key = dv(derived, "data.prompt_count"), recipe.rollout.batch_size, \
-            "rollout.batch_size", "data.prompts"
+        count, batch, path, data_key = (
+            dv(derived, "data.prompt_count"),
+            recipe.rollout.batch_size,
+            "rollout.batch_size",
+            "data.prompts",
+        )
     if count is not None and not getattr(recipe.eval, "only", False) and count < batch:
-        yield diag("BATCH009", source, path,
-                   f"{path} {batch} is larger than the dataset ({count} rows after max_samples): 0 steps per epoch",
-                   f"set {path} to at most {count}, or use a larger dataset", [data_key])
+        yield diag(
+            source,
+            path,
+            f"{path} {batch} is larger than the dataset ({count} rows after max_samples): 0 steps per epoch",
+            f"set {path} to at most {count}, or use a larger dataset",
+            [data_key],
+        )

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _on(recipe) -> bool:
     return recipe.algo.score_centering_top_k >= 2
 
 
-def score_centering_top_k_invalid(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_top_k_invalid(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.score_centering_top_k` is 0 (off) or at least 2.
 
@@ -40,11 +43,15 @@ def score_centering_top_k_invalid(recipe, derived, source) -> Iterator[Diagnosti
     """
     k = recipe.algo.score_centering_top_k
     if k < 0 or k == 1:
-        yield diag("SC001", source, "algo.score_centering_top_k", f"algo.score_centering_top_k {k}: score centering "
-                   "needs k >= 2 (or 0 for off)", "use 0 (off) or k >= 2, e.g. 8")
+        yield diag(
+            source,
+            "algo.score_centering_top_k",
+            f"algo.score_centering_top_k {k}: score centering needs k >= 2 (or 0 for off)",
+            "use 0 (off) or k >= 2, e.g. 8",
+        )
 
 
-def score_centering_with_several_epochs(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_several_epochs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `train.max_epochs` other than 1.
 
@@ -68,12 +75,16 @@ def score_centering_with_several_epochs(recipe, derived, source) -> Iterator[Dia
     molt_0_2_1.md V7 (molt_rules.md G8)
     """
     if _on(recipe) and recipe.train.max_epochs != 1:
-        yield diag("SC002", source, "train.max_epochs", f"score centering needs one update per rollout batch, but "
-                   f"train.max_epochs is {recipe.train.max_epochs}", "set train.max_epochs: 1",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "train.max_epochs",
+            f"score centering needs one update per rollout batch, but train.max_epochs is {recipe.train.max_epochs}",
+            "set train.max_epochs: 1",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_sampling(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_sampling(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `rollout.top_p < 1`.
 
@@ -98,11 +109,16 @@ def score_centering_sampling(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_0_2_1.md V8 (molt_rules.md D4)
     """
     if _on(recipe) and recipe.rollout.top_p != 1.0:
-        yield diag("SC003", source, "rollout.top_p", f"score centering needs rollout.top_p 1.0, not "
-                   f"{recipe.rollout.top_p}", "set rollout.top_p: 1.0", ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "rollout.top_p",
+            f"score centering needs rollout.top_p 1.0, not {recipe.rollout.top_p}",
+            "set rollout.top_p: 1.0",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_tensor_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `actor.mesh.tp > 1`.
 
@@ -126,12 +142,16 @@ def score_centering_with_tensor_parallel(recipe, derived, source) -> Iterator[Di
     molt_0_2_1.md V9, L8 (molt_rules.md G2)
     """
     if _on(recipe) and recipe.actor.mesh.tp > 1:
-        yield diag("SC004", source, "actor.mesh.tp", f"score centering does not support actor.mesh.tp "
-                   f"{recipe.actor.mesh.tp} (the head is not vocab-parallel)", "set actor.mesh.tp: 1",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "actor.mesh.tp",
+            f"score centering does not support actor.mesh.tp {recipe.actor.mesh.tp} (the head is not vocab-parallel)",
+            "set actor.mesh.tp: 1",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_with_sequence_is(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_sequence_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `algo.is_correction.level` seq or geo.
 
@@ -154,12 +174,18 @@ def score_centering_with_sequence_is(recipe, derived, source) -> Iterator[Diagno
     """
     level = recipe.algo.is_correction.level
     if _on(recipe) and level not in ("off", "token"):
-        yield diag("SC005", source, "algo.is_correction.level", f"score centering composes only with token-level "
-                   f"IS, not level {level}", "set algo.is_correction.level: token (or off)",
-                   ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "algo.is_correction.level",
+            f"score centering composes only with token-level IS, not level {level}",
+            "set algo.is_correction.level: token (or off)",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_with_divergence_gating(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_with_divergence_gating(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering with `algo.is_correction.gating` other than ratio — even with IS off.
 
@@ -183,11 +209,16 @@ def score_centering_with_divergence_gating(recipe, derived, source) -> Iterator[
     """
     gating = recipe.algo.is_correction.gating
     if _on(recipe) and gating != "ratio":
-        yield diag("SC006", source, "algo.is_correction.gating", f"score centering needs gating ratio, not {gating}",
-                   "set algo.is_correction.gating: ratio", ["algo.score_centering_top_k"])
+        yield diag(
+            source,
+            "algo.is_correction.gating",
+            f"score centering needs gating ratio, not {gating}",
+            "set algo.is_correction.gating: ratio",
+            ["algo.score_centering_top_k"],
+        )
 
 
-def score_centering_ratio_drifts(recipe, derived, source) -> Iterator[Diagnostic]:
+def score_centering_ratio_drifts(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Score centering where a rollout batch is trained in several optimizer steps: `train.batch_size` below
     `rollout.batch_size × n_samples_per_prompt` without `train.force_on_policy`.
@@ -214,7 +245,11 @@ def score_centering_ratio_drifts(recipe, derived, source) -> Iterator[Diagnostic
     ro, t = recipe.rollout, recipe.train
     samples = ro.batch_size * ro.n_samples_per_prompt
     if _on(recipe) and not t.force_on_policy and t.batch_size < samples:
-        yield diag("SC007", source, "train.batch_size", f"train.batch_size {t.batch_size} < {samples} samples per "
-                   "rollout batch: later optimizer steps see ratios away from 1 and score centering drifts",
-                   f"set train.batch_size: {samples}, or train.force_on_policy: true",
-                   ["algo.score_centering_top_k", "rollout.batch_size"])
+        yield diag(
+            source,
+            "train.batch_size",
+            f"train.batch_size {t.batch_size} < {samples} samples per "
+            "rollout batch: later optimizer steps see ratios away from 1 and score centering drifts",
+            f"set train.batch_size: {samples}, or train.force_on_policy: true",
+            ["algo.score_centering_top_k", "rollout.batch_size"],
+        )

@@ -11,8 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from molt_compile.agent_check import inspect_agent
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, model_facts, path_base
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftData, SftRecipe
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".arrow", ".txt")
 
@@ -21,7 +24,9 @@ def _sources(spec: str) -> list[str]:
     return [s.strip().split("@", 1)[0] for s in spec.split(",") if s.strip()]
 
 
-def prompt_probs_count_mismatch(recipe, derived, source) -> Iterator[Diagnostic]:
+def prompt_probs_count_mismatch(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     The number of interleave probabilities (`data.prompt_probs`, SFT `data.dataset_probs`) equals the number of
     comma-separated sources.
@@ -43,15 +48,23 @@ def prompt_probs_count_mismatch(recipe, derived, source) -> Iterator[Diagnostic]
     molt_rules.md L3
     """
     d = recipe.data
-    spec, probs, key = (d.dataset, d.dataset_probs, "data.dataset_probs") if recipe.kind == "sft" else \
-        (d.prompts, d.prompt_probs, "data.prompt_probs")
+    spec, probs, key = (
+        (d.dataset, d.dataset_probs, "data.dataset_probs")
+        if isinstance(d, SftData)
+        else (d.prompts, d.prompt_probs, "data.prompt_probs")
+    )
     n = len(_sources(spec))
     if probs is not None and len(probs) != n:
-        yield diag("DATA001", source, key, f"{key} has {len(probs)} probabilities for {n} source(s)",
-                   f"give exactly {n} probabilities", [key.replace("_probs", "s" if recipe.kind == "rl" else "")])
+        yield diag(
+            source,
+            key,
+            f"{key} has {len(probs)} probabilities for {n} source(s)",
+            f"give exactly {n} probabilities",
+            [key.replace("_probs", "s" if recipe.kind == "rl" else "")],
+        )
 
 
-def packing_with_vlm(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_with_vlm(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.packing: true` on a VLM run (RL: `data.max_images_per_prompt > 0`; SFT: `data.image_key` set).
 
@@ -79,16 +92,25 @@ def packing_with_vlm(recipe, derived, source) -> Iterator[Diagnostic]:
     if not recipe.actor.packing:
         return
     if recipe.kind == "sft" and recipe.data.image_key:
-        yield diag("DATA002", source, "actor.packing", f"packing is text-only, but data.image_key "
-                   f"{recipe.data.image_key!r} makes this a VLM SFT run", "set actor.packing: false (use actor.mesh.cp "
-                   "for long sequences)", ["data.image_key"])
+        yield diag(
+            source,
+            "actor.packing",
+            f"packing is text-only, but data.image_key {recipe.data.image_key!r} makes this a VLM SFT run",
+            "set actor.packing: false (use actor.mesh.cp for long sequences)",
+            ["data.image_key"],
+        )
     elif recipe.kind == "rl" and recipe.data.max_images_per_prompt > 0:
-        yield diag("DATA002", source, "actor.packing", f"packing is text-only, but data.max_images_per_prompt "
-                   f"{recipe.data.max_images_per_prompt} makes this a VLM run (Molt would turn packing off)",
-                   "set actor.packing: false", ["data.max_images_per_prompt"])
+        yield diag(
+            source,
+            "actor.packing",
+            f"packing is text-only, but data.max_images_per_prompt "
+            f"{recipe.data.max_images_per_prompt} makes this a VLM run (Molt would turn packing off)",
+            "set actor.packing: false",
+            ["data.max_images_per_prompt"],
+        )
 
 
-def local_data_file_missing(recipe, derived, source) -> Iterator[Diagnostic]:
+def local_data_file_missing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Relative data files (prompts, SFT dataset, eval dataset) with a data-file suffix exist next to the recipe.
 
@@ -119,11 +141,15 @@ def local_data_file_missing(recipe, derived, source) -> Iterator[Diagnostic]:
         for src in _sources(spec or ""):
             p = Path(src)
             if not p.is_absolute() and p.suffix.lower() in DATA_SUFFIXES and not (base / p).exists():
-                yield diag("DATA003", source, key, f"{key}: {src} does not exist (relative to {base})",
-                           "fix the path; a relative path is resolved against the file that sets it (the working directory for --set)")
+                yield diag(
+                    source,
+                    key,
+                    f"{key}: {src} does not exist (relative to {base})",
+                    "fix the path; a relative path is resolved against the file that sets it (the working directory for --set)",
+                )
 
 
-def images_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def images_on_text_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Images enabled (`data.max_images_per_prompt > 0`, SFT `data.image_key`) for a model that has no vision encoder.
 
@@ -149,15 +175,24 @@ def images_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
     if facts is None or facts.is_vlm:
         return
     if recipe.kind == "rl" and recipe.data.max_images_per_prompt > 0:
-        yield diag("DATA004", source, "data.max_images_per_prompt", f"data.max_images_per_prompt "
-                   f"{recipe.data.max_images_per_prompt} but {facts.key} is a text-only model",
-                   "set data.max_images_per_prompt: 0, or use a VLM", ["model.arch"])
+        yield diag(
+            source,
+            "data.max_images_per_prompt",
+            f"data.max_images_per_prompt {recipe.data.max_images_per_prompt} but {facts.key} is a text-only model",
+            "set data.max_images_per_prompt: 0, or use a VLM",
+            ["model.arch"],
+        )
     elif recipe.kind == "sft" and recipe.data.image_key:
-        yield diag("DATA004", source, "data.image_key", f"data.image_key set but {facts.key} is a text-only model",
-                   "remove data.image_key, or use a VLM", ["model.arch"])
+        yield diag(
+            source,
+            "data.image_key",
+            f"data.image_key set but {facts.key} is a text-only model",
+            "remove data.image_key, or use a VLM",
+            ["model.arch"],
+        )
 
 
-def local_model_path_missing(recipe, derived, source) -> Iterator[Diagnostic]:
+def local_model_path_missing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A relative `model.path` (or `ref.path` / `critic.path`) that starts with `./` or `../`, or has more than two
     path parts, exists.
@@ -191,12 +226,20 @@ def local_model_path_missing(recipe, derived, source) -> Iterator[Diagnostic]:
         p = Path(value)
         local = value.startswith(("./", "../")) or len(p.parts) > 2
         if not p.is_absolute() and local and not (base / p).exists():
-            yield diag("DATA005", source, key, f"{key}: {value} does not exist (relative to {base})",
-                       "fix the path, or use an absolute cluster path / a hub name")
+            yield diag(
+                source,
+                key,
+                f"{key}: {value} does not exist (relative to {base})",
+                "fix the path, or use an absolute cluster path / a hub name",
+            )
 
 
 # ---------------------------------------------------------------------------------------------- agent
-def _agent_file(recipe, source) -> Path | None:
+def _agent_path(recipe: RlRecipe) -> str:
+    return recipe.agent.path if recipe.agent is not None else ""
+
+
+def _agent_file(recipe: RlRecipe, source: SourceMap) -> Path | None:
     agent = recipe.agent
     if agent is None:
         return None
@@ -205,7 +248,7 @@ def _agent_file(recipe, source) -> Path | None:
     return p if p.is_absolute() or base is None else base / p
 
 
-def missing_agent(recipe, derived, source) -> Iterator[Diagnostic]:
+def missing_agent(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An `agent:` section, required for every estimator except on_policy_distill (which has a built-in agent).
 
@@ -228,11 +271,16 @@ def missing_agent(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     if recipe.agent is None and recipe.algo.estimator != "on_policy_distill":
         path = "agent" if source.is_set("agent") else "algo.estimator"
-        yield diag("AGENT001", source, path, f"algo.estimator {recipe.algo.estimator} needs an agent, but the recipe "
-                   "has no `agent:` section", "add `agent: {path: agents/<file>.py}`", ["algo.estimator"])
+        yield diag(
+            source,
+            path,
+            f"algo.estimator {recipe.algo.estimator} needs an agent, but the recipe has no `agent:` section",
+            "add `agent: {path: agents/<file>.py}`",
+            ["algo.estimator"],
+        )
 
 
-def agent_file_not_found(recipe, derived, source) -> Iterator[Diagnostic]:
+def agent_file_not_found(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `agent.path` names an existing file (relative to the file that sets it; to the working directory for `--set`).
 
@@ -254,11 +302,15 @@ def agent_file_not_found(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     f = _agent_file(recipe, source)
     if f is not None and not inspect_agent(str(f)).exists:
-        yield diag("AGENT002", source, "agent.path", f"agent.path {recipe.agent.path}: no such file ({f})",
-                   "fix the path; it is relative to the file that sets it (the working directory for --set)")
+        yield diag(
+            source,
+            "agent.path",
+            f"agent.path {_agent_path(recipe)}: no such file ({f})",
+            "fix the path; it is relative to the file that sets it (the working directory for --set)",
+        )
 
 
-def agent_file_not_python(recipe, derived, source) -> Iterator[Diagnostic]:
+def agent_file_not_python(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `agent.path` ends in `.py`.
 
@@ -280,11 +332,15 @@ def agent_file_not_python(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     f = _agent_file(recipe, source)
     if f is not None and inspect_agent(str(f)).exists and not inspect_agent(str(f)).is_python:
-        yield diag("AGENT003", source, "agent.path", f"agent.path {recipe.agent.path} is not a .py file",
-                   "point agent.path at the Python file that defines AgentRunner")
+        yield diag(
+            source,
+            "agent.path",
+            f"agent.path {_agent_path(recipe)} is not a .py file",
+            "point agent.path at the Python file that defines AgentRunner",
+        )
 
 
-def agent_file_syntax_error(recipe, derived, source) -> Iterator[Diagnostic]:
+def agent_file_syntax_error(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The agent file parses as Python.
 
@@ -307,11 +363,15 @@ def agent_file_syntax_error(recipe, derived, source) -> Iterator[Diagnostic]:
     f = _agent_file(recipe, source)
     info = inspect_agent(str(f)) if f is not None else None
     if info is not None and info.syntax_error:
-        yield diag("AGENT004", source, "agent.path", f"{recipe.agent.path}:{info.syntax_line}: syntax error: "
-                   f"{info.syntax_error}", "fix the agent file")
+        yield diag(
+            source,
+            "agent.path",
+            f"{_agent_path(recipe)}:{info.syntax_line}: syntax error: {info.syntax_error}",
+            "fix the agent file",
+        )
 
 
-def agent_runner_missing(recipe, derived, source) -> Iterator[Diagnostic]:
+def agent_runner_missing(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The agent file defines `AgentRunner` at module level (see `molt_compile/agent_check.py` for the accepted forms).
 
@@ -333,13 +393,23 @@ def agent_runner_missing(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     f = _agent_file(recipe, source)
     info = inspect_agent(str(f)) if f is not None else None
-    if info is not None and info.exists and info.is_python and not info.syntax_error \
-            and info.runner is None and info.not_a_runner is None:
-        yield diag("AGENT005", source, "agent.path", f"{recipe.agent.path} defines no module-level AgentRunner",
-                   "add `AgentRunner = StepEnvRunner(MyEnv)` (or ChatAgentRunner(MyAgent)) at the end of the file")
+    if (
+        info is not None
+        and info.exists
+        and info.is_python
+        and not info.syntax_error
+        and info.runner is None
+        and info.not_a_runner is None
+    ):
+        yield diag(
+            source,
+            "agent.path",
+            f"{_agent_path(recipe)} defines no module-level AgentRunner",
+            "add `AgentRunner = StepEnvRunner(MyEnv)` (or ChatAgentRunner(MyAgent)) at the end of the file",
+        )
 
 
-def agent_runner_not_a_runner(recipe, derived, source) -> Iterator[Diagnostic]:
+def agent_runner_not_a_runner(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `AgentRunner` is a Runner: a subclass of `Runner`/`StepEnvRunner`/`ChatAgentRunner`, or an instance such as
     `StepEnvRunner(MyEnv)`; and the class given to `StepEnvRunner(...)` / `ChatAgentRunner(...)` derives from
@@ -367,11 +437,15 @@ def agent_runner_not_a_runner(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     for why, line in ((info.not_a_runner, info.runner_line), (info.wrong_env, info.wrong_env_line)):
         if why:
-            yield diag("AGENT006", source, "agent.path", f"{recipe.agent.path}:{line}: {why}",
-                       "bind AgentRunner to StepEnvRunner(<Env subclass>) or ChatAgentRunner(<ChatAgent subclass>)")
+            yield diag(
+                source,
+                "agent.path",
+                f"{_agent_path(recipe)}:{line}: {why}",
+                "bind AgentRunner to StepEnvRunner(<Env subclass>) or ChatAgentRunner(<ChatAgent subclass>)",
+            )
 
 
-def chat_agent_without_chat_template(recipe, derived, source) -> Iterator[Diagnostic]:
+def chat_agent_without_chat_template(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A chat-style agent (ChatAgentRunner, or a runner with `PRERENDER_PROMPT = False`) with
     `data.apply_chat_template: false`.
@@ -398,6 +472,10 @@ def chat_agent_without_chat_template(recipe, derived, source) -> Iterator[Diagno
     f = _agent_file(recipe, source)
     info = inspect_agent(str(f)) if f is not None else None
     if info is not None and info.chat_style and not recipe.data.apply_chat_template:
-        yield diag("AGENT007", source, "data.apply_chat_template", f"{recipe.agent.path} is a chat agent "
-                   "(ChatAgentRunner), which needs chat-format rows", "set data.apply_chat_template: true",
-                   ["agent.path"])
+        yield diag(
+            source,
+            "data.apply_chat_template",
+            f"{_agent_path(recipe)} is a chat agent (ChatAgentRunner), which needs chat-format rows",
+            "set data.apply_chat_template: true",
+            ["agent.path"],
+        )

@@ -12,8 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from molt_compile.datafiles import SCAN_BYTES, scan_json_rows, source_facts
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, path_base
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftData, SftRecipe
 
 
 def _row_sources(recipe, source) -> list[tuple[str, str, str, str]]:
@@ -40,7 +43,7 @@ def _scanned(scan) -> str:
     return f"{scan.checked} rows checked" + ("" if scan.complete else f", the first {SCAN_BYTES >> 20} MiB")
 
 
-def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnostic]:
+def chat_rows_without_chat_template(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     RL: when the first row of a local prompt file holds a list of chat messages under `data.input_key`,
     `data.apply_chat_template` is true.
@@ -67,13 +70,20 @@ def chat_rows_without_chat_template(recipe, derived, source) -> Iterator[Diagnos
     for key, src, local, split in _row_sources(recipe, source):
         first = source_facts(local, split).first_row
         if isinstance(first, dict) and isinstance(first.get(recipe.data.input_key), list):
-            yield diag("DATA006", source, "data.apply_chat_template", f"{src}: rows hold chat messages under "
-                       f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
-                       "set data.apply_chat_template: true", [key, "data.input_key"])
+            yield diag(
+                source,
+                "data.apply_chat_template",
+                f"{src}: rows hold chat messages under "
+                f"{recipe.data.input_key!r}, but data.apply_chat_template is false",
+                "set data.apply_chat_template: true",
+                [key, "data.input_key"],
+            )
             return
 
 
-def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_key_missing_from_rows(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     The columns the recipe names (`data.input_key`, and `label_key` for RL or `output_key` for SFT) exist in each
     local data file: in the first row of a .jsonl/.json file (and `input_key` in every checked row), in the schema
@@ -97,8 +107,8 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md L2, A4
     """
     d = recipe.data
-    wanted = [("data.input_key", d.input_key)]
-    wanted.append(("data.output_key", d.output_key) if recipe.kind == "sft" else ("data.label_key", d.label_key))
+    wanted: list[tuple[str, str | None]] = [("data.input_key", d.input_key)]
+    wanted.append(("data.output_key", d.output_key) if isinstance(d, SftData) else ("data.label_key", d.label_key))
     for key, src, local, split in _row_sources(recipe, source):
         facts = source_facts(local, split)
         if facts.columns is None:
@@ -107,19 +117,28 @@ def data_key_missing_from_rows(recipe, derived, source) -> Iterator[Diagnostic]:
         for k, col in wanted:  # the eval file is what differs when the training file has the column
             path, other = (k, key) if key.startswith("data.") else (key, k)
             if col and col not in facts.columns:
-                yield diag("DATA007", source, path, f"{k} {col!r} is not a column of {src} ({where} "
-                           f"{', '.join(sorted(facts.columns))})", f"set {k} to one of the columns, or fix {key}",
-                           [other])
+                yield diag(
+                    source,
+                    path,
+                    f"{k} {col!r} is not a column of {src} ({where} {', '.join(sorted(facts.columns))})",
+                    f"set {k} to one of the columns, or fix {key}",
+                    [other],
+                )
                 continue
             scan = _scan(recipe, local, split) if facts.line_based and k == "data.input_key" else None
             if scan is not None and col in scan.missing:
                 (first, count) = scan.missing[col]
-                yield diag("DATA007", source, path, f"{count} row(s) of {src} have no {k} {col!r} (first: "
-                           f"{src}{first.where}, which {first.what}; {_scanned(scan)})",
-                           f"give every row the {col!r} column, or fix {key}", [other])
+                yield diag(
+                    source,
+                    path,
+                    f"{count} row(s) of {src} have no {k} {col!r} (first: "
+                    f"{src}{first.where}, which {first.what}; {_scanned(scan)})",
+                    f"give every row the {col!r} column, or fix {key}",
+                    [other],
+                )
 
 
-def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_row_malformed(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Every row of a local .jsonl/.json data file (prompts, SFT dataset, eval dataset) parses as a JSON object, and a
     local parquet/arrow/save_to_disk source has readable headers. Each file is checked up to its first 4 MiB.
@@ -145,18 +164,22 @@ def data_row_malformed(recipe, derived, source) -> Iterator[Diagnostic]:
     for key, src, local, split in _row_sources(recipe, source):
         facts = source_facts(local, split)
         if facts.how.startswith("cannot be read"):
-            yield diag("DATA008", source, key, f"{src}: {facts.how}", "fix or regenerate the data file")
+            yield diag(source, key, f"{src}: {facts.how}", "fix or regenerate the data file")
             continue
         scan = _scan(recipe, local, split) if facts.line_based else None
         if scan is None or not scan.malformed:
             continue
         first = scan.malformed[0]
         more = f"; {scan.malformed_count} malformed of {_scanned(scan)}" if scan.malformed_count > 1 else ""
-        yield diag("DATA008", source, key, f"{src}{first.where}: {first.what}{more}",
-                   "fix the row (one JSON object per line in .jsonl files)")
+        yield diag(
+            source,
+            key,
+            f"{src}{first.where}: {first.what}{more}",
+            "fix the row (one JSON object per line in .jsonl files)",
+        )
 
 
-def data_prompt_empty(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_prompt_empty(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Rows of a local .jsonl/.json data file whose prompt (`data.input_key`) is empty: null, blank text, no messages,
     or messages with only blank contents. Each file is checked up to its first 4 MiB.
@@ -181,6 +204,11 @@ def data_prompt_empty(recipe, derived, source) -> Iterator[Diagnostic]:
     for key, src, local, split in _row_sources(recipe, source):
         scan = _scan(recipe, local, split) if source_facts(local, split).line_based else None
         if scan is not None and scan.empty_count:
-            yield diag("DATA009", source, key, f"{src}: {scan.empty_count} row(s) with an empty prompt "
-                       f"{recipe.data.input_key!r} (first: {src}{scan.empty[0].where}; {_scanned(scan)})",
-                       "drop or fill those rows", ["data.input_key"])
+            yield diag(
+                source,
+                key,
+                f"{src}: {scan.empty_count} row(s) with an empty prompt "
+                f"{recipe.data.input_key!r} (first: {src}{scan.empty[0].where}; {_scanned(scan)})",
+                "drop or fill those rows",
+                ["data.input_key"],
+            )

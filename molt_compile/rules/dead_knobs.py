@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, is_set, model_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftActor, SftRecipe
 
 
-def dead_rollout_knob(recipe, derived, source) -> Iterator[Diagnostic]:
+def dead_rollout_knob(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.micro_batch_size` or `rollout.max_tokens_per_gpu` set.
 
@@ -32,11 +35,12 @@ def dead_rollout_knob(recipe, derived, source) -> Iterator[Diagnostic]:
     for key in ("micro_batch_size", "max_tokens_per_gpu"):
         value = getattr(recipe.rollout, key)
         if value is not None:
-            yield diag("DEAD001", source, f"rollout.{key}", f"rollout.{key} {value} has no effect in Molt",
-                       f"remove rollout.{key}")
+            yield diag(
+                source, f"rollout.{key}", f"rollout.{key} {value} has no effect in Molt", f"remove rollout.{key}"
+            )
 
 
-def freezing_steps_without_critic(recipe, derived, source) -> Iterator[Diagnostic]:
+def freezing_steps_without_critic(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.freezing_steps > 0` without a critic (estimator other than gae).
 
@@ -57,12 +61,17 @@ def freezing_steps_without_critic(recipe, derived, source) -> Iterator[Diagnosti
     molt_rules.md B10
     """
     if recipe.actor.freezing_steps > 0 and recipe.algo.estimator != "gae":
-        yield diag("DEAD002", source, "actor.freezing_steps", f"actor.freezing_steps {recipe.actor.freezing_steps} "
-                   f"is ignored without a critic (estimator {recipe.algo.estimator})", "remove actor.freezing_steps",
-                   ["algo.estimator"])
+        yield diag(
+            source,
+            "actor.freezing_steps",
+            f"actor.freezing_steps {recipe.actor.freezing_steps} "
+            f"is ignored without a critic (estimator {recipe.algo.estimator})",
+            "remove actor.freezing_steps",
+            ["algo.estimator"],
+        )
 
 
-def discount_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def discount_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.lam` set (≠ 1) with an estimator other than gae, or `algo.gamma` set (≠ 1) with one other than reinforce
     and gae.
@@ -86,14 +95,24 @@ def discount_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic
     """
     a = recipe.algo
     if a.lam != 1.0 and a.estimator != "gae":
-        yield diag("DEAD003", source, "algo.lam", f"algo.lam {a.lam} is used only by gae, not {a.estimator}",
-                   "remove algo.lam", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.lam",
+            f"algo.lam {a.lam} is used only by gae, not {a.estimator}",
+            "remove algo.lam",
+            ["algo.estimator"],
+        )
     if a.gamma != 1.0 and a.estimator not in ("reinforce", "gae"):
-        yield diag("DEAD003", source, "algo.gamma", f"algo.gamma {a.gamma} is used only by reinforce and gae, not "
-                   f"{a.estimator}", "remove algo.gamma", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.gamma",
+            f"algo.gamma {a.gamma} is used only by reinforce and gae, not {a.estimator}",
+            "remove algo.gamma",
+            ["algo.estimator"],
+        )
 
 
-def adaptive_kl_with_zero_coef(recipe, derived, source) -> Iterator[Diagnostic]:
+def adaptive_kl_with_zero_coef(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.target` (adaptive KL) with a KL coefficient of 0.
 
@@ -116,11 +135,16 @@ def adaptive_kl_with_zero_coef(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     kl = recipe.algo.kl
     if kl.target and dv(derived, "algo.kl.coef", kl.coef) == 0:
-        yield diag("DEAD004", source, "algo.kl.target", "algo.kl.target adapts a coefficient of 0, which stays 0",
-                   "set algo.kl.coef > 0, or remove algo.kl.target", ["algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.target",
+            "algo.kl.target adapts a coefficient of 0, which stays 0",
+            "set algo.kl.coef > 0, or remove algo.kl.target",
+            ["algo.kl.coef"],
+        )
 
 
-def moe_knob_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_knob_on_dense_model(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     MoE-only settings (`aux_loss_coef > 0`, `freeze.moe_router`) on a dense model.
 
@@ -146,17 +170,32 @@ def moe_knob_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
     if facts is None or facts.is_moe:
         return
     a = recipe.actor
-    aux_key, aux = ("actor.aux_loss_coef", a.aux_loss_coef) if recipe.kind == "sft" else \
-        ("actor.loss.aux_loss_coef", a.loss.aux_loss_coef)
+    aux_key, aux = (
+        ("actor.aux_loss_coef", a.aux_loss_coef)
+        if isinstance(a, SftActor)
+        else ("actor.loss.aux_loss_coef", a.loss.aux_loss_coef)
+    )
     if aux > 0:
-        yield diag("DEAD005", source, aux_key, f"{aux_key} {aux} on dense model {facts.key}: there is no router",
-                   f"remove {aux_key}", ["model.arch"])
+        yield diag(
+            source,
+            aux_key,
+            f"{aux_key} {aux} on dense model {facts.key}: there is no router",
+            f"remove {aux_key}",
+            ["model.arch"],
+        )
     if a.freeze.moe_router:
-        yield diag("DEAD005", source, "actor.freeze.moe_router", f"actor.freeze.moe_router on dense model "
-                   f"{facts.key}: there is no router", "remove actor.freeze.moe_router", ["model.arch"])
+        yield diag(
+            source,
+            "actor.freeze.moe_router",
+            f"actor.freeze.moe_router on dense model {facts.key}: there is no router",
+            "remove actor.freeze.moe_router",
+            ["model.arch"],
+        )
 
 
-def sequence_parallel_without_tp(recipe, derived, source) -> Iterator[Diagnostic]:
+def sequence_parallel_without_tp(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.sequence_parallel: true` with `actor.mesh.tp: 1`.
 
@@ -177,11 +216,18 @@ def sequence_parallel_without_tp(recipe, derived, source) -> Iterator[Diagnostic
     molt_rules.md §1.1 (fsdp.sequence_parallel)
     """
     if recipe.actor.sequence_parallel and recipe.actor.mesh.tp == 1:
-        yield diag("DEAD006", source, "actor.sequence_parallel", "actor.sequence_parallel has no effect with tp 1",
-                   "remove actor.sequence_parallel, or use tp > 1", ["actor.mesh.tp"])
+        yield diag(
+            source,
+            "actor.sequence_parallel",
+            "actor.sequence_parallel has no effect with tp 1",
+            "remove actor.sequence_parallel, or use tp > 1",
+            ["actor.mesh.tp"],
+        )
 
 
-def optimizer_knob_unused_by_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
+def optimizer_knob_unused_by_scheduler(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `warmup_ratio` written with the `constant` scheduler, `min_lr_ratio` written with a scheduler other than
     `cosine_with_min_lr`, or a `muon:` block with the adam optimizer.
@@ -203,22 +249,37 @@ def optimizer_knob_unused_by_scheduler(recipe, derived, source) -> Iterator[Diag
     ## References
     molt_rules.md K5, K6, §1.1
     """
-    prefixes = ["actor.optimizer"] + (["critic.optimizer"] if getattr(recipe, "critic", None) else [])
-    for prefix in prefixes:
-        opt = recipe.actor.optimizer if prefix.startswith("actor") else recipe.critic.optimizer
+    optimizers = [("actor.optimizer", recipe.actor.optimizer)]
+    if isinstance(recipe, RlRecipe) and recipe.critic is not None:
+        optimizers.append(("critic.optimizer", recipe.critic.optimizer))
+    for prefix, opt in optimizers:
         if opt.scheduler == "constant" and is_set(source, f"{prefix}.warmup_ratio") and opt.warmup_ratio > 0:
-            yield diag("DEAD007", source, f"{prefix}.warmup_ratio", f"{prefix}.warmup_ratio is ignored by the "
-                       "constant scheduler", "use scheduler constant_with_warmup, or remove warmup_ratio",
-                       [f"{prefix}.scheduler"])
+            yield diag(
+                source,
+                f"{prefix}.warmup_ratio",
+                f"{prefix}.warmup_ratio is ignored by the constant scheduler",
+                "use scheduler constant_with_warmup, or remove warmup_ratio",
+                [f"{prefix}.scheduler"],
+            )
         if opt.scheduler != "cosine_with_min_lr" and is_set(source, f"{prefix}.min_lr_ratio"):
-            yield diag("DEAD007", source, f"{prefix}.min_lr_ratio", f"{prefix}.min_lr_ratio is read only by "
-                       f"cosine_with_min_lr, not {opt.scheduler}", "remove min_lr_ratio", [f"{prefix}.scheduler"])
+            yield diag(
+                source,
+                f"{prefix}.min_lr_ratio",
+                f"{prefix}.min_lr_ratio is read only by cosine_with_min_lr, not {opt.scheduler}",
+                "remove min_lr_ratio",
+                [f"{prefix}.scheduler"],
+            )
         if opt.name != "muon" and is_set(source, f"{prefix}.muon"):
-            yield diag("DEAD007", source, f"{prefix}.muon", f"{prefix}.muon is ignored with optimizer {opt.name}",
-                       f"remove {prefix}.muon, or set {prefix}.name: muon", [f"{prefix}.name"])
+            yield diag(
+                source,
+                f"{prefix}.muon",
+                f"{prefix}.muon is ignored with optimizer {opt.name}",
+                f"remove {prefix}.muon, or set {prefix}.name: muon",
+                [f"{prefix}.name"],
+            )
 
 
-def whiten_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def whiten_unused_by_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.whiten` written with an estimator that does not whiten (rloo, grpo, dr_grpo, on_policy_distill).
 
@@ -240,11 +301,18 @@ def whiten_unused_by_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     est = recipe.algo.estimator
     if is_set(source, "algo.whiten") and est not in ("reinforce", "reinforce_baseline", "gae"):
-        yield diag("DEAD008", source, "algo.whiten", f"algo.whiten is ignored by estimator {est}",
-                   "remove algo.whiten", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.whiten",
+            f"algo.whiten is ignored by estimator {est}",
+            "remove algo.whiten",
+            ["algo.estimator"],
+        )
 
 
-def visual_encoder_freeze_on_text_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def visual_encoder_freeze_on_text_model(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.freeze.visual_encoder: true` on a text-only model.
 
@@ -268,5 +336,10 @@ def visual_encoder_freeze_on_text_model(recipe, derived, source) -> Iterator[Dia
     """
     facts = model_facts(recipe, source)
     if facts is not None and not facts.is_vlm and recipe.actor.freeze.visual_encoder:
-        yield diag("DEAD009", source, "actor.freeze.visual_encoder", f"{facts.key} has no visual encoder to freeze",
-                   "remove actor.freeze.visual_encoder", ["model.arch"])
+        yield diag(
+            source,
+            "actor.freeze.visual_encoder",
+            f"{facts.key} has no visual encoder to freeze",
+            "remove actor.freeze.visual_encoder",
+            ["model.arch"],
+        )

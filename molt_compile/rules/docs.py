@@ -6,13 +6,13 @@ a test fails when it is stale.
 
 from __future__ import annotations
 
+from molt_compile.codes import CAPABILITY, Code
 from molt_compile.rules import ALL_RULES
-from molt_compile.rules._base import Rule
 
 SECTIONS = ("## What it checks", "## Why it matters", "## Example", "## Use instead", "## References")
 
 
-def rule_page(rule: Rule) -> str:
+def rule_page(rule: Code) -> str:
     """One rule's page: heading, severity, kinds, then its docstring."""
     kinds = " and ".join(rule.kinds)
     body = rule.doc.replace("## ", "### ")
@@ -21,18 +21,25 @@ def rule_page(rule: Rule) -> str:
 
 def reference() -> str:
     """The whole catalog as one Markdown page."""
-    head = ["# Rule reference", "",
-            "Generated from `molt_compile/rules/` by `python -m molt_compile.rules.docs`; do not edit by hand.", "",
-            "| code | name | severity | kinds |", "|---|---|---|---|"]
-    head += [f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
-             for r in ALL_RULES]
-    from molt_compile import capability
-
-    head.append(f"| [{capability.CODE}](#{capability.CODE.lower()}-{capability.NAME}) | {capability.NAME} | error | "
-                "rl, sft |")
-    cap_page = (f"## {capability.CODE} {capability.NAME}\n\nSeverity: **error** · applies to: rl and sft recipes "
-                f"(checked on the lowered plan)\n\n{capability.DOC.replace('## ', '### ')}\n"
-                f"### The capability table\n\n{capability.table_markdown()}\n")
+    head = [
+        "# Rule reference",
+        "",
+        "Generated from `molt_compile/rules/` by `python -m molt_compile.rules.docs`; do not edit by hand.",
+        "",
+        "| code | name | severity | kinds |",
+        "|---|---|---|---|",
+    ]
+    head += [
+        f"| [{r.code}](#{r.code.lower()}-{r.name}) | {r.name} | {r.severity} | {', '.join(r.kinds)} |"
+        for r in ALL_RULES
+    ]
+    cap = CAPABILITY
+    head.append(f"| [{cap.code}](#{cap.code.lower()}-{cap.name}) | {cap.name} | {cap.severity} | rl, sft |")
+    cap_page = (
+        f"## {cap.code} {cap.name}\n\nSeverity: **{cap.severity}** · applies to: rl and sft recipes "
+        f"(checked on the lowered plan)\n\n{cap.text.replace('## ', '### ')}\n"
+        f"{(cap.appendix() if cap.appendix else '').replace('## ', '### ')}\n"
+    )
     return "\n".join(head) + "\n\n" + "\n".join(rule_page(r) for r in ALL_RULES) + "\n" + cap_page
 
 

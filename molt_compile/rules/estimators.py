@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import GROUP_ESTIMATORS, diag, dv, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _no_section(source, section: str) -> str:
@@ -21,7 +24,7 @@ def _add_section(source, section: str, example: str) -> str:
     return f"add `{section}: {example}`"
 
 
-def group_estimator_with_single_sample(recipe, derived, source) -> Iterator[Diagnostic]:
+def group_estimator_with_single_sample(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A group estimator (`rloo`, `reinforce_baseline`, `grpo`, `dr_grpo`) with `rollout.n_samples_per_prompt <= 1`.
 
@@ -46,13 +49,16 @@ def group_estimator_with_single_sample(recipe, derived, source) -> Iterator[Diag
     """
     est, n = recipe.algo.estimator, recipe.rollout.n_samples_per_prompt
     if est in GROUP_ESTIMATORS and n <= 1 and not recipe.eval.only:
-        yield diag("EST001", source, "rollout.n_samples_per_prompt",
-                   f"algo.estimator {est} needs n_samples_per_prompt > 1 for its group baseline, got {n}",
-                   "set rollout.n_samples_per_prompt to 2 or more (4-16 is usual), or use estimator reinforce",
-                   ["algo.estimator"])
+        yield diag(
+            source,
+            "rollout.n_samples_per_prompt",
+            f"algo.estimator {est} needs n_samples_per_prompt > 1 for its group baseline, got {n}",
+            "set rollout.n_samples_per_prompt to 2 or more (4-16 is usual), or use estimator reinforce",
+            ["algo.estimator"],
+        )
 
 
-def gae_without_critic_section(recipe, derived, source) -> Iterator[Diagnostic]:
+def gae_without_critic_section(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: gae` without a `critic:` section.
 
@@ -76,14 +82,17 @@ def gae_without_critic_section(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md B8, B9, C4, J3
     """
     if recipe.algo.estimator == "gae" and recipe.critic is None:
-        yield diag("EST002", source, "algo.estimator",
-                   f"algo.estimator gae needs a value model, but {_no_section(source, 'critic')}",
-                   _add_section(source, "critic", "{placement: colocate}")
-                   + " (it shares the actor's GPUs), or choose another estimator",
-                   ["critic"])
+        yield diag(
+            source,
+            "algo.estimator",
+            f"algo.estimator gae needs a value model, but {_no_section(source, 'critic')}",
+            _add_section(source, "critic", "{placement: colocate}")
+            + " (it shares the actor's GPUs), or choose another estimator",
+            ["critic"],
+        )
 
 
-def critic_without_gae(recipe, derived, source) -> Iterator[Diagnostic]:
+def critic_without_gae(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A `critic:` section while `algo.estimator` is not `gae`.
 
@@ -107,12 +116,16 @@ def critic_without_gae(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md B8
     """
     if recipe.critic is not None and recipe.algo.estimator != "gae":
-        yield diag("EST003", source, "critic",
-                   f"a `critic:` section is set but algo.estimator {recipe.algo.estimator} uses no value model",
-                   "remove the `critic:` section, or set algo.estimator: gae", ["algo.estimator"])
+        yield diag(
+            source,
+            "critic",
+            f"a `critic:` section is set but algo.estimator {recipe.algo.estimator} uses no value model",
+            "remove the `critic:` section, or set algo.estimator: gae",
+            ["algo.estimator"],
+        )
 
 
-def distill_without_teacher(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_without_teacher(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: on_policy_distill` without a `ref:` section, or with `ref.path` unset.
 
@@ -139,16 +152,24 @@ def distill_without_teacher(recipe, derived, source) -> Iterator[Diagnostic]:
     if recipe.algo.estimator != "on_policy_distill":
         return
     if recipe.ref is None:
-        yield diag("EST004", source, "algo.estimator",
-                   f"algo.estimator on_policy_distill needs a teacher, but {_no_section(source, 'ref')}",
-                   _add_section(source, "ref", "{path: <teacher checkpoint>}"), ["ref"])
+        yield diag(
+            source,
+            "algo.estimator",
+            f"algo.estimator on_policy_distill needs a teacher, but {_no_section(source, 'ref')}",
+            _add_section(source, "ref", "{path: <teacher checkpoint>}"),
+            ["ref"],
+        )
     elif recipe.ref.path is None:
-        yield diag("EST004", source, "ref",
-                   "on_policy_distill: ref.path is unset, so the teacher would be the student itself "
-                   f"({recipe.model.path})", "set ref.path to the teacher checkpoint", ["algo.estimator", "model.path"])
+        yield diag(
+            source,
+            "ref",
+            f"on_policy_distill: ref.path is unset, so the teacher would be the student itself ({recipe.model.path})",
+            "set ref.path to the teacher checkpoint",
+            ["algo.estimator", "model.path"],
+        )
 
 
-def distill_with_nonpositive_kl_coef(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_with_nonpositive_kl_coef(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `on_policy_distill` with `algo.kl.coef <= 0`.
 
@@ -173,13 +194,17 @@ def distill_with_nonpositive_kl_coef(recipe, derived, source) -> Iterator[Diagno
     """
     coef = dv(derived, "algo.kl.coef", recipe.algo.kl.coef)
     if recipe.algo.estimator == "on_policy_distill" and coef <= 0:
-        yield diag("EST005", source, "algo.kl.coef",
-                   f"on_policy_distill with algo.kl.coef {coef}: the KL to the teacher is the only signal, so "
-                   "every advantage is 0", "set algo.kl.coef: 1.0 (Molt's default for distillation)",
-                   ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.kl.coef",
+            f"on_policy_distill with algo.kl.coef {coef}: the KL to the teacher is the only signal, so "
+            "every advantage is 0",
+            "set algo.kl.coef: 1.0 (Molt's default for distillation)",
+            ["algo.estimator"],
+        )
 
 
-def distill_forces_reward_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_forces_reward_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) what `on_policy_distill` forces: `algo.kl.estimator: k1`, `algo.kl.use_loss: false`, and
     `algo.kl.coef: 1.0` when unset.
@@ -206,17 +231,24 @@ def distill_forces_reward_kl(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     kl = recipe.algo.kl
     coef = dv(derived, "algo.kl.coef", kl.coef)
-    overridden = [f"{k} {getattr(kl, k)}" for k in ("estimator", "use_loss") if is_set(source, f"algo.kl.{k}")
-                  and getattr(kl, k) != {"estimator": "k1", "use_loss": False}[k]]
+    overridden = [
+        f"{k} {getattr(kl, k)}"
+        for k in ("estimator", "use_loss")
+        if is_set(source, f"algo.kl.{k}") and getattr(kl, k) != {"estimator": "k1", "use_loss": False}[k]
+    ]
     path = "algo.kl.estimator" if is_set(source, "algo.kl.estimator") else "algo.estimator"
     note = f" (replacing the recipe's {', '.join(overridden)})" if overridden else ""
-    yield diag("EST006", source, path,
-               f"on_policy_distill uses the KL to the teacher as a per-token reward: kl.estimator k1, "
-               f"use_loss false, coef {coef}{note}", "nothing to do; this is how distillation works in Molt",
-               ["algo.estimator", "algo.kl"])
+    yield diag(
+        source,
+        path,
+        f"on_policy_distill uses the KL to the teacher as a per-token reward: kl.estimator k1, "
+        f"use_loss false, coef {coef}{note}",
+        "nothing to do; this is how distillation works in Molt",
+        ["algo.estimator", "algo.kl"],
+    )
 
 
-def kl_loss_with_k1(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_loss_with_k1(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A KL loss term (`algo.kl.use_loss: true`, `coef > 0`) estimated with `k1`.
 
@@ -242,14 +274,24 @@ def kl_loss_with_k1(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md C2, §6.5
     """
     kl = recipe.algo.kl
-    if (recipe.algo.estimator != "on_policy_distill" and kl.use_loss and kl.estimator == "k1" and kl.coef > 0
-            and kl.ref == "model"):
-        yield diag("EST007", source, "algo.kl.estimator",
-                   "algo.kl.use_loss with estimator k1: the k1 loss has a zero expected gradient and does not "
-                   "pull the policy toward the reference", "set algo.kl.estimator: k2 (or k3)", ["algo.kl.use_loss"])
+    if (
+        recipe.algo.estimator != "on_policy_distill"
+        and kl.use_loss
+        and kl.estimator == "k1"
+        and kl.coef > 0
+        and kl.ref == "model"
+    ):
+        yield diag(
+            source,
+            "algo.kl.estimator",
+            "algo.kl.use_loss with estimator k1: the k1 loss has a zero expected gradient and does not "
+            "pull the policy toward the reference",
+            "set algo.kl.estimator: k2 (or k3)",
+            ["algo.kl.use_loss"],
+        )
 
 
-def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_with_group_estimator(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A KL *reward* (`use_loss: false`, `coef > 0`, a `ref:`) with a group estimator (rloo, reinforce_baseline, grpo,
     dr_grpo).
@@ -276,13 +318,16 @@ def kl_reward_with_group_estimator(recipe, derived, source) -> Iterator[Diagnost
     kl = recipe.algo.kl
     est = recipe.algo.estimator
     if est in GROUP_ESTIMATORS and recipe.ref is not None and kl.coef > 0 and not kl.use_loss and kl.ref == "model":
-        yield diag("EST008", source, "algo.kl.use_loss",
-                   f"algo.estimator {est} ignores the per-token KL reward: the reference model is computed for "
-                   "nothing", "set algo.kl.use_loss: true (with estimator k2), or remove the `ref:` section and "
-                   "set algo.kl.coef: 0", ["algo.estimator", "algo.kl.coef", "ref"])
+        yield diag(
+            source,
+            "algo.kl.use_loss",
+            f"algo.estimator {est} ignores the per-token KL reward: the reference model is computed for nothing",
+            "set algo.kl.use_loss: true (with estimator k2), or remove the `ref:` section and set algo.kl.coef: 0",
+            ["algo.estimator", "algo.kl.coef", "ref"],
+        )
 
 
-def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_coef_without_ref(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.coef > 0` with `algo.kl.ref: model` but no `ref:` section (not on_policy_distill, which has its own
     rule).
@@ -308,15 +353,23 @@ def kl_coef_without_ref(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md B3, B8; molt_0_2_1.md X7
     """
     coef = recipe.algo.kl.coef
-    if coef > 0 and recipe.ref is None and recipe.algo.estimator != "on_policy_distill" and \
-            recipe.algo.kl.ref == "model":
-        yield diag("EST009", source, "algo.kl.coef",
-                   f"algo.kl.coef {coef} against a reference model (algo.kl.ref: model) needs one, but "
-                   f"{_no_section(source, 'ref')}", _add_section(source, "ref", "{placement: colocate}") +
-                   ", or set algo.kl.ref: rollout", ["ref", "algo.kl.ref"])
+    if (
+        coef > 0
+        and recipe.ref is None
+        and recipe.algo.estimator != "on_policy_distill"
+        and recipe.algo.kl.ref == "model"
+    ):
+        yield diag(
+            source,
+            "algo.kl.coef",
+            f"algo.kl.coef {coef} against a reference model (algo.kl.ref: model) needs one, but "
+            f"{_no_section(source, 'ref')}",
+            _add_section(source, "ref", "{placement: colocate}") + ", or set algo.kl.ref: rollout",
+            ["ref", "algo.kl.ref"],
+        )
 
 
-def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def ref_without_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A `ref:` section while `algo.kl.coef` is 0, or while the KL is measured against the rollout policy
     (`algo.kl.ref` rollout, Molt 0.2.1's default) — and the estimator is not on_policy_distill.
@@ -343,16 +396,27 @@ def ref_without_kl(recipe, derived, source) -> Iterator[Diagnostic]:
     if recipe.ref is None or recipe.algo.estimator == "on_policy_distill":
         return
     if kl.coef == 0:
-        yield diag("EST010", source, "ref", "a `ref:` section is set but algo.kl.coef is 0: nothing uses it",
-                   "remove the `ref:` section, or set algo.kl.coef > 0", ["algo.kl.coef"])
+        yield diag(
+            source,
+            "ref",
+            "a `ref:` section is set but algo.kl.coef is 0: nothing uses it",
+            "remove the `ref:` section, or set algo.kl.coef > 0",
+            ["algo.kl.coef"],
+        )
     elif kl.ref != "model":
-        yield diag("EST010", source, "ref", "a `ref:` section is set but the KL is measured against the rollout "
-                   "policy (algo.kl.ref " + ("unset: Molt 0.2.1's default rollout" if kl.ref is None else "rollout")
-                   + "): nothing uses the reference model", "set algo.kl.ref: model to use it (Molt 0.1.6's "
-                   "meaning), or remove the `ref:` section", ["algo.kl.ref", "algo.kl.coef"])
+        yield diag(
+            source,
+            "ref",
+            "a `ref:` section is set but the KL is measured against the rollout "
+            "policy (algo.kl.ref "
+            + ("unset: Molt 0.2.1's default rollout" if kl.ref is None else "rollout")
+            + "): nothing uses the reference model",
+            "set algo.kl.ref: model to use it (Molt 0.1.6's meaning), or remove the `ref:` section",
+            ["algo.kl.ref", "algo.kl.coef"],
+        )
 
 
-def dynamic_filtering_empty_range(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_empty_range(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.dynamic_filtering.range` with `lo >= hi`.
 
@@ -375,12 +439,15 @@ def dynamic_filtering_empty_range(recipe, derived, source) -> Iterator[Diagnosti
     """
     df = recipe.algo.dynamic_filtering
     if df is not None and df.range[0] >= df.range[1]:
-        yield diag("EST011", source, "algo.dynamic_filtering.range",
-                   f"algo.dynamic_filtering.range ({df.range[0]}, {df.range[1]}) is empty: every group is dropped",
-                   "use lo < hi, e.g. [0.01, 0.99]")
+        yield diag(
+            source,
+            "algo.dynamic_filtering.range",
+            f"algo.dynamic_filtering.range ({df.range[0]}, {df.range[1]}) is empty: every group is dropped",
+            "use lo < hi, e.g. [0.01, 0.99]",
+        )
 
 
-def dynamic_filtering_with_single_sample(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_with_single_sample(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Dynamic filtering with `rollout.n_samples_per_prompt <= 1`.
 
@@ -405,13 +472,18 @@ def dynamic_filtering_with_single_sample(recipe, derived, source) -> Iterator[Di
     """
     n = recipe.rollout.n_samples_per_prompt
     if recipe.algo.dynamic_filtering is not None and n <= 1:
-        yield diag("EST012", source, "algo.dynamic_filtering",
-                   f"dynamic filtering needs groups of several rollouts, but n_samples_per_prompt is {n}",
-                   "set rollout.n_samples_per_prompt to 2 or more, or remove algo.dynamic_filtering",
-                   ["rollout.n_samples_per_prompt"])
+        yield diag(
+            source,
+            "algo.dynamic_filtering",
+            f"dynamic filtering needs groups of several rollouts, but n_samples_per_prompt is {n}",
+            "set rollout.n_samples_per_prompt to 2 or more, or remove algo.dynamic_filtering",
+            ["rollout.n_samples_per_prompt"],
+        )
 
 
-def dynamic_filtering_with_builtin_distill_agent(recipe, derived, source) -> Iterator[Diagnostic]:
+def dynamic_filtering_with_builtin_distill_agent(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Dynamic filtering with on_policy_distill and no `agent:` (the built-in distill agent).
 
@@ -436,8 +508,15 @@ def dynamic_filtering_with_builtin_distill_agent(recipe, derived, source) -> Ite
     ## References
     molt_rules.md B2, C3, §2.N
     """
-    if (recipe.algo.estimator == "on_policy_distill" and recipe.agent is None
-            and recipe.algo.dynamic_filtering is not None):
-        yield diag("EST013", source, "algo.dynamic_filtering",
-                   "the built-in distill agent scores every rollout 0, so dynamic filtering drops every group",
-                   "remove algo.dynamic_filtering, or give an `agent:` that scores rollouts", ["algo.estimator"])
+    if (
+        recipe.algo.estimator == "on_policy_distill"
+        and recipe.agent is None
+        and recipe.algo.dynamic_filtering is not None
+    ):
+        yield diag(
+            source,
+            "algo.dynamic_filtering",
+            "the built-in distill agent scores every rollout 0, so dynamic filtering drops every group",
+            "remove algo.dynamic_filtering, or give an `agent:` that scores rollouts",
+            ["algo.estimator"],
+        )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_cadence_zero(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `eval.every` is -1 (never; SFT: once per epoch) or a positive number of steps, never 0.
 
@@ -29,11 +32,15 @@ def eval_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md M1, B12
     """
     if recipe.eval.every == 0:
-        yield diag("EVAL001", source, "eval.every", "eval.every 0 divides by zero at the first step",
-                   "use a positive number of steps, or -1 for never")
+        yield diag(
+            source,
+            "eval.every",
+            "eval.every 0 divides by zero at the first step",
+            "use a positive number of steps, or -1 for never",
+        )
 
 
-def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
+def ckpt_cadence_zero(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `ckpt.every` is -1 (never) or a positive number of steps, never 0.
 
@@ -54,11 +61,15 @@ def ckpt_cadence_zero(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md M1, B12
     """
     if recipe.ckpt.every == 0:
-        yield diag("CKPT001", source, "ckpt.every", "ckpt.every 0 divides by zero at the first step",
-                   "use a positive number of steps, or -1 for never")
+        yield diag(
+            source,
+            "ckpt.every",
+            "ckpt.every 0 divides by zero at the first step",
+            "use a positive number of steps, or -1 for never",
+        )
 
 
-def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_only_without_dataset(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `eval.only: true` without `eval.dataset`.
 
@@ -80,11 +91,12 @@ def eval_only_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_rules.md A6, J4
     """
     if recipe.eval.only and recipe.eval.dataset is None:
-        yield diag("EVAL002", source, "eval.only", "eval.only needs eval.dataset", "set eval.dataset",
-                   ["eval.dataset"])
+        yield diag(source, "eval.only", "eval.only needs eval.dataset", "set eval.dataset", ["eval.dataset"])
 
 
-def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_settings_without_dataset(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Eval cadence or sampling settings (`eval.every`, `eval.at_start`, ...) written without an `eval.dataset`.
 
@@ -106,14 +118,21 @@ def eval_settings_without_dataset(recipe, derived, source) -> Iterator[Diagnosti
     """
     if recipe.eval.dataset is not None:
         return
-    written = [k for k in ("every", "at_start", "batch_size", "n_samples_per_prompt", "temperature", "top_p",
-                           "max_new_tokens") if is_set(source, f"eval.{k}")]
+    written = [
+        k
+        for k in ("every", "at_start", "batch_size", "n_samples_per_prompt", "temperature", "top_p", "max_new_tokens")
+        if is_set(source, f"eval.{k}")
+    ]
     if written and not getattr(recipe.eval, "only", False):
-        yield diag("EVAL003", source, f"eval.{written[0]}", f"eval.{', eval.'.join(written)} set, but there is no "
-                   "eval.dataset: no eval runs", "set eval.dataset, or remove the eval settings")
+        yield diag(
+            source,
+            f"eval.{written[0]}",
+            f"eval.{', eval.'.join(written)} set, but there is no eval.dataset: no eval runs",
+            "set eval.dataset, or remove the eval settings",
+        )
 
 
-def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
+def eval_dataset_never_used(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     RL: an `eval.dataset` with `eval.every: -1`, no `at_start` and not `only`.
 
@@ -135,12 +154,16 @@ def eval_dataset_never_used(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     e = recipe.eval
     if e.dataset is not None and e.every == -1 and not e.at_start and not e.only:
-        yield diag("EVAL004", source, "eval.every", "eval.dataset is set but eval.every is -1 (never) and "
-                   "at_start is false: it is never evaluated", "set eval.every to a number of steps",
-                   ["eval.dataset"])
+        yield diag(
+            source,
+            "eval.every",
+            "eval.dataset is set but eval.every is -1 (never) and at_start is false: it is never evaluated",
+            "set eval.every to a number of steps",
+            ["eval.dataset"],
+        )
 
 
-def run_saves_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
+def run_saves_nothing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `ckpt.every: -1` together with `ckpt.final_save: false` (and not eval-only).
 
@@ -162,5 +185,10 @@ def run_saves_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     c = recipe.ckpt
     if c.every == -1 and not c.final_save and not getattr(recipe.eval, "only", False):
-        yield diag("CKPT002", source, "ckpt.final_save", "ckpt.final_save false and ckpt.every -1: the trained "
-                   "weights are never saved", "set ckpt.final_save: true or a ckpt.every cadence", ["ckpt.every"])
+        yield diag(
+            source,
+            "ckpt.final_save",
+            "ckpt.final_save false and ckpt.every -1: the trained weights are never saved",
+            "set ckpt.final_save: true or a ckpt.every cadence",
+            ["ckpt.every"],
+        )

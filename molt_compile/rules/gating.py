@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from molt_compile.derive import is_band
+from molt_compile.derive import Derived, is_band
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
 def _values(isc) -> list[float]:
@@ -19,7 +21,7 @@ def _values(isc) -> list[float]:
     return [t] if isinstance(t, int | float) else list(t)
 
 
-def is_threshold_arity(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_threshold_arity(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.threshold` has one value (HIGH) or two (LOW, HIGH).
 
@@ -42,11 +44,15 @@ def is_threshold_arity(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     n = len(_values(recipe.algo.is_correction))
     if n not in (1, 2):
-        yield diag("IS001", source, "algo.is_correction.threshold", f"algo.is_correction.threshold has {n} values; "
-                   "it takes HIGH or [LOW, HIGH]", "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]")
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"algo.is_correction.threshold has {n} values; it takes HIGH or [LOW, HIGH]",
+            "write one upper bound (e.g. 5.0e-3) or a band [0.5, 5.0]",
+        )
 
 
-def is_single_threshold_band(recipe, derived, source) -> Iterator[Diagnostic]:
+def is_single_threshold_band(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A single `algo.is_correction.threshold` value HIGH, with IS correction on: the band is `[-inf, HIGH]`.
 
@@ -69,11 +75,15 @@ def is_single_threshold_band(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     isc = recipe.algo.is_correction
     if isc.level != "off" and len(_values(isc)) == 1:
-        yield diag("IS002", source, "algo.is_correction.threshold", f"one threshold value {_values(isc)[0]}: the "
-                   f"band is [-inf, {_values(isc)[0]}] (X1)", "write [0.0, HIGH] to say it in the recipe")
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"one threshold value {_values(isc)[0]}: the band is [-inf, {_values(isc)[0]}] (X1)",
+            "write [0.0, HIGH] to say it in the recipe",
+        )
 
 
-def divergence_gating_with_clip_or_geo(recipe, derived, source) -> Iterator[Diagnostic]:
+def divergence_gating_with_clip_or_geo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.gating` binary_kl or tv with `mode` other than mask, or with `level: geo`.
 
@@ -98,14 +108,24 @@ def divergence_gating_with_clip_or_geo(recipe, derived, source) -> Iterator[Diag
     if isc.gating == "ratio" or isc.level == "off":
         return
     if isc.mode != "mask":
-        yield diag("IS003", source, "algo.is_correction.mode", f"gating {isc.gating} works only with mode mask, "
-                   f"not {isc.mode}", "set algo.is_correction.mode: mask", ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.mode",
+            f"gating {isc.gating} works only with mode mask, not {isc.mode}",
+            "set algo.is_correction.mode: mask",
+            ["algo.is_correction.gating"],
+        )
     if isc.level == "geo":
-        yield diag("IS003", source, "algo.is_correction.level", f"gating {isc.gating} works only at level token or "
-                   "seq, not geo", "set algo.is_correction.level: seq", ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.level",
+            f"gating {isc.gating} works only at level token or seq, not geo",
+            "set algo.is_correction.level: seq",
+            ["algo.is_correction.gating"],
+        )
 
 
-def divergence_gating_with_lower_bound(recipe, derived, source) -> Iterator[Diagnostic]:
+def divergence_gating_with_lower_bound(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `gating` binary_kl or tv with IS on and a band whose lower value is > 0 (the default [0.5, 5.0] included).
 
@@ -131,13 +151,17 @@ def divergence_gating_with_lower_bound(recipe, derived, source) -> Iterator[Diag
         return
     low, high = is_band(isc)
     if low is not None and low > 0:
-        yield diag("IS004", source, "algo.is_correction.threshold", f"gating {isc.gating} takes an upper bound "
-                   f"only, but the band's lower value is {low}: on-policy units (divergence 0) are dropped",
-                   f"write one value, algo.is_correction.threshold: {high if high < 0.5 else 5.0e-3}",
-                   ["algo.is_correction.gating"])
+        yield diag(
+            source,
+            "algo.is_correction.threshold",
+            f"gating {isc.gating} takes an upper bound "
+            f"only, but the band's lower value is {low}: on-policy units (divergence 0) are dropped",
+            f"write one value, algo.is_correction.threshold: {high if high < 0.5 else 5.0e-3}",
+            ["algo.is_correction.gating"],
+        )
 
 
-def gating_without_is(recipe, derived, source) -> Iterator[Diagnostic]:
+def gating_without_is(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.is_correction.gating` binary_kl or tv while `algo.is_correction.level` is off.
 
@@ -160,6 +184,10 @@ def gating_without_is(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     isc = recipe.algo.is_correction
     if isc.gating != "ratio" and isc.level == "off" and recipe.algo.score_centering_top_k < 2:
-        yield diag("IS005", source, "algo.is_correction.gating", f"gating {isc.gating} has no effect: "
-                   "algo.is_correction.level is off", "remove algo.is_correction.gating, or turn IS on (level "
-                   "token or seq)", ["algo.is_correction.level"])
+        yield diag(
+            source,
+            "algo.is_correction.gating",
+            f"gating {isc.gating} has no effect: algo.is_correction.level is off",
+            "remove algo.is_correction.gating, or turn IS on (level token or seq)",
+            ["algo.is_correction.level"],
+        )

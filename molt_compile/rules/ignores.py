@@ -5,11 +5,16 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
+def unknown_code_in_ignore(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, known: frozenset[str] = frozenset()
+) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` is a rule code of the catalog (`molt-compile rules` lists them).
 
@@ -36,11 +41,15 @@ def unknown_code_in_ignore(recipe, derived, source, *, known: frozenset[str] = f
     for code in recipe.ignore:
         if code not in known:
             close = difflib.get_close_matches(code, sorted(known), n=1)
-            yield diag("IGNORE001", source, f"ignore.{code}", f"ignore: {code} is not a rule code",
-                       f"did you mean {close[0]}?" if close else "see `molt-compile rules` for the codes")
+            yield diag(
+                source,
+                f"ignore.{code}",
+                f"ignore: {code} is not a rule code",
+                f"did you mean {close[0]}?" if close else "see `molt-compile rules` for the codes",
+            )
 
 
-def ignore_without_reason(recipe, derived, source) -> Iterator[Diagnostic]:
+def ignore_without_reason(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Every suppression under `ignore:` gives a reason (a non-empty string).
 
@@ -64,11 +73,14 @@ def ignore_without_reason(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     for code, reason in recipe.ignore.items():
         if not str(reason).strip():
-            yield diag("IGNORE003", source, f"ignore.{code}", f"ignore: {code} has no reason",
-                       f'write why: ignore: {{{code}: "<reason>"}}')
+            yield diag(
+                source, f"ignore.{code}", f"ignore: {code} has no reason", f'write why: ignore: {{{code}: "<reason>"}}'
+            )
 
 
-def unused_ignore(recipe, derived, source, *, fired: frozenset[str] = frozenset()) -> Iterator[Diagnostic]:
+def unused_ignore(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, fired: frozenset[str] = frozenset()
+) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` suppressed at least one diagnostic of this recipe. `run_rules` calls this check last,
     with the codes that fired; an unknown code is reported by IGNORE001 instead.
@@ -95,5 +107,6 @@ def unused_ignore(recipe, derived, source, *, fired: frozenset[str] = frozenset(
     known = {r.code for r in ALL_RULES}
     for code in recipe.ignore:
         if code in known and code not in fired:
-            yield diag("IGNORE002", source, f"ignore.{code}", f"ignore: {code} suppresses nothing in this recipe",
-                       f"remove ignore.{code}")
+            yield diag(
+                source, f"ignore.{code}", f"ignore: {code} suppresses nothing in this recipe", f"remove ignore.{code}"
+            )

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from molt_compile.derive import kl_ref_of
+from molt_compile.derive import Derived, kl_ref_of
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import GROUP_ESTIMATORS, diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 KL_REWARD_IGNORED = GROUP_ESTIMATORS | {"flash_reinforce"}
 """Estimators that do not read the per-token KL reward (C7, I10)."""
@@ -29,7 +31,7 @@ def _runner_kind(recipe, source) -> str | None:
     return inspect_agent(str(f)).runner if f is not None else None
 
 
-def kl_k1_loss_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_k1_loss_against_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.use_loss: true` with `algo.kl.estimator: k1` while the KL reference is the rollout policy
     (`algo.kl.ref: rollout`, the default) — whatever the coefficient.
@@ -54,12 +56,17 @@ def kl_k1_loss_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     kl = recipe.algo.kl
     if kl_ref_of(recipe) == "rollout" and kl.use_loss and kl.estimator == "k1":
-        yield diag("KL001", source, "algo.kl.estimator", "algo.kl.use_loss with estimator k1 against the rollout "
-                   "policy (algo.kl.ref rollout): its gradient raises KL(rollout || policy) instead of lowering it",
-                   "set algo.kl.estimator: k3 (or k2); or algo.kl.use_loss: false", ["algo.kl.use_loss", "algo.kl.ref"])
+        yield diag(
+            source,
+            "algo.kl.estimator",
+            "algo.kl.use_loss with estimator k1 against the rollout "
+            "policy (algo.kl.ref rollout): its gradient raises KL(rollout || policy) instead of lowering it",
+            "set algo.kl.estimator: k3 (or k2); or algo.kl.use_loss: false",
+            ["algo.kl.use_loss", "algo.kl.ref"],
+        )
 
 
-def kl_ref_defaults_to_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_ref_defaults_to_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.coef > 0` with `algo.kl.ref` unset (not on_policy_distill): the KL is measured against the rollout
     policy, and no reference model is built for it.
@@ -84,15 +91,23 @@ def kl_ref_defaults_to_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     kl = recipe.algo.kl
     if kl.coef > 0 and kl.ref is None and recipe.algo.estimator != "on_policy_distill":
-        keep = ("; the `ref:` section is then unused (EST010): set algo.kl.ref: model to keep Molt 0.1.6's "
-                "meaning" if recipe.ref is not None else "; Molt 0.1.6 built a reference model for this coefficient")
-        yield diag("KL002", source, "algo.kl.coef", f"algo.kl.coef {kl.coef} is KL against the rollout policy "
-                   "(Molt 0.2.1's default algo.kl.ref: rollout): no reference model is built" + keep,
-                   "write algo.kl.ref: rollout to keep this, or algo.kl.ref: model with a `ref:` section for a "
-                   "frozen reference", ["algo.kl.ref"])
+        keep = (
+            "; the `ref:` section is then unused (EST010): set algo.kl.ref: model to keep Molt 0.1.6's meaning"
+            if recipe.ref is not None
+            else "; Molt 0.1.6 built a reference model for this coefficient"
+        )
+        yield diag(
+            source,
+            "algo.kl.coef",
+            f"algo.kl.coef {kl.coef} is KL against the rollout policy "
+            "(Molt 0.2.1's default algo.kl.ref: rollout): no reference model is built" + keep,
+            "write algo.kl.ref: rollout to keep this, or algo.kl.ref: model with a `ref:` section for a "
+            "frozen reference",
+            ["algo.kl.ref"],
+        )
 
 
-def distill_forces_kl_ref_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def distill_forces_kl_ref_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.kl.ref: rollout` under `algo.estimator: on_policy_distill`.
 
@@ -117,11 +132,16 @@ def distill_forces_kl_ref_model(recipe, derived, source) -> Iterator[Diagnostic]
     molt_0_2_1.md X2 (molt_rules.md B2)
     """
     if recipe.algo.estimator == "on_policy_distill" and recipe.algo.kl.ref == "rollout":
-        yield diag("KL003", source, "algo.kl.ref", "on_policy_distill measures the KL against the teacher: "
-                   "algo.kl.ref is forced to model", "remove algo.kl.ref", ["algo.estimator"])
+        yield diag(
+            source,
+            "algo.kl.ref",
+            "on_policy_distill measures the KL against the teacher: algo.kl.ref is forced to model",
+            "remove algo.kl.ref",
+            ["algo.estimator"],
+        )
 
 
-def kl_to_rollout_without_logprobs(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_to_rollout_without_logprobs(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     KL against the rollout policy (`algo.kl.coef > 0`, `kl.ref: rollout`) with a step agent (StepEnvRunner),
     importance-sampling correction off and no score centering.
@@ -151,13 +171,18 @@ def kl_to_rollout_without_logprobs(recipe, derived, source) -> Iterator[Diagnost
     if not _kl_to_rollout(recipe) or a.is_correction.level != "off" or a.score_centering_top_k >= 2:
         return
     if _runner_kind(recipe, source) == "step":
-        yield diag("KL004", source, "algo.kl.coef", "KL against the rollout policy needs the engine's log-probs, "
-                   "but a step agent records them only with IS correction or score centering: Molt fails at the "
-                   "first make_experience (L14)", "turn on algo.is_correction (level token), or set "
-                   "algo.kl.ref: model with a `ref:` section", ["algo.kl.ref", "algo.is_correction.level", "agent.path"])
+        yield diag(
+            source,
+            "algo.kl.coef",
+            "KL against the rollout policy needs the engine's log-probs, "
+            "but a step agent records them only with IS correction or score centering: Molt fails at the "
+            "first make_experience (L14)",
+            "turn on algo.is_correction (level token), or set algo.kl.ref: model with a `ref:` section",
+            ["algo.kl.ref", "algo.is_correction.level", "agent.path"],
+        )
 
 
-def kl_reward_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_against_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     KL against the rollout policy folded into the reward (`use_loss: false`) with an estimator that reads it
     (reinforce, gae).
@@ -184,13 +209,17 @@ def kl_reward_against_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     a = recipe.algo
     if _kl_to_rollout(recipe) and not a.kl.use_loss and a.estimator not in KL_REWARD_IGNORED | {"on_policy_distill"}:
-        yield diag("KL005", source, "algo.kl.use_loss", "a KL reward against the rollout policy is only the "
-                   "train/sampler mismatch (about 0 on-policy): it pulls the policy toward nothing",
-                   "set algo.kl.use_loss: true with estimator k3, or algo.kl.ref: model with a `ref:` section",
-                   ["algo.kl.ref", "algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.use_loss",
+            "a KL reward against the rollout policy is only the "
+            "train/sampler mismatch (about 0 on-policy): it pulls the policy toward nothing",
+            "set algo.kl.use_loss: true with estimator k3, or algo.kl.ref: model with a `ref:` section",
+            ["algo.kl.ref", "algo.kl.coef"],
+        )
 
 
-def kl_reward_with_flash_reinforce(recipe, derived, source) -> Iterator[Diagnostic]:
+def kl_reward_with_flash_reinforce(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.estimator: flash_reinforce` with a KL coefficient folded into the reward (`use_loss: false`).
 
@@ -215,6 +244,10 @@ def kl_reward_with_flash_reinforce(recipe, derived, source) -> Iterator[Diagnost
     """
     kl = recipe.algo.kl
     if recipe.algo.estimator == "flash_reinforce" and kl.coef > 0 and not kl.use_loss:
-        yield diag("KL006", source, "algo.kl.use_loss", "flash_reinforce ignores the per-token KL reward: "
-                   f"algo.kl.coef {kl.coef} has no effect", "set algo.kl.use_loss: true (estimator k2 or k3), or "
-                   "algo.kl.coef: 0", ["algo.estimator", "algo.kl.coef"])
+        yield diag(
+            source,
+            "algo.kl.use_loss",
+            f"flash_reinforce ignores the per-token KL reward: algo.kl.coef {kl.coef} has no effect",
+            "set algo.kl.use_loss: true (estimator k2 or k3), or algo.kl.coef: 0",
+            ["algo.estimator", "algo.kl.coef"],
+        )

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
-from schemas.recipe import ENV_NAME_PATTERN
+from molt_compile.source import SourceMap
+from schemas.recipe import ENV_NAME_PATTERN, RlRecipe, SftRecipe, SlurmLaunch
 
 ENV_NAME = re.compile(ENV_NAME_PATTERN)
 
@@ -28,7 +30,7 @@ def _slurm_time_in_words(value: str) -> str | None:
     return f"{days}-{clock}" if days else clock
 
 
-def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
+def slurm_time_format(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.time` is written in one of sbatch's `--time` formats: `minutes`, `minutes:seconds`,
     `hours:minutes:seconds`, `days-hours`, `days-hours:minutes`, `days-hours:minutes:seconds`, or `UNLIMITED` /
@@ -55,13 +57,17 @@ def slurm_time_format(recipe, derived, source) -> Iterator[Diagnostic]:
     if SLURM_TIME.fullmatch(value):
         return
     spelled = _slurm_time_in_words(value)
-    yield diag("LAUNCH001", source, "launch.slurm.time",
-               f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
-               f'write `time: "{spelled}"`' if spelled else
-               'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")')
+    yield diag(
+        source,
+        "launch.slurm.time",
+        f"launch.slurm.time `{value}` is not a Slurm time limit; sbatch would reject `--time={value}`",
+        f'write `time: "{spelled}"`'
+        if spelled
+        else 'use minutes ("90"), hours:minutes:seconds ("04:00:00") or days-hours:minutes:seconds ("2-00:00:00")',
+    )
 
 
-def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+def ray_runtime_env_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     In `launch.ray.runtime_env`, `env_vars` is a mapping of environment variable names (letters, digits, `_`, not
     starting with a digit) to strings, and `excludes` is a list of strings.
@@ -88,30 +94,68 @@ def ray_runtime_env_shape(recipe, derived, source) -> Iterator[Diagnostic]:
     env_vars, excludes = rt.get("env_vars"), rt.get("excludes")
     path = "launch.ray.runtime_env"
     if env_vars is not None and not isinstance(env_vars, dict):
-        yield diag("LAUNCH002", source, f"{path}.env_vars", "launch.ray.runtime_env.env_vars must be a mapping",
-                   "write env_vars: {NAME: value}")
-    for key, value in (env_vars.items() if isinstance(env_vars, dict) else ()):
+        yield diag(
+            source,
+            f"{path}.env_vars",
+            "launch.ray.runtime_env.env_vars must be a mapping",
+            "write env_vars: {NAME: value}",
+        )
+    for key, value in env_vars.items() if isinstance(env_vars, dict) else ():
         if not isinstance(key, str) or not ENV_NAME.fullmatch(key):
-            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
-                       f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
-                       "use letters, digits and `_`, not starting with a digit")
+            yield diag(
+                source,
+                f"{path}.env_vars.{key}",
+                f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
+                "use letters, digits and `_`, not starting with a digit",
+            )
         elif not isinstance(value, str):
-            yield diag("LAUNCH002", source, f"{path}.env_vars.{key}",
-                       f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
-                       f'quote it: {key}: "{value}"')
+            yield diag(
+                source,
+                f"{path}.env_vars.{key}",
+                f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
+                f'quote it: {key}: "{value}"',
+            )
     if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
-        yield diag("LAUNCH002", source, f"{path}.excludes", "launch.ray.runtime_env.excludes must be a list of strings",
-                   'write excludes: ["data/big", "*.bin"]')
+        yield diag(
+            source,
+            f"{path}.excludes",
+            "launch.ray.runtime_env.excludes must be a list of strings",
+            'write excludes: ["data/big", "*.bin"]',
+        )
 
 
-SCRIPT_SBATCH = {"job-name": "name", "nodes": "cluster.nodes", "ntasks-per-node": "", "gpus-per-node":
-                 "cluster.gpus_per_node", "time": "launch.slurm.time", "account": "launch.slurm.account",
-                 "partition": "launch.slurm.partition", "exclusive": "launch.slurm.exclusive",
-                 "qos": "launch.slurm.qos", "constraint": "launch.slurm.constraint", "mem": "launch.slurm.mem",
-                 "output": "launch.slurm.output", "error": "launch.slurm.error"}
+SCRIPT_SBATCH = {
+    "job-name": "name",
+    "nodes": "cluster.nodes",
+    "ntasks-per-node": "",
+    "gpus-per-node": "cluster.gpus_per_node",
+    "time": "launch.slurm.time",
+    "account": "launch.slurm.account",
+    "partition": "launch.slurm.partition",
+    "exclusive": "launch.slurm.exclusive",
+    "qos": "launch.slurm.qos",
+    "constraint": "launch.slurm.constraint",
+    "mem": "launch.slurm.mem",
+    "output": "launch.slurm.output",
+    "error": "launch.slurm.error",
+}
 """#SBATCH options the script writes itself -> the recipe key that sets them ("" when the plan decides)."""
-SCRIPT_SRUN = ("nodes", "ntasks", "ntasks-per-node", "nodelist", "w", "N", "n", "exclude", "x", "overlap",
-               "container-image", "container-mounts", "container-workdir", "no-container-mount-home")
+SCRIPT_SRUN = (
+    "nodes",
+    "ntasks",
+    "ntasks-per-node",
+    "nodelist",
+    "w",
+    "N",
+    "n",
+    "exclude",
+    "x",
+    "overlap",
+    "container-image",
+    "container-mounts",
+    "container-workdir",
+    "no-container-mount-home",
+)
 """srun flags the script sets on its steps (placement of the Ray head and workers, the container)."""
 _SBATCH_OPTION = re.compile(r"--([a-z][a-z0-9-]*)(=.*)?")
 _SRUN_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9-]*)(=.*)?")
@@ -119,7 +163,41 @@ _MEM = re.compile(r"\d+[KMGT]?")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
+def _bad_script_options(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnostic]:
+    """LAUNCH003's findings in `launch.slurm.sbatch_options` and `srun_options`."""
+    for i, option in enumerate(s.sbatch_options):
+        m = _SBATCH_OPTION.fullmatch(option)
+        key = f"launch.slurm.sbatch_options.{i}"
+        if _CONTROL.search(option) or not m:
+            yield diag(
+                source,
+                key,
+                f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
+                'write one option per item, e.g. "--requeue" or "--comment=nightly"',
+            )
+        elif m.group(1) in SCRIPT_SBATCH:
+            owner = SCRIPT_SBATCH[m.group(1)]
+            yield diag(
+                source,
+                key,
+                f"--{m.group(1)} is written by the script itself",
+                f"set `{owner}` instead" if owner else "remove it: the plan decides it",
+            )
+    for i, flag in enumerate(s.srun_options):
+        m = _SRUN_FLAG.fullmatch(flag)
+        key = f"launch.slurm.srun_options.{i}"
+        if _CONTROL.search(flag) or not m:
+            yield diag(source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
+        elif m.group(1) in SCRIPT_SRUN:
+            yield diag(
+                source,
+                key,
+                f"srun {flag.split('=')[0]} is set by the script's steps",
+                "remove it: the script places the Ray head and workers itself",
+            )
+
+
+def slurm_option_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.sbatch_options` items are one `--name` or `--name=value` each, not an option the script
     already writes (use its key: `qos`, `mem`, ...); `launch.slurm.srun_options` items are one flag each, not one
@@ -145,35 +223,28 @@ def slurm_option_shape(recipe, derived, source) -> Iterator[Diagnostic]:
     Slurm sbatch(1) and srun(1); molt_rules.md §5 (launch scripts); DESIGN.md (Slurm); issue 19
     """
     s = recipe.launch.slurm
-    for i, option in enumerate(s.sbatch_options):
-        m = _SBATCH_OPTION.fullmatch(option)
-        key = f"launch.slurm.sbatch_options.{i}"
-        if _CONTROL.search(option) or not m:
-            yield diag("LAUNCH003", source, key, f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
-                       'write one option per item, e.g. "--requeue" or "--comment=nightly"')
-        elif m.group(1) in SCRIPT_SBATCH:
-            owner = SCRIPT_SBATCH[m.group(1)]
-            yield diag("LAUNCH003", source, key, f"--{m.group(1)} is written by the script itself",
-                       f"set `{owner}` instead" if owner else "remove it: the plan decides it")
-    for i, flag in enumerate(s.srun_options):
-        m = _SRUN_FLAG.fullmatch(flag)
-        key = f"launch.slurm.srun_options.{i}"
-        if _CONTROL.search(flag) or not m:
-            yield diag("LAUNCH003", source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
-        elif m.group(1) in SCRIPT_SRUN:
-            yield diag("LAUNCH003", source, key, f"srun {flag.split('=')[0]} is set by the script's steps",
-                       "remove it: the script places the Ray head and workers itself")
+    yield from _bad_script_options(s, source)
     if s.mem is not None and not _MEM.fullmatch(s.mem):
-        yield diag("LAUNCH003", source, "launch.slurm.mem", f"launch.slurm.mem `{s.mem}` is not a Slurm size",
-                   'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory')
+        yield diag(
+            source,
+            "launch.slurm.mem",
+            f"launch.slurm.mem `{s.mem}` is not a Slurm size",
+            'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory',
+        )
     for name in ("qos", "constraint", "output", "error", "account", "partition"):
         value = getattr(s, name)
         if value is not None and _CONTROL.search(value):
-            yield diag("LAUNCH003", source, f"launch.slurm.{name}",
-                       f"launch.slurm.{name} holds a control character", "write it on one line of printable text")
+            yield diag(
+                source,
+                f"launch.slurm.{name}",
+                f"launch.slurm.{name} holds a control character",
+                "write it on one line of printable text",
+            )
 
 
-def slurm_requeue_needs_resume(recipe, derived, source) -> Iterator[Diagnostic]:
+def slurm_requeue_needs_resume(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.requeue: true` is set on an RL recipe with `ckpt.resume: true`.
 
@@ -201,10 +272,17 @@ def slurm_requeue_needs_resume(recipe, derived, source) -> Iterator[Diagnostic]:
     if not slurm.requeue:
         return
     if recipe.kind != "rl":
-        yield diag("LAUNCH004", source, "launch.slurm.requeue",
-                   "launch.slurm.requeue is for RL recipes: the SFT runtime (torchrun) does not checkpoint on the "
-                   "time-limit signal", "remove `requeue`, and size `launch.slurm.time` for the whole run")
+        yield diag(
+            source,
+            "launch.slurm.requeue",
+            "launch.slurm.requeue is for RL recipes: the SFT runtime (torchrun) does not checkpoint on the "
+            "time-limit signal",
+            "remove `requeue`, and size `launch.slurm.time` for the whole run",
+        )
     elif not recipe.ckpt.resume:
-        yield diag("LAUNCH004", source, "launch.slurm.requeue",
-                   "launch.slurm.requeue without ckpt.resume: the requeued job would start again from step 0",
-                   "set `ckpt: {resume: true}`")
+        yield diag(
+            source,
+            "launch.slurm.requeue",
+            "launch.slurm.requeue without ckpt.resume: the requeued job would start again from step 0",
+            "set `ckpt: {resume: true}`",
+        )

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, model_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 TOP_LEVEL_MODULES = frozenset({"lm_head", "model"})
 """Module names of a causal LM that hold no dot (every other full name does)."""
@@ -17,7 +20,7 @@ LORA_MIN_LR = 1e-5
 """Below this AdamW lr Molt warns under LoRA (strategy.py:337-343): adapters usually need ~1e-4."""
 
 
-def lora_negative_rank(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_negative_rank(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.lora.dim` is not negative.
 
@@ -39,11 +42,17 @@ def lora_negative_rank(recipe, derived, source) -> Iterator[Diagnostic]:
     molt_0_2_1.md I13(a), F1 (molt_rules.md §1)
     """
     if recipe.actor.lora.dim < 0:
-        yield diag("LORA001", source, "actor.lora.dim", f"actor.lora.dim {recipe.actor.lora.dim} < 0 would silently "
-                   "mean full fine-tuning", "use a positive rank such as 16, or 0 for full fine-tuning")
+        yield diag(
+            source,
+            "actor.lora.dim",
+            f"actor.lora.dim {recipe.actor.lora.dim} < 0 would silently mean full fine-tuning",
+            "use a positive rank such as 16, or 0 for full fine-tuning",
+        )
 
 
-def lora_target_matches_nothing(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_target_matches_nothing(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Each `actor.lora.target_modules` pattern can match a full module name: it holds a `*` or a `.` (or is a
     top-level module such as `lm_head`).
@@ -70,11 +79,17 @@ def lora_target_matches_nothing(recipe, derived, source) -> Iterator[Diagnostic]
         return
     for i, pattern in enumerate(lora.target_modules or ()):
         if "*" not in pattern and "." not in pattern and pattern not in TOP_LEVEL_MODULES:
-            yield diag("LORA002", source, f"actor.lora.target_modules.{i}", f"LoRA target {pattern!r} is matched "
-                       "against full module names and matches nothing", f"write '*.{pattern}'")
+            yield diag(
+                source,
+                f"actor.lora.target_modules.{i}",
+                f"LoRA target {pattern!r} is matched against full module names and matches nothing",
+                f"write '*.{pattern}'",
+            )
 
 
-def lora_on_moe_without_targets(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_on_moe_without_targets(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA on a mixture-of-experts model without explicit `actor.lora.target_modules`.
 
@@ -102,12 +117,17 @@ def lora_on_moe_without_targets(recipe, derived, source) -> Iterator[Diagnostic]
     lora = recipe.actor.lora
     facts = model_facts(recipe, source) if lora.dim > 0 and not lora.target_modules else None
     if facts is not None and facts.experts > 1:
-        yield diag("LORA003", source, "actor.lora", f"LoRA on MoE model {facts.key} ({facts.experts} experts) with "
-                   "every linear layer as target: the router and the grouped experts are patched",
-                   "name the targets, e.g. target_modules: ['*.self_attn.*_proj']", ["model.arch"])
+        yield diag(
+            source,
+            "actor.lora",
+            f"LoRA on MoE model {facts.key} ({facts.experts} experts) with "
+            "every linear layer as target: the router and the grouped experts are patched",
+            "name the targets, e.g. target_modules: ['*.self_attn.*_proj']",
+            ["model.arch"],
+        )
 
 
-def lora_on_tied_head(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_on_tied_head(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA on a model with tied input/output embeddings whose targets may patch `lm_head`: no explicit targets, or
     a target naming `lm_head`.
@@ -139,12 +159,16 @@ def lora_on_tied_head(recipe, derived, source) -> Iterator[Diagnostic]:
     facts = model_facts(recipe, source) if head or not targets else None
     if facts is not None and facts.tie_embeddings:
         what = f"target {head[0]!r}" if head else "every linear layer (the default)"
-        yield diag("LORA004", source, "actor.lora.target_modules" if head else "actor.lora", f"{facts.key} ties "
-                   f"lm_head to the embeddings, and LoRA on {what} patches lm_head", "name targets that exclude "
-                   "lm_head, e.g. ['*.self_attn.*_proj', '*.mlp.*_proj']", ["model.arch"])
+        yield diag(
+            source,
+            "actor.lora.target_modules" if head else "actor.lora",
+            f"{facts.key} ties lm_head to the embeddings, and LoRA on {what} patches lm_head",
+            "name targets that exclude lm_head, e.g. ['*.self_attn.*_proj', '*.mlp.*_proj']",
+            ["model.arch"],
+        )
 
 
-def lora_low_learning_rate(recipe, derived, source) -> Iterator[Diagnostic]:
+def lora_low_learning_rate(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     LoRA with an AdamW learning rate below 1e-5.
 
@@ -167,5 +191,10 @@ def lora_low_learning_rate(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     a = recipe.actor
     if a.lora.dim > 0 and a.optimizer.name == "adam" and a.optimizer.lr < LORA_MIN_LR:
-        yield diag("LORA005", source, "actor.optimizer.lr", f"actor.optimizer.lr {a.optimizer.lr:g} is low for "
-                   "LoRA adapters (they start at zero)", "use about 1e-4", ["actor.lora.dim"])
+        yield diag(
+            source,
+            "actor.optimizer.lr",
+            f"actor.optimizer.lr {a.optimizer.lr:g} is low for LoRA adapters (they start at zero)",
+            "use about 1e-4",
+            ["actor.lora.dim"],
+        )

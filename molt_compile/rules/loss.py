@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def dual_clip_not_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def dual_clip_not_above_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.loss.dual_clip`, when set, is greater than 1.
 
@@ -31,11 +34,15 @@ def dual_clip_not_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     dc = recipe.actor.loss.dual_clip
     if dc is not None and dc <= 1.0:
-        yield diag("LOSS001", source, "actor.loss.dual_clip", f"actor.loss.dual_clip {dc} must be > 1",
-                   "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip")
+        yield diag(
+            source,
+            "actor.loss.dual_clip",
+            f"actor.loss.dual_clip {dc} must be > 1",
+            "use 3.0-10.0 (Molt's recipes use 10.0), or remove dual_clip",
+        )
 
 
-def dual_clip_without_ppo(recipe, derived, source) -> Iterator[Diagnostic]:
+def dual_clip_without_ppo(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.loss.dual_clip` set with `loss.mode` other than ppo.
 
@@ -59,11 +66,16 @@ def dual_clip_without_ppo(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     loss = recipe.actor.loss
     if loss.dual_clip is not None and loss.mode != "ppo":
-        yield diag("LOSS002", source, "actor.loss.dual_clip", f"actor.loss.dual_clip is PPO-only, but loss.mode is "
-                   f"{loss.mode}", "remove actor.loss.dual_clip (or set it to null)", ["actor.loss.mode"])
+        yield diag(
+            source,
+            "actor.loss.dual_clip",
+            f"actor.loss.dual_clip is PPO-only, but loss.mode is {loss.mode}",
+            "remove actor.loss.dual_clip (or set it to null)",
+            ["actor.loss.mode"],
+        )
 
 
-def cispo_clip_ceiling_below_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def cispo_clip_ceiling_below_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Under `loss.mode: cispo`, the second value of `actor.loss.clip` (an absolute ratio ceiling) is at least 1.
 
@@ -86,6 +98,10 @@ def cispo_clip_ceiling_below_one(recipe, derived, source) -> Iterator[Diagnostic
     """
     loss = recipe.actor.loss
     if loss.mode == "cispo" and loss.clip[1] < 1.0:
-        yield diag("LOSS003", source, "actor.loss.clip", f"cispo reads actor.loss.clip[1] as an absolute ratio "
-                   f"ceiling; {loss.clip[1]} < 1 clips every token", f"use [{loss.clip[0]}, {1 + loss.clip[1]:g}]",
-                   ["actor.loss.mode"])
+        yield diag(
+            source,
+            "actor.loss.clip",
+            f"cispo reads actor.loss.clip[1] as an absolute ratio ceiling; {loss.clip[1]} < 1 clips every token",
+            f"use [{loss.clip[0]}, {1 + loss.clip[1]:g}]",
+            ["actor.loss.mode"],
+        )

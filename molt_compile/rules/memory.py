@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from molt_compile import memory
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, model_facts
+from molt_compile.source import SourceMap
 from schemas.catalog import GPUS
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _report(recipe, derived, source):
@@ -15,11 +18,17 @@ def _report(recipe, derived, source):
 
 
 def _fsdp_path(recipe, source) -> tuple[str, list[str]]:
-    return "actor.gpus_per_node", ["actor.offload", "actor.mesh", "train.micro_batch_size", "data.max_len",
-                                   "model.gradient_checkpoint", "cluster.gpu"]
+    return "actor.gpus_per_node", [
+        "actor.offload",
+        "actor.mesh",
+        "train.micro_batch_size",
+        "data.max_len",
+        "model.gradient_checkpoint",
+        "cluster.gpu",
+    ]
 
 
-def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
+def fsdp_memory_exceeds_gpu(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The estimated memory of each FSDP GPU (parameters, gradients, optimizer states, activations of one micro-batch,
     overhead; colocated roles summed) fits the GPU's memory from the GPU catalog.
@@ -51,14 +60,18 @@ def fsdp_memory_exceeds_gpu(recipe, derived, source) -> Iterator[Diagnostic]:
     for group in report.fsdp_groups:
         if group.total > group.capacity:
             path, related = _fsdp_path(recipe, source)
-            yield diag("MEM001", source, path,
-                       f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU > {recipe.cluster.gpu} "
-                       f"{memory.gib(group.capacity)} ({group.breakdown()})",
-                       "add GPUs to the actor (more sharding), set actor.offload: optimizer, lower "
-                       "train.micro_batch_size or data.max_len, or raise actor.mesh.cp", related)
+            yield diag(
+                source,
+                path,
+                f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU > {recipe.cluster.gpu} "
+                f"{memory.gib(group.capacity)} ({group.breakdown()})",
+                "add GPUs to the actor (more sharding), set actor.offload: optimizer, lower "
+                "train.micro_batch_size or data.max_len, or raise actor.mesh.cp",
+                related,
+            )
 
 
-def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+def fsdp_memory_tight(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The estimated FSDP memory per GPU is above 90 % of the GPU's memory (but fits).
 
@@ -90,13 +103,17 @@ def fsdp_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
     for group in report.fsdp_groups:
         if memory.TIGHT_FRACTION * group.capacity < group.total <= group.capacity:
             path, related = _fsdp_path(recipe, source)
-            yield diag("MEM002", source, path,
-                       f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU, "
-                       f"{group.total / group.capacity:.0%} of {memory.gib(group.capacity)} ({group.breakdown()})",
-                       "leave headroom: actor.offload: optimizer, more actor GPUs, or a smaller micro-batch", related)
+            yield diag(
+                source,
+                path,
+                f"FSDP GPUs of {group.label}: about {memory.gib(group.total)} per GPU, "
+                f"{group.total / group.capacity:.0%} of {memory.gib(group.capacity)} ({group.breakdown()})",
+                "leave headroom: actor.offload: optimizer, more actor GPUs, or a smaller micro-batch",
+                related,
+            )
 
 
-def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_weights_exceed_gpu_share(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     vLLM weights per engine GPU (`params × dtype bytes / (tp × pp)`) fit in `gpu_memory_utilization × GPU memory`.
 
@@ -125,14 +142,17 @@ def engine_weights_exceed_gpu_share(recipe, derived, source) -> Iterator[Diagnos
     report = _report(recipe, derived, source)
     eng = report.engine if report is not None else None
     if eng is not None and eng.weights > eng.share:
-        yield diag("MEM003", source, "rollout.gpu_memory_utilization",
-                   f"engine weights need {memory.gib(eng.weights)} per GPU > gpu_memory_utilization "
-                   f"{recipe.rollout.gpu_memory_utilization} × {memory.gib(eng.capacity)} = {memory.gib(eng.share)}",
-                   "raise rollout.mesh.tp (weights split over more GPUs) or gpu_memory_utilization",
-                   ["rollout.mesh.tp", "rollout.dtype", "cluster.gpu"])
+        yield diag(
+            source,
+            "rollout.gpu_memory_utilization",
+            f"engine weights need {memory.gib(eng.weights)} per GPU > gpu_memory_utilization "
+            f"{recipe.rollout.gpu_memory_utilization} × {memory.gib(eng.capacity)} = {memory.gib(eng.share)}",
+            "raise rollout.mesh.tp (weights split over more GPUs) or gpu_memory_utilization",
+            ["rollout.mesh.tp", "rollout.dtype", "cluster.gpu"],
+        )
 
 
-def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_kv_cache_too_small(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     After weights and ~1.5 GiB of activations/CUDA graphs, the engine's share holds the KV cache of at least one
     `data.max_len` sequence.
@@ -159,14 +179,17 @@ def engine_kv_cache_too_small(recipe, derived, source) -> Iterator[Diagnostic]:
     report = _report(recipe, derived, source)
     eng = report.engine if report is not None else None
     if eng is not None and eng.weights <= eng.share and eng.kv_room < eng.kv_per_sequence:
-        yield diag("MEM004", source, "rollout.gpu_memory_utilization",
-                   f"KV cache room {memory.gib(max(eng.kv_room, 0))} per engine GPU < one data.max_len "
-                   f"{recipe.data.max_len} sequence ({memory.gib(eng.kv_per_sequence)})",
-                   "raise rollout.gpu_memory_utilization or rollout.mesh.tp, or lower data.max_len",
-                   ["data.max_len", "rollout.mesh.tp"])
+        yield diag(
+            source,
+            "rollout.gpu_memory_utilization",
+            f"KV cache room {memory.gib(max(eng.kv_room, 0))} per engine GPU < one data.max_len "
+            f"{recipe.data.max_len} sequence ({memory.gib(eng.kv_per_sequence)})",
+            "raise rollout.gpu_memory_utilization or rollout.mesh.tp, or lower data.max_len",
+            ["data.max_len", "rollout.mesh.tp"],
+        )
 
 
-def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_memory_tight(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Engine weights plus runtime overhead take more than 90 % of the engine's share of GPU memory (but fit).
 
@@ -194,13 +217,17 @@ def engine_memory_tight(recipe, derived, source) -> Iterator[Diagnostic]:
         return
     used = eng.weights + memory.ENGINE_OVERHEAD_BYTES
     if used > memory.TIGHT_FRACTION * eng.share:
-        yield diag("MEM005", source, "rollout.gpu_memory_utilization",
-                   f"engine weights + overhead {memory.gib(used)} take {used / eng.share:.0%} of the "
-                   f"{memory.gib(eng.share)} share: KV cache room {memory.gib(eng.kv_room)}",
-                   "raise rollout.gpu_memory_utilization or rollout.mesh.tp", ["rollout.mesh.tp", "cluster.gpu"])
+        yield diag(
+            source,
+            "rollout.gpu_memory_utilization",
+            f"engine weights + overhead {memory.gib(used)} take {used / eng.share:.0%} of the "
+            f"{memory.gib(eng.share)} share: KV cache room {memory.gib(eng.kv_room)}",
+            "raise rollout.gpu_memory_utilization or rollout.mesh.tp",
+            ["rollout.mesh.tp", "cluster.gpu"],
+        )
 
 
-def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
+def memory_not_estimated(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info), on a GPU cluster, when memory cannot be estimated: `model.arch` is not set and `model.path` has
     no readable config.json here (a hub name, or a cluster path like /lustre).
@@ -228,12 +255,18 @@ def memory_not_estimated(recipe, derived, source) -> Iterator[Diagnostic]:
     if model_facts(recipe, source) is None:
         arch = recipe.model.arch
         why = "model.arch is not set" if not arch else f"model.arch `{arch}` is not a catalog key (MODEL004)"
-        yield diag("MEM006", source, "model.arch" if arch else "model.path",
-                   f"memory not estimated: {recipe.model.path} is not readable here and {why}",
-                   "set model.arch to a catalog key (`molt-compile explain` lists them)", ["model.arch", "model.path"])
+        yield diag(
+            source,
+            "model.arch" if arch else "model.path",
+            f"memory not estimated: {recipe.model.path} is not readable here and {why}",
+            "set model.arch to a catalog key (`molt-compile explain` lists them)",
+            ["model.arch", "model.path"],
+        )
 
 
-def weight_sync_buckets_exceed_engine_headroom(recipe, derived, source) -> Iterator[Diagnostic]:
+def weight_sync_buckets_exceed_engine_headroom(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Two weight-sync buckets (`weight_sync.bucket_bytes` each: one being received, one being loaded) fit in the part
     of an engine GPU that vLLM does not take, `(1 - gpu_memory_utilization) × GPU memory`.
@@ -264,7 +297,11 @@ def weight_sync_buckets_exceed_engine_headroom(recipe, derived, source) -> Itera
         return
     headroom = (1 - recipe.rollout.gpu_memory_utilization) * gpu.memory_gib * 2**30
     if 2 * bucket > headroom:
-        yield diag("MEM007", source, "rollout.gpu_memory_utilization",
-                   f"weight sync holds 2 × {memory.gib(bucket)} buckets per engine GPU, but gpu_memory_utilization "
-                   f"{recipe.rollout.gpu_memory_utilization} leaves {memory.gib(headroom)} of {gpu.memory_gib} GiB",
-                   "lower rollout.gpu_memory_utilization", ["cluster.gpu"])
+        yield diag(
+            source,
+            "rollout.gpu_memory_utilization",
+            f"weight sync holds 2 × {memory.gib(bucket)} buckets per engine GPU, but gpu_memory_utilization "
+            f"{recipe.rollout.gpu_memory_utilization} leaves {memory.gib(headroom)} of {gpu.memory_gib} GiB",
+            "lower rollout.gpu_memory_utilization",
+            ["cluster.gpu"],
+        )

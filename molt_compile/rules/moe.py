@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import (
     diag,
@@ -15,6 +16,8 @@ from molt_compile.rules._base import (
     role_facts,
     role_size_keys,
 )
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
 def _moe_roles(recipe, derived, source):
@@ -27,7 +30,9 @@ def _moe_roles(recipe, derived, source):
             yield role, facts
 
 
-def moe_without_expert_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_without_expert_parallel(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint (actor, reference/teacher or critic) with `actor.mesh.ep: 1`.
 
@@ -54,13 +59,16 @@ def moe_without_expert_parallel(recipe, derived, source) -> Iterator[Diagnostic]
     ep = recipe.actor.mesh.ep
     for role, facts in _moe_roles(recipe, derived, source):
         if ep == 1 and not hf_fallback(recipe, facts):
-            yield diag("MOE001", source, "actor.mesh.ep",
-                       f"{role} model {facts.key} is MoE ({facts.experts} experts) but actor.mesh.ep is 1",
-                       "set actor.mesh.ep to a divisor of the expert count and of the world (e.g. the GPUs per node)",
-                       ["model.arch" if role == "actor" else f"{role}.path"])
+            yield diag(
+                source,
+                "actor.mesh.ep",
+                f"{role} model {facts.key} is MoE ({facts.experts} experts) but actor.mesh.ep is 1",
+                "set actor.mesh.ep to a divisor of the expert count and of the world (e.g. the GPUs per node)",
+                ["model.arch" if role == "actor" else f"{role}.path"],
+            )
 
 
-def moe_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_with_tensor_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint with `actor.mesh.tp > 1`.
 
@@ -86,12 +94,18 @@ def moe_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
     tp = recipe.actor.mesh.tp
     for role, facts in _moe_roles(recipe, derived, source):
         if tp > 1:
-            yield diag("MOE002", source, "actor.mesh.tp",
-                       f"{role} model {facts.key} is MoE: AutoModel's MoE parallelizer supports tp 1 only, got {tp}",
-                       "set actor.mesh.tp: 1 and use ep (and cp for long sequences)", ["actor.mesh.ep"])
+            yield diag(
+                source,
+                "actor.mesh.tp",
+                f"{role} model {facts.key} is MoE: AutoModel's MoE parallelizer supports tp 1 only, got {tp}",
+                "set actor.mesh.tp: 1 and use ep (and cp for long sequences)",
+                ["actor.mesh.ep"],
+            )
 
 
-def experts_not_divisible_by_ep(recipe, derived, source) -> Iterator[Diagnostic]:
+def experts_not_divisible_by_ep(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     The routed-expert count of each MoE checkpoint is divisible by `actor.mesh.ep`.
 
@@ -123,12 +137,16 @@ def experts_not_divisible_by_ep(recipe, derived, source) -> Iterator[Diagnostic]
     for role, facts in _moe_roles(recipe, derived, source):
         if ep > 1 and facts.experts % ep:
             divisors = [d for d in range(2, min(facts.experts, 64) + 1) if facts.experts % d == 0][:6]
-            yield diag("MOE003", source, "actor.mesh.ep",
-                       f"{role} model {facts.key} has {facts.experts} routed experts, not divisible by ep {ep}",
-                       f"choose ep among {', '.join(map(str, divisors))}, …", ["model.arch"])
+            yield diag(
+                source,
+                "actor.mesh.ep",
+                f"{role} model {facts.key} has {facts.experts} routed experts, not divisible by ep {ep}",
+                f"choose ep among {', '.join(map(str, divisors))}, …",
+                ["model.arch"],
+            )
 
 
-def ep_not_dividing_world(recipe, derived, source) -> Iterator[Diagnostic]:
+def ep_not_dividing_world(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     For every FSDP role: `dp × cp × tp` (the non-pipeline world) is a multiple of `actor.mesh.ep`.
 
@@ -166,12 +184,16 @@ def ep_not_dividing_world(recipe, derived, source) -> Iterator[Diagnostic]:
             continue
         seen.add(world)
         if world % ep:
-            yield diag("MOE004", source, "actor.mesh.ep",
-                       f"{role} world {world} (dp × cp × tp) is not a multiple of ep {ep}",
-                       f"choose ep dividing {world}", list(role_size_keys(role)))
+            yield diag(
+                source,
+                "actor.mesh.ep",
+                f"{role} world {world} (dp × cp × tp) is not a multiple of ep {ep}",
+                f"choose ep dividing {world}",
+                list(role_size_keys(role)),
+            )
 
 
-def moe_on_hf_fallback(recipe, derived, source) -> Iterator[Diagnostic]:
+def moe_on_hf_fallback(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An MoE checkpoint on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel
     custom class).
@@ -198,13 +220,17 @@ def moe_on_hf_fallback(recipe, derived, source) -> Iterator[Diagnostic]:
     for role, facts in _moe_roles(recipe, derived, source):
         if hf_fallback(recipe, facts):
             path = "model.backend" if recipe.model.backend == "hf" else "model.arch"
-            yield diag("MOE005", source, path,
-                       f"{role} model {facts.key} is MoE, but runs on the HF transformers path, which has no "
-                       "expert parallelism", "set model.backend: automodel (with an architecture AutoModel "
-                       "implements)", ["actor.mesh.ep"])
+            yield diag(
+                source,
+                path,
+                f"{role} model {facts.key} is MoE, but runs on the HF transformers path, which has no "
+                "expert parallelism",
+                "set model.backend: automodel (with an architecture AutoModel implements)",
+                ["actor.mesh.ep"],
+            )
 
 
-def ep_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def ep_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     On an MoE actor spanning several nodes, each expert-parallel group (`ep` consecutive ranks) stays inside one
     node — `ep` divides the actor's `gpus_per_node` — unless `env.MOLT_MOE_DISPATCHER: torch`.
@@ -239,14 +265,17 @@ def ep_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
     if ep <= 1 or a.nodes <= 1 or (facts is not None and not facts.is_moe):
         return
     if a.gpus_per_node % ep and moe_dispatcher(recipe) != "torch":
-        yield diag("MOE006", source, "actor.mesh.ep",
-                   f"ep {ep} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: EP groups span "
-                   f"nodes, which the {moe_dispatcher(recipe)} dispatcher cannot do (illegal memory access)",
-                   f"use ep dividing {a.gpus_per_node}, or set env.MOLT_MOE_DISPATCHER: torch",
-                   ["actor.gpus_per_node", "actor.nodes", "env"])
+        yield diag(
+            source,
+            "actor.mesh.ep",
+            f"ep {ep} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: EP groups span "
+            f"nodes, which the {moe_dispatcher(recipe)} dispatcher cannot do (illegal memory access)",
+            f"use ep dividing {a.gpus_per_node}, or set env.MOLT_MOE_DISPATCHER: torch",
+            ["actor.gpus_per_node", "actor.nodes", "env"],
+        )
 
 
-def routing_replay_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_on_dense_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay: true` on a dense (non-MoE) model.
 
@@ -271,12 +300,16 @@ def routing_replay_on_dense_model(recipe, derived, source) -> Iterator[Diagnosti
     """
     facts = model_facts(recipe, source)
     if recipe.train.routing_replay and facts is not None and not facts.is_moe:
-        yield diag("MOE007", source, "train.routing_replay",
-                   f"train.routing_replay on {facts.key}, which is a dense model with no MoE router",
-                   "set train.routing_replay: false", ["model.arch"])
+        yield diag(
+            source,
+            "train.routing_replay",
+            f"train.routing_replay on {facts.key}, which is a dense model with no MoE router",
+            "set train.routing_replay: false",
+            ["model.arch"],
+        )
 
 
-def routing_replay_with_partial_rollout(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_with_partial_rollout(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay` together with `train.async.partial_rollout`.
 
@@ -304,13 +337,17 @@ def routing_replay_with_partial_rollout(recipe, derived, source) -> Iterator[Dia
     molt_rules.md F1
     """
     if recipe.train.routing_replay and recipe.train.async_.partial_rollout:
-        yield diag("MOE008", source, "train.async.partial_rollout",
-                   "train.async.partial_rollout drops the routing captured before a pause, so train.routing_replay "
-                   "would replay misaligned routes", "set train.async.partial_rollout: false (or routing_replay: "
-                   "false)", ["train.routing_replay"])
+        yield diag(
+            source,
+            "train.async.partial_rollout",
+            "train.async.partial_rollout drops the routing captured before a pause, so train.routing_replay "
+            "would replay misaligned routes",
+            "set train.async.partial_rollout: false (or routing_replay: false)",
+            ["train.routing_replay"],
+        )
 
 
-def routing_replay_with_mtp(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_with_mtp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay` together with `rollout.mtp_speculative_tokens > 0`.
 
@@ -336,12 +373,16 @@ def routing_replay_with_mtp(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     n = recipe.rollout.mtp_speculative_tokens
     if recipe.train.routing_replay and n > 0:
-        yield diag("MOE009", source, "rollout.mtp_speculative_tokens",
-                   f"rollout.mtp_speculative_tokens {n} misaligns the routing that train.routing_replay captures",
-                   "set rollout.mtp_speculative_tokens: 0, or train.routing_replay: false", ["train.routing_replay"])
+        yield diag(
+            source,
+            "rollout.mtp_speculative_tokens",
+            f"rollout.mtp_speculative_tokens {n} misaligns the routing that train.routing_replay captures",
+            "set rollout.mtp_speculative_tokens: 0, or train.routing_replay: false",
+            ["train.routing_replay"],
+        )
 
 
-def mtp_with_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+def mtp_with_prefix_caching(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mtp_speculative_tokens > 0` together with `rollout.prefix_caching: true`.
 
@@ -366,13 +407,16 @@ def mtp_with_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     ro = recipe.rollout
     if ro.mtp_speculative_tokens > 0 and ro.prefix_caching:
-        yield diag("MOE010", source, "rollout.prefix_caching",
-                   f"rollout.prefix_caching with mtp_speculative_tokens {ro.mtp_speculative_tokens} is not supported",
-                   "set rollout.prefix_caching: false, or mtp_speculative_tokens: 0",
-                   ["rollout.mtp_speculative_tokens"])
+        yield diag(
+            source,
+            "rollout.prefix_caching",
+            f"rollout.prefix_caching with mtp_speculative_tokens {ro.mtp_speculative_tokens} is not supported",
+            "set rollout.prefix_caching: false, or mtp_speculative_tokens: 0",
+            ["rollout.mtp_speculative_tokens"],
+        )
 
 
-def mtp_without_mtp_head(recipe, derived, source) -> Iterator[Diagnostic]:
+def mtp_without_mtp_head(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mtp_speculative_tokens > 0` on a checkpoint without MTP layers.
 
@@ -398,12 +442,18 @@ def mtp_without_mtp_head(recipe, derived, source) -> Iterator[Diagnostic]:
     n = recipe.rollout.mtp_speculative_tokens
     facts = model_facts(recipe, source)
     if n > 0 and facts is not None and not facts.has_mtp_head:
-        yield diag("MOE011", source, "rollout.mtp_speculative_tokens",
-                   f"rollout.mtp_speculative_tokens {n}, but {facts.key} has no MTP head",
-                   "set rollout.mtp_speculative_tokens: 0", ["model.arch"])
+        yield diag(
+            source,
+            "rollout.mtp_speculative_tokens",
+            f"rollout.mtp_speculative_tokens {n}, but {facts.key} has no MTP head",
+            "set rollout.mtp_speculative_tokens: 0",
+            ["model.arch"],
+        )
 
 
-def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def expert_parallel_on_dense_model(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.ep > 1` or `rollout.expert_parallel: true` on a dense model.
 
@@ -430,14 +480,24 @@ def expert_parallel_on_dense_model(recipe, derived, source) -> Iterator[Diagnost
     if facts is None or facts.is_moe:
         return
     if recipe.actor.mesh.ep > 1 and not hf_fallback(recipe, facts):  # on the HF path it is an error (PAR004)
-        yield diag("MOE012", source, "actor.mesh.ep", f"actor.mesh.ep {recipe.actor.mesh.ep} on dense model "
-                   f"{facts.key}: there are no experts to shard", "set actor.mesh.ep: 1", ["model.arch"])
+        yield diag(
+            source,
+            "actor.mesh.ep",
+            f"actor.mesh.ep {recipe.actor.mesh.ep} on dense model {facts.key}: there are no experts to shard",
+            "set actor.mesh.ep: 1",
+            ["model.arch"],
+        )
     if recipe.kind == "rl" and recipe.rollout.expert_parallel:
-        yield diag("MOE012", source, "rollout.expert_parallel", f"rollout.expert_parallel on dense model "
-                   f"{facts.key}: there are no experts to shard", "set rollout.expert_parallel: false", ["model.arch"])
+        yield diag(
+            source,
+            "rollout.expert_parallel",
+            f"rollout.expert_parallel on dense model {facts.key}: there are no experts to shard",
+            "set rollout.expert_parallel: false",
+            ["model.arch"],
+        )
 
 
-def routing_replay_forces_prefix_caching(recipe, derived, source) -> Iterator[Diagnostic]:
+def routing_replay_forces_prefix_caching(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.routing_replay: true` with `rollout.prefix_caching: false`.
 
@@ -465,6 +525,10 @@ def routing_replay_forces_prefix_caching(recipe, derived, source) -> Iterator[Di
     molt_0_2_1.md X5, §4 B16 (molt_rules.md F1)
     """
     if recipe.train.routing_replay and not recipe.rollout.prefix_caching:
-        yield diag("MOE013", source, "train.routing_replay", "routing_replay turns rollout.prefix_caching on "
-                   "(vLLM's routed-experts capture needs it, X5)", "write rollout.prefix_caching: true",
-                   ["rollout.prefix_caching"])
+        yield diag(
+            source,
+            "train.routing_replay",
+            "routing_replay turns rollout.prefix_caching on (vLLM's routed-experts capture needs it, X5)",
+            "write rollout.prefix_caching: true",
+            ["rollout.prefix_caching"],
+        )

@@ -5,14 +5,27 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 SAFE_SCHEDULERS = ("constant", "constant_with_warmup", "cosine_with_min_lr")
 """Schedulers that accept (or ignore) Molt's `min_lr_rate` kwarg (K5)."""
-TRANSFORMERS_SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                           "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
-                           "cosine_warmup_with_min_lr", "warmup_stable_decay")
+TRANSFORMERS_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
 """`transformers.SchedulerType` values (transformers 5.x)."""
 
 
@@ -25,7 +38,9 @@ def _optimizers(recipe):
     return out
 
 
-def muon_with_optimizer_offload(recipe, derived, source) -> Iterator[Diagnostic]:
+def muon_with_optimizer_offload(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.name: muon` (actor or critic) with `actor.offload: optimizer`.
 
@@ -50,12 +65,16 @@ def muon_with_optimizer_offload(recipe, derived, source) -> Iterator[Diagnostic]
         return
     for prefix, opt in _optimizers(recipe):
         if opt.name == "muon":
-            yield diag("OPTIM001", source, "actor.offload",
-                       f"actor.offload optimizer supports AdamW only, but {prefix}.name is muon",
-                       "set actor.offload: none (or full), or use optimizer name adam", [f"{prefix}.name"])
+            yield diag(
+                source,
+                "actor.offload",
+                f"actor.offload optimizer supports AdamW only, but {prefix}.name is muon",
+                "set actor.offload: none (or full), or use optimizer name adam",
+                [f"{prefix}.name"],
+            )
 
 
-def unknown_lr_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_lr_scheduler(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.scheduler` is one that works with Molt: constant, constant_with_warmup or cosine_with_min_lr.
 
@@ -86,11 +105,15 @@ def unknown_lr_scheduler(recipe, derived, source) -> Iterator[Diagnostic]:
         else:
             close = difflib.get_close_matches(name, TRANSFORMERS_SCHEDULERS, n=1)
             why = "is not a transformers scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
-        yield diag("OPTIM002", source, f"{prefix}.scheduler", f"{prefix}.scheduler {name!r} {why}",
-                   f"use one of {', '.join(SAFE_SCHEDULERS)}")
+        yield diag(
+            source,
+            f"{prefix}.scheduler",
+            f"{prefix}.scheduler {name!r} {why}",
+            f"use one of {', '.join(SAFE_SCHEDULERS)}",
+        )
 
 
-def muon_ns_steps_not_five(recipe, derived, source) -> Iterator[Diagnostic]:
+def muon_ns_steps_not_five(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `optimizer.muon.ns_steps` is 5 when the optimizer is Muon.
 
@@ -113,12 +136,15 @@ def muon_ns_steps_not_five(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     for prefix, opt in _optimizers(recipe):
         if opt.name == "muon" and opt.muon.ns_steps != 5:
-            yield diag("OPTIM003", source, f"{prefix}.muon.ns_steps",
-                       f"{prefix}.muon.ns_steps {opt.muon.ns_steps}: AutoModel/Dion Muon always uses 5",
-                       f"set {prefix}.muon.ns_steps: 5 (or remove it)")
+            yield diag(
+                source,
+                f"{prefix}.muon.ns_steps",
+                f"{prefix}.muon.ns_steps {opt.muon.ns_steps}: AutoModel/Dion Muon always uses 5",
+                f"set {prefix}.muon.ns_steps: 5 (or remove it)",
+            )
 
 
-def full_offload_on_one_rank(recipe, derived, source) -> Iterator[Diagnostic]:
+def full_offload_on_one_rank(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.offload: full` with an FSDP world of one GPU.
 
@@ -144,6 +170,10 @@ def full_offload_on_one_rank(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     world = dv(derived, "actor.world")
     if recipe.actor.offload == "full" and world == 1:
-        yield diag("OPTIM004", source, "actor.offload", "actor.offload full is not supported on a single rank "
-                   "(actor world 1)", "use 2 or more actor GPUs, or actor.offload: optimizer / none",
-                   ["actor.gpus_per_node", "actor.nodes"])
+        yield diag(
+            source,
+            "actor.offload",
+            "actor.offload full is not supported on a single rank (actor world 1)",
+            "use 2 or more actor GPUs, or actor.offload: optimizer / none",
+            ["actor.gpus_per_node", "actor.nodes"],
+        )

@@ -5,9 +5,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, hf_fallback, model_facts
+from molt_compile.source import SourceMap
 from schemas.catalog import MODELS
+from schemas.recipe import RlRecipe, SftRecipe
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 CPU_PACKING_ATTN = ("sdpa", "eager")
@@ -18,7 +21,9 @@ def _packing(recipe, derived) -> bool:
     return bool(dv(derived, "actor.packing", recipe.actor.packing))
 
 
-def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_with_unsupported_attention(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.packing: true` with an attention implementation that cannot run packed batches on the cluster's device:
     on a GPU cluster, `model.attn` other than te, flash_attention_2 or tilelang; on a `cluster.gpu: cpu` cluster,
@@ -52,16 +57,27 @@ def packing_with_unsupported_attention(recipe, derived, source) -> Iterator[Diag
         return
     if recipe.cluster.gpu == "cpu":
         if attn not in CPU_PACKING_ATTN:
-            yield diag("PACK001", source, "model.attn", f"actor.packing on a cpu cluster needs attention sdpa or "
-                       f"eager (transformers' packed-sequence mask), got {attn}", "set model.attn: sdpa",
-                       ["actor.packing", "cluster.gpu"])
+            yield diag(
+                source,
+                "model.attn",
+                f"actor.packing on a cpu cluster needs attention sdpa or "
+                f"eager (transformers' packed-sequence mask), got {attn}",
+                "set model.attn: sdpa",
+                ["actor.packing", "cluster.gpu"],
+            )
     elif attn not in PACKING_ATTN:
-        yield diag("PACK001", source, "model.attn", f"actor.packing needs attention te, flash_attention_2 or "
-                   f"tilelang, got {attn}", "use flash_attention_2 (HF models) or te (AutoModel custom models)",
-                   ["actor.packing"])
+        yield diag(
+            source,
+            "model.attn",
+            f"actor.packing needs attention te, flash_attention_2 or tilelang, got {attn}",
+            "use flash_attention_2 (HF models) or te (AutoModel custom models)",
+            ["actor.packing"],
+        )
 
 
-def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_custom_model_with_flash_attention(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Packing on an AutoModel custom (native) model with `model.attn: flash_attention_2`.
 
@@ -85,13 +101,25 @@ def packing_custom_model_with_flash_attention(recipe, derived, source) -> Iterat
     molt_rules.md H3
     """
     facts = model_facts(recipe, source)
-    if _packing(recipe, derived) and recipe.model.attn == "flash_attention_2" and facts is not None \
-            and not hf_fallback(recipe, facts):
-        yield diag("PACK002", source, "model.attn", f"{facts.key} is an AutoModel custom model: it packs only with "
-                   "attention te or tilelang, not flash_attention_2", "set model.attn: te", ["actor.packing"])
+    if (
+        _packing(recipe, derived)
+        and recipe.model.attn == "flash_attention_2"
+        and facts is not None
+        and not hf_fallback(recipe, facts)
+    ):
+        yield diag(
+            source,
+            "model.attn",
+            f"{facts.key} is an AutoModel custom model: it packs only with "
+            "attention te or tilelang, not flash_attention_2",
+            "set model.attn: te",
+            ["actor.packing"],
+        )
 
 
-def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_model_with_automodel_attention(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path with `model.attn` te or tilelang.
 
@@ -116,12 +144,18 @@ def hf_model_with_automodel_attention(recipe, derived, source) -> Iterator[Diagn
     attn = recipe.model.attn
     if attn in ("te", "tilelang") and hf_fallback(recipe, facts):
         who = "model.backend hf" if recipe.model.backend == "hf" else f"{facts.key} (HF fallback)"
-        yield diag("PACK003", source, "model.attn", f"attention {attn} exists only for AutoModel custom models, "
-                   f"but {who} runs on HF transformers", "set model.attn: flash_attention_2 (or sdpa without packing)",
-                   ["model.backend"])
+        yield diag(
+            source,
+            "model.attn",
+            f"attention {attn} exists only for AutoModel custom models, but {who} runs on HF transformers",
+            "set model.attn: flash_attention_2 (or sdpa without packing)",
+            ["model.backend"],
+        )
 
 
-def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagnostic]:
+def packing_architecture_without_thd(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Packing with te/tilelang on an AutoModel custom architecture whose implementation does not consume THD packing
     arguments (per the model catalog).
@@ -146,14 +180,25 @@ def packing_architecture_without_thd(recipe, derived, source) -> Iterator[Diagno
     molt_rules.md H4
     """
     facts = model_facts(recipe, source)
-    if _packing(recipe, derived) and recipe.model.attn in ("te", "tilelang") and facts is not None \
-            and not hf_fallback(recipe, facts) and not facts.thd_packing:
-        yield diag("PACK004", source, "actor.packing", f"{facts.key}'s AutoModel implementation does not consume THD "
-                   "packing arguments", "set actor.packing: false (use actor.mesh.cp for long sequences)",
-                   ["model.arch"])
+    if (
+        _packing(recipe, derived)
+        and recipe.model.attn in ("te", "tilelang")
+        and facts is not None
+        and not hf_fallback(recipe, facts)
+        and not facts.thd_packing
+    ):
+        yield diag(
+            source,
+            "actor.packing",
+            f"{facts.key}'s AutoModel implementation does not consume THD packing arguments",
+            "set actor.packing: false (use actor.mesh.cp for long sequences)",
+            ["model.arch"],
+        )
 
 
-def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
+def attention_replaced_by_sdpa(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) that an AutoModel custom model without packing runs sdpa when `model.attn` is not te, sdpa,
     flex or tilelang (e.g. flash_attention_2).
@@ -178,13 +223,23 @@ def attention_replaced_by_sdpa(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     facts = model_facts(recipe, source)
     attn = recipe.model.attn
-    if not _packing(recipe, derived) and attn not in CUSTOM_NATIVE_ATTN and facts is not None \
-            and not hf_fallback(recipe, facts):
-        yield diag("MODEL001", source, "model.attn", f"{facts.key} is an AutoModel custom model without packing: "
-                   f"attention {attn} runs as sdpa", "set model.attn: sdpa (or te) to say what runs")
+    if (
+        not _packing(recipe, derived)
+        and attn not in CUSTOM_NATIVE_ATTN
+        and facts is not None
+        and not hf_fallback(recipe, facts)
+    ):
+        yield diag(
+            source,
+            "model.attn",
+            f"{facts.key} is an AutoModel custom model without packing: attention {attn} runs as sdpa",
+            "set model.attn: sdpa (or te) to say what runs",
+        )
 
 
-def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Diagnostic]:
+def vlm_context_parallel_without_cp_hook(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     A VLM with `actor.mesh.cp > 1` whose model has no AutoModel CP hook (`prepare_model_inputs_for_cp`).
 
@@ -209,11 +264,18 @@ def vlm_context_parallel_without_cp_hook(recipe, derived, source) -> Iterator[Di
     """
     facts = model_facts(recipe, source)
     if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not facts.cp_hook:
-        yield diag("MODEL002", source, "actor.mesh.cp", f"actor.mesh.cp {recipe.actor.mesh.cp} on VLM {facts.key}, "
-                   "which has no AutoModel CP hook", "set actor.mesh.cp: 1", ["model.arch"])
+        yield diag(
+            source,
+            "actor.mesh.cp",
+            f"actor.mesh.cp {recipe.actor.mesh.cp} on VLM {facts.key}, which has no AutoModel CP hook",
+            "set actor.mesh.cp: 1",
+            ["model.arch"],
+        )
 
 
-def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iterator[Diagnostic]:
+def vlm_context_parallel_freezes_visual_encoder(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Reports (info) that a VLM with `actor.mesh.cp > 1` trains with its visual encoder frozen.
 
@@ -237,12 +299,17 @@ def vlm_context_parallel_freezes_visual_encoder(recipe, derived, source) -> Iter
     """
     facts = model_facts(recipe, source)
     if facts is not None and facts.is_vlm and recipe.actor.mesh.cp > 1 and not recipe.actor.freeze.visual_encoder:
-        yield diag("MODEL003", source, "actor.freeze.visual_encoder", f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
-                   f"the visual encoder of {facts.key} is frozen (only the language model trains)",
-                   "set actor.freeze.visual_encoder: true to say so", ["actor.mesh.cp"])
+        yield diag(
+            source,
+            "actor.freeze.visual_encoder",
+            f"with actor.mesh.cp {recipe.actor.mesh.cp}, "
+            f"the visual encoder of {facts.key} is frozen (only the language model trains)",
+            "set actor.freeze.visual_encoder: true to say so",
+            ["actor.mesh.cp"],
+        )
 
 
-def unknown_model_arch(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_model_arch(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `model.arch`, when set, is a key of the model catalog (`schemas/catalog.py`).
 
@@ -266,6 +333,10 @@ def unknown_model_arch(recipe, derived, source) -> Iterator[Diagnostic]:
     arch = recipe.model.arch
     if arch is not None and arch not in MODELS:
         close = difflib.get_close_matches(arch.lower(), MODELS, n=1, cutoff=0.5)
-        yield diag("MODEL004", source, "model.arch", f"model.arch {arch!r} is not in the model catalog",
-                   (f"did you mean {close[0]!r}? " if close else "") + "or remove model.arch to read "
-                   "<model.path>/config.json; `molt-compile explain` lists the catalog")
+        yield diag(
+            source,
+            "model.arch",
+            f"model.arch {arch!r} is not in the model catalog",
+            (f"did you mean {close[0]!r}? " if close else "") + "or remove model.arch to read "
+            "<model.path>/config.json; `molt-compile explain` lists the catalog",
+        )

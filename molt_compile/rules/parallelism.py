@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, fsdp_roles, hf_fallback, model_facts, role_size_keys
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
+def pipeline_parallel_trainer(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.pp > 1`.
 
@@ -31,11 +36,17 @@ def pipeline_parallel_trainer(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     pp = recipe.actor.mesh.pp
     if pp > 1:
-        yield diag("PAR001", source, "actor.mesh.pp", f"actor.mesh.pp {pp}: Molt's trainers support only pp 1",
-                   "set actor.mesh.pp: 1 and shard with tp, cp or ep instead")
+        yield diag(
+            source,
+            "actor.mesh.pp",
+            f"actor.mesh.pp {pp}: Molt's trainers support only pp 1",
+            "set actor.mesh.pp: 1 and shard with tp, cp or ep instead",
+        )
 
 
-def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def world_not_divisible_by_model_parallel(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     Every FSDP role's world (`nodes × gpus_per_node`) is divisible by `tp × cp × pp`.
 
@@ -66,13 +77,18 @@ def world_not_divisible_by_model_parallel(recipe, derived, source) -> Iterator[D
         if world is None or world in seen or world % unit == 0:
             continue
         seen.add(world)
-        yield diag("PAR002", source, path,
-                   f"{role} world {world} is not divisible by tp {m.tp} × cp {m.cp} × pp {m.pp} = {unit}",
-                   f"choose tp × cp dividing {world}, or change {role_size_keys(role)[1]}",
-                   list(role_size_keys(role)))
+        yield diag(
+            source,
+            path,
+            f"{role} world {world} is not divisible by tp {m.tp} × cp {m.cp} × pp {m.pp} = {unit}",
+            f"choose tp × cp dividing {world}, or change {role_size_keys(role)[1]}",
+            list(role_size_keys(role)),
+        )
 
 
-def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def model_parallel_group_crosses_node(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     On a role that spans several nodes, each TP×CP group (tp·cp consecutive ranks) stays inside one node:
     `tp·cp` divides the role's `gpus_per_node`.
@@ -106,13 +122,19 @@ def model_parallel_group_crosses_node(recipe, derived, source) -> Iterator[Diagn
     a = recipe.actor
     group = a.mesh.tp * a.mesh.cp
     if a.nodes > 1 and group > 1 and a.gpus_per_node % group:
-        yield diag("PAR003", source, "actor.mesh.cp" if a.mesh.cp > 1 else "actor.mesh.tp",
-                   f"tp × cp = {group} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: "
-                   "some TP/CP groups span two nodes", f"use tp × cp dividing {a.gpus_per_node}",
-                   ["actor.gpus_per_node", "actor.nodes"])
+        yield diag(
+            source,
+            "actor.mesh.cp" if a.mesh.cp > 1 else "actor.mesh.tp",
+            f"tp × cp = {group} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: "
+            "some TP/CP groups span two nodes",
+            f"use tp × cp dividing {a.gpus_per_node}",
+            ["actor.gpus_per_node", "actor.nodes"],
+        )
 
 
-def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_fallback_with_model_parallel(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel custom class)
     with `tp > 1`, `cp > 1`, or (dense model) `ep > 1`. MoE on the HF path is MOE005.
@@ -141,18 +163,25 @@ def hf_fallback_with_model_parallel(recipe, derived, source) -> Iterator[Diagnos
     facts = model_facts(recipe, source)
     if not hf_fallback(recipe, facts):
         return
-    why = "model.backend is hf" if recipe.model.backend == "hf" else \
-        f"{facts.architecture} has no AutoModel custom implementation"
+    why = (
+        "model.backend is hf"
+        if recipe.model.backend == "hf"
+        else f"{facts.architecture} has no AutoModel custom implementation"
+    )
     axes = ("tp", "cp") if facts is not None and facts.is_moe else ("tp", "cp", "ep")
     for axis in axes:
         size = getattr(recipe.actor.mesh, axis)
         if size > 1:
-            yield diag("PAR004", source, f"actor.mesh.{axis}",
-                       f"actor.mesh.{axis} {size} on the HF transformers fallback ({why}), which has no TP/CP/EP",
-                       f"set actor.mesh.{axis}: 1 and scale with data parallelism", ["model.backend", "model.arch"])
+            yield diag(
+                source,
+                f"actor.mesh.{axis}",
+                f"actor.mesh.{axis} {size} on the HF transformers fallback ({why}), which has no TP/CP/EP",
+                f"set actor.mesh.{axis}: 1 and scale with data parallelism",
+                ["model.backend", "model.arch"],
+            )
 
 
-def critic_with_sequence_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def critic_with_sequence_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.sequence_parallel: true` when a critic is built (estimator gae).
 
@@ -178,6 +207,10 @@ def critic_with_sequence_parallel(recipe, derived, source) -> Iterator[Diagnosti
     molt_rules.md H10, B9
     """
     if recipe.actor.sequence_parallel and dv(derived, "critic.exists", recipe.algo.estimator == "gae"):
-        yield diag("PAR005", source, "actor.sequence_parallel",
-                   "actor.sequence_parallel is shared with the critic (gae), whose value head is not "
-                   "sequence-parallel-safe", "set actor.sequence_parallel: false", ["algo.estimator"])
+        yield diag(
+            source,
+            "actor.sequence_parallel",
+            "actor.sequence_parallel is shared with the critic (gae), whose value head is not sequence-parallel-safe",
+            "set actor.sequence_parallel: false",
+            ["algo.estimator"],
+        )

@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def overlong_penalty_factor_invalid(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_penalty_factor_invalid(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_penalty_factor` is finite and ≥ 0 — checked always, even with the overlong penalty off.
 
@@ -35,11 +38,15 @@ def overlong_penalty_factor_invalid(recipe, derived, source) -> Iterator[Diagnos
     """
     f = recipe.algo.overlong_penalty_factor
     if not math.isfinite(f) or f < 0:
-        yield diag("PEN001", source, "algo.overlong_penalty_factor", f"algo.overlong_penalty_factor {f} must be "
-                   "finite and nonnegative", "use a value in [0, 1] such as 1.0")
+        yield diag(
+            source,
+            "algo.overlong_penalty_factor",
+            f"algo.overlong_penalty_factor {f} must be finite and nonnegative",
+            "use a value in [0, 1] such as 1.0",
+        )
 
 
-def overlong_buffer_out_of_range(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_buffer_out_of_range(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_buffer_len`, when set, is finite and in `(0, data.max_len]`.
 
@@ -64,12 +71,16 @@ def overlong_buffer_out_of_range(recipe, derived, source) -> Iterator[Diagnostic
     """
     b, max_len = recipe.algo.overlong_buffer_len, recipe.data.max_len
     if b is not None and not (math.isfinite(b) and 0 < b <= max_len):
-        yield diag("PEN002", source, "algo.overlong_buffer_len", f"algo.overlong_buffer_len {b} must be finite and "
-                   f"in (0, data.max_len {max_len}]", f"use at most {max_len}, e.g. {max(1, max_len // 8)}",
-                   ["data.max_len"])
+        yield diag(
+            source,
+            "algo.overlong_buffer_len",
+            f"algo.overlong_buffer_len {b} must be finite and in (0, data.max_len {max_len}]",
+            f"use at most {max_len}, e.g. {max(1, max_len // 8)}",
+            ["data.max_len"],
+        )
 
 
-def stop_properly_coef_above_one(recipe, derived, source) -> Iterator[Diagnostic]:
+def stop_properly_coef_above_one(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.stop_properly_penalty_coef`, when set, is finite and ≤ 1.
 
@@ -92,12 +103,15 @@ def stop_properly_coef_above_one(recipe, derived, source) -> Iterator[Diagnostic
     """
     c = recipe.algo.stop_properly_penalty_coef
     if c is not None and (not math.isfinite(c) or c > 1):
-        yield diag("PEN003", source, "algo.stop_properly_penalty_coef", f"algo.stop_properly_penalty_coef {c} must "
-                   "be finite and <= 1 (a negative value replaces the reward)", "use a value in [0, 1) to scale, "
-                   "or a negative one such as -1.0 to replace")
+        yield diag(
+            source,
+            "algo.stop_properly_penalty_coef",
+            f"algo.stop_properly_penalty_coef {c} must be finite and <= 1 (a negative value replaces the reward)",
+            "use a value in [0, 1) to scale, or a negative one such as -1.0 to replace",
+        )
 
 
-def length_penalties_both_set(recipe, derived, source) -> Iterator[Diagnostic]:
+def length_penalties_both_set(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Both `algo.overlong_buffer_len` and `algo.stop_properly_penalty_coef` set.
 
@@ -119,12 +133,18 @@ def length_penalties_both_set(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     a = recipe.algo
     if a.overlong_buffer_len is not None and a.stop_properly_penalty_coef is not None:
-        yield diag("PEN004", source, "algo.stop_properly_penalty_coef", "the overlong and stop-properly penalties "
-                   "are mutually exclusive", "keep one: remove algo.stop_properly_penalty_coef or "
-                   "algo.overlong_buffer_len", ["algo.overlong_buffer_len"])
+        yield diag(
+            source,
+            "algo.stop_properly_penalty_coef",
+            "the overlong and stop-properly penalties are mutually exclusive",
+            "keep one: remove algo.stop_properly_penalty_coef or algo.overlong_buffer_len",
+            ["algo.overlong_buffer_len"],
+        )
 
 
-def stop_properly_scale_with_negative_rewards(recipe, derived, source) -> Iterator[Diagnostic]:
+def stop_properly_scale_with_negative_rewards(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     A scaling stop-properly coefficient C ∈ [0, 1) while rewards may be negative (`algo.reward_clip` low < 0).
 
@@ -148,13 +168,18 @@ def stop_properly_scale_with_negative_rewards(recipe, derived, source) -> Iterat
     a = recipe.algo
     c = a.stop_properly_penalty_coef
     if c is not None and 0 <= c < 1 and a.reward_clip[0] < 0:
-        yield diag("PEN005", source, "algo.stop_properly_penalty_coef", f"coefficient {c} scales truncated "
-                   f"rollouts' rewards, and algo.reward_clip allows negative ones (low {a.reward_clip[0]}): a "
-                   "truncated failure is penalised less than a finished one", "use a negative coefficient "
-                   "(replace: e.g. -1.0), or algo.reward_clip with low >= 0", ["algo.reward_clip"])
+        yield diag(
+            source,
+            "algo.stop_properly_penalty_coef",
+            f"coefficient {c} scales truncated "
+            f"rollouts' rewards, and algo.reward_clip allows negative ones (low {a.reward_clip[0]}): a "
+            "truncated failure is penalised less than a finished one",
+            "use a negative coefficient (replace: e.g. -1.0), or algo.reward_clip with low >= 0",
+            ["algo.reward_clip"],
+        )
 
 
-def overlong_factor_without_buffer(recipe, derived, source) -> Iterator[Diagnostic]:
+def overlong_factor_without_buffer(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `algo.overlong_penalty_factor` written while `algo.overlong_buffer_len` is unset.
 
@@ -176,6 +201,10 @@ def overlong_factor_without_buffer(recipe, derived, source) -> Iterator[Diagnost
     """
     a = recipe.algo
     if is_set(source, "algo.overlong_penalty_factor") and a.overlong_buffer_len is None:
-        yield diag("PEN006", source, "algo.overlong_penalty_factor", "algo.overlong_penalty_factor has no effect "
-                   "without algo.overlong_buffer_len", "set algo.overlong_buffer_len, or remove the factor",
-                   ["algo.overlong_buffer_len"])
+        yield diag(
+            source,
+            "algo.overlong_penalty_factor",
+            "algo.overlong_penalty_factor has no effect without algo.overlong_buffer_len",
+            "set algo.overlong_buffer_len, or remove the factor",
+            ["algo.overlong_buffer_len"],
+        )

@@ -9,12 +9,15 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv
+from molt_compile.source import SourceMap
 from schemas.catalog import GPUS
+from schemas.recipe import RlRecipe, SftRecipe
 
 
-def gpus_exceed_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+def gpus_exceed_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The GPUs of all roles — FSDP groups (a colocated ref/critic adds none) plus rollout engines
     (`engines × tp × pp × dp`) — fit in `cluster.nodes × cluster.gpus_per_node`.
@@ -47,16 +50,21 @@ def gpus_exceed_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
     if recipe.kind == "sft":
         what = f"the SFT world needs {used} GPUs"
     else:
-        what = (f"FSDP roles need {dv(derived, 'fsdp.total_gpus')} GPUs + rollout {recipe.rollout.engines} engines × "
-                f"{dv(derived, 'rollout.gpus_per_engine')} = {dv(derived, 'rollout.total_gpus')} GPUs = {used}")
+        what = (
+            f"FSDP roles need {dv(derived, 'fsdp.total_gpus')} GPUs + rollout {recipe.rollout.engines} engines × "
+            f"{dv(derived, 'rollout.gpus_per_engine')} = {dv(derived, 'rollout.total_gpus')} GPUs = {used}"
+        )
     need_nodes = -(-used // c.gpus_per_node) if c.gpus_per_node else used
-    yield diag("PLACE001", source, "cluster.nodes",
-               f"{what} > cluster {c.nodes} × {c.gpus_per_node} = {total} GPUs",
-               f"set cluster.nodes: {need_nodes}, or use fewer engines / a smaller actor",
-               ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"])
+    yield diag(
+        source,
+        "cluster.nodes",
+        f"{what} > cluster {c.nodes} × {c.gpus_per_node} = {total} GPUs",
+        f"set cluster.nodes: {need_nodes}, or use fewer engines / a smaller actor",
+        ["actor.gpus_per_node", "rollout.engines"] if recipe.kind == "rl" else ["actor.gpus_per_node"],
+    )
 
 
-def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
+def role_wider_than_cluster(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     Each FSDP role's shape fits the cluster per node: `gpus_per_node <= cluster.gpus_per_node` and
     `nodes <= cluster.nodes` (actor, separate ref, SFT model).
@@ -85,21 +93,35 @@ def role_wider_than_cluster(recipe, derived, source) -> Iterator[Diagnostic]:
     c = recipe.cluster
     roles = [("actor", recipe.actor.nodes, recipe.actor.gpus_per_node)]
     if recipe.kind == "rl" and dv(derived, "ref.exists") and not dv(derived, "ref.colocated"):
-        roles.append(("ref", recipe.ref.nodes or recipe.actor.nodes,
-                      recipe.ref.gpus_per_node or recipe.actor.gpus_per_node))
+        ref = recipe.ref
+        roles.append(
+            (
+                "ref",
+                (ref.nodes if ref else None) or recipe.actor.nodes,
+                (ref.gpus_per_node if ref else None) or recipe.actor.gpus_per_node,
+            )
+        )
     for role, nodes, gpn in roles:
         if gpn > c.gpus_per_node:
-            yield diag("PLACE002", source, f"{role}.gpus_per_node",
-                       f"{role}.gpus_per_node {gpn} > cluster.gpus_per_node {c.gpus_per_node}",
-                       f"spread the {nodes * gpn} GPUs over more nodes (e.g. nodes "
-                       f"{-(-nodes * gpn // max(c.gpus_per_node, 1))}, gpus_per_node {c.gpus_per_node})",
-                       ["cluster.gpus_per_node"])
+            yield diag(
+                source,
+                f"{role}.gpus_per_node",
+                f"{role}.gpus_per_node {gpn} > cluster.gpus_per_node {c.gpus_per_node}",
+                f"spread the {nodes * gpn} GPUs over more nodes (e.g. nodes "
+                f"{-(-nodes * gpn // max(c.gpus_per_node, 1))}, gpus_per_node {c.gpus_per_node})",
+                ["cluster.gpus_per_node"],
+            )
         if nodes > c.nodes:
-            yield diag("PLACE002", source, f"{role}.nodes", f"{role}.nodes {nodes} > cluster.nodes {c.nodes}",
-                       f"set cluster.nodes to at least {nodes}", ["cluster.nodes"])
+            yield diag(
+                source,
+                f"{role}.nodes",
+                f"{role}.nodes {nodes} > cluster.nodes {c.nodes}",
+                f"set cluster.nodes to at least {nodes}",
+                ["cluster.nodes"],
+            )
 
 
-def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic]:
+def colocated_role_size_mismatch(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     A colocated reference model (`ref.placement: colocate`) sets `nodes`/`gpus_per_node` different from the actor's.
 
@@ -128,13 +150,16 @@ def colocated_role_size_mismatch(recipe, derived, source) -> Iterator[Diagnostic
     for key in ("nodes", "gpus_per_node"):
         own, actor = getattr(ref, key), getattr(recipe.actor, key)
         if own is not None and own != actor:
-            yield diag("PLACE003", source, f"ref.{key}",
-                       f"ref.{key} {own} differs from actor.{key} {actor}, but a colocated ref shares the actor's GPUs",
-                       f"remove ref.{key} (colocated roles take the actor's size), or set ref.placement: separate",
-                       [f"actor.{key}", "ref.placement"])
+            yield diag(
+                source,
+                f"ref.{key}",
+                f"ref.{key} {own} differs from actor.{key} {actor}, but a colocated ref shares the actor's GPUs",
+                f"remove ref.{key} (colocated roles take the actor's size), or set ref.placement: separate",
+                [f"actor.{key}", "ref.placement"],
+            )
 
 
-def colocated_engines_exceed_ranks(recipe, derived, source) -> Iterator[Diagnostic]:
+def colocated_engines_exceed_ranks(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With `rollout.placement: colocate`, every engine takes one actor rank's GPU: each engine is one GPU
     (`rollout.mesh` tp × pp × dp = 1), there are at most as many engines as actor ranks, and there is a trainer
@@ -167,21 +192,33 @@ def colocated_engines_exceed_ranks(recipe, derived, source) -> Iterator[Diagnost
     per_engine = dv(derived, "rollout.gpus_per_engine")
     ranks = dv(derived, "actor.world")
     if recipe.eval.only:
-        yield diag("PLACE008", source, "rollout.placement",
-                   "rollout.placement: colocate shares the actor's GPUs, but eval.only builds no actor",
-                   "set rollout.placement: separate for an evaluation-only run", ["eval.only"])
+        yield diag(
+            source,
+            "rollout.placement",
+            "rollout.placement: colocate shares the actor's GPUs, but eval.only builds no actor",
+            "set rollout.placement: separate for an evaluation-only run",
+            ["eval.only"],
+        )
     elif per_engine is not None and per_engine > 1:
-        yield diag("PLACE008", source, "rollout.placement",
-                   f"a colocated engine takes one actor rank's GPU, but each engine needs {per_engine} "
-                   f"(rollout.mesh tp × pp × dp)",
-                   "set rollout.mesh to tp 1, pp 1, dp 1, or rollout.placement: separate", ["rollout.mesh"])
+        yield diag(
+            source,
+            "rollout.placement",
+            f"a colocated engine takes one actor rank's GPU, but each engine needs {per_engine} "
+            f"(rollout.mesh tp × pp × dp)",
+            "set rollout.mesh to tp 1, pp 1, dp 1, or rollout.placement: separate",
+            ["rollout.mesh"],
+        )
     elif ranks is not None and ro.engines > ranks:
-        yield diag("PLACE008", source, "rollout.engines",
-                   f"{ro.engines} colocated engines but the actor has {ranks} ranks (one engine per rank's GPU)",
-                   f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate", ["rollout.placement"])
+        yield diag(
+            source,
+            "rollout.engines",
+            f"{ro.engines} colocated engines but the actor has {ranks} ranks (one engine per rank's GPU)",
+            f"set rollout.engines: {ranks} or fewer, or rollout.placement: separate",
+            ["rollout.placement"],
+        )
 
 
-def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_gpu_type(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `cluster.gpu` is a key of the GPU catalog (`schemas/catalog.py`) or `cpu`.
 
@@ -205,11 +242,15 @@ def unknown_gpu_type(recipe, derived, source) -> Iterator[Diagnostic]:
     gpu = recipe.cluster.gpu
     if gpu not in GPUS:
         close = difflib.get_close_matches(gpu, GPUS, n=1, cutoff=0.3)
-        yield diag("PLACE006", source, "cluster.gpu", f"cluster.gpu {gpu!r} is not in the GPU catalog",
-                   (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
+        yield diag(
+            source,
+            "cluster.gpu",
+            f"cluster.gpu {gpu!r} is not in the GPU catalog",
+            (f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}",
+        )
 
 
-def idle_gpus(recipe, derived, source) -> Iterator[Diagnostic]:
+def idle_gpus(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     GPUs of the cluster that no role uses.
 
@@ -237,6 +278,10 @@ def idle_gpus(recipe, derived, source) -> Iterator[Diagnostic]:
     idle = dv(derived, "cluster.idle_gpus")
     if idle is not None and idle > 0:
         used, total = dv(derived, "cluster.used_gpus"), dv(derived, "cluster.total_gpus")
-        yield diag("PLACE007", source, "cluster.nodes", f"{idle} of {total} GPUs are idle (roles use {used})",
-                   "shrink the cluster, add engines, or suppress with ignore: {PLACE007: \"why\"}",
-                   ["cluster.gpus_per_node"])
+        yield diag(
+            source,
+            "cluster.nodes",
+            f"{idle} of {total} GPUs are idle (roles use {used})",
+            'shrink the cluster, add engines, or suppress with ignore: {PLACE007: "why"}',
+            ["cluster.gpus_per_node"],
+        )

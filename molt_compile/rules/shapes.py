@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, fsdp_roles, model_facts, role_facts
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe, SftRecipe
 
 VLLM_VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of 64 (`DEFAULT_VOCAB_PADDING_SIZE`), then splits the padded rows over tp."""
@@ -40,7 +43,7 @@ def _vllm_shape_problem(heads: int, kv_heads: int, vocab: int, tp: int) -> str |
     return None
 
 
-def rollout_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def rollout_tp_does_not_split_the_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     With the vLLM engine, `rollout.mesh.tp` divides the policy's attention heads; it divides the KV heads when
     smaller than them, or is a multiple of them when larger (KV heads replicated); and it divides the vocabulary
@@ -74,13 +77,23 @@ def rollout_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Dia
     vocab = facts.vocab if _exact(facts, "vocab") else 0
     problem = _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, tp)
     if problem:
-        good = [d for d in _divisors(facts.heads, 64)
-                if _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, d) is None]
-        yield diag("VLLM009", source, "rollout.mesh.tp", f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
-                   f"choose rollout.mesh.tp among {', '.join(map(str, good))}", ["model.arch", "model.path"])
+        good = [
+            d
+            for d in _divisors(facts.heads, 64)
+            if _vllm_shape_problem(facts.heads, facts.kv_heads or facts.heads, vocab, d) is None
+        ]
+        yield diag(
+            source,
+            "rollout.mesh.tp",
+            f"vLLM cannot shard {facts.key} over tp {tp}: {problem}",
+            f"choose rollout.mesh.tp among {', '.join(map(str, good))}",
+            ["model.arch", "model.path"],
+        )
 
 
-def actor_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagnostic]:
+def actor_tp_does_not_split_the_model(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.mesh.tp` divides the attention heads and the KV heads of every dense FSDP role's checkpoint (policy,
     reference/teacher, critic).
@@ -119,7 +132,10 @@ def actor_tp_does_not_split_the_model(recipe, derived, source) -> Iterator[Diagn
         bad = [f"{n} {what}" for n, what in ((facts.heads, "attention heads"), (kv, "KV heads")) if n % tp]
         if bad:
             good = [d for d in _divisors(kv, 64) if facts.heads % d == 0]
-            yield diag("PAR006", source, "actor.mesh.tp",
-                       f"{role} model {facts.key}: its {' and '.join(bad)} are not divisible by actor.mesh.tp {tp}",
-                       f"choose actor.mesh.tp among {', '.join(map(str, good))}",
-                       ["model.arch" if role == "actor" else f"{role}.path"])
+            yield diag(
+                source,
+                "actor.mesh.tp",
+                f"{role} model {facts.key}: its {' and '.join(bad)} are not divisible by actor.mesh.tp {tp}",
+                f"choose actor.mesh.tp among {', '.join(map(str, good))}",
+                ["model.arch" if role == "actor" else f"{role}.path"],
+            )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import diag, dv, is_set
+from molt_compile.source import SourceMap
+from schemas.recipe import RlRecipe
 
 
-def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def uni_executor_with_tensor_parallel(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.executor: uni` with `rollout.mesh.tp > 1`.
 
@@ -31,12 +34,16 @@ def uni_executor_with_tensor_parallel(recipe, derived, source) -> Iterator[Diagn
     """
     ro = recipe.rollout
     if ro.engine == "vllm" and ro.executor == "uni" and ro.mesh.tp > 1:
-        yield diag("VLLM001", source, "rollout.executor",
-                   f"rollout.executor uni runs one GPU per engine, but rollout.mesh.tp is {ro.mesh.tp}",
-                   "set rollout.executor: auto (mp or ray is derived), or rollout.mesh.tp: 1", ["rollout.mesh.tp"])
+        yield diag(
+            source,
+            "rollout.executor",
+            f"rollout.executor uni runs one GPU per engine, but rollout.mesh.tp is {ro.mesh.tp}",
+            "set rollout.executor: auto (mp or ray is derived), or rollout.mesh.tp: 1",
+            ["rollout.mesh.tp"],
+        )
 
 
-def pipeline_parallel_engine_without_ray(recipe, derived, source) -> Iterator[Diagnostic]:
+def pipeline_parallel_engine_without_ray(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.pp > 1` with an executor other than `ray` (set explicitly to uni or mp, with dp 1).
 
@@ -58,12 +65,16 @@ def pipeline_parallel_engine_without_ray(recipe, derived, source) -> Iterator[Di
     """
     ro = recipe.rollout
     if ro.engine == "vllm" and ro.mesh.pp > 1 and ro.mesh.dp == 1 and ro.executor in ("uni", "mp"):
-        yield diag("VLLM002", source, "rollout.executor",
-                   f"rollout.mesh.pp {ro.mesh.pp} needs the ray executor, got {ro.executor}",
-                   "set rollout.executor: ray (or auto)", ["rollout.mesh.pp"])
+        yield diag(
+            source,
+            "rollout.executor",
+            f"rollout.mesh.pp {ro.mesh.pp} needs the ray executor, got {ro.executor}",
+            "set rollout.executor: ray (or auto)",
+            ["rollout.mesh.pp"],
+        )
 
 
-def data_parallel_engine_without_mp(recipe, derived, source) -> Iterator[Diagnostic]:
+def data_parallel_engine_without_mp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.dp > 1` with an executor other than `mp` (set explicitly to uni or ray).
 
@@ -86,12 +97,18 @@ def data_parallel_engine_without_mp(recipe, derived, source) -> Iterator[Diagnos
     """
     ro = recipe.rollout
     if ro.engine == "vllm" and ro.mesh.dp > 1 and ro.executor in ("uni", "ray"):
-        yield diag("VLLM003", source, "rollout.executor",
-                   f"rollout.mesh.dp {ro.mesh.dp} needs the mp executor, got {ro.executor}",
-                   "set rollout.executor: mp (or auto)", ["rollout.mesh.dp"])
+        yield diag(
+            source,
+            "rollout.executor",
+            f"rollout.mesh.dp {ro.mesh.dp} needs the mp executor, got {ro.executor}",
+            "set rollout.executor: mp (or auto)",
+            ["rollout.mesh.dp"],
+        )
 
 
-def engine_data_parallel_with_pipeline_parallel(recipe, derived, source) -> Iterator[Diagnostic]:
+def engine_data_parallel_with_pipeline_parallel(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.mesh.dp > 1` together with `rollout.mesh.pp > 1`.
 
@@ -113,12 +130,16 @@ def engine_data_parallel_with_pipeline_parallel(recipe, derived, source) -> Iter
     """
     m = recipe.rollout.mesh
     if recipe.rollout.engine == "vllm" and m.dp > 1 and m.pp > 1:
-        yield diag("VLLM004", source, "rollout.mesh.pp",
-                   f"rollout.mesh.pp {m.pp} with dp {m.dp}: pp needs the ray executor, dp the mp executor",
-                   "use more engines instead of engine dp, or set rollout.mesh.dp: 1", ["rollout.mesh.dp"])
+        yield diag(
+            source,
+            "rollout.mesh.pp",
+            f"rollout.mesh.pp {m.pp} with dp {m.dp}: pp needs the ray executor, dp the mp executor",
+            "use more engines instead of engine dp, or set rollout.mesh.dp: 1",
+            ["rollout.mesh.dp"],
+        )
 
 
-def mp_engine_wider_than_node(recipe, derived, source) -> Iterator[Diagnostic]:
+def mp_engine_wider_than_node(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     An engine on the mp (or uni) executor needs `tp × dp` GPUs on one node: `tp × dp <= cluster.gpus_per_node`.
 
@@ -146,13 +167,17 @@ def mp_engine_wider_than_node(recipe, derived, source) -> Iterator[Diagnostic]:
     width = ro.mesh.tp * ro.mesh.dp
     gpn = recipe.cluster.gpus_per_node
     if ro.engine == "vllm" and executor in ("mp", "uni") and width > gpn:
-        yield diag("VLLM005", source, "rollout.mesh.tp" if ro.mesh.tp > 1 else "rollout.mesh.dp",
-                   f"an {executor} engine needs tp {ro.mesh.tp} × dp {ro.mesh.dp} = {width} GPUs on one node, but "
-                   f"nodes have {gpn}: the placement group never becomes ready", "set rollout.executor: ray for "
-                   f"cross-node engines, or keep tp × dp <= {gpn}", ["cluster.gpus_per_node", "rollout.executor"])
+        yield diag(
+            source,
+            "rollout.mesh.tp" if ro.mesh.tp > 1 else "rollout.mesh.dp",
+            f"an {executor} engine needs tp {ro.mesh.tp} × dp {ro.mesh.dp} = {width} GPUs on one node, but "
+            f"nodes have {gpn}: the placement group never becomes ready",
+            f"set rollout.executor: ray for cross-node engines, or keep tp × dp <= {gpn}",
+            ["cluster.gpus_per_node", "rollout.executor"],
+        )
 
 
-def hf_engine_with_parallel_mesh(recipe, derived, source) -> Iterator[Diagnostic]:
+def hf_engine_with_parallel_mesh(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.engine: hf` with an engine mesh larger than one device (`tp × pp × dp > 1`).
 
@@ -176,12 +201,16 @@ def hf_engine_with_parallel_mesh(recipe, derived, source) -> Iterator[Diagnostic
     ro = recipe.rollout
     width = ro.mesh.tp * ro.mesh.pp * ro.mesh.dp
     if ro.engine == "hf" and width > 1:
-        yield diag("VLLM006", source, "rollout.mesh", f"rollout.engine hf uses one device per engine, but the "
-                   f"mesh asks for {width}", "set rollout.mesh to tp 1, pp 1, dp 1 and add engines instead",
-                   ["rollout.engine"])
+        yield diag(
+            source,
+            "rollout.mesh",
+            f"rollout.engine hf uses one device per engine, but the mesh asks for {width}",
+            "set rollout.mesh to tp 1, pp 1, dp 1 and add engines instead",
+            ["rollout.engine"],
+        )
 
 
-def max_new_tokens_exceeds_context(recipe, derived, source) -> Iterator[Diagnostic]:
+def max_new_tokens_exceeds_context(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.max_new_tokens` (and `eval.max_new_tokens`) smaller than `data.max_len`.
 
@@ -209,11 +238,18 @@ def max_new_tokens_exceeds_context(recipe, derived, source) -> Iterator[Diagnost
         section, field = key.split(".")
         value = getattr(getattr(recipe, section), field)
         if value is not None and value >= max_len:
-            yield diag("VLLM007", source, key, f"{key} {value} leaves no room for the prompt in data.max_len "
-                       f"{max_len}", f"set {key} below {max_len} (or raise data.max_len)", ["data.max_len"])
+            yield diag(
+                source,
+                key,
+                f"{key} {value} leaves no room for the prompt in data.max_len {max_len}",
+                f"set {key} below {max_len} (or raise data.max_len)",
+                ["data.max_len"],
+            )
 
 
-def decode_context_parallel_not_dividing_tp(recipe, derived, source) -> Iterator[Diagnostic]:
+def decode_context_parallel_not_dividing_tp(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.decode_context_parallel_size` divides `rollout.mesh.tp`.
 
@@ -237,16 +273,20 @@ def decode_context_parallel_not_dividing_tp(recipe, derived, source) -> Iterator
     ro = recipe.rollout
     dcp = ro.decode_context_parallel_size
     if dcp > 1 and ro.mesh.tp % dcp:
-        yield diag("VLLM008", source, "rollout.decode_context_parallel_size",
-                   f"rollout.decode_context_parallel_size {dcp} does not divide rollout.mesh.tp {ro.mesh.tp}",
-                   "use a divisor of rollout.mesh.tp", ["rollout.mesh.tp"])
+        yield diag(
+            source,
+            "rollout.decode_context_parallel_size",
+            f"rollout.decode_context_parallel_size {dcp} does not divide rollout.mesh.tp {ro.mesh.tp}",
+            "use a divisor of rollout.mesh.tp",
+            ["rollout.mesh.tp"],
+        )
 
 
 MOE_BACKENDS = ("triton", "flashinfer_trtllm", "flashinfer_cutlass")
 """vLLM fused-MoE backends named by Molt 0.2.1's help (train_rl_ray.py:756-762)."""
 
 
-def logprobs_for_centering_or_kl(recipe, derived, source) -> Iterator[Diagnostic]:
+def logprobs_for_centering_or_kl(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     The engine is asked for processed log-probs because of score centering or KL against the rollout policy, with
     IS correction off.
@@ -273,12 +313,15 @@ def logprobs_for_centering_or_kl(recipe, derived, source) -> Iterator[Diagnostic
         return
     k = dv(derived, "rollout.top_logprobs", 0)
     why = f"score centering (top {k} log-probs per token)" if k else "the KL against the rollout policy"
-    yield diag("VLLM010", source, "algo.score_centering_top_k" if k else "algo.kl.coef", f"{why} reads the "
-               "engine's processed log-probs: logprobs_mode processed_logprobs (X6)",
-               "nothing to change; this reports an engine setting the compiler derived")
+    yield diag(
+        source,
+        "algo.score_centering_top_k" if k else "algo.kl.coef",
+        f"{why} reads the engine's processed log-probs: logprobs_mode processed_logprobs (X6)",
+        "nothing to change; this reports an engine setting the compiler derived",
+    )
 
 
-def unknown_moe_backend(recipe, derived, source) -> Iterator[Diagnostic]:
+def unknown_moe_backend(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.moe_backend` is one of triton, flashinfer_trtllm, flashinfer_cutlass.
 
@@ -301,11 +344,15 @@ def unknown_moe_backend(recipe, derived, source) -> Iterator[Diagnostic]:
     """
     b = recipe.rollout.moe_backend
     if b is not None and b not in MOE_BACKENDS:
-        yield diag("VLLM011", source, "rollout.moe_backend", f"rollout.moe_backend {b!r} is not a vLLM fused-MoE "
-                   f"backend ({', '.join(MOE_BACKENDS)})", "use one of them, or remove rollout.moe_backend")
+        yield diag(
+            source,
+            "rollout.moe_backend",
+            f"rollout.moe_backend {b!r} is not a vLLM fused-MoE backend ({', '.join(MOE_BACKENDS)})",
+            "use one of them, or remove rollout.moe_backend",
+        )
 
 
-def router_balance_without_cache_aware(recipe, derived, source) -> Iterator[Diagnostic]:
+def router_balance_without_cache_aware(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.router_balance_abs` or `rollout.router_balance_rel` written with a `router_policy` other than
     cache_aware.
@@ -329,5 +376,10 @@ def router_balance_without_cache_aware(recipe, derived, source) -> Iterator[Diag
     ro = recipe.rollout
     for key in ("router_balance_abs", "router_balance_rel"):
         if is_set(source, f"rollout.{key}") and ro.router_policy != "cache_aware":
-            yield diag("VLLM012", source, f"rollout.{key}", f"rollout.{key} is used only by router_policy "
-                       f"cache_aware, not {ro.router_policy}", f"remove rollout.{key}", ["rollout.router_policy"])
+            yield diag(
+                source,
+                f"rollout.{key}",
+                f"rollout.{key} is used only by router_policy cache_aware, not {ro.router_policy}",
+                f"remove rollout.{key}",
+                ["rollout.router_policy"],
+            )
