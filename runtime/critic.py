@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from runtime import fsdp, microbatch
+from runtime.algo import masked_mean
 from runtime.experience import Experience
 from runtime.logprobs import pack, unpack
 from runtime.ranks import FsdpRank, gather_rows, start_ranks
@@ -164,6 +165,16 @@ def start_critic_group(rl: RlRuntime, actor_options: list[dict]) -> CriticGroup:
     workers = start_ranks(CriticWorker, actor_options, lambda r, addr, port: (
         rl.critic, rl.trainer, rl.model, rl.device, rl.dist_backend, r, addr, port))
     return CriticGroup(workers=workers)
+
+
+def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Experience) -> dict[str, float]:
+    """The critic at collection: its mean value and how much of the returns' variance it explains (gae only)."""
+    if values is None:
+        return {}
+    real, mask = batch.batch_size, batch.action_mask
+    return {"critic/values_mean": float(masked_mean(values[:real], mask)),
+            "critic/returns_mean": float(masked_mean(returns, mask)),
+            "critic/explained_variance": explained_variance(values[:real], returns, mask)}
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:

@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
-from runtime.critic import explained_variance, start_critic_group
+from runtime.critic import critic_metrics, start_critic_group
 from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
@@ -332,16 +332,6 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
         "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
         "train/logprob_diff_max": float(diff.max()),
     }
-
-
-def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Experience) -> dict[str, float]:
-    """The critic at collection: its mean value and how much of the returns' variance it explains (gae only)."""
-    if values is None:
-        return {}
-    real, mask = batch.batch_size, batch.action_mask
-    return {"critic/values_mean": float(algo.masked_mean(values[:real], mask)),
-            "critic/returns_mean": float(algo.masked_mean(returns, mask)),
-            "critic/explained_variance": explained_variance(values[:real], returns, mask)}
 
 
 def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:

@@ -60,6 +60,10 @@ METRICS: dict[str, str] = {
     "train/entropy": "token-mean entropy of the policy (only when entropy_coef != 0)",
     "train/is_filter_ratio": "fraction of IS units (tokens or sequences) outside the IS band",
     "train/vllm_kl": "token-mean log π_rollout - log π_old: engine/trainer mismatch on the trained tokens",
+    "train/mismatch/bitwise_frac": "fraction of trained action tokens whose trainer fp32 log-prob differs bitwise "
+                                   "from the engine's (runtime/algo/mismatch.py)",
+    "train/mismatch/abs_diff_mean": "token-mean |log π_train - log π_rollout| on the trained tokens",
+    "train/mismatch/k3_kl": "token-mean k3 estimate of KL(rollout || train) on the trained tokens",
     "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",
