@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from runtime import fsdp, microbatch
+from runtime import fsdp, microbatch, models
 from runtime.algo import masked_mean
 from runtime.experience import Experience
 from runtime.logprobs import pack, unpack
@@ -59,7 +59,7 @@ class CriticWorker(FsdpRank):
         (dtype, attention, checkpointing)."""
         super().__init__(critic.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.c, self.t = critic, trainer
-        self.model = fsdp.build_value_model(model, critic.path, self.mesh, self.device)
+        self.model = models.backend(model.backend).build_value_model(model, critic.path, self.mesh, self.device)
         self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model)
 
     def ready(self) -> int:

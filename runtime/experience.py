@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from runtime.moe import NO_ROUTING
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Experience:
     rollout_ids: Tensor | None = None      # (B,) int64, one per rollout
     # ── Vision-language inputs (None: a text batch) ──
     mm_inputs: list[dict[str, Tensor] | None] | None = None   # per row: pixel_values, image_grid_thw (or None)
+    # ── MoE ──
+    routed_experts: Tensor | None = None   # (B, T, L, k) int16: experts token t was routed to per MoE layer; -1: none
 
     @property
     def batch_size(self) -> int:
@@ -71,7 +76,9 @@ class Experience:
             return self
         out = {}
         for k, v in self.tensors().items():
-            if v.dim() == 2:
+            if k == "routed_experts":
+                out[k] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, extra), value=NO_ROUTING)
+            elif v.dim() == 2:
                 out[k] = torch.nn.functional.pad(v, (0, extra), value=pad_id if k == "sequences" else 0)
         return replace(self, **out)
 
@@ -85,8 +92,8 @@ class Experience:
         width = int(self.attention_mask.sum(-1).max())
         if width >= self.sequences.shape[1]:
             return self
-        return replace(self, **{k: v[:, :width if k in ("sequences", "attention_mask") else width - 1]
-                                for k, v in self.tensors().items() if v.dim() == 2})
+        return replace(self, **{k: v[:, :width if k in ("sequences", "attention_mask", "routed_experts") else width - 1]
+                                for k, v in self.tensors().items() if v.dim() == 2 or k == "routed_experts"})
 
 
 def concat(parts: Sequence[Experience], pad_id: int) -> Experience:
@@ -140,11 +147,13 @@ def from_token_lists(
     rollout_log_probs: Sequence[Sequence[float]],
     pad_id: int,
     mm_inputs: Sequence[dict[str, Tensor] | None] | None = None,
+    routed_experts: Sequence[Any] | None = None,
 ) -> Experience:
     """Tensors for a list of trajectories.
 
     tokens[i]: the full observation stream; action_ranges[i]: (start, end) spans of it that the policy generated;
     rollout_log_probs[i]: aligned 1:1 with tokens[i], 0.0 off the actions (an empty list means IS is off: zeros).
+    routed_experts[i]: (len(tokens[i]), L, k) int array of trajectory i's routing (R3), -1 where not captured.
     """
     lengths = torch.tensor([len(t) for t in tokens])
     seqs = torch.nn.utils.rnn.pad_sequence([torch.tensor(t, dtype=torch.long) for t in tokens], batch_first=True,
@@ -164,10 +173,15 @@ def from_token_lists(
     logps = torch.nn.utils.rnn.pad_sequence(
         [torch.tensor(lp if len(lp) else [0.0] * len(t), dtype=torch.float32) for lp, t in zip(rollout_log_probs, tokens, strict=True)],
         batch_first=True, padding_value=0.0)
+    routed = None
+    if routed_experts is not None:
+        routed = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=torch.int16) for r in routed_experts],
+                                                 batch_first=True, padding_value=NO_ROUTING)
     return Experience(
         sequences=seqs,
         attention_mask=attention_mask,
         action_mask=token_is_action[:, 1:],
         rollout_log_probs=logps[:, 1:] * token_is_action[:, 1:],
         mm_inputs=list(mm_inputs) if mm_inputs is not None and any(m is not None for m in mm_inputs) else None,
+        routed_experts=routed,
     )

@@ -307,7 +307,7 @@ class Generator:
                 if skip > 0:
                     skip -= 1
                     continue
-                yield self.sources[s][i], (self.images[s][i] if self.images else None)
+                yield self.sources[s][i], (self.images[s][i] if self.images and self.images[s] else None)
 
     # ----------------------------------------------------------------------------------------------- eval
     async def evaluate(self, per_prompt: bool = False):

@@ -10,13 +10,14 @@ A colocated reference lives in the policy ranks instead (`runtime/trainer.py`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from runtime import fsdp
+from runtime import models, moe
 from runtime.experience import Experience
 from runtime.ranks import FsdpRank, gather_rows, start_ranks
 
@@ -39,7 +40,7 @@ class ReferenceWorker(FsdpRank):
         packing, temperature, seed), `model` (dtype, attention)."""
         super().__init__(ref.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t = trainer
-        self.model = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False)
+        self.model = models.backend(model.backend).build(model, ref.path, self.mesh, self.device, trainable=False)
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
 
     def ready(self) -> int:
@@ -53,10 +54,26 @@ class ReferenceWorker(FsdpRank):
         out = torch.zeros(shard.action_mask.shape)
         for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), t.micro_batch_size,
                                          t.dynamic_batch_max_tokens):
-            lp, _ = self.logprobs(self.model, part, t.temperature, t.packing)
+            with self._replay(part):
+                lp, _ = self.logprobs(self.model, part, t.temperature, t.packing)
             if mb is not None:
                 out[mb, :lp.shape[1]] = lp.cpu()
         return rows, out
+
+
+    @contextlib.contextmanager
+    def _replay(self, part: Experience):
+        """R3 (`train.routing_replay`): the reference routes each token to the experts the rollout used, as the
+        policy's ranks do (`runtime/trainer.py`)."""
+        if not self.t.routing_replay:
+            yield
+            return
+        if part.routed_experts is None:
+            raise RuntimeError("train.routing_replay is on but the batch carries no routing: the engines returned "
+                               "none (EnginesPlan.routed_experts)")
+        with moe.replay(self.model) as state:
+            state.targets = moe.flat_targets(part.routed_experts, part.attention_mask, self.t.packing)
+            yield
 
 
 @dataclass

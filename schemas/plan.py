@@ -201,6 +201,8 @@ class ModelPlan(PlanModel):
     """Activation checkpointing (the reference model never checkpoints)."""
     disable_fast_tokenizer: bool
     """Load the slow tokenizer."""
+    router_dtype: Literal["bfloat16", "float16", "float32"]
+    """Compute dtype of the MoE routers (torch name); their master weights stay fp32."""
 
 
 class EnginesPlan(PlanModel):
@@ -249,6 +251,8 @@ class EnginesPlan(PlanModel):
     """vLLM limit_mm_per_prompt (0: text only)."""
     extra_engine_args: dict[str, JsonValue]
     """Only the engine knobs the recipe set (attention_backend, block_size, ...), with vLLM's argument names."""
+    routed_experts: bool
+    """Engines return the experts each token was routed to (R3, `train.routing_replay`)."""
 
 
 class AgentPlan(PlanModel):
@@ -402,6 +406,8 @@ class LossPlan(PlanModel):
     """Entropy coefficient."""
     aux_loss_coef: float
     """MoE aux loss coefficient."""
+    router_z_loss_coef: float
+    """MoE router z-loss coefficient (0: off)."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"]
     """Aggregation of the policy-gradient term over an optimizer step's window on all DP ranks (KL and entropy
     stay token-mean)."""

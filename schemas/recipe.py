@@ -125,6 +125,9 @@ class Model(Section):
     """FSDP2 compute dtype. Master weights stay fp32."""
     gradient_checkpoint: Literal["full", "selective", "none"] = "full"
     """Activation checkpointing of the trained models. The reference model never checkpoints."""
+    router_dtype: Dtype = "fp32"
+    """Compute dtype of the MoE routers (gates) under mixed precision (Molt `MOLT_GATE_PRECISION`, default
+    float32): top-k choices are made in this precision. Their master weights are fp32 either way."""
     disable_fast_tokenizer: bool = False
     """Load the slow tokenizer."""
 
@@ -202,6 +205,8 @@ class Loss(Section):
     """Entropy bonus coefficient subtracted from the loss. 0: entropy is not computed."""
     aux_loss_coef: float = Field(0.0, ge=0)
     """MoE load-balancing loss coefficient (active above 1e-8)."""
+    router_z_loss_coef: float = Field(0.0, ge=0)
+    """MoE router z-loss coefficient (ST-MoE: mean squared logsumexp of the router logits); 0: off."""
     agg_mode: LossAggMode = "token-mean"
     """How the policy-gradient term is averaged over one optimizer step's window, on all data-parallel ranks
     (Molt 0.2.1 `--actor.loss_agg_mode`): `token-mean` divides by the window's action tokens; `seq-mean-token-mean`

@@ -163,6 +163,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         attn=m.attn,
         gradient_checkpoint=m.gradient_checkpoint,
         disable_fast_tokenizer=m.disable_fast_tokenizer,
+        router_dtype=_DTYPES[m.router_dtype],
     )
 
 

@@ -144,6 +144,7 @@ def _engines(r: RlRecipe, d: Derived) -> EnginesPlan:
         logprobs_mode=d.value("rollout.logprobs_mode"),
         max_images_per_prompt=r.data.max_images_per_prompt,
         extra_engine_args=_engine_args(r),
+        routed_experts=r.train.routing_replay,
     )
 
 
@@ -297,6 +298,7 @@ def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
             entropy_coef=a.loss.entropy_coef,
             aux_loss_coef=a.loss.aux_loss_coef,
             agg_mode=a.loss.agg_mode,
+            router_z_loss_coef=a.loss.router_z_loss_coef,
         ),
         freeze_moe_router=a.freeze.moe_router,
         freeze_visual_encoder=a.freeze.visual_encoder,

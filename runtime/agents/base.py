@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from uuid import uuid4
 
+import numpy as np
+
 from runtime import vlm
 from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
 from runtime.vlm import VlmTruncation
@@ -110,6 +112,7 @@ class Trajectory:
     mm_inputs: dict | None = None  # their pixel_values / image_grid_thw, aligned with the placeholders in token_ids
     group_id: str | None = None  # one per prompt group (n rollouts); the group baselines average over it
     rollout_id: str | None = None  # one per rollout; step-samples of one rollout share it
+    routed_experts: Any = None  # (<= T, L, k) int16 numpy routing of token_ids (R3), -1 where none; or None
 
     @property
     def num_action_tokens(self) -> int:
@@ -134,11 +137,39 @@ class Trajectory:
                 )
             self.rollout_log_probs.extend(float(lp) for lp in log_probs)
 
+    def absorb_routing(self, rows: Any) -> None:
+        """Take an engine call's routing (`GenerateOutput.routed_experts`) for the positions that have none yet."""
+        self.routed_experts = absorb_routing(self.routed_experts, rows, len(self.token_ids))
+
+    def routing_rows(self) -> Any:
+        """(T, L, k) routing aligned with token_ids, -1 on tokens no engine call routed; None without routing."""
+        have = self.routed_experts
+        if have is None or len(have) >= len(self.token_ids):
+            return have
+        return np.concatenate([have, np.full((len(self.token_ids) - len(have), *have.shape[1:]), -1, np.int16)])
+
     def append_feedback(self, text: str, token_ids: list[int]) -> None:
         self.observation_text += text
         self.token_ids.extend(token_ids)
         if self.rollout_log_probs is not None:
             self.rollout_log_probs.extend([0.0] * len(token_ids))
+
+
+def absorb_routing(have: Any, rows: Any, n_tokens: int) -> Any:
+    """`have` ((<= T, L, k) int16 or None) with an engine call's routing merged in: `rows` cover the first
+    len(rows) of the stream's `n_tokens` tokens, and fill only positions with none yet (first writer wins), so a later
+    turn's prompt routing adds just the tokens no earlier call routed (the previous turn's last token, the feedback)."""
+    if rows is None:
+        return have
+    rows = np.asarray(rows, dtype=np.int16)[:n_tokens]
+    if have is None:
+        return rows.copy()
+    if len(have) < len(rows):
+        have = np.concatenate([have, np.full((len(rows) - len(have), *have.shape[1:]), -1, np.int16)])
+    head = have[:len(rows)]
+    missing = (head < 0).any(axis=(1, 2))
+    head[missing] = rows[missing]
+    return have
 
 
 # --------------------------------------------------------------------------------------------------- env
@@ -315,6 +346,7 @@ class StepEnvRunner(Runner):
             traj.info = dict(result.info or {})
 
             traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None)
+            traj.absorb_routing(out.routed_experts)
             traj.observation_text += action_text
             feedback_text, new_mm = result.observation, None
             if result.images and vision is None:

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.agents.base import Tokenizer, tokenize
+from runtime.agents.base import Tokenizer, absorb_routing, tokenize
 from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
 
 MODEL_NAME = "policy"
@@ -48,6 +48,7 @@ class Segment:
     rollout_log_probs: list[float]  # aligned with token_ids, 0.0 off the actions
     action_ranges: list[tuple[int, int]] = field(default_factory=list)
     text: str = ""  # decode(token_ids), what the next rendering must extend to continue this segment
+    routed_experts: Any = None  # (<= T, L, k) int16 routing of token_ids (R3), -1 where none; or None
 
 
 @dataclass
@@ -197,6 +198,7 @@ def _record(session: Session, segment: Segment | None, prompt_ids: list[int], de
     segment.token_ids.extend(out.token_ids)
     segment.rollout_log_probs.extend(float(lp) for lp in out.logprobs)
     segment.action_ranges.append((start, len(segment.token_ids)))
+    segment.routed_experts = absorb_routing(segment.routed_experts, out.routed_experts, len(segment.token_ids))
     segment.text = session.tokenizer.decode(segment.token_ids, skip_special_tokens=False)
     session.turns += 1
     session.finish_reasons.append(out.finish_reason)

@@ -8,7 +8,7 @@ this module knows nothing about text, chat templates or tokenizers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why generation ended: "stop" (EOS or a stop token), "length" (hit `max_tokens`), "abort" (the engine cancelled the
@@ -27,6 +27,9 @@ class GenerateOutput:
     token_ids: list[int]  # (A,) generated ids, EOS included when the engine stopped on it
     logprobs: list[float] = field(default_factory=list)  # (A,) or () when logprobs=False
     finish_reason: FinishReason = "stop"
+    # (P + A - 1, L, k) int16 numpy array: the experts each prompt and generated token (all but the last, which no
+    # forward saw) was routed to in each of the L MoE layers; None unless the engines record routing (R3).
+    routed_experts: Any = None
 
 
 @runtime_checkable

@@ -25,12 +25,16 @@ with `is_causal` for prefill) and the cache are ours. Models whose logits need m
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from runtime import moe
 
 ATTENTION = "molt_slots"
 """Name of our attention function in transformers' AttentionInterface."""
@@ -157,6 +161,11 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     limit: int = 0  # tokens it may generate: max_tokens, cut to the context length
+    routed: list = field(default_factory=list)  # (n, L, k) int16 numpy chunks of routing (R3), prompt first
+
+    def routed_experts(self):
+        """(prompt + generated - 1, L, k) routing of every token a forward saw, or None when not recorded."""
+        return np.concatenate(self.routed) if self.routed else None
 
 
 class DecodeCore:
@@ -164,7 +173,7 @@ class DecodeCore:
     thread."""
 
     def __init__(self, model, *, slots: int, max_model_len: int, eos_ids, pad_id: int, raw_logprobs: bool,
-                 cuda_graphs: bool, chunk_steps: int = 16, prefill_tokens: int = 16384):
+                 cuda_graphs: bool, chunk_steps: int = 16, prefill_tokens: int = 16384, record_routing: bool = False):
         cfg = model.config.get_text_config()
         self.model = model
         self.decoder = model.get_decoder()
@@ -200,6 +209,10 @@ class DecodeCore:
         self.pending_lock = threading.Lock()
         self.active: dict[int, Request] = {}  # slot -> request
         self.free = list(range(slots))
+        # R3: each decode step's routers copy their top-k into this fixed buffer (a CUDA graph replays the copy).
+        layers, top_k = moe.shape_of(model)
+        self.record_routing = record_routing and layers > 0
+        self.route_buf = torch.full((layers, slots, top_k), -1, dtype=torch.int16, device=dev)
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request) -> None:
@@ -275,10 +288,15 @@ class DecodeCore:
         causal = torch.full((width, width), float("-inf"), device=dev).triu(1).expand(len(reqs), 1, width, width)
         self.cache.prefill_slots = slot_t
         try:
-            hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=causal,
-                                  past_key_values=self.cache, use_cache=True).last_hidden_state
+            with self._recording() as routed:
+                hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=causal,
+                                      past_key_values=self.cache, use_cache=True).last_hidden_state
         finally:
             self.cache.prefill_slots = None
+        if self.record_routing:  # (L, rows * width, k) -> each row's (len, L, k) prompt routing
+            per_row = torch.stack(routed).view(len(routed), len(reqs), width, -1).to(torch.int16).cpu().numpy()
+            for row, r in enumerate(reqs):
+                r.routed.append(per_row[:, row, :lens[row]].transpose(1, 0, 2))
         last = hidden[torch.arange(len(reqs), device=dev), torch.tensor(lens, device=dev) - 1]
         logits = self.lm_head(last).float()
         greedy = torch.tensor([r.temperature <= 0 for r in reqs], device=dev)
@@ -310,8 +328,12 @@ class DecodeCore:
             self.graphs.clear()  # weights were loaded into new tensors, not copied into the captured ones
         out_tokens = torch.empty((nb, steps), dtype=torch.long, device=self.device)
         out_logprobs = torch.empty((nb, steps), device=self.device)
+        out_routing = torch.empty((steps, *self.route_buf[:, :nb].shape), dtype=torch.int16, device=self.device)
         for k in range(steps):
-            logits = self._step(nb, length)
+            with self._recording(self.route_buf):
+                logits = self._step(nb, length)
+            if self.record_routing:
+                out_routing[k] = self.route_buf[:, :nb]
             tokens, logprobs = sample(logits, self.temperature[:nb], self.top_p[:nb], self.greedy[:nb],
                                       filter_top_p=filter_top_p, raw_logprobs=self.raw_logprobs)
             out_tokens[:, k], out_logprobs[:, k] = tokens, logprobs
@@ -319,12 +341,20 @@ class DecodeCore:
             # finished rows may run on until the chunk ends: keep their writes inside the cache
             self.cache.pos[:nb] = (self.cache.pos[:nb] + 1).clamp_(max=self.max_model_len - 1)
         host_tokens, host_logprobs = out_tokens.tolist(), out_logprobs.tolist()  # the chunk's one sync
+        host_routing = out_routing.cpu().numpy() if self.record_routing else None  # (steps, L, nb, k)
         finished = []
         for s in live:
             r, n = self.active[s], min(steps, remaining[s])
-            if self._append(r, host_tokens[s][:n], host_logprobs[s][:n]):
+            before = len(r.token_ids)
+            done = self._append(r, host_tokens[s][:n], host_logprobs[s][:n])
+            if host_routing is not None:  # step j fed the token generated before it: one row per appended token
+                r.routed.append(host_routing[:len(r.token_ids) - before, :, s].copy())
+            if done:
                 finished.append(self._release(s))
         return finished
+
+    def _recording(self, into: torch.Tensor | None = None):
+        return moe.record(self.model, into) if self.record_routing else contextlib.nullcontext([])
 
     def _forward_decode(self, nb: int, length: int) -> None:
         """One decode step of rows [0, nb) over cache positions [0, length): logits into `self.logits[:nb]`."""

@@ -90,7 +90,7 @@ class HfEngine:
         pad_id = gen.pad_token_id if gen.pad_token_id is not None else min(eos_ids, default=0)
         self.core = DecodeCore(self.model, slots=engines.max_num_seqs, max_model_len=engines.max_model_len,
                                eos_ids=eos_ids, pad_id=pad_id, raw_logprobs=engines.logprobs_mode == "raw_logprobs",
-                               cuda_graphs=not engines.enforce_eager)
+                               cuda_graphs=not engines.enforce_eager, record_routing=engines.routed_experts)
         self._gate = _StepGate()
         self._paused = False
         self._wake = threading.Event()
@@ -111,7 +111,7 @@ class HfEngine:
         self._wake.set()
         r = await future
         return GenerateOutput(token_ids=r.token_ids, logprobs=r.logprobs if logprobs else [],
-                              finish_reason=r.finish_reason)
+                              finish_reason=r.finish_reason, routed_experts=r.routed_experts())
 
     async def score(self, token_ids: list[int]) -> list[float]:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._score, list(token_ids))

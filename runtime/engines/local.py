@@ -15,14 +15,16 @@ from schemas.plan import EnginesPlan, InstancePlan, RayOptions, RolePlan
 def cpu_engines_plan(kind: Literal["vllm", "hf"], count: int = 1, *, seed: int = 0, max_model_len: int = 512,
                      max_num_seqs: int = 64,
                      logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "processed_logprobs",
-                     router_policy: str = "consistent_hash") -> EnginesPlan:
+                     router_policy: str = "consistent_hash", routed_experts: bool = False) -> EnginesPlan:
     return EnginesPlan(
         kind=kind, device="cpu", count=count, tp=1, pp=1, dp=1, gpus_per_engine=1, executor="mp",
         expert_parallel=False, dtype="float32", max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=0.5, enforce_eager=True,
         prefix_caching=True, seeds=[seed + i for i in range(count)], router_policy=router_policy,
         router_balance_abs=10, router_balance_rel=1.2,
-        logprobs_mode=logprobs_mode, max_images_per_prompt=0, extra_engine_args={},
+        logprobs_mode=logprobs_mode, max_images_per_prompt=0,
+        extra_engine_args={"enable_return_routed_experts": True} if routed_experts and kind == "vllm" else {},
+        routed_experts=routed_experts,
     )
 
 

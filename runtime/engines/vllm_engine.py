@@ -96,8 +96,11 @@ class VllmEngine:
         lps: list[float] = []
         if logprobs and completion.logprobs is not None:
             lps = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs, strict=True)]
+        # [prompt + generated - 1, layers, top_k] when the engine was built with enable_return_routed_experts (R3)
+        routed = getattr(completion, "routed_experts", None)
         return GenerateOutput(token_ids=token_ids, logprobs=lps,
-                              finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"))
+                              finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
+                              routed_experts=None if routed is None else routed.astype("int16"))
 
     async def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams, TokensPrompt

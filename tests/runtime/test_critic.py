@@ -11,7 +11,7 @@ from loop_support import ROOT, compile_plan
 
 from runtime.critic import CriticWorker, explained_variance, token_values
 from runtime.experience import from_token_lists
-from runtime.fsdp import load_value_model
+from runtime.models.hf import load_value_model
 from runtime.ranks import free_port
 
 MODEL = str(ROOT / "recipes/data/demo_math/model")

@@ -94,7 +94,7 @@ def test_fsdp_lora_trains_adapters_and_dcp_resumes_them(tmp_path):
 
     import torch.distributed as dist
 
-    from runtime import ckpt, fsdp
+    from runtime import ckpt, fsdp, models
     from schemas.plan import ModelPlan, OptimizerPlan
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
@@ -102,9 +102,9 @@ def test_fsdp_lora_trains_adapters_and_dcp_resumes_them(tmp_path):
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         mp = ModelPlan(path=MODEL, arch=None, backend="hf", dtype="float32", attn="sdpa", gradient_checkpoint="full",
-                       disable_fast_tokenizer=False)
+                       disable_fast_tokenizer=False, router_dtype="float32")
         plan = LoraPlan(dim=4, alpha=8, scale=2.0, target_modules=["*.q_proj", "*.down_proj"])
-        model = fsdp.build_model(mp, MODEL, mesh, torch.device("cpu"), lora=plan)
+        model = models.backend("hf").build(mp, MODEL, mesh, torch.device("cpu"), lora=plan)
         opt = OptimizerPlan(name="adam", lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,
                             scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.1, muon=None)
         optimizer, scheduler = fsdp.build_optimizer(opt, model)

@@ -1,0 +1,104 @@
+"""The `hf` model backend: transformers' `AutoModelForCausalLM` under FSDP2 over a 1-D data-parallel mesh.
+
+fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the root, compute dtype from
+the plan (`reference/environment.md` §5), and the chunked log-prob method of `runtime/logprobs.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime import moe
+from runtime.logprobs import attach
+
+if TYPE_CHECKING:
+    from schemas.plan import LoraPlan, ModelPlan
+
+
+def device_mesh(device: str, world: int):
+    """One `dp` axis over every rank (the process group must be initialised)."""
+    import torch.distributed as dist
+
+    return dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+
+
+def is_vlm(path: str) -> bool:
+    """The checkpoint is a vision-language model (its config has a `vision_config`): a fact of the model."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+
+
+def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
+          freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
+    """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
+
+    A frozen model (a reference) is in eval mode without gradients and never checkpoints. MoE routers are their own
+    FSDP2 unit computing in `model_plan.router_dtype` (fp32 by default, Molt's `MOLT_GATE_PRECISION`: the unit casts
+    its input to that dtype, so top-k ties are decided in fp32), and with `freeze_router` they take no gradient.
+    `lora`: peft adapters patched in before sharding (`runtime/lora.py`); only they train. A VLM loads as an
+    image-text-to-text model; its language-model layers are the FSDP units and the vision tower stays in the root
+    unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the same collectives).
+    `freeze_visual_encoder` (Molt's: train only the language model and lm_head) stops the tower's gradients.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
+    vlm = is_vlm(path)
+    auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
+    model.to(device)
+    if lora is not None:
+        from runtime import lora as lora_adapters
+
+        lora_adapters.apply(model, lora)
+    if trainable and model_plan.gradient_checkpoint != "none":
+        model.gradient_checkpointing_enable()
+        if lora is not None:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    if vlm and freeze_visual_encoder:
+        model.model.visual.requires_grad_(False)
+    if freeze_router:
+        moe.freeze_routers(model)
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
+    router_mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.router_dtype), reduce_dtype=torch.float32)
+    for router in moe.routers(model):
+        fully_shard(router, mesh=mesh, mp_policy=router_mp)
+    for layer in (model.model.language_model.layers if vlm else model.model.layers):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    attach(model)  # chunked lm_head log-probs as an FSDP forward method
+    return model
+
+
+def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device):
+    """The critic: `path`'s architecture with its vocabulary head replaced by a scalar head (transformers'
+    `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
+    `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = load_value_model(path, model_plan.attn)
+    model.to(device)
+    if model_plan.gradient_checkpoint != "none":
+        model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def load_value_model(path: str, attn: str):
+    """`path`'s architecture as an unsharded fp32 one-label token classifier, without dropout before the head."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                           attn_implementation=attn)
