@@ -507,8 +507,14 @@ def explain(
         console.print(derived)
     for table in _catalog_tables() if not keys else ():
         console.print(table)
-    if result.diagnostics:
-        _print_diagnostics(result.diagnostics, result, "text")
+    # Errors and warnings in full; infos by code only (each explains a value the tables above already give with
+    # its reason), so that explain stays readable at 100 columns.
+    shown = [d for d in result.diagnostics if d.severity != "info"]
+    if shown:
+        _print_diagnostics(shown, result, "text")
+    infos = sorted({d.code for d in result.diagnostics if d.severity == "info"})
+    if infos:
+        click.echo(f"infos: {', '.join(infos)} (`molt-compile {recipe}` prints them)")
     sys.exit(result.exit_status)
 
 
