@@ -10,6 +10,7 @@ from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError
 from molt_compile.lower.common import (
     agent_env,
+    batching_fields,
     ckpt_plan,
     cluster_plan,
     derived_entries,
@@ -36,7 +37,6 @@ from schemas.plan import (
     IsCorrectionPlan,
     KlPlan,
     LossPlan,
-    MeshPlan,
     Plan,
     QueuePlan,
     RefPlan,
@@ -275,13 +275,7 @@ def _queue(r: RlRecipe) -> QueuePlan:
 def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
     t, a = r.train, r.actor
     return TrainerPlan.model_construct(
-        world=d.value("actor.world"),
-        dp=d.value("actor.dp"),
-        mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
-        micro_batch_size=t.micro_batch_size,
-        grad_accum=d.value("actor.grad_accum"),
-        batch_size=t.batch_size,
-        max_epochs=t.max_epochs,
+        **batching_fields(r, d),
         force_on_policy=t.force_on_policy,
         dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
         local_batch_size=d.value("actor.local_batch_size"),
