@@ -97,10 +97,14 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
             out.append(Change(key, old, new, why))
 
     spec, notes = _model_spec(recipe, source)
-    model_dir = cache_dir() / "smoke-models" / _digest(spec)
+    own = _own_tiny_vlm(recipe, source)
+    if own is not None:  # no tiny vision tower is built here: a recipe's own tiny VLM on disk runs as it is
+        spec = {"architecture": "own", "path": str(own)}
+        notes = [f"model: the recipe's own VLM ({own}) is already CPU-sized: it runs as it is"]
+    model_dir = own if own is not None else cache_dir() / "smoke-models" / _digest(spec)
     change("name", recipe.name, name, "its own name: own fingerprint, outputs under runs/smoke/")
     world = 2 if _world(recipe) >= 2 else 1
-    _model(change, recipe, str(model_dir))
+    _model(change, recipe, str(model_dir), own is not None)
     if recipe.kind == "sft":
         phases = _sft(change, recipe, world, work)
     else:
@@ -113,9 +117,14 @@ def _world(recipe: Any) -> int:
     return recipe.actor.nodes * recipe.actor.gpus_per_node
 
 
-def _model(change, recipe: Any, model_dir: str) -> None:
+def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
     m = recipe.model
-    change("model.path", m.path, model_dir, "a random, shrunk model of the recipe's architecture, built offline")
+    why = (
+        "the recipe's own CPU-sized model"
+        if own
+        else "a random, shrunk model of the recipe's architecture, built offline"
+    )
+    change("model.path", m.path, model_dir, why)
     change("model.arch", m.arch, None, "read from the smoke model's config.json")
     if m.attn not in ("sdpa", "eager"):
         change("model.attn", m.attn, CPU_ATTN, f"{m.attn} kernels need CUDA; sdpa is the CPU kernel")
@@ -304,6 +313,22 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
     if tokenizer is None:
         notes.append("tokenizer: the recipe's is not on disk here: the offline byte-level BPE stands for it")
     return spec, notes
+
+
+OWN_MODEL_MAX_PARAMS = 50_000_000
+"""A local VLM at most this large is the smoke model itself (the smoke builder has no vision tower)."""
+
+
+def _own_tiny_vlm(recipe: Any, source: Any) -> Path | None:
+    """The recipe's model directory when it is a VLM on disk of at most OWN_MODEL_MAX_PARAMS parameters."""
+    facts = model_facts(recipe, source)
+    if facts is None or not facts.is_vlm or facts.params_total > OWN_MODEL_MAX_PARAMS:
+        return None
+    base = path_base(source, "model.path")
+    p = Path(recipe.model.path)
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    return p.resolve() if (p / "config.json").is_file() else None
 
 
 def _tokenizer_dir(recipe: Any, source: Any) -> str | None:

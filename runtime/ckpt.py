@@ -4,6 +4,7 @@ Layout under the plan's `ckpt.dir`:
 
     step_000010/            one DCP checkpoint per save (every rank writes its shards: model + optimizer)
       scheduler.pt          LR scheduler state (identical on every rank; rank 0 writes it)
+      critic/               the critic's DCP checkpoint and scheduler.pt, laid out the same (gae only)
       trainer_state.json    written last by the driver: step, KL coefficient, the prompt books (positions done)
 
 A save is written into `step_000010.tmp/` and renamed into place once its state file is in: a kill at any point
@@ -32,6 +33,7 @@ STATE_FILE = "trainer_state.json"
 HF_SNAPSHOTS = "_hf"
 """With `ckpt.save_hf`, each save also writes an HF snapshot to `<ckpt.dir>/_hf/step_NNNNNN` (Molt's
 `ckpt.path/_hf/<tag>`), pruned to `ckpt.keep`."""
+CRITIC_DIR = "critic"
 
 logger = logging.getLogger(__name__)
 

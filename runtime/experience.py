@@ -36,7 +36,8 @@ class Experience:
     ref_log_probs: Tensor | None = None    # (B, T-1) log π_ref, frozen reference model
     # ── Advantage estimation ──
     advantages: Tensor | None = None       # (B, T-1) A_t, 0 off the action mask
-    returns: Tensor | None = None          # (B, T-1) G_t
+    returns: Tensor | None = None          # (B, T-1) G_t (gae: A + V, the critic's regression target)
+    values: Tensor | None = None           # (B, T-1) V_old: the critic at collection, before its update (gae only)
     # ── Episode outcomes ──
     rewards: Tensor | None = None          # (B,) float, summed over steps
     scores: Tensor | None = None           # (B,) float, the last step's score (dynamic filtering, pass@1)

@@ -37,6 +37,7 @@ from runtime.agents import SamplingParams
 from runtime.datasource import read_images, read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
+from runtime.passk import mean_pass_at_k
 from runtime.runners import EngineLost, GroupRequest, GroupResult
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class GeneratorSpec:
     eval_at_start: bool
     eval_n_samples: int
     eval_sampling: SamplingParams | None
+    eval_pass_k: tuple[int, ...]             # the k of each reported eval/pass@k
 
 
 class Generator:
@@ -91,7 +93,8 @@ class Generator:
                                        spec.tools_key, spec.max_samples) if spec.eval_path else [])
         # VLM: each row's images (as the dataset holds them; the runner loads them) and the directory relative
         # image paths resolve against.
-        self.images = [self._images(p, spec.split) for p in spec.prompt_paths]
+        # Text prompts: no image lists at all ([[]] per source would be truthy and index out of range).
+        self.images = [self._images(p, spec.split) for p in spec.prompt_paths] if spec.image_key else []
         self.eval_images = self._images(spec.eval_path, spec.eval_split) if spec.eval_path else []
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
@@ -390,29 +393,43 @@ class Generator:
                 yield position, (self.sources[s][i], self.images[s][i] if self.images and self.images[s] else None)
 
     # ----------------------------------------------------------------------------------------------- eval
-    async def evaluate(self) -> dict[str, float]:
-        """An eval round outside the run (the driver's final one, after the last weight sync)."""
-        return await self._evaluate()
+    async def evaluate(self, per_prompt: bool = False):
+        """An eval round outside the run (the driver's final one, after the last weight sync; an eval-only run's).
+        With `per_prompt`: (metrics, one record per eval prompt: its label and its samples' scores and rewards)."""
+        return await self._evaluate(per_prompt)
 
-    async def _evaluate(self) -> dict[str, float]:
+    async def _evaluate(self, per_prompt: bool = False):
+        """eval/* metrics, pass@k among them: a prompt's n is the samples asked for (a dropped rollout counts as
+        failed), its c the surviving samples with a score > 0 (`runtime/passk.py`)."""
         spec = self.spec
         t0 = time.time()
         reqs = [self._request(-1 - i, row, self.eval_images[i] if self.eval_images else None, spec.eval_n_samples,
                               spec.eval_sampling) for i, row in enumerate(self.eval_rows)]
-        results = [r for r in await asyncio.gather(*(self._run_group(q) for q in reqs)) if not isinstance(r, str)]
+        outcomes = await asyncio.gather(*(self._run_group(q) for q in reqs))
+        results = [r for r in outcomes if not isinstance(r, str)]
+        correct = [sum(s > 0 for s in r.scores) if not isinstance(r, str) else 0 for r in outcomes]
+        pass_k = mean_pass_at_k(correct, spec.eval_n_samples, spec.eval_pass_k)
         rewards = [x for r in results for x in r.rewards]
         scores = [x for r in results for x in r.scores]
         exps = [r.experience for r in results if r.experience is not None]
         lengths = torch.cat([e.response_length for e in exps]).float() if exps else torch.zeros(1)
         truncated = torch.cat([e.truncated for e in exps]).float() if exps else torch.zeros(1)
-        return {
+        metrics = {
             "eval/reward_mean": sum(rewards) / max(len(rewards), 1),
             "eval/pass1": sum(s > 0 for s in scores) / max(len(scores), 1),
             "eval/response_length_mean": float(lengths.mean()),
             "eval/truncated_rate": float(truncated.mean()),
             "eval/num_samples": float(len(rewards)),
+            **{f"eval/pass@{k}": v for k, v in pass_k.items()},
             "timing/eval": time.time() - t0,
         }
+        if not per_prompt:
+            return metrics
+        records = [{"prompt": p, "label": label, "n": spec.eval_n_samples, "correct": c,
+                    "scores": [] if isinstance(r, str) else r.scores, "rewards": [] if isinstance(r, str) else r.rewards,
+                    "lost": r if isinstance(r, str) else None}
+                   for (p, label, _), r, c in zip(self.eval_rows, outcomes, correct, strict=True)]
+        return metrics, records
 
 
 class _Window:

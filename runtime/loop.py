@@ -9,7 +9,8 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   `rollout_slots`, which holds `queue.size` tokens: generation is never more than `queue.size` batches ahead.
 - This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
   soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
-  π_ref) with the FSDP group, per-token KL, clipped rewards, advantages (runtime.algo), trains `max_epochs` passes in
+  π_ref) with the FSDP group, the values V_old with the critic group (gae: runtime/critic.py), per-token KL, clipped
+  rewards, advantages and returns (runtime.algo), trains the critic on the returns, trains `max_epochs` passes in
   optimizer windows of micro_batch × grad_accum rows (micro-batches of fixed rows or of a token budget, padded or
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
@@ -44,11 +45,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from runtime import algo, ckpt
 from runtime.agents import SamplingParams
 from runtime.books import Books
+from runtime.critic import critic_metrics, start_critic_group
 from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
+from runtime.reference import start_reference_group
 from runtime.runners import AgentRunnerActor
 from runtime.supervisor import RunAborted, RunStopped, Started, StopFlag, Supervisor
 from runtime.trainer import fill_for_training, start_trainer_group
@@ -90,6 +93,10 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
 def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult:
     rl = plan.rl
+    if rl.trainer is None:  # eval.only: no trainer in the plan, one eval round
+        from runtime.eval_only import run_eval_only
+
+        return run_eval_only(plan, sup, started, live=live)
     # ------------------------------------------------------------------------------------------------ setup
     resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
     out_dir = Path(rl.logging.out_dir)
@@ -113,15 +120,32 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     with sup.phase("trainer start-up", "actor", "actor"):
         trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs) | {"name": f"{plan.name}.actor[{r}]"}
                                                 for r in range(rl.trainer.world)], get=sup.get)
-    started.trainer = trainer
+    started.groups.append(trainer)
     for r, w in enumerate(trainer.workers):
         sup.watch(f"actor[{r}] (trainer rank {r})", w, "ready", "actor")
+    critic = separate_ref = None
+    if rl.critic is not None:
+        with sup.phase("critic start-up", "critic", "critic"):
+            critic = start_critic_group(rl, [actor_options(plan, "critic", r, pgs) | {"name": f"{plan.name}.critic[{r}]"}
+                                             for r in range(rl.critic.world)], get=sup.get)
+        started.groups.append(critic)
+        for r, w in enumerate(critic.workers):
+            sup.watch(f"critic[{r}] (critic rank {r})", w, "ready", "critic")
+    if rl.ref is not None and not rl.ref.colocated:
+        with sup.phase("reference start-up", "ref", "ref"):
+            separate_ref = start_reference_group(rl, [actor_options(plan, "ref", r, pgs) | {"name": f"{plan.name}.ref[{r}]"}
+                                                      for r in range(rl.ref.world)], get=sup.get)
+        started.groups.append(separate_ref)
+        for r, w in enumerate(separate_ref.workers):
+            sup.watch(f"ref[{r}] (reference rank {r})", w, "ready", "ref")
     step, kl_coef, books = 0, rl.algo.kl.coef, Books()
     last_ckpt = None
     if resume_from is not None:
         last_ckpt, state = str(resume_from[0]), resume_from[1]
         with sup.phase("checkpoint load", "actor", "ckpt.resume"):
             trainer.load_checkpoint(last_ckpt)
+            if critic is not None:
+                critic.load_checkpoint(str(Path(last_ckpt) / ckpt.CRITIC_DIR))
         step, kl_coef, books = state["step"], state["kl_coef"], Books.from_state(state)
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
@@ -155,7 +179,6 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     started.generator = generator
     generator_done = generator.run.remote(step, books.done_positions(), books.trained, dict(books.dropped))
     sup.watch_call("generator", generator, generator_done, "agent")
-    world = rl.trainer.world
     accounting: dict[str, int] = {}
     timeline: list[dict] = []
     status = "finished"
@@ -180,7 +203,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                         accounting = sup.get(generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
                     if sup.stop.requeue and step > 0 and step != last_ckpt_step:
                         with sup.phase("checkpoint save", "actor", "ckpt.dir"):
-                            last_ckpt = save_checkpoint(trainer, rl, step, kl_ctl.value, books)
+                            last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
                         print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
                     break
                 case EndOfStream():
@@ -203,15 +226,22 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 rollout_slots.put(step)  # the next batch may start now, with the weights of this step
             queue_depth = rollout_queue.qsize()
 
-            # --- make experience: π_old, π_ref, KL, rewards, advantages ---
+            # --- make experience: π_old, π_ref, V_old, KL, rewards, advantages and returns ---
             t0 = time.time()
             with sup.phase("log-probs (π_old, π_ref)", "actor", "actor.micro_batch_size"):
                 batch: Experience = sup.get(msg.experience)
                 real = batch.batch_size
-                padded = pad_batch_to_multiple(batch, world)
-                old, ref = trainer.forward_logprobs(ray.put(padded))
+                padded = pad_batch_to_multiple(batch, rl.trainer.row_multiple)
+                padded_ref = ray.put(padded)
+                old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, by the same ranks
+                if separate_ref is not None:
+                    ref = separate_ref.forward_logprobs(padded_ref)
             if rl.algo.kl.ref == "rollout" and rl.algo.kl.coef > 0:
                 ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
+            values = None
+            if critic is not None:
+                with sup.phase("values (V_old)", "critic", "critic.micro_batch_size"):
+                    values = critic.values(padded_ref)
             mask = batch.action_mask
             kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask,
                                   ref=rl.algo.kl.ref) if ref is not None else None
@@ -220,25 +250,38 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                                            batch.group_ids.tolist(), tuple(rl.algo.reward_clip), shape=shaping.shape)
             adv = algo.compute_advantages(
                 rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
-                gamma=rl.algo.gamma, lam=rl.algo.lam, whiten_advantages=rl.algo.whiten)
+                gamma=rl.algo.gamma, lam=rl.algo.lam, values=values[:real] if values is not None else None,
+                whiten_advantages=rl.algo.whiten)
             pad_rows = padded.batch_size - real
             train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
-                                            _pad_rows(adv.returns, pad_rows))
+                                            _pad_rows(adv.returns, pad_rows), values)
             make_experience_s = time.time() - t0
 
-            # --- policy step on the FSDP group ---
+            # --- critic step (gae), then the policy step on the FSDP group (none while the critic warms up) ---
             t0 = time.time()
-            with sup.phase("policy step", "actor", "actor"):
-                train_stats = trainer.train(ray.put(train_batch), kl_ctl.value)
+            train_ref = ray.put(train_batch)
+            critic_stats = {}
+            if critic is not None:
+                with sup.phase("critic step", "critic", "critic"):
+                    critic_stats = critic.train(train_ref)
+            critic_train_s = time.time() - t0
+            t0 = time.time()
+            actor_frozen = step < rl.trainer.freezing_steps
+            train_stats = {}
+            if not actor_frozen:
+                with sup.phase("policy step", "actor", "actor"):
+                    train_stats = trainer.train(train_ref, kl_ctl.value)
             policy_train_s = time.time() - t0
             step += 1
             books.trained_batch(msg)
             prompts_log.write(json.dumps({"step": step, "prompts": sorted(msg.prompt_positions)}) + "\n")
             prompts_log.flush()
 
-            # --- weight sync to every engine, under the engine lock, then the probe ---
-            with sup.phase("weight sync", "trainer rank 0 and the engines", "rollout.engine"):
-                sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step, sup)
+            # --- weight sync to every engine, under the engine lock, then the probe (a frozen actor: nothing new) ---
+            sync_stats = {}
+            if not actor_frozen:
+                with sup.phase("weight sync", "trainer rank 0 and the engines", "rollout.engine"):
+                    sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step, sup)
             if rl.queue.force_sync:
                 rollout_slots.put(step)
             mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
@@ -249,18 +292,21 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
                 **image_metrics(batch, rl.model.path),
                 **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
+                **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
                 "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
                 "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
                 "queue/size": float(queue_size), "queue/depth": float(queue_depth),
                 "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
                 "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
                 "timing/policy_train": policy_train_s, "prompts/trained": float(books.trained),
-                **shaping.metrics,
+                **shaping.metrics, "train/actor_frozen": float(actor_frozen),
             }
+            if critic is not None:
+                metrics["timing/critic_train"] = critic_train_s
             if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
                 t0 = time.time()
                 with sup.phase("checkpoint save", "actor", "ckpt.dir"):
-                    last_ckpt = save_checkpoint(trainer, rl, step, kl_ctl.value, books)
+                    last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
                 last_ckpt_step = step
                 metrics["timing/ckpt"] = time.time() - t0
             metrics["timing/step_total"] = time.time() - step_start
@@ -402,11 +448,13 @@ def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
             "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
 
 
-def save_checkpoint(trainer, rl, step: int, kl_coef: float, books: Books) -> str:
+def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books) -> str:
     """Atomic: the ranks write into a temporary directory, the state goes in last, then one rename publishes it (a
     kill at any point leaves the previous checkpoint the newest complete one)."""
     tmp = ckpt.begin_save(rl.ckpt.dir, step)
     trainer.save_checkpoint(str(tmp))
+    if critic is not None:
+        critic.save_checkpoint(str(tmp / ckpt.CRITIC_DIR))
     ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
     path = ckpt.publish(tmp)
     if rl.ckpt.save_hf:
@@ -526,6 +574,7 @@ def generator_spec(plan: Plan) -> GeneratorSpec:
         rollout_dump_dir=rl.generator.rollout_dump_dir, rollout_replay_dir=rl.generator.rollout_replay_dir,
         eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
         eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
+        eval_pass_k=tuple(ev.pass_k),
     )
 
 

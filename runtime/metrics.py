@@ -60,6 +60,10 @@ METRICS: dict[str, str] = {
     "train/entropy": "token-mean entropy of the policy (only when entropy_coef != 0)",
     "train/is_filter_ratio": "fraction of IS units (tokens or sequences) outside the IS band",
     "train/vllm_kl": "token-mean log π_rollout - log π_old: engine/trainer mismatch on the trained tokens",
+    "train/mismatch/bitwise_frac": "fraction of trained action tokens whose trainer fp32 log-prob differs bitwise "
+                                   "from the engine's (runtime/algo/mismatch.py)",
+    "train/mismatch/abs_diff_mean": "token-mean |log π_train - log π_rollout| on the trained tokens",
+    "train/mismatch/k3_kl": "token-mean k3 estimate of KL(rollout || train) on the trained tokens",
     "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",
@@ -67,6 +71,16 @@ METRICS: dict[str, str] = {
     "train/lr": "learning rate after the step",
     "train/optimizer_steps": "optimizer steps taken this RL step",
     "train/tokens": "action tokens trained on this step (all ranks)",
+    "train/actor_frozen": "1 while the policy is frozen for the critic's warm-up (actor.freezing_steps), else 0",
+    # ── critic (gae) ──
+    "critic/value_loss": "token-mean clipped value loss 0.5·max((V − R)², (V_clipped − R)²) over the critic's passes",
+    "critic/value_clip_frac": "fraction of action tokens where |V − V_old| exceeded critic.value_clip",
+    "critic/explained_variance": "1 − Var(R − V_old) / Var(R) over the action tokens, at collection (1: perfect)",
+    "critic/values_mean": "token-mean V_old, the critic's values at collection",
+    "critic/returns_mean": "token-mean GAE return R = A + V_old (the value target)",
+    "critic/grad_norm": "critic gradient norm before clipping (mean over the step's optimizer steps)",
+    "critic/lr": "critic learning rate after the step",
+    "critic/optimizer_steps": "critic optimizer steps taken this RL step",
     # ── weight sync ──
     "weight_sync/logprob_diff_max": "max |engine logprob - trainer logprob| on the fixed probe sequence after the sync",
     "weight_sync/logprob_diff_mean": "mean |engine logprob - trainer logprob| on the probe sequence",
@@ -82,6 +96,7 @@ METRICS: dict[str, str] = {
     "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
     "timing/make_experience": "old/ref log-prob forwards + advantages",
     "timing/policy_train": "policy update on the FSDP group",
+    "timing/critic_train": "critic update on its FSDP group (gae)",
     "timing/weight_sync": "the streamed weight sync: every trainer rank gathers, rank 0 broadcasts buckets, every "
                           "engine loads them (they overlap, so the parts below add up to more)",
     "timing/weight_sync_gather": "trainer rank 0: all-gathering each parameter in the engine dtype and packing buckets",
@@ -99,6 +114,8 @@ METRICS: dict[str, str] = {
     "eval/response_length_mean": "mean generated tokens per eval rollout",
     "eval/truncated_rate": "fraction of eval rollouts cut by the token budget",
     "eval/num_samples": "eval rollouts",
+    "eval/pass@<name>": "mean over eval prompts of the unbiased pass@k (Chen et al. 2021) from n_samples_per_prompt "
+                        "samples; a dropped sample counts as failed",
 }
 
 _PATTERNS = [re.compile("^" + re.escape(k).replace(re.escape("<reason>"), r"[a-z0-9_]+")

@@ -226,7 +226,7 @@ class Started:
         self.queues: list = []
         self.pgs: list = []
         self.files: list = []
-        self.trainer = None
+        self.groups: list = []  # the FSDP groups (policy, critic, separate reference): shut down gracefully first
         self.generator = None
         self.sink = None
         self.books: Books | None = None
@@ -245,12 +245,12 @@ class Started:
             self.sink.close()
         for f in self.files:
             f.close()
-        if self.trainer is not None:
-            try:
-                ray.get([w.shutdown.remote() for w in self.trainer.workers], timeout=timeout)
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-                pass
-        for handle in [*(self.trainer.workers if self.trainer is not None else []), *self.handles]:
+        ranks = [w for group in self.groups for w in group.workers]
+        try:
+            ray.get([w.shutdown.remote() for w in ranks], timeout=timeout)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass
+        for handle in [*ranks, *self.handles]:
             try:
                 ray.kill(handle)
             except (ray.exceptions.RayError, ValueError):

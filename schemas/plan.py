@@ -339,6 +339,9 @@ class EvalPlan(PlanModel):
     """Prompt groups per eval round."""
     sampling: SamplingPlan
     """Eval sampling (rollout fallbacks applied)."""
+    pass_k: list[int]
+    """The k of each reported pass@k (unbiased estimator over n_samples_per_prompt samples): 1, 2, 4, ... below n,
+    and n itself."""
 
 
 class GeneratorPlan(PlanModel):
@@ -482,6 +485,9 @@ class TrainerPlan(PlanModel):
     """Full determinism."""
     seed: int
     """torch seed of every rank (train.seed)."""
+    row_multiple: int
+    """Rows of each batch are padded to a multiple of this (empty action masks): the lcm of the worlds of the
+    policy, a reference and the critic, so every rank of every FSDP group gets as many rows."""
     lora: LoraPlan | None
     """LoRA adapters (None: full fine-tuning)."""
 

@@ -18,6 +18,7 @@ from schemas.plan import (
     InstancePlan,
     LoggingPlan,
     LoraPlan,
+    MeshPlan,
     ModelPlan,
     OptimizerPlan,
     RayOptions,
@@ -151,6 +152,19 @@ def lora_plan(lora: Any) -> LoraPlan | None:
         scale=lora.alpha / lora.dim,
         target_modules=list(lora.target_modules) if lora.target_modules else None,
     )
+
+
+def batching_fields(r: RlRecipe | SftRecipe, d: Derived) -> dict[str, Any]:
+    """The trainer-plan fields RL and SFT share: world, mesh and the batch split."""
+    return {
+        "world": d.value("actor.world"),
+        "dp": d.value("actor.dp"),
+        "mesh": MeshPlan.model_construct(**r.actor.mesh.model_dump()),
+        "micro_batch_size": r.train.micro_batch_size,
+        "grad_accum": d.value("actor.grad_accum"),
+        "batch_size": r.train.batch_size,
+        "max_epochs": r.train.max_epochs,
+    }
 
 
 def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> ModelPlan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
@@ -9,6 +10,7 @@ from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError
 from molt_compile.lower.common import (
     agent_env,
+    batching_fields,
     ckpt_plan,
     cluster_plan,
     derived_entries,
@@ -35,7 +37,6 @@ from schemas.plan import (
     IsCorrectionPlan,
     KlPlan,
     LossPlan,
-    MeshPlan,
     Plan,
     QueuePlan,
     RefPlan,
@@ -267,7 +268,13 @@ def _eval(r: RlRecipe, d: Derived, source: SourceMap | None) -> EvalPlan:
             logprobs=d.value("rollout.logprobs"),
             top_logprobs=0,  # eval never asks for top-k (Molt rl_trainer.py:814)
         ),
+        pass_k=_pass_ks(d.value("eval.n_samples_per_prompt")),
     )
+
+
+def _pass_ks(n: int) -> list[int]:
+    """1, 2, 4, ... below n, then n: the pass@k an eval of n samples per prompt reports."""
+    return sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
 
 
 def _generator(r: RlRecipe, d: Derived, source: SourceMap | None) -> GeneratorPlan:
@@ -295,13 +302,7 @@ def _queue(r: RlRecipe) -> QueuePlan:
 def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
     t, a = r.train, r.actor
     return TrainerPlan.model_construct(
-        world=d.value("actor.world"),
-        dp=d.value("actor.dp"),
-        mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
-        micro_batch_size=t.micro_batch_size,
-        grad_accum=d.value("actor.grad_accum"),
-        batch_size=t.batch_size,
-        max_epochs=t.max_epochs,
+        **batching_fields(r, d),
         force_on_policy=t.force_on_policy,
         dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
         local_batch_size=d.value("actor.local_batch_size"),
@@ -327,8 +328,16 @@ def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
         routing_replay=t.routing_replay,
         full_determinism=t.full_determinism,
         seed=t.seed,
+        row_multiple=_row_multiple(d),
         lora=lora_plan(a.lora),
     )
+
+
+def _row_multiple(d: Derived) -> int:
+    """Every FSDP group of the step gets equal rows per rank: the policy's, a separate reference's, the critic's."""
+    worlds = [d.value("actor.world")]
+    worlds += [d.value(f"{role}.world") for role in ("ref", "critic") if d.value(f"{role}.exists")]
+    return math.lcm(*worlds)
 
 
 def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from molt_compile.derive import Derived, resolve_path, resolve_sources
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.common import (
+    batching_fields,
     ckpt_plan,
     cluster_plan,
     derived_entries,
@@ -23,7 +24,6 @@ from molt_compile.lower.common import (
 from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,
-    MeshPlan,
     Plan,
     RolePlan,
     SftDataPlan,
@@ -145,13 +145,7 @@ def _sft_runtime(r: SftRecipe, d: Derived, source: SourceMap | None, command: li
 def _trainer(r: SftRecipe, d: Derived) -> SftTrainerPlan:
     a, t = r.actor, r.train
     return SftTrainerPlan.model_construct(
-        world=d.value("actor.world"),
-        dp=d.value("actor.dp"),
-        mesh=MeshPlan.model_construct(**a.mesh.model_dump()),
-        micro_batch_size=t.micro_batch_size,
-        grad_accum=d.value("actor.grad_accum"),
-        batch_size=t.batch_size,
-        max_epochs=t.max_epochs,
+        **batching_fields(r, d),
         packing=d.value("actor.packing"),
         sequence_parallel=a.sequence_parallel,
         offload=a.offload,

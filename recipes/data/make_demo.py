@@ -1,6 +1,6 @@
 """Build the demo's offline assets: the toy-math prompt sets and a warm-started tiny Qwen3.
 
-    python recipes/data/make_demo.py            # writes recipes/data/demo_math/{train,eval}.jsonl and model/
+    python recipes/data/make_demo.py            # writes recipes/data/demo_math/{train,eval}.jsonl, model/, teacher/
 
 The task is addition of two digits 0-2 ("1+2=" -> "3"; 9 facts, sums 0-4 are single tokens), rewarded 1 for the
 exact sum (see recipes/agents/demo_math.py). Small on purpose: a ~0.3 M-parameter model learns it by RL in a
@@ -22,6 +22,7 @@ HERE = Path(__file__).resolve().parent / "demo_math"
 SEED = 0
 MAX_OPERAND = 2
 WARM_START_STEPS = 30   # supervised steps; chosen so the sampled accuracy starts low (see the module docstring)
+TEACHER_STEPS = 200     # further supervised steps from the student: a teacher that knows most sums (distillation)
 
 
 def task_rows(rng: random.Random, n: int) -> list[dict]:
@@ -65,7 +66,21 @@ def main() -> None:
                                       for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)])
     model_dir = build_tiny_model(HERE / "model", seed=SEED, corpus=corpus(), vocab_size=300)
     warm_start(model_dir, examples, WARM_START_STEPS, SEED)
-    print(f"demo data and warm-started model written to {HERE}")
+    build_teacher(model_dir, HERE / "teacher")
+    print(f"demo data, warm-started model and teacher written to {HERE}")
+
+
+def build_teacher(student_dir: Path, out: Path) -> Path:
+    """The distillation demo's teacher (recipes/demo_math_distill.yaml): the student trained on the sums for longer,
+    so it differs from the policy and answers most of them."""
+    import shutil
+
+    from runtime.tiny_model import warm_start
+
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(student_dir, out)
+    warm_start(out, examples, TEACHER_STEPS, SEED + 1)
+    return out
 
 
 if __name__ == "__main__":

@@ -75,3 +75,30 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     fully_shard(model, mesh=mesh, mp_policy=mp)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
+
+
+def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device):
+    """The critic: `path`'s architecture with its vocabulary head replaced by a scalar head (transformers'
+    `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
+    `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = load_value_model(path, model_plan.attn)
+    model.to(device)
+    if model_plan.gradient_checkpoint != "none":
+        model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def load_value_model(path: str, attn: str):
+    """`path`'s architecture as an unsharded fp32 one-label token classifier, without dropout before the head."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0
+    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                           attn_implementation=attn)

@@ -1,0 +1,191 @@
+"""The critic (value model) of the gae estimator: its own FSDP2 group, optimizer and scheduler.
+
+One `CriticWorker` per rank (`runtime/ranks.py`), placed as the plan's `critic` role says: colocated, each rank shares
+the bundle of the policy rank of the same index (time-sliced, `reference/molt_rules.md` §3.2), or in an actor-sized
+group of its own. The model is the policy's architecture with a scalar head (`runtime/fsdp.py`), built from
+`critic.path`. It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of
+`train.micro_batch_size` rows or of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
+
+- `values`: V(s_t) at collection time, (B, T-1) aligned like the log-probs: position t is the value of the state
+  that ends with token t, before the action token t+1.
+- `train`: `max_epochs` passes of the clipped value regression (`runtime.algo.value_loss`, Molt's ValueLoss)
+  against the GAE returns, with the global token mean over each optimizer-step window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from runtime import fsdp, microbatch, models
+from runtime.algo import masked_mean
+from runtime.experience import Experience
+from runtime.logprobs import pack, unpack
+from runtime.ranks import FsdpRank, gather_rows, start_ranks
+
+if TYPE_CHECKING:
+    from schemas.plan import CriticPlan, ModelPlan, RlRuntime, TrainerPlan
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def token_values(model, sequences: Tensor, attention_mask: Tensor, packed: bool = False) -> Tensor:
+    """(b, w-1) V(sequences[:, :t+1]) for t < w-1 from a one-label token-classification model, 0 past each row's
+    scored positions. `packed` runs the rows as one packed row (as `runtime.logprobs.token_logprobs`)."""
+    if not packed:
+        values = model(input_ids=sequences, attention_mask=attention_mask.long(), use_cache=False).logits[..., 0]
+        return values[:, :-1] * attention_mask[:, 1:]
+    lengths = attention_mask.sum(-1)
+    flat, positions = pack(sequences, lengths)
+    values = model(input_ids=flat, position_ids=positions, use_cache=False).logits[..., 0]
+    return unpack(values, lengths, sequences.shape[1])
+
+
+# --------------------------------------------------------------------------------------------------- worker
+class CriticWorker(FsdpRank):
+    """One FSDP2 rank of the value model."""
+
+    def __init__(self, critic: CriticPlan, trainer: TrainerPlan, model: ModelPlan, device: str, dist_backend: str,
+                 rank: int, master_addr: str, master_port: int):
+        """The plan's sections as they are: `critic` (path, world, grad_accum, epochs, value clip, optimizer),
+        `trainer` (the FSDP strategy the critic shares with the policy: micro-batching, packing, seed), `model`
+        (dtype, attention, checkpointing)."""
+        super().__init__(critic.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
+        self.c, self.t = critic, trainer
+        self.model = models.backend(model.backend).build_value_model(model, critic.path, self.mesh, self.device)
+        self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model)
+
+    def ready(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _rows(self, batch: Experience):
+        return self.shard(batch, balanced=self.t.dynamic_batch_max_tokens is not None)
+
+    def _values(self, part: Experience) -> Tensor:
+        return token_values(self.model, part.sequences.to(self.device), part.attention_mask.to(self.device),
+                            packed=self.t.packing)
+
+    @torch.no_grad()
+    def values(self, batch: Experience) -> tuple[Tensor, Tensor]:
+        """This rank's rows of `batch`: (their indices, (b, T-1) values), zero past each row's end."""
+        self.model.eval()
+        rows, shard, lengths = self._rows(batch)
+        out = torch.zeros(shard.action_mask.shape)
+        for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), self.t.micro_batch_size,
+                                         self.t.dynamic_batch_max_tokens):
+            v = self._values(part).float().cpu()
+            if mb is not None:
+                out[mb, :v.shape[1]] = v
+        return rows, out
+
+    def train(self, batch: Experience) -> dict[str, float]:
+        """`critic.max_epochs` passes over this rank's rows, one optimizer step per window (micro_batch x the
+        critic's grad_accum rows, or the plan's local batch under dynamic batching). Returns sums over this rank's
+        micro-batches (the group forms token means) and rank-level scalars."""
+        from runtime import algo
+
+        c, t = self.c, self.t
+        _, shard, lengths = self._rows(batch)
+        step_rows = t.micro_batch_size * c.grad_accum if t.dynamic_batch_max_tokens is None else t.local_batch_size
+        sums = {"value_loss_sum": 0.0, "value_clip_frac_x_tokens": 0.0, "tokens": 0.0}
+        grad_norms = []
+        self.model.train()
+        for _ in range(c.max_epochs):
+            for window in microbatch.windows(shard.batch_size, step_rows):
+                total = self.window_tokens(shard, window)
+                for _, part in self.micro_parts(shard, lengths, window, t.micro_batch_size,
+                                                t.dynamic_batch_max_tokens):
+                    mask = part.action_mask.to(self.device)
+                    loss, clip_frac = algo.value_loss(
+                        self._values(part), part.values.to(self.device), part.returns.to(self.device), mask,
+                        value_clip=c.value_clip, global_num_tokens=total, dp_size=self.world)
+                    loss.backward()
+                    tokens = float(mask.sum())
+                    sums["value_loss_sum"] += float(loss.detach()) * total / self.world  # back to Σ per-token loss
+                    sums["value_clip_frac_x_tokens"] += float(clip_frac) * tokens
+                    sums["tokens"] += tokens
+                grad_norms.append(fsdp.clipped_step(self.model, self.optimizer, self.scheduler,
+                                                    c.optimizer.max_norm))
+        sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        sums["optimizer_steps"] = float(len(grad_norms))
+        sums["lr"] = self.scheduler.get_last_lr()[0]
+        return sums
+
+    def save_checkpoint(self, path: str) -> None:
+        from runtime.ckpt import save_sharded
+
+        save_sharded(path, self.model, self.optimizer, self.scheduler)
+
+    def load_checkpoint(self, path: str) -> None:
+        from runtime.ckpt import load_sharded
+
+        load_sharded(path, self.model, self.optimizer, self.scheduler)
+
+
+# --------------------------------------------------------------------------------------------------- group
+@dataclass
+class CriticGroup:
+    """The driver's handle on the critic ranks."""
+
+    workers: list  # list[ActorHandle[CriticWorker]]
+    get: Callable[[list], list] | None = None  # how results are awaited (the driver's supervisor); None: ray.get
+
+    def _get(self, refs: list) -> list:
+        return (self.get or _ray().get)(refs)
+
+    def values(self, batch_ref) -> Tensor:
+        """(B, T-1) V_old of the whole batch, in batch order."""
+        return gather_rows(self._get([w.values.remote(batch_ref) for w in self.workers]))
+
+    def train(self, batch_ref) -> dict[str, float]:
+        """The critic step on every rank: token means over all ranks (lr, grad norm: rank 0's)."""
+        outs = self._get([w.train.remote(batch_ref) for w in self.workers])
+        tokens = max(sum(o["tokens"] for o in outs), 1.0)
+        return {"value_loss": sum(o["value_loss_sum"] for o in outs) / tokens,
+                "value_clip_frac": sum(o["value_clip_frac_x_tokens"] for o in outs) / tokens,
+                "lr": outs[0]["lr"], "grad_norm": outs[0]["grad_norm"], "optimizer_steps": outs[0]["optimizer_steps"]}
+
+    def save_checkpoint(self, path: str) -> None:
+        self._get([w.save_checkpoint.remote(path) for w in self.workers])
+
+    def load_checkpoint(self, path: str) -> None:
+        self._get([w.load_checkpoint.remote(path) for w in self.workers])
+
+    def shutdown(self) -> None:
+        _ray().get([w.shutdown.remote() for w in self.workers])
+        for w in self.workers:
+            _ray().kill(w)
+
+
+def start_critic_group(rl: RlRuntime, actor_options: list[dict], get: Callable | None = None) -> CriticGroup:
+    """`rl.critic.world` ranks, one Ray actor each with `actor_options[r]` from the plan's `critic` role."""
+    workers = start_ranks(CriticWorker, actor_options, lambda r, addr, port: (
+        rl.critic, rl.trainer, rl.model, rl.device, rl.dist_backend, r, addr, port), get=get)
+    return CriticGroup(workers=workers, get=get)
+
+
+def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Experience) -> dict[str, float]:
+    """The critic at collection: its mean value and how much of the returns' variance it explains (gae only)."""
+    if values is None:
+        return {}
+    real, mask = batch.batch_size, batch.action_mask
+    return {"critic/values_mean": float(masked_mean(values[:real], mask)),
+            "critic/returns_mean": float(masked_mean(returns, mask)),
+            "critic/explained_variance": explained_variance(values[:real], returns, mask)}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 − Var(returns − values) / Var(returns) over the action tokens: 1 is a perfect critic, 0 one that predicts
+    the mean return, below 0 a worse one (nan when the returns do not vary)."""
+    m = mask.bool()
+    r, v = returns[m].double(), values[m].double()
+    var_r = r.var(unbiased=False)
+    return float("nan") if var_r == 0 else float(1 - (r - v).var(unbiased=False) / var_r)

