@@ -37,7 +37,7 @@ smoke *RECIPES: setup
 
 # Run the whole test suite (starts the test Slurm and local Ray clusters itself).
 test: setup
-    {{bin}}/python -m pytest -q tests
+    {{bin}}/python -m pytest -q --durations=40 tests
 
 # Fast tests only: compiler, schemas, rules, plans (no Ray, no vLLM, no Slurm).
 test-fast: setup

@@ -173,12 +173,14 @@ def start_critic_group(rl: RlRuntime, actor_options: list[dict], get: Callable |
 
 
 def critic_metrics(values: torch.Tensor | None, returns: torch.Tensor, batch: Experience) -> dict[str, float]:
-    """The critic at collection: its mean value and how much of the returns' variance it explains (gae only)."""
+    """The critic at collection: its mean value, the returns' mean and spread, and how much of their variance it
+    explains (gae only)."""
     if values is None:
         return {}
     real, mask = batch.batch_size, batch.action_mask
     return {"critic/values_mean": float(masked_mean(values[:real], mask)),
             "critic/returns_mean": float(masked_mean(returns, mask)),
+            "critic/returns_std": float(returns[mask.bool()].double().std(unbiased=False)),
             "critic/explained_variance": explained_variance(values[:real], returns, mask)}
 
 

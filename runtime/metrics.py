@@ -78,6 +78,7 @@ METRICS: dict[str, str] = {
     "critic/explained_variance": "1 − Var(R − V_old) / Var(R) over the action tokens, at collection (1: perfect)",
     "critic/values_mean": "token-mean V_old, the critic's values at collection",
     "critic/returns_mean": "token-mean GAE return R = A + V_old (the value target)",
+    "critic/returns_std": "token standard deviation of R over the action tokens (a head predicting 0 scores 0.5·(mean² + std²))",
     "critic/grad_norm": "critic gradient norm before clipping (mean over the step's optimizer steps)",
     "critic/lr": "critic learning rate after the step",
     "critic/optimizer_steps": "critic optimizer steps taken this RL step",
