@@ -18,10 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from runtime.moe import NO_ROUTING
+
+TOP_K_FIELDS = ("rollout_top_ids", "rollout_top_log_probs")
+"""(B, T-1, k) per-token tensors: padded and trimmed on the time axis like the (B, T-1) ones."""
 
 
 @dataclass
@@ -49,6 +53,9 @@ class Experience:
     mm_inputs: list[dict[str, Tensor] | None] | None = None   # per row: pixel_values, image_grid_thw (or None)
     # ── MoE ──
     routed_experts: Tensor | None = None   # (B, T, L, k) int16: experts token t was routed to per MoE layer; -1: none
+    # ── Score centering: the sampler's top-k of every action token (aligned like rollout_log_probs, 0 off it) ──
+    rollout_top_ids: Tensor | None = None        # (B, T-1, k) int64: the k most likely ids at position t
+    rollout_top_log_probs: Tensor | None = None  # (B, T-1, k) float32: their sampler log-probs
 
     @property
     def batch_size(self) -> int:
@@ -78,6 +85,8 @@ class Experience:
         for k, v in self.tensors().items():
             if k == "routed_experts":
                 out[k] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, extra), value=NO_ROUTING)
+            elif k in TOP_K_FIELDS:
+                out[k] = torch.nn.functional.pad(v, (0, 0, 0, extra), value=0)
             elif v.dim() == 2:
                 out[k] = torch.nn.functional.pad(v, (0, extra), value=pad_id if k == "sequences" else 0)
         return replace(self, **out)
@@ -93,7 +102,8 @@ class Experience:
         if width >= self.sequences.shape[1]:
             return self
         return replace(self, **{k: v[:, :width if k in ("sequences", "attention_mask", "routed_experts") else width - 1]
-                                for k, v in self.tensors().items() if v.dim() == 2 or k == "routed_experts"})
+                                for k, v in self.tensors().items()
+                                if v.dim() == 2 or k == "routed_experts" or k in TOP_K_FIELDS})
 
 
 def concat(parts: Sequence[Experience], pad_id: int) -> Experience:
@@ -148,12 +158,15 @@ def from_token_lists(
     pad_id: int,
     mm_inputs: Sequence[dict[str, Tensor] | None] | None = None,
     routed_experts: Sequence[Any] | None = None,
+    top_logprobs: Sequence[Sequence[tuple[Any, Any]]] | None = None,
 ) -> Experience:
     """Tensors for a list of trajectories.
 
     tokens[i]: the full observation stream; action_ranges[i]: (start, end) spans of it that the policy generated;
     rollout_log_probs[i]: aligned 1:1 with tokens[i], 0.0 off the actions (an empty list means IS is off: zeros).
     routed_experts[i]: (len(tokens[i]), L, k) int array of trajectory i's routing (R3), -1 where not captured.
+    top_logprobs[i]: per action range of trajectory i, in order, its ((n, k) top ids, (n, k) top log-probs) (score
+    centering); they land at the range's positions, shifted like `rollout_log_probs`.
     """
     lengths = torch.tensor([len(t) for t in tokens])
     seqs = torch.nn.utils.rnn.pad_sequence([torch.tensor(t, dtype=torch.long) for t in tokens], batch_first=True,
@@ -177,6 +190,9 @@ def from_token_lists(
     if routed_experts is not None:
         routed = torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=torch.int16) for r in routed_experts],
                                                  batch_first=True, padding_value=NO_ROUTING)
+    top_ids = top_lps = None
+    if top_logprobs is not None:
+        top_ids, top_lps = _top_k_tensors(action_ranges, top_logprobs, batch, width)
     return Experience(
         sequences=seqs,
         attention_mask=attention_mask,
@@ -184,4 +200,25 @@ def from_token_lists(
         rollout_log_probs=logps[:, 1:] * token_is_action[:, 1:],
         mm_inputs=list(mm_inputs) if mm_inputs is not None and any(m is not None for m in mm_inputs) else None,
         routed_experts=routed,
+        rollout_top_ids=top_ids,
+        rollout_top_log_probs=top_lps,
     )
+
+
+def _top_k_tensors(action_ranges, top_logprobs, batch: int, width: int) -> tuple[Tensor, Tensor]:
+    """(B, T-1, k) ids and log-probs from each range's (n, k) arrays: one scatter, zeros off the actions."""
+    chunks = [(i, start, end, ids, lps) for i, (spans, tops) in enumerate(zip(action_ranges, top_logprobs, strict=True))
+              for (start, end), (ids, lps) in zip(spans, tops, strict=True)]
+    for i, start, end, ids, _ in chunks:
+        if len(ids) != end - start:
+            raise ValueError(f"row {i}: {len(ids)} top-k rows for the action range [{start}, {end})")
+    k = next((np.shape(ids)[1] for *_, ids, _ in chunks), 0)
+    rows = np.concatenate([np.full(end - start, i) for i, start, end, *_ in chunks]) if chunks else np.zeros(0, int)
+    cols = np.concatenate([np.arange(start, end) for _, start, end, *_ in chunks]) if chunks else np.zeros(0, int)
+    ids = torch.zeros(batch, width, k, dtype=torch.long)
+    lps = torch.zeros(batch, width, k, dtype=torch.float32)
+    if chunks:
+        index = (torch.from_numpy(rows).long(), torch.from_numpy(cols).long())
+        ids[index] = torch.from_numpy(np.concatenate([np.asarray(c[3], dtype=np.int64) for c in chunks]))
+        lps[index] = torch.from_numpy(np.concatenate([np.asarray(c[4], dtype=np.float32) for c in chunks]))
+    return ids[:, 1:], lps[:, 1:]

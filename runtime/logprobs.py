@@ -34,27 +34,36 @@ LOGPROB_CHUNK_TOKENS = 1024
 A memory/speed knob of this module only; the numbers do not depend on it."""
 
 
-def _chunk(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, ...]:
+def _chunk(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
+           top_ids: Tensor | None = None) -> tuple[Tensor, ...]:
     logits = head(hidden).float() / temperature          # (n, V): one chunk only
     logz = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-    if not with_entropy:
-        return (picked,)
-    entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return picked, entropy
+    out = [picked]
+    if with_entropy:
+        out.append(logz - (torch.softmax(logits, dim=-1) * logits).sum(-1))
+    if top_ids is not None:  # (n, k) score centering: the same log-softmax, gathered at the sampler's top-k ids
+        out.append(logits.gather(-1, top_ids) - logz[:, None])
+    return tuple(out)
 
 
 def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
-                  chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor | None]:
-    """(n,) log π(targets) and entropy (or None) from (n, hidden) states, chunk by chunk over the n positions."""
-    picked, entropy = [], []
+                  chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                  top_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(n,) log π(targets), entropy (or None) and (n, k) log π(top_ids) (or None) from (n, hidden) states, chunk
+    by chunk over the n positions."""
+    picked, entropy, top = [], [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature, with_entropy)
+        ids = None if top_ids is None else top_ids[s:s + chunk_tokens]
+        args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature, with_entropy, ids)
         out = checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args)
         picked.append(out[0])
         if with_entropy:
             entropy.append(out[1])
-    return torch.cat(picked), (torch.cat(entropy) if with_entropy else None)
+        if top_ids is not None:
+            top.append(out[-1])
+    return (torch.cat(picked), torch.cat(entropy) if with_entropy else None,
+            torch.cat(top) if top_ids is not None else None)
 
 
 def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> dict[str, Tensor]:
@@ -69,8 +78,10 @@ def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> 
 
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                       temperature: float, with_entropy: bool, chunk_tokens: int,
-                      vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
-    """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy): decoder once, lm_head in chunks.
+                      vision: dict[str, Tensor] | None = None,
+                      top_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy, and (B * (L-1), k) log-probs of `top_ids`,
+    given as (B, L-1, k)): decoder once, lm_head in chunks.
 
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
@@ -82,8 +93,9 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
                                      use_cache=False).last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
+    flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
-                         with_entropy, chunk_tokens)
+                         with_entropy, chunk_tokens, flat_top)
 
 
 def attach(model) -> None:
@@ -110,7 +122,7 @@ def pack(sequences: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def unpack(flat: Tensor, lengths: Tensor, width: int) -> Tensor:
-    """(1, N-1) packed next-token values -> (b, width-1) padded layout, 0 past each row's last scored token.
+    """(1, N-1, ...) packed next-token values -> (b, width-1, ...) padded layout, 0 past each row's last scored token.
 
     Row i's values sit at flat[off_i : off_i + L_i - 1]; the position off_i + L_i - 1 scores the next row's first
     token across a boundary and is dropped.
@@ -119,7 +131,16 @@ def unpack(flat: Tensor, lengths: Tensor, width: int) -> Tensor:
     cols = torch.arange(width - 1, device=flat.device)[None, :]
     valid = cols < (lengths[:, None] - 1)
     index = (starts[:, None] + cols).clamp(max=flat.shape[1] - 1)
-    return torch.where(valid, flat[0][index], torch.zeros((), dtype=flat.dtype, device=flat.device))
+    values = flat[0][index]
+    valid = valid.view(*valid.shape, *([1] * (values.dim() - 2)))
+    return torch.where(valid, values, torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+
+def pack_top_ids(top_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """(b, w-1, k) per-position ids -> (1, N-1, k) in the packed row's position order: row i's position t goes where
+    its token t sits (as `pack` places tokens); each row's last position (a boundary in the packed row) gets id 0."""
+    padded = torch.nn.functional.pad(top_ids, (0, 0, 0, 1))  # (b, w, k): column w-1 is the row-end filler
+    return padded[attention_mask.bool()][None, :-1]
 
 
 def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False,
@@ -130,17 +151,28 @@ def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature
     `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row;
     `vision` (`vision_inputs`) makes it a VLM forward (padded only).
     """
+    lp, ent, _ = token_top_logprobs(model, sequences, attention_mask, temperature, None, with_entropy, packed,
+                                    chunk_tokens, vision)
+    return lp, ent
+
+
+def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float,
+                       top_ids: Tensor | None, with_entropy: bool = False, packed: bool = False,
+                       chunk_tokens: int = LOGPROB_CHUNK_TOKENS, vision: dict[str, Tensor] | None = None,
+                       ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`token_logprobs`, plus (b, w-1, k) log π(top_ids[:, t, j] | sequences[:, :t+1]) when `top_ids` (b, w-1, k)
+    is given (score centering): gathered from the same chunked log-softmax, so no extra lm_head pass."""
     b, width = sequences.shape
-    if vision is not None:
-        if packed:
-            raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
-        lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens,
-                        vision)
-        return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)
+    if vision is not None and packed:
+        raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
     if not packed:
-        lp, ent = _call(model, sequences, attention_mask.long(), None, temperature, with_entropy, chunk_tokens)
-        return lp.view(b, width - 1), (ent.view(b, width - 1) if ent is not None else None)
+        mask = attention_mask.long()
+        lp, ent, top = _call(model, sequences, mask, None, temperature, with_entropy, chunk_tokens, vision, top_ids)
+        return (lp.view(b, width - 1), None if ent is None else ent.view(b, width - 1),
+                None if top is None else top.view(b, width - 1, -1))
     lengths = attention_mask.sum(-1)
     flat, positions = pack(sequences, lengths)
-    lp, ent = _call(model, flat, None, positions, temperature, with_entropy, chunk_tokens)
-    return unpack(lp[None], lengths, width), (unpack(ent[None], lengths, width) if ent is not None else None)
+    flat_top = None if top_ids is None else pack_top_ids(top_ids, attention_mask)
+    lp, ent, top = _call(model, flat, None, positions, temperature, with_entropy, chunk_tokens, None, flat_top)
+    return (unpack(lp[None], lengths, width), None if ent is None else unpack(ent[None], lengths, width),
+            None if top is None else unpack(top[None], lengths, width))

@@ -554,7 +554,8 @@ def runner_name(plan: Plan, index: int) -> str:
 
 
 def _sampling(s) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs)
+    return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs,
+                          top_logprobs=s.top_logprobs)
 
 
 def generator_spec(plan: Plan) -> GeneratorSpec:

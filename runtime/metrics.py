@@ -64,6 +64,9 @@ METRICS: dict[str, str] = {
                                    "from the engine's (runtime/algo/mismatch.py)",
     "train/mismatch/abs_diff_mean": "token-mean |log π_train - log π_rollout| on the trained tokens",
     "train/mismatch/k3_kl": "token-mean k3 estimate of KL(rollout || train) on the trained tokens",
+    "train/score_centering_sampler_head_mass": "token-mean Σ_H q: the sampler's probability mass on the top-k ids "
+                                               "it returned (score centering; 1 - its tail)",
+    "train/score_centering_policy_head_mass": "token-mean Σ_H p: the policy's mass on the same ids during the update",
     "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from runtime import microbatch
 from runtime.experience import Experience
-from runtime.logprobs import token_logprobs, vision_inputs
+from runtime.logprobs import token_top_logprobs, vision_inputs
 
 
 def _ray():
@@ -55,12 +55,19 @@ class FsdpRank:
     def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False):
         """`token_logprobs` of one micro-batch on this rank's device; a VLM's image inputs ride along on every
         micro-batch, images or not (the same code path on all ranks)."""
+        return self.top_logprobs(model, part, temperature, packed, with_entropy, with_top=False)[:2]
+
+    def top_logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False,
+                     with_top: bool = True):
+        """`logprobs`, plus the (b, w-1, k) log-probs of the batch's sampler top-k ids (`rollout_top_ids`, score
+        centering) from the same chunked forward when `with_top`."""
         vision = None
         if self.image_token_id is not None:
             vision = vision_inputs(part.mm_inputs or [None] * part.batch_size, part.sequences.to(self.device),
                                    self.image_token_id, self.device)
-        return token_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                              temperature, with_entropy=with_entropy, packed=packed, vision=vision)
+        top_ids = part.rollout_top_ids.to(self.device) if with_top else None
+        return token_top_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
+                                  temperature, top_ids, with_entropy=with_entropy, packed=packed, vision=vision)
 
     def shard(self, batch: Experience, balanced: bool) -> tuple[torch.Tensor, Experience, torch.Tensor]:
         """This rank's row indices into `batch`, those rows, and their token lengths."""

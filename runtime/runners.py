@@ -153,6 +153,8 @@ def _drop_reason(out) -> str | None:
             return "no_action_tokens"
         if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) != len(sample.token_ids):
             return "logprob_misalign"
+        if sample.top_logprobs is not None and len(sample.top_logprobs) != len(sample.action_ranges):
+            return "logprob_misalign"
     return None if out else "empty_tokens"
 
 
@@ -171,7 +173,8 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
     samples = [t for rollout in kept for t in rollout]
     exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
                            [t.rollout_log_probs or [] for t in samples], pad_id,
-                           mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples))
+                           mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples),
+                           top_logprobs=_top_logprobs(samples))
     exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
     exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
     exp.truncated = torch.tensor([bool(t.truncated) for t in samples])
@@ -187,6 +190,13 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 info[k] = info.get(k, 0.0) + float(v)
     return GroupResult(req.group_id, exp, rewards, scores, dropped, info, errors)
+
+
+def _top_logprobs(samples: list) -> list | None:
+    """Each sample's per-action-range top-k (score centering), or None when the run asks for none."""
+    if all(t.top_logprobs is None for t in samples):
+        return None
+    return [t.top_logprobs or [] for t in samples]
 
 
 def _routing(samples: list) -> list | None:

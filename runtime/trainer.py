@@ -175,15 +175,24 @@ class PolicyWorker(FsdpRank):
                        router_logits) -> dict[str, float]:
         from runtime import algo
         from runtime.algo import aggregation, mismatch
+        from runtime.algo.score_centering import centering
 
         ls, isc, kl = self.t.loss, self.algo.is_correction, self.algo.kl
         dev = self.device
         mask = part.action_mask.to(dev)
-        logp, entropy = self._logprobs(self.model, part, with_entropy=ls.entropy_coef != 0)
+        centered = self.algo.score_centering_top_k > 0
+        if centered and part.rollout_top_ids is None:  # Molt L6
+            raise RuntimeError("score centering is on but the batch carries no top-k log-probs from the engines")
+        logp, entropy, top_lp = self.top_logprobs(self.model, part, self.t.temperature, self.t.packing,
+                                                  with_entropy=ls.entropy_coef != 0, with_top=centered)
         old = part.old_log_probs.to(dev)
         rollout_lp = part.rollout_log_probs.to(dev)
         is_out = algo.is_correction(old, rollout_lp, mask, level=isc.level, mode=isc.mode, low=isc.low,
                                     high=isc.high, gating=isc.gating)
+        sc = None
+        if centered:  # f follows the IS mode and band; `none` (f ≡ 1) when IS is off (molt_0_2_1.md §3.4)
+            sc = centering(top_lp, part.rollout_top_log_probs.to(dev), mask,
+                           mode="none" if isc.level == "off" else isc.mode, low=isc.low, high=isc.high)
         use_kl_loss = kl.use_loss and part.ref_log_probs is not None
         weights = None if window is None else aggregation.row_weights(ls.agg_mode, part.action_mask,
                                                                       part.group_ids, window).to(dev)
@@ -193,7 +202,8 @@ class PolicyWorker(FsdpRank):
             is_coef=None if isc.level == "off" else is_out.coef,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
             kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
-            entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights)
+            entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights,
+            centering=None if sc is None else sc.correction)
         loss, moe_stats = out.loss, {}
         if router_logits is not None:
             # Molt B32: coef * aux / micro-batches, so a window adds its micro-batches' mean; a filler adds 0.
@@ -213,6 +223,9 @@ class PolicyWorker(FsdpRank):
         stats = {f"{k}_x_tokens": float(v) * tokens for k, v in {**out.metrics, **moe_stats}.items()}
         stats["is_filter_ratio_x_tokens"] = float(is_out.is_filter_ratio) * tokens
         stats["vllm_kl_x_tokens"] = float(is_out.vllm_kl) * tokens
+        if sc is not None:
+            stats["score_centering_sampler_head_mass_x_tokens"] = float(sc.sampler_head_mass) * tokens
+            stats["score_centering_policy_head_mass_x_tokens"] = float(sc.policy_head_mass) * tokens
         if tokens:
             stats.update({f"{k}_x_tokens": v * tokens
                           for k, v in mismatch.mismatch_metrics(logp.detach(), rollout_lp, mask).items()})

@@ -242,16 +242,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         "no `ckpt.best_metric_key` (the newest ckpt.keep are kept)",
         tracked="issue 13",
     ),
-    Capability(
-        "rl-score-centering",
-        "rl",
-        "algo.score_centering_top_k",
-        "score centering (the engines' top-k log-probs of every generated token carried to the loss)",
-        lambda p: p.rl.algo.score_centering_top_k > 0,
-        "algo.score_centering_top_k: 0 (the centering math is "
-        "runtime/algo/score_centering.py; the engines do not return top-k yet)",
-        tracked="issue 15",
-    ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
     Capability(

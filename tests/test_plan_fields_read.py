@@ -77,7 +77,6 @@ NOT_FOR_THE_RUNTIME = {
     "rl.trainer.shuffle_microbatches": "known gap: micro-batches keep their order (G11 shuffling, issue 11)",
     "rl.engines.router_balance_abs": "known gap: cache_aware is served as consistent_hash (runtime/engines/router.py)",
     "rl.engines.router_balance_rel": "known gap: cache_aware is served as consistent_hash (runtime/engines/router.py)",
-    "rl.sampling.top_logprobs": "above 0 only with score centering (derived from its k), refused by rl-score-centering",
     "rl.eval.sampling.top_logprobs": "always 0: eval never asks for top-k (molt_compile/lower/rl.py)",
     "rl.data.dataloader_num_workers": "the generator reads the prompt rows once, in-process: no loader workers",
     "sft.data.dataloader_num_workers": "the SFT rows are read in-process: no loader workers",

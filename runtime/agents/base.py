@@ -113,6 +113,9 @@ class Trajectory:
     group_id: str | None = None  # one per prompt group (n rollouts); the group baselines average over it
     rollout_id: str | None = None  # one per rollout; step-samples of one rollout share it
     routed_experts: Any = None  # (<= T, L, k) int16 numpy routing of token_ids (R3), -1 where none; or None
+    # Score centering: per action range, in order, the engine's ((n, k) int64 top ids, (n, k) float32 top log-probs)
+    # of its n generated tokens; None when no top-k was requested.
+    top_logprobs: list[tuple[Any, Any]] | None = None
 
     @property
     def num_action_tokens(self) -> int:
@@ -125,8 +128,17 @@ class Trajectory:
             mask[start:end] = [True] * (end - start)
         return mask
 
-    def append_action(self, token_ids: list[int], log_probs: list[float] | None) -> None:
+    def append_action(self, token_ids: list[int], log_probs: list[float] | None,
+                      top: tuple[Any, Any] | None = None) -> None:
+        """One turn's generated ids, their log-probs and, under score centering, the engine's (ids, log-probs) top-k
+        rows (`GenerateOutput.top_ids`, `.top_logprobs`), one per generated id."""
         start = len(self.token_ids)
+        if self.top_logprobs is not None:  # Molt L17: every action token needs its top-k row
+            ids, lps = top if top is not None else (None, None)
+            if ids is None or lps is None or len(ids) != len(token_ids) or len(lps) != len(token_ids):
+                raise RuntimeError(f"engine returned {0 if ids is None else len(ids)} top-k rows for "
+                                   f"{len(token_ids)} generated tokens; score centering needs one per token")
+            self.top_logprobs.append((np.asarray(ids, dtype=np.int64), np.asarray(lps, dtype=np.float32)))
         self.token_ids.extend(token_ids)
         self.action_ranges.append((start, len(self.token_ids)))
         if self.rollout_log_probs is not None:
@@ -311,6 +323,7 @@ class StepEnvRunner(Runner):
             prompt=prompt, label=label, observation_text=observation, token_ids=list(prompt_ids),
             rollout_log_probs=[0.0] * len(prompt_ids) if sampling.logprobs else None, rollout_id=session_id,
             images=list(vision.images) if vision is not None and vision.images else None, mm_inputs=mm,
+            top_logprobs=[] if sampling.top_logprobs else None,
         )
         # Fixed for the episode: the logprob column must stay aligned even if an env swaps the sampling params.
         want_logprobs = traj.rollout_log_probs is not None
@@ -321,6 +334,8 @@ class StepEnvRunner(Runner):
                 break
             turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, remaining))
             extra = {"images": traj.images} if traj.images else {}  # text clients never see the keyword
+            if sampling.top_logprobs:  # fixed for the episode, like the logprob column
+                extra["top_logprobs"] = sampling.top_logprobs
             out = await client.generate(
                 list(traj.token_ids), max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
                 top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs, **extra,
@@ -354,7 +369,8 @@ class StepEnvRunner(Runner):
             traj.score = reward if result.score is None else scalar(result.score, f"{type(env).__name__}.step score")
             traj.info = dict(result.info or {})
 
-            traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None)
+            traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None,
+                               (out.top_ids, out.top_logprobs))
             traj.absorb_routing(out.routed_experts)
             traj.observation_text += action_text
             feedback_text, new_mm = result.observation, None

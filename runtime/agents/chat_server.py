@@ -49,6 +49,7 @@ class Segment:
     action_ranges: list[tuple[int, int]] = field(default_factory=list)
     text: str = ""  # decode(token_ids), what the next rendering must extend to continue this segment
     routed_experts: Any = None  # (<= T, L, k) int16 routing of token_ids (R3), -1 where none; or None
+    top_logprobs: list | None = None  # score centering: per action range, the engine's (top ids, top log-probs)
 
 
 @dataclass
@@ -170,9 +171,10 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
             session.truncated = True
             reply = make_reply(TurnReply("", [], [], "length", len(prompt_ids)))
         else:
+            k = session.sampling.top_logprobs
             out: GenerateOutput = await session.client.generate(
                 prompt_ids, max_tokens=min(max_tokens, remaining), temperature=temperature, top_p=top_p,
-                session_id=session.session_id, logprobs=True)
+                session_id=session.session_id, logprobs=True, **({"top_logprobs": k} if k else {}))
             if out.finish_reason == "abort":
                 session.aborted = True
                 raise ChatError(503, "generation aborted by the engine")
@@ -189,7 +191,8 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
 def _record(session: Session, segment: Segment | None, prompt_ids: list[int], delta_ids: list[int],
             out: GenerateOutput) -> None:
     if segment is None:
-        segment = Segment(token_ids=list(prompt_ids), rollout_log_probs=[0.0] * len(prompt_ids))
+        segment = Segment(token_ids=list(prompt_ids), rollout_log_probs=[0.0] * len(prompt_ids),
+                          top_logprobs=[] if session.sampling.top_logprobs else None)
         session.segments.append(segment)
     else:
         segment.token_ids.extend(delta_ids)
@@ -198,6 +201,9 @@ def _record(session: Session, segment: Segment | None, prompt_ids: list[int], de
     segment.token_ids.extend(out.token_ids)
     segment.rollout_log_probs.extend(float(lp) for lp in out.logprobs)
     segment.action_ranges.append((start, len(segment.token_ids)))
+    if segment.top_logprobs is not None:  # one (n, k) pair per action range; runners drop a misaligned rollout
+        if out.top_ids is not None and len(out.top_ids) == len(out.token_ids):
+            segment.top_logprobs.append((out.top_ids, out.top_logprobs))
     segment.routed_experts = absorb_routing(segment.routed_experts, out.routed_experts, len(segment.token_ids))
     segment.text = session.tokenizer.decode(segment.token_ids, skip_special_tokens=False)
     session.turns += 1

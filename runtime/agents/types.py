@@ -30,6 +30,10 @@ class GenerateOutput:
     # (P + A - 1, L, k) int16 numpy array: the experts each prompt and generated token (all but the last, which no
     # forward saw) was routed to in each of the L MoE layers; None unless the engines record routing (R3).
     routed_experts: Any = None
+    # Score centering (`top_logprobs` = k > 0): (A, k) int64 / float32 numpy arrays, row i = the k most likely ids
+    # of the distribution token_ids[i] was sampled from and their log-probs (same `logprobs_mode`); else None.
+    top_ids: Any = None
+    top_logprobs: Any = None
 
 
 @runtime_checkable
@@ -48,6 +52,7 @@ class GenerateClient(Protocol):
         top_p: float,
         session_id: str,
         logprobs: bool,
+        top_logprobs: int = 0,
     ) -> GenerateOutput: ...
 
 
@@ -62,3 +67,4 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs: bool = True
+    top_logprobs: int = 0  # k of score centering: the engine also returns each generated token's top-k (0: none)

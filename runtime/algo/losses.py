@@ -96,6 +96,7 @@ def policy_loss(
     dual_clip: float | None = None,
     is_coef: Tensor | None = None,  # (B, T) from `is_correction`, None = no IS correction
     row_weights: Tensor | None = None,  # (B,) from `aggregation.row_weights`; None = global token mean
+    centering: Tensor | None = None,  # (B, T) c_t of `score_centering.centering`; the loss adds A_t·c_t
 ) -> PolicyLossOutput:
     mask = action_mask.bool()
     log_ratio = torch.where(mask, safe_log_ratio(log_probs, old_log_probs), torch.zeros_like(log_probs.float()))
@@ -112,6 +113,8 @@ def policy_loss(
         raise ValueError(f"unknown policy loss mode {mode!r}; expected one of {', '.join(LOSS_MODES)}")
     if is_coef is not None:
         loss_mat = loss_mat * is_coef
+    if centering is not None:  # Molt 0.2.1 §3.4: ℓ_t = coef_t·surrogate_t + A_t·c_t, aggregated like the rest
+        loss_mat = loss_mat + adv * centering
     return PolicyLossOutput(
         loss=global_token_mean(loss_mat, mask, global_num_tokens, dp_size) if row_weights is None
         else aggregate(loss_mat, mask, row_weights, dp_size),
@@ -153,6 +156,7 @@ def actor_loss(
     entropy: Tensor | None = None,  # (B, T) from `entropy_from_logits`, only when entropy_coef != 0
     entropy_coef: float = 0.0,
     row_weights: Tensor | None = None,  # (B,) `loss.agg_mode` weights of the policy term (None: token mean)
+    centering: Tensor | None = None,  # (B, T) score-centering correction c_t, added as A_t·c_t (None: off)
 ) -> ActorLossOutput:
     """total = policy + β·token-mean(k(log π, log π_ref)) − entropy_coef·token-mean(H)  (Molt policy_actor.py).
     The policy term follows `row_weights` (Molt 0.2.1 loss_agg_mode); KL and entropy stay token-mean (I17).
@@ -162,7 +166,7 @@ def actor_loss(
     """
     out = policy_loss(log_probs, old_log_probs, advantages, action_mask, mode=mode, clip_low=clip_low,
                       clip_high=clip_high, global_num_tokens=global_num_tokens, dp_size=dp_size,
-                      dual_clip=dual_clip, is_coef=is_coef, row_weights=row_weights)
+                      dual_clip=dual_clip, is_coef=is_coef, row_weights=row_weights, centering=centering)
     total = out.loss
     metrics = {"policy_loss": out.reported_loss, "clip_ratio": out.clip_ratio, "policy_kl": out.policy_kl}
     if ref_log_probs is not None and kl_coef != 0.0:

@@ -57,9 +57,12 @@ class RolloutEngine(Protocol):
         top_p: float,
         session_id: str,
         logprobs: bool,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
         """Sample up to `max_tokens` tokens after `prompt_ids`; `logprobs[i]` is the logprob of `token_ids[i]` under
-        the plan's `logprobs_mode` (processed: the distribution actually sampled from, temperature/top-p applied)."""
+        the plan's `logprobs_mode` (processed: the distribution actually sampled from, temperature/top-p applied).
+        `top_logprobs` = k > 0 (score centering) also returns, per generated token, the k most likely ids of that
+        same distribution and their log-probs (`GenerateOutput.top_ids`, `.top_logprobs`)."""
         ...
 
     async def score(self, token_ids: list[int]) -> list[float]:

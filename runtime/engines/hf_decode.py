@@ -120,8 +120,10 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
-def sample(logits, temperature, top_p, greedy, *, filter_top_p: bool, raw_logprobs: bool):
-    """Next token and its logprob per row; logits (n, V) float32, temperature/top_p (n,) (1 for greedy rows)."""
+def sample(logits, temperature, top_p, greedy, *, filter_top_p: bool, raw_logprobs: bool, top_k: int = 0):
+    """Next token and its logprob per row; logits (n, V) float32, temperature/top_p (n,) (1 for greedy rows).
+    With `top_k` > 0 also the (n, top_k) ids and log-probs of the most likely tokens of the same log-softmax the
+    sampled token's log-prob is taken from (score centering); else None."""
     processed = logits / temperature.unsqueeze(-1)
     if filter_top_p:
         processed = top_p_filter(processed, top_p)
@@ -131,7 +133,8 @@ def sample(logits, temperature, top_p, greedy, *, filter_top_p: bool, raw_logpro
     sampled = (logp - noise).argmax(dim=-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
     source = torch.log_softmax(logits, dim=-1) if raw_logprobs else logp
-    return tokens, source.gather(1, tokens.unsqueeze(-1)).squeeze(-1)
+    top = torch.topk(source, top_k, dim=-1) if top_k else None
+    return tokens, source.gather(1, tokens.unsqueeze(-1)).squeeze(-1), top
 
 
 def buckets(limit: int, start: int) -> list[int]:
@@ -162,10 +165,18 @@ class Request:
     finish_reason: str | None = None
     limit: int = 0  # tokens it may generate: max_tokens, cut to the context length
     routed: list = field(default_factory=list)  # (n, L, k) int16 numpy chunks of routing (R3), prompt first
+    top_k: int = 0  # score centering: also record each generated token's top-k ids and log-probs
+    top: list = field(default_factory=list)  # ((n, top_k) int64 ids, (n, top_k) float32 log-probs) numpy chunks
 
     def routed_experts(self):
         """(prompt + generated - 1, L, k) routing of every token a forward saw, or None when not recorded."""
         return np.concatenate(self.routed) if self.routed else None
+
+    def top_arrays(self):
+        """((A, top_k) ids, (A, top_k) log-probs) aligned with token_ids, or (None, None) when top_k is 0."""
+        if not self.top_k:
+            return None, None
+        return np.concatenate([i for i, _ in self.top]), np.concatenate([v for _, v in self.top])
 
 
 class DecodeCore:
@@ -302,14 +313,19 @@ class DecodeCore:
         greedy = torch.tensor([r.temperature <= 0 for r in reqs], device=dev)
         temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], device=dev)
         top_p = torch.tensor([r.top_p if r.temperature > 0 else 1.0 for r in reqs], device=dev)
-        tokens, logprobs = sample(logits, temperature, top_p, greedy, filter_top_p=bool((top_p < 1).any()),
-                                  raw_logprobs=self.raw_logprobs)
+        top_k = max(r.top_k for r in reqs)
+        tokens, logprobs, top = sample(logits, temperature, top_p, greedy, filter_top_p=bool((top_p < 1).any()),
+                                       raw_logprobs=self.raw_logprobs, top_k=top_k)
+        host_top = None if top is None else (top.indices.cpu().numpy(), top.values.cpu().numpy())
         self.tokens[slot_t] = tokens
         self.cache.pos[slot_t] = torch.tensor(lens, device=dev)
         self.temperature[slot_t], self.top_p[slot_t], self.greedy[slot_t] = temperature, top_p, greedy
         finished = []
-        for r, s, tok, lp in zip(reqs, slots, tokens.tolist(), logprobs.tolist(), strict=True):
-            if self._append(r, [tok], [lp]):
+        for row, (r, s, tok, lp) in enumerate(zip(reqs, slots, tokens.tolist(), logprobs.tolist(), strict=True)):
+            done = self._append(r, [tok], [lp])
+            if r.top_k:
+                r.top.append((host_top[0][row:row + 1, :r.top_k], host_top[1][row:row + 1, :r.top_k]))
+            if done:
                 finished.append(self._release(s))
         return finished
 
@@ -329,19 +345,25 @@ class DecodeCore:
         out_tokens = torch.empty((nb, steps), dtype=torch.long, device=self.device)
         out_logprobs = torch.empty((nb, steps), device=self.device)
         out_routing = torch.empty((steps, *self.route_buf[:, :nb].shape), dtype=torch.int16, device=self.device)
+        top_k = max(self.active[s].top_k for s in live)
+        out_top_ids = torch.empty((nb, steps, top_k), dtype=torch.long, device=self.device)
+        out_top_lps = torch.empty((nb, steps, top_k), device=self.device)
         for k in range(steps):
             with self._recording(self.route_buf):
                 logits = self._step(nb, length)
             if self.record_routing:
                 out_routing[k] = self.route_buf[:, :nb]
-            tokens, logprobs = sample(logits, self.temperature[:nb], self.top_p[:nb], self.greedy[:nb],
-                                      filter_top_p=filter_top_p, raw_logprobs=self.raw_logprobs)
+            tokens, logprobs, top = sample(logits, self.temperature[:nb], self.top_p[:nb], self.greedy[:nb],
+                                           filter_top_p=filter_top_p, raw_logprobs=self.raw_logprobs, top_k=top_k)
             out_tokens[:, k], out_logprobs[:, k] = tokens, logprobs
+            if top is not None:
+                out_top_ids[:, k], out_top_lps[:, k] = top.indices, top.values
             self.tokens[:nb] = tokens
             # finished rows may run on until the chunk ends: keep their writes inside the cache
             self.cache.pos[:nb] = (self.cache.pos[:nb] + 1).clamp_(max=self.max_model_len - 1)
         host_tokens, host_logprobs = out_tokens.tolist(), out_logprobs.tolist()  # the chunk's one sync
         host_routing = out_routing.cpu().numpy() if self.record_routing else None  # (steps, L, nb, k)
+        host_top = (out_top_ids.cpu().numpy(), out_top_lps.cpu().numpy()) if top_k else None  # (nb, steps, top_k)
         finished = []
         for s in live:
             r, n = self.active[s], min(steps, remaining[s])
@@ -349,6 +371,9 @@ class DecodeCore:
             done = self._append(r, host_tokens[s][:n], host_logprobs[s][:n])
             if host_routing is not None:  # step j fed the token generated before it: one row per appended token
                 r.routed.append(host_routing[:len(r.token_ids) - before, :, s].copy())
+            if r.top_k:  # one row per appended token, the request's own k of the chunk's largest
+                added = len(r.token_ids) - before
+                r.top.append((host_top[0][s, :added, :r.top_k].copy(), host_top[1][s, :added, :r.top_k].copy()))
             if done:
                 finished.append(self._release(s))
         return finished

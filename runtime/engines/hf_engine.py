@@ -8,7 +8,8 @@ new requests join between chunks; on CUDA each decode step is a replayed CUDA gr
 The actor's event loop keeps accepting requests, pauses and weight updates meanwhile.
 
 Logprobs follow the plan's `logprobs_mode` like vLLM's: `processed_logprobs` = log-softmax of logits / T after the
-top-p cut (the distribution sampled from), `raw_logprobs` = log-softmax of the unprocessed logits.
+top-p cut (the distribution sampled from), `raw_logprobs` = log-softmax of the unprocessed logits. Score centering's
+top-k (`top_logprobs` = k) is the k largest entries of that same log-softmax.
 
 Pause/resume: the generation thread passes a gate between chunks, so `pause` returns once the current chunk has
 finished; requests in flight keep their slots and continue on `resume`, with the weights loaded meanwhile (in place:
@@ -102,16 +103,19 @@ class HfEngine:
 
     # ------------------------------------------------------------------ interface
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool) -> GenerateOutput:
+                       session_id: str, logprobs: bool, top_logprobs: int = 0) -> GenerateOutput:
         if self._generator is None:
             self._generator = threading.Thread(target=self._generate_forever, name=f"hf-engine-{self.index}-generate", daemon=True)
             self._generator.start()
         future = asyncio.get_running_loop().create_future()
-        self.core.submit(Request(list(prompt_ids), max_tokens, temperature, top_p, handle=future))
+        self.core.submit(Request(list(prompt_ids), max_tokens, temperature, top_p, handle=future,
+                                 top_k=top_logprobs))
         self._wake.set()
         r = await future
+        top_ids, top_lps = r.top_arrays()
         return GenerateOutput(token_ids=r.token_ids, logprobs=r.logprobs if logprobs else [],
-                              finish_reason=r.finish_reason, routed_experts=r.routed_experts())
+                              finish_reason=r.finish_reason, routed_experts=r.routed_experts(),
+                              top_ids=top_ids, top_logprobs=top_lps)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._score, list(token_ids))

@@ -115,10 +115,13 @@ class Router:
         return a if self._in_flight[a] <= self._in_flight[b] else b
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool, images: list | None = None) -> GenerateOutput:
+                       session_id: str, logprobs: bool, images: list | None = None,
+                       top_logprobs: int = 0) -> GenerateOutput:
         i = self.pick(session_id)
         self._in_flight[i] += 1
         extra = {"images": images} if images else {}  # VLM: the conversation's images, in placeholder order
+        if top_logprobs:  # score centering only: the engines' other callers never see the keyword
+            extra["top_logprobs"] = top_logprobs
         try:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                                          top_p=top_p, session_id=session_id, logprobs=logprobs,

@@ -4,7 +4,9 @@ Everything the engine is built from comes from the plan's `EnginesPlan` (dtype, 
 logprobs mode, prefix caching, the recipe's extra engine args); nothing is defaulted here.
 
 - `generate` sends a `TokensPrompt` and asks for the sampled token's logprob only (`logprobs=0`), final output
-  only, no detokenisation: the runners own the tokenizer.
+  only, no detokenisation: the runners own the tokenizer. Under score centering it asks for `logprobs=k`: with
+  the plan's `processed_logprobs` mode vLLM takes the top-k and the sampled token's log-prob from the same
+  processed (tempered) log-softmax it samples from (`v1/sample/sampler.py`).
 - `pause`/`resume` use vLLM's scheduler pause in `keep` mode: requests in flight are frozen and continue after the
   weight update (partial rollout), new requests queue.
 - Weight sync goes through vLLM's weight-transfer API with the `molt_broadcast` backend (`vllm_worker`):
@@ -35,6 +37,22 @@ if TYPE_CHECKING:
     from schemas.plan import EnginesPlan
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _top_k(steps, k: int):
+    """(A, k) ids and log-probs of each position's k most likely tokens, most likely first. vLLM's entry of a
+    position holds its top-k (ranks 1..k) plus the sampled token when that ranks lower: the k largest values."""
+    import numpy as np
+
+    ids = np.zeros((len(steps), k), dtype=np.int64)
+    lps = np.zeros((len(steps), k), dtype=np.float32)
+    for i, step in enumerate(steps):
+        best = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:k]
+        if len(best) != k:
+            raise RuntimeError(f"vLLM returned {len(best)} top log-probs for k={k} (max_logprobs too small?)")
+        ids[i] = [tok for tok, _ in best]
+        lps[i] = [lp.logprob for _, lp in best]
+    return ids, lps
 
 
 class VllmEngine:
@@ -75,12 +93,13 @@ class VllmEngine:
         self._request_ids = itertools.count()
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool, images: list | None = None) -> GenerateOutput:
+                       session_id: str, logprobs: bool, images: list | None = None,
+                       top_logprobs: int = 0) -> GenerateOutput:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                logprobs=0 if logprobs else None, detokenize=False,
+                                logprobs=top_logprobs or (0 if logprobs else None), detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         if images:  # expanded placeholders collapse to one per image; vLLM's processor expands them identically
             prompt = TokensPrompt(prompt_token_ids=collapse_image_runs(list(prompt_ids), self.image_token_id),
@@ -96,11 +115,15 @@ class VllmEngine:
         lps: list[float] = []
         if logprobs and completion.logprobs is not None:
             lps = [step[tok].logprob for tok, step in zip(token_ids, completion.logprobs, strict=True)]
+        top_ids = top_lps = None
+        if top_logprobs:
+            top_ids, top_lps = _top_k(completion.logprobs, top_logprobs)
         # [prompt + generated - 1, layers, top_k] when the engine was built with enable_return_routed_experts (R3)
         routed = getattr(completion, "routed_experts", None)
         return GenerateOutput(token_ids=token_ids, logprobs=lps,
                               finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
-                              routed_experts=None if routed is None else routed.astype("int16"))
+                              routed_experts=None if routed is None else routed.astype("int16"),
+                              top_ids=top_ids, top_logprobs=top_lps)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams, TokensPrompt
