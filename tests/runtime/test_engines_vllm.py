@@ -125,6 +125,25 @@ def test_sampled_logprobs_are_the_tempered_distribution(engine, model_dir):
     assert (torch.tensor(out.logprobs) - ref[-len(out.token_ids):]).abs().max().item() < LOGPROB_TOL
 
 
+def test_top_logprobs_are_the_top_of_the_tempered_distribution(engine, model_dir):
+    """Score centering (`logprobs=k`, processed_logprobs): per generated token, the k most likely ids of
+    log_softmax(logits / T) and their log-probs, as a teacher-forced HF forward gives them."""
+    k = 5
+    out = ray.get(engine.generate.remote(PROMPT, max_tokens=12, temperature=0.7, top_p=1.0, session_id="topk",
+                                         logprobs=True, top_logprobs=k))
+    n = len(out.token_ids)
+    assert out.top_ids.shape == out.top_logprobs.shape == (n, k)
+    ids = PROMPT + out.token_ids
+    with torch.inference_mode():
+        logits = hf_model(model_dir)(input_ids=torch.tensor([ids])).logits[0, len(PROMPT) - 1:-1] / 0.7
+    ref = torch.log_softmax(logits, -1).topk(k, dim=-1)
+    assert torch.equal(torch.tensor(out.top_ids), ref.indices)
+    assert (torch.tensor(out.top_logprobs) - ref.values).abs().max().item() < LOGPROB_TOL
+    plain = ray.get(engine.generate.remote(PROMPT, max_tokens=4, temperature=1.0, top_p=1.0, session_id="nok",
+                                           logprobs=True))
+    assert plain.top_ids is None and plain.top_logprobs is None
+
+
 def test_weight_update_changes_outputs_and_engine_matches_trainer(engine, model_dir, sender):
     before = ray.get(engine.generate.remote(PROMPT, max_tokens=16, temperature=0.0, top_p=1.0, session_id="w",
                                             logprobs=False)).token_ids
