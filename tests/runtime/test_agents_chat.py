@@ -9,6 +9,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
 from runtime.agents import ChatAgent, ChatAgentRunner, ChatContext, Result, SamplingParams, Trajectory
 
@@ -91,6 +92,27 @@ def test_openai_two_turns_record_one_exact_segment(engine, tokenizer):
     # observation tokens carry no rollout logprob
     assert set(traj.rollout_log_probs[:s1] + traj.rollout_log_probs[e1:s2]) == {0.0}
     assert traj.rollout_id and traj.turns == 2
+
+
+def test_score_centering_records_each_turns_top_k_in_the_segment(engine, tokenizer):
+    """`top_logprobs` = k: every turn's generated tokens get their engine top-k rows, one pair per action range, and
+    the Experience built from the segment puts them on the action positions."""
+    from runtime.experience import from_token_lists
+
+    runner = ChatAgentRunner(TwoTurnOpenAI)
+    try:
+        traj = asyncio.run(runner.execute("What is 2+3?", "5", sampling=SamplingParams(max_tokens=8, top_logprobs=3),
+                                          max_length=1024, tokenizer=tokenizer, client=engine))
+    finally:
+        runner.close()
+    assert len(traj.top_logprobs) == len(traj.action_ranges) == 2
+    for (start, end), (ids, lps) in zip(traj.action_ranges, traj.top_logprobs, strict=True):
+        assert ids.shape == lps.shape == (end - start, 3)
+        # processed log-probs at temperature 1: the sampled token is never more likely than the head's first id
+        assert (lps[:, 0] >= [lp for lp in traj.rollout_log_probs[start:end]]).all()
+    exp = from_token_lists([traj.token_ids], [traj.action_ranges], [traj.rollout_log_probs], pad_id=0,
+                           top_logprobs=[traj.top_logprobs])
+    assert torch.equal(exp.rollout_top_log_probs[0].ne(0).all(-1), exp.action_mask[0])
 
 
 class EditsHistory(ChatAgent):
