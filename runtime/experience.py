@@ -5,6 +5,8 @@ per-token Python: a list becomes a tensor once, action ranges become masks with 
 the generator, filled with log-probs and advantages by the trainer loop, and sliced per FSDP rank.
 
 Alignment: position t of every (B, T-1) tensor scores token t+1 of `sequences`, i.e. log π(sequences[:, t+1] | ...).
+Under score centering the (B, T-1, k) `rollout_top_ids` / `rollout_top_log_probs` follow the same rule: row t holds
+the engine's k most likely ids (and their log-probs) of the distribution token t+1 was sampled from.
 
 Vision-language rows carry `mm_inputs[i]`: that row's `pixel_values` (patches x features) and `image_grid_thw`
 (images x 3), in image order; each image's grid gives prod(thw) / merge² placeholder tokens in `sequences[i]`, in the

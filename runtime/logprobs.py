@@ -14,6 +14,8 @@ Two layouts of the same rows:
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
   computed.
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
+Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
+each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
 
 Vision-language rows (padded only: the compiler turns packing off for VLM runs, Molt's B5) run the whole multimodal
 backbone (`model.model`: vision tower, features scattered into the image placeholders, M-RoPE positions) instead of
