@@ -10,13 +10,18 @@ from loop_support import run_recipe, step_records
 
 pytestmark = pytest.mark.slow
 
-STEPS = 2
+STEPS = 1
 SETS = (
     "name=test-e2e-centering",
     "rollout.engine=hf",
     "algo.score_centering_top_k=4",
     "algo.is_correction.level=token",  # centering composes with token-level IS only (SC005)
-    f"data.max_samples={STEPS * 8}",
+    "rollout.batch_size=4",  # one small step: 4 groups x 4 samples, one optimizer step
+    "rollout.generate_batch_size=4",
+    "rollout.n_samples_per_prompt=4",
+    "train.batch_size=16",
+    "train.micro_batch_size=4",
+    f"data.max_samples={STEPS * 4}",
     "eval.dataset=null",
     "ckpt.every=-1",
     "ckpt.final_save=false",
@@ -38,6 +43,5 @@ def test_centering_run_trains_on_the_engines_top_k(centering_run):
     assert result.status == "finished" and len(steps) == STEPS
     first = steps[0]
     sampler, policy = first["train/score_centering_sampler_head_mass"], first["train/score_centering_policy_head_mass"]
-    assert 0.0 < sampler <= 1.0
+    assert 0.5 < sampler <= 1.0  # the demo model is sharp: its top 4 hold most of the mass
     assert abs(sampler - policy) < 1e-4, (sampler, policy)
-    assert all(0.0 < r["train/score_centering_policy_head_mass"] <= 1.0 for r in steps)
