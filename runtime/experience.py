@@ -26,8 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from runtime.agents.types import UNKNOWN_VERSION
 from runtime.moe import NO_ROUTING
+
+UNKNOWN_VERSION = -1
+"""policy_versions off the action mask and on padding: `runtime.agents.types.UNKNOWN_VERSION` (not imported: that
+package pulls in the agent stack, which the trainer ranks do not need)."""
 
 
 @dataclass

@@ -32,6 +32,13 @@ def test_versions_are_aligned_like_the_rollout_log_probs():
     assert ((exp.policy_versions >= 0) == exp.action_mask).all()
 
 
+def test_unknown_version_is_one_value_on_both_sides():
+    from runtime import experience
+    from runtime.agents import types
+
+    assert experience.UNKNOWN_VERSION == types.UNKNOWN_VERSION == -1
+
+
 def test_unknown_versions_and_no_versions():
     exp = from_token_lists([[1, 2, 3]], [[(1, 3)]], [[]], pad_id=0, policy_versions=[[]])
     assert exp.policy_versions.tolist() == [[-1, -1]]
@@ -86,3 +93,18 @@ def test_vllm_weight_version_spans_become_one_version_per_token():
     assert token_versions(None, 2) == [-1, -1]
     with pytest.raises(RuntimeError, match="cover 2 of 3"):
         token_versions([_Span("1", 0, 2)], 3)
+
+
+def test_chat_segments_record_the_versions_of_each_turn():
+    from agents_fakes import ByteTokenizer
+
+    from runtime.agents import SamplingParams
+    from runtime.agents.chat_server import Session, _record
+    from runtime.agents.types import GenerateOutput
+
+    session = Session("s", SamplingParams(max_tokens=4), 64, ByteTokenizer(), client=None)
+    _record(session, None, [1, 2], [], GenerateOutput([3, 4], [-0.1, -0.2], policy_versions=[2, 3]))
+    _record(session, session.segments[0], [1, 2, 3, 4, 9], [9], GenerateOutput([5], [-0.3], policy_versions=[3]))
+    seg = session.segments[0]
+    assert seg.policy_versions == [-1, -1, 2, 3, -1, 3]
+    assert len(seg.policy_versions) == len(seg.token_ids) == len(seg.rollout_log_probs)
