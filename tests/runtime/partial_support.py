@@ -26,18 +26,31 @@ ROLLOUTS = 4
 MAX_TOKENS = 400
 
 
+class _Counting:
+    """The router, counting the `generate` calls sent through it (each is submitted to the engine by then)."""
+
+    def __init__(self, inner):
+        self.inner, self.sent = inner, 0
+
+    async def generate(self, *args, **kwargs):
+        self.sent += 1
+        return await self.inner.generate(*args, **kwargs)
+
+
 def generate_across_a_sync(engine, sender, model_dir, new_state: dict) -> tuple[Experience, int, int]:
     """A group of ROLLOUTS long samples; the engine is paused, gets `new_state` as the next version and resumes
     while they are in flight. Returns (the group's Experience, the version before, the version after)."""
     old = ray.get(engine.weights_version.remote())
     new = old + 1
-    runner = AgentRunnerActor(str(AGENT), str(model_dir), Router([engine], "consistent_hash"), 512, {},
+    client = _Counting(Router([engine], "consistent_hash"))
+    runner = AgentRunnerActor(str(AGENT), str(model_dir), client, 512, {},
                               apply_chat_template=True, step_timeout_s=60.0, episode_timeout_s=300.0)
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=1.0, logprobs=True)
 
     async def main():
         group = asyncio.ensure_future(runner.run_group(GroupRequest(0, "1+2=", "3", ROLLOUTS, sampling)))
-        await asyncio.sleep(0.5)  # the group's requests are on their way to the engine
+        while client.sent < ROLLOUTS:  # the group's requests are on their way to the engine
+            await asyncio.sleep(0.005)
         await engine.generate.remote([5, 6, 7], max_tokens=1, temperature=1.0, top_p=1.0, session_id="starter",
                                      logprobs=True)
         await engine.pause.remote()
