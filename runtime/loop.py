@@ -46,7 +46,13 @@ from runtime import algo, ckpt
 from runtime.agents import SamplingParams
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
-from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
+from runtime.experience import (
+    Experience,
+    check_image_alignment,
+    image_token_count,
+    pad_batch_to_multiple,
+    partial_rollout_metrics,
+)
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink, drop_records_after
@@ -290,7 +296,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
             # --- metrics, checkpoint ---
             metrics = {
                 **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
-                **image_metrics(batch, rl.model.path),
+                **image_metrics(batch, rl.model.path), **partial_rollout_metrics(batch, step - 1),
                 **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
                 **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
                 "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,

@@ -29,6 +29,19 @@ METRICS: dict[str, str] = {
     "rollout/response_length_mean": "mean generated (action) tokens per trained rollout",
     "rollout/truncated_rate": "fraction of trained rollouts cut by the token budget or the env",
     "rollout/group_reward_std": "mean over groups of the within-group reward standard deviation",
+    # ── rollout: policy versions per generated token (runtime/experience.py partial_rollout_metrics) ──
+    "rollout/partial_samples_frac": "fraction of trained samples whose generated tokens came from more than one "
+                                    "weights version: a weight sync paused them mid-generation (partial rollout)",
+    "rollout/partial_tokens_frac": "fraction of trained action tokens sampled by an older version than their "
+                                   "sample's newest (the part generated before the sync it crossed)",
+    "rollout/policy_version_min": "oldest weights version (trainer step; 0 = the initial checkpoint) that sampled "
+                                  "a trained action token",
+    "rollout/policy_version_max": "newest weights version that sampled a trained action token",
+    "rollout/policy_version_lag_mean": "token-mean of (weights the batch trains, step - 1) - (version that sampled "
+                                       "the token); the per-token IS correction covers this off-policyness",
+    "rollout/policy_version_lag_max": "max over trained action tokens of that lag",
+    "rollout/tokens_at_lag/<name>": "trained action tokens whose sampling version lags the trained weights by "
+                                    "<name> steps",
     # ── rollout: everything finished since the previous batch (before filters) ──
     "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, "
                                 "step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "

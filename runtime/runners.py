@@ -153,6 +153,8 @@ def _drop_reason(out) -> str | None:
             return "no_action_tokens"
         if sample.rollout_log_probs is not None and len(sample.rollout_log_probs) != len(sample.token_ids):
             return "logprob_misalign"
+        if sample.policy_versions is not None and len(sample.policy_versions) != len(sample.token_ids):
+            return "logprob_misalign"  # the version column is aligned like the logprob one
     return None if out else "empty_tokens"
 
 
@@ -171,7 +173,8 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
     samples = [t for rollout in kept for t in rollout]
     exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
                            [t.rollout_log_probs or [] for t in samples], pad_id,
-                           mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples))
+                           mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples),
+                           policy_versions=[t.policy_versions or [] for t in samples])
     exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
     exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
     exp.truncated = torch.tensor([bool(t.truncated) for t in samples])

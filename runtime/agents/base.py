@@ -33,7 +33,7 @@ from uuid import uuid4
 import numpy as np
 
 from runtime import vlm
-from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
 from runtime.vlm import VlmTruncation
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,9 @@ class Trajectory:
     group_id: str | None = None  # one per prompt group (n rollouts); the group baselines average over it
     rollout_id: str | None = None  # one per rollout; step-samples of one rollout share it
     routed_experts: Any = None  # (<= T, L, k) int16 numpy routing of token_ids (R3), -1 where none; or None
+    # (T,) aligned with token_ids: the weights version that sampled each action token (GenerateOutput.policy_versions),
+    # UNKNOWN_VERSION (-1) off the action ranges; None: not recorded (the runner fills -1)
+    policy_versions: list[int] | None = None
 
     @property
     def num_action_tokens(self) -> int:
@@ -125,8 +128,13 @@ class Trajectory:
             mask[start:end] = [True] * (end - start)
         return mask
 
-    def append_action(self, token_ids: list[int], log_probs: list[float] | None) -> None:
+    def append_action(self, token_ids: list[int], log_probs: list[float] | None,
+                      versions: list[int] | None = None) -> None:
+        """`versions`: the engine's per-token policy versions (empty or None: unknown, -1)."""
         start = len(self.token_ids)
+        if self.policy_versions is None:
+            self.policy_versions = [UNKNOWN_VERSION] * start
+        self.policy_versions.extend(versions if versions else [UNKNOWN_VERSION] * len(token_ids))
         self.token_ids.extend(token_ids)
         self.action_ranges.append((start, len(self.token_ids)))
         if self.rollout_log_probs is not None:
@@ -153,6 +161,8 @@ class Trajectory:
         self.token_ids.extend(token_ids)
         if self.rollout_log_probs is not None:
             self.rollout_log_probs.extend([0.0] * len(token_ids))
+        if self.policy_versions is not None:
+            self.policy_versions.extend([UNKNOWN_VERSION] * len(token_ids))
 
 
 def absorb_routing(have: Any, rows: Any, n_tokens: int) -> Any:
@@ -354,7 +364,8 @@ class StepEnvRunner(Runner):
             traj.score = reward if result.score is None else scalar(result.score, f"{type(env).__name__}.step score")
             traj.info = dict(result.info or {})
 
-            traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None)
+            traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None,
+                               list(out.policy_versions))
             traj.absorb_routing(out.routed_experts)
             traj.observation_text += action_text
             feedback_text, new_mm = result.observation, None

@@ -115,7 +115,8 @@ class ChatAgentRunner(Runner):
                        reward=reward, score=score, truncated=session.truncated or result.truncated,
                        info=dict(result.info or {}), turns=len(seg.action_ranges),
                        finish_reasons=list(session.finish_reasons), images=result.images,
-                       rollout_id=session.session_id, routed_experts=seg.routed_experts)
+                       rollout_id=session.session_id, routed_experts=seg.routed_experts,
+                       policy_versions=seg.policy_versions)
             for seg in segments
         ]
         if not trajectories:  # the agent never called the model: an empty sample the generator drops with a reason

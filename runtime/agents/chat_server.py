@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agents.base import Tokenizer, absorb_routing, tokenize
-from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
 
 MODEL_NAME = "policy"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -49,6 +49,7 @@ class Segment:
     action_ranges: list[tuple[int, int]] = field(default_factory=list)
     text: str = ""  # decode(token_ids), what the next rendering must extend to continue this segment
     routed_experts: Any = None  # (<= T, L, k) int16 routing of token_ids (R3), -1 where none; or None
+    policy_versions: list[int] = field(default_factory=list)  # aligned with token_ids, -1 off the actions
 
 
 @dataclass
@@ -189,14 +190,17 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
 def _record(session: Session, segment: Segment | None, prompt_ids: list[int], delta_ids: list[int],
             out: GenerateOutput) -> None:
     if segment is None:
-        segment = Segment(token_ids=list(prompt_ids), rollout_log_probs=[0.0] * len(prompt_ids))
+        segment = Segment(token_ids=list(prompt_ids), rollout_log_probs=[0.0] * len(prompt_ids),
+                          policy_versions=[UNKNOWN_VERSION] * len(prompt_ids))
         session.segments.append(segment)
     else:
         segment.token_ids.extend(delta_ids)
         segment.rollout_log_probs.extend([0.0] * len(delta_ids))
+        segment.policy_versions.extend([UNKNOWN_VERSION] * len(delta_ids))
     start = len(segment.token_ids)
     segment.token_ids.extend(out.token_ids)
     segment.rollout_log_probs.extend(float(lp) for lp in out.logprobs)
+    segment.policy_versions.extend(out.policy_versions or [UNKNOWN_VERSION] * len(out.token_ids))
     segment.action_ranges.append((start, len(segment.token_ids)))
     segment.routed_experts = absorb_routing(segment.routed_experts, out.routed_experts, len(segment.token_ids))
     segment.text = session.tokenizer.decode(segment.token_ids, skip_special_tokens=False)
