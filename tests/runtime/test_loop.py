@@ -121,3 +121,20 @@ def test_batch_metrics_count_a_multi_sample_rollout_once():
     assert m["rollout/response_length_mean"] == (4 + 1 + 1) / 3
     assert abs(m["rollout/truncated_rate"] - 1 / 3) < 1e-6
     assert m["rollout/group_reward_std"] == (0.5 + 0.0) / 2
+    assert "train/logprob_diff_max" in m
+    assert "train/logprob_diff_max" not in batch_metrics(exp, torch.zeros(4, 3), None)  # no old-logprob pass
+
+
+def test_force_on_policy_windows_are_the_whole_shard():
+    from loop_support import trainer_rl
+
+    from runtime.trainer import PolicyWorker
+
+    fixed = dict(micro_batch_size=2, grad_accum=3, dynamic_batch_max_tokens=None, local_batch_size=None)
+    budget = dict(micro_batch_size=2, grad_accum=1, dynamic_batch_max_tokens=64, local_batch_size=4)
+    for batching, rows in ((fixed, 6), (budget, 4)):
+        for force in (False, True):
+            t = trainer_rl(2, trainer={**batching, "force_on_policy": force}).trainer
+            want = 10 if force else rows
+            assert PolicyWorker.window_rows(t, 10) == want
+            assert len(microbatch.windows(10, PolicyWorker.window_rows(t, 10))) == (1 if force else -(-10 // rows))
