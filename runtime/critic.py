@@ -89,8 +89,8 @@ class CriticWorker(FsdpRank):
     def train(self, batch: Experience) -> dict[str, float]:
         """`critic.max_epochs` passes over this rank's rows, one optimizer step per window (micro_batch x the
         critic's grad_accum rows, or the plan's local batch under dynamic batching; under force_on_policy the whole
-        shard, Molt critic_actor.py:136-137). Returns sums over this rank's
-        micro-batches (the group forms token means) and rank-level scalars."""
+        shard, Molt critic_actor.py:136-137). Returns sums over this rank's micro-batches (the group forms token
+        means) and rank-level scalars."""
         from runtime import algo
 
         c, t = self.c, self.t

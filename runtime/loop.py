@@ -10,9 +10,10 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
 - This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
   soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
   π_ref) with the FSDP group (not when the plan has no old-logprob pass: force_on_policy with KL off, where the
-  training forward's detached log-probs are π_old, Molt B28), the values V_old with the critic group (gae: runtime/critic.py), per-token KL, clipped
-  rewards, advantages and returns (runtime.algo), trains the critic on the returns, trains `max_epochs` passes in
-  optimizer windows of micro_batch × grad_accum rows (force_on_policy: one window, the whole batch) (micro-batches of fixed rows or of a token budget, padded or
+  training forward's detached log-probs are π_old, Molt B28), the values V_old with the critic group (gae:
+  runtime/critic.py), per-token KL, clipped rewards, advantages and returns (runtime.algo), trains the critic on
+  the returns, trains `max_epochs` passes in optimizer windows of micro_batch × grad_accum rows (force_on_policy:
+  one window, the whole batch; micro-batches of fixed rows or of a token budget, padded or
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
   broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
