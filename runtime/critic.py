@@ -95,8 +95,9 @@ class CriticWorker(FsdpRank):
 
         c, t = self.c, self.t
         _, shard, lengths = self._rows(batch)
-        step_rows = (max(shard.batch_size, 1) if t.force_on_policy else t.micro_batch_size * c.grad_accum
-                     if t.dynamic_batch_max_tokens is None else t.local_batch_size)
+        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, local,
+                                           t.force_on_policy)
         sums = {"value_loss_sum": 0.0, "value_clip_frac_x_tokens": 0.0, "tokens": 0.0}
         grad_norms = []
         self.model.train()

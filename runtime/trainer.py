@@ -137,7 +137,9 @@ class PolicyWorker(FsdpRank):
         """
         t = self.t
         _, shard, lengths = self._shard(batch)
-        step_rows = self.window_rows(t, shard.batch_size)
+        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, t.grad_accum, local,
+                                           t.force_on_policy)
         sums: dict[str, float] = {}
         grad_norms = []
         self.model.train()
@@ -154,13 +156,6 @@ class PolicyWorker(FsdpRank):
         sums["optimizer_steps"] = float(len(grad_norms))
         sums["lr"] = self.scheduler.get_last_lr()[0]
         return sums
-
-    @staticmethod
-    def window_rows(t: TrainerPlan, shard_rows: int) -> int:
-        """Rows of one optimizer-step window (Molt policy_actor.py:277-292; critic_actor.py:136-141)."""
-        if t.force_on_policy:
-            return max(shard_rows, 1)
-        return t.micro_batch_size * t.grad_accum if t.dynamic_batch_max_tokens is None else t.local_batch_size
 
     def _window_stats(self, shard: Experience, window: range):
         """The window's denominators of `loss.agg_mode`, summed over every rank (None under token-mean, which uses

@@ -126,15 +126,10 @@ def test_batch_metrics_count_a_multi_sample_rollout_once():
 
 
 def test_force_on_policy_windows_are_the_whole_shard():
-    from loop_support import trainer_rl
-
-    from runtime.trainer import PolicyWorker
-
-    fixed = dict(micro_batch_size=2, grad_accum=3, dynamic_batch_max_tokens=None, local_batch_size=None)
-    budget = dict(micro_batch_size=2, grad_accum=1, dynamic_batch_max_tokens=64, local_batch_size=4)
-    for batching, rows in ((fixed, 6), (budget, 4)):
-        for force in (False, True):
-            t = trainer_rl(2, trainer={**batching, "force_on_policy": force}).trainer
-            want = 10 if force else rows
-            assert PolicyWorker.window_rows(t, 10) == want
-            assert len(microbatch.windows(10, PolicyWorker.window_rows(t, 10))) == (1 if force else -(-10 // rows))
+    # 10 rows on a rank: micro 2 x accum 3 -> windows of 6 rows; a local batch of 4 under dynamic batching
+    for accum, local, rows in ((3, None, 6), (1, 4, 4)):
+        assert microbatch.window_rows(10, 2, accum, local, force_on_policy=False) == rows
+        assert len(microbatch.windows(10, rows)) == (2 if rows == 6 else 3)
+        assert microbatch.window_rows(10, 2, accum, local, force_on_policy=True) == 10  # one step per batch
+    assert microbatch.windows(10, microbatch.window_rows(10, 2, 3, None, True)) == [range(0, 10)]
+    assert microbatch.window_rows(0, 2, 3, None, True) == 1  # an empty shard: one empty window, no zero step
