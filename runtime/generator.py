@@ -263,7 +263,8 @@ class Generator:
                 self._runner_failed(index)
             finally:
                 self.runner_load[index] -= 1
-                self.runners_alone.discard(index)
+                if suspect:  # only the suspect that reserved the runner frees it (a group that merely ran there
+                    self.runners_alone.discard(index)  # would hand another suspect's reservation to new groups)
             suspect = True
         return reason
 
