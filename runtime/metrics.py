@@ -67,6 +67,8 @@ METRICS: dict[str, str] = {
     "train/policy_loss": "token-mean policy surrogate loss (plain mean, for logging)",
     "train/clip_ratio": "fraction of action tokens where the clipped surrogate was active",
     "train/policy_kl": "token-mean log π_old - log π over the update (how far the step moved the policy)",
+    "train/ratio_mean": "token-mean PPO ratio π/π_old (exactly 1 when π_old is the training forward: force_on_policy "
+                        "with KL off)",
     "train/kl": "token-mean KL estimate between π_old and π_ref (0 without a reference model)",
     "train/kl_loss": "token-mean KL term when KL is a loss",
     "train/kl_coef": "KL coefficient used this step (adaptive controllers change it)",
@@ -77,7 +79,8 @@ METRICS: dict[str, str] = {
                                    "from the engine's (runtime/algo/mismatch.py)",
     "train/mismatch/abs_diff_mean": "token-mean |log π_train - log π_rollout| on the trained tokens",
     "train/mismatch/k3_kl": "token-mean k3 estimate of KL(rollout || train) on the trained tokens",
-    "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
+    "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens (absent without an "
+                              "old-logprob pass)",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",
     "train/grad_norm": "gradient norm before clipping (mean over the step's optimizer steps)",
