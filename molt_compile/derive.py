@@ -30,6 +30,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `actor.shuffle_microbatches` | microbatch shuffling (only tp×cp ≤ 1 and no dynamic batching) | G11 |
 | `actor.dynamic_batch_max_tokens` | token cap per microbatch = max_tokens_per_gpu × cp × tp, None when off | G9 |
 | `actor.local_batch_size` | samples per rank per step under dynamic batching = batch // dp, None when off | G9 |
+| `actor.old_logprob_pass` | π_old from a no-grad forward before the step; off under force_on_policy with KL coef 0 and no reference | B28 |
 | `actor.scheduler_steps` * | LR-scheduler length (optimizer steps), None when the dataset size is unknown | B10, B11 |
 | `actor.warmup_steps` * | ceil(scheduler_steps × warmup_ratio) | §1.1 |
 | `ref.exists` | a reference model / teacher is built (`ref:` present) | B8 |
@@ -890,6 +891,7 @@ def _algo(b: _Builder, r: Any) -> None:
         "kl.target set: adaptive controller (C9)" if kl.target else "kl.target unset: fixed coefficient",
         ("algo.kl.target",),
     )
+    _old_logprob_pass(b, r)
     if r.agent is not None:
         b.add("agent.path", r.agent.path, "agent.path (relative to the recipe file)", ("agent.path",))
         b.add("agent.max_turns", r.agent.max_turns, "exported to runners as MAX_AGENT_TURNS", ("agent.max_turns",))
@@ -904,6 +906,22 @@ def _algo(b: _Builder, r: Any) -> None:
     else:
         b.add("agent.path", None, "no `agent:` section (required unless on_policy_distill, A3)", ("agent",))
         b.add("agent.max_turns", 1, "no agent", ("agent",))
+
+
+def _old_logprob_pass(b: _Builder, r: Any) -> None:
+    """B28: under force_on_policy with KL off, the training forward's detached log-probs are π_old (ratio 1)."""
+    coef, ref = b.v("algo.kl.coef"), b.v("ref.exists")
+    if not r.train.force_on_policy:
+        b.add("actor.old_logprob_pass", True, "π_old: a no-grad forward before the step", ("train.force_on_policy",))
+    elif coef != 0 or ref:
+        why = f"algo.kl.coef {coef} > 0" if coef != 0 else "a reference model (`ref:`) whose KL is taken against π_old"
+        b.add("actor.old_logprob_pass", True, f"force_on_policy, but {why}: π_old is computed before the step (B28)",
+              ("train.force_on_policy", "algo.kl.coef", "ref"))
+    else:
+        b.add("actor.old_logprob_pass", False,
+              "force_on_policy with algo.kl.coef 0: the training forward's detached log-probs are π_old, the PPO "
+              "ratio is 1; IS against the rollout log-probs still applies (B28)",
+              ("train.force_on_policy", "algo.kl.coef", "ref"))
 
 
 # ---------------------------------------------------------------------------------------------- schedule

@@ -88,13 +88,16 @@ class CriticWorker(FsdpRank):
 
     def train(self, batch: Experience) -> dict[str, float]:
         """`critic.max_epochs` passes over this rank's rows, one optimizer step per window (micro_batch x the
-        critic's grad_accum rows, or the plan's local batch under dynamic batching). Returns sums over this rank's
-        micro-batches (the group forms token means) and rank-level scalars."""
+        critic's grad_accum rows, or the plan's local batch under dynamic batching; under force_on_policy the whole
+        shard, Molt critic_actor.py:136-137). Returns sums over this rank's micro-batches (the group forms token
+        means) and rank-level scalars."""
         from runtime import algo
 
         c, t = self.c, self.t
         _, shard, lengths = self._rows(batch)
-        step_rows = t.micro_batch_size * c.grad_accum if t.dynamic_batch_max_tokens is None else t.local_batch_size
+        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, local,
+                                           t.force_on_policy)
         sums = {"value_loss_sum": 0.0, "value_clip_frac_x_tokens": 0.0, "tokens": 0.0}
         grad_norms = []
         self.model.train()

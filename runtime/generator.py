@@ -8,7 +8,12 @@ It runs as one async Ray actor next to the trainer loop (`reference/molt_rules.m
 3. produce one batch: keep `generate_batch_size` prompt groups in flight on the runners, take finished groups as
    they come, drop the ones the filters reject (§2.N, counted per reason), backfill with new prompts, stop as soon as
    `batch_size` groups passed. Unfinished and surplus groups persist into the next batch: generation never drains.
-   Without `partial_rollout` the engine lock is held while producing, so a weight sync waits for the batch;
+   Without `partial_rollout` the engine lock is held while producing, so a weight sync waits for the batch; with
+   it a sync pauses the engines mid-batch (in-flight requests are kept, not drained or dropped) and they continue
+   under the new weights. Either way every generated token records the weights version that sampled it
+   (`Experience.policy_versions`; groups left in flight between batches can straddle a sync too, molt_rules.md
+   D12): the trainer loop reports the rollout/partial_* and rollout/policy_version_* metrics, and the per-token IS
+   correction divides by the sampling version's own log-probs (Molt masks nothing: D3);
 4. put a `RolloutBatch` (the Experience itself goes to the object store) and go back to 1.
 
 It ends with `EndOfStream` after `total_steps` batches or when the episodes run out of prompts.

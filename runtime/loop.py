@@ -9,9 +9,11 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   `rollout_slots`, which holds `queue.size` tokens: generation is never more than `queue.size` batches ahead.
 - This loop takes a batch, hands a slot back (before training, so the next batch is generated with the current,
   soon stale, weights; with `force_sync` only after the weight sync, so there is no overlap), computes π_old (and
-  π_ref) with the FSDP group, the values V_old with the critic group (gae: runtime/critic.py), per-token KL, clipped
-  rewards, advantages and returns (runtime.algo), trains the critic on the returns, trains `max_epochs` passes in
-  optimizer windows of micro_batch × grad_accum rows (micro-batches of fixed rows or of a token budget, padded or
+  π_ref) with the FSDP group (not when the plan has no old-logprob pass: force_on_policy with KL off, where the
+  training forward's detached log-probs are π_old, Molt B28), the values V_old with the critic group (gae:
+  runtime/critic.py), per-token KL, clipped rewards, advantages and returns (runtime.algo), trains the critic on
+  the returns, trains `max_epochs` passes in optimizer windows of micro_batch × grad_accum rows (force_on_policy:
+  one window, the whole batch; micro-batches of fixed rows or of a token budget, padded or
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
   broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
@@ -46,7 +48,13 @@ from runtime import algo, ckpt
 from runtime.agents import SamplingParams
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
-from runtime.experience import Experience, check_image_alignment, image_token_count, pad_batch_to_multiple
+from runtime.experience import (
+    Experience,
+    check_image_alignment,
+    image_token_count,
+    pad_batch_to_multiple,
+    partial_rollout_metrics,
+)
 from runtime.generator import EngineLock, Generator, GeneratorSpec
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink, drop_records_after
@@ -233,7 +241,9 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 real = batch.batch_size
                 padded = pad_batch_to_multiple(batch, rl.trainer.row_multiple)
                 padded_ref = ray.put(padded)
-                old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, by the same ranks
+                old = ref = None  # no old-logprob pass (force_on_policy, KL off: B28): the training forward is π_old
+                if rl.trainer.old_logprob_pass:
+                    old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, same ranks
                 if separate_ref is not None:
                     ref = separate_ref.forward_logprobs(padded_ref)
             if rl.algo.kl.ref == "rollout" and rl.algo.kl.coef > 0:
@@ -289,8 +299,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
 
             # --- metrics, checkpoint ---
             metrics = {
-                **msg.metrics, **batch_metrics(batch, adv.advantages, old[:real]),
-                **image_metrics(batch, rl.model.path),
+                **msg.metrics, **batch_metrics(batch, adv.advantages, None if old is None else old[:real]),
+                **image_metrics(batch, rl.model.path), **partial_rollout_metrics(batch, step - 1),
                 **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
                 **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
                 "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
@@ -402,9 +412,10 @@ def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[i
     }
 
 
-def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor) -> dict[str, float]:
+def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor | None) -> dict[str, float]:
     """Rollout statistics count each rollout once: a chat rollout may arrive as several step-samples that share its
-    id and reward (their generated tokens add up, one truncated sample truncates the rollout)."""
+    id and reward (their generated tokens add up, one truncated sample truncates the rollout). `old` is None
+    without an old-logprob pass (then no `train/logprob_diff_max`: the trainer logs `train/mismatch/*`)."""
     mask = batch.action_mask
     ids, sample_to_rollout = torch.unique(batch.rollout_ids, return_inverse=True)
     n = len(ids)
@@ -415,8 +426,7 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
     truncated = torch.zeros(n).scatter_reduce(0, sample_to_rollout, batch.truncated.float(), reduce="amax")
     groups = group_ids.unique()
     group_std = [rewards[group_ids == g].std(unbiased=False) for g in groups]
-    diff = (batch.rollout_log_probs - old).abs() * mask
-    return {
+    out = {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std(unbiased=False)),
         "rollout/score_mean": float(scores.mean()),
@@ -429,8 +439,10 @@ def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor
         "rollout/group_reward_std": float(torch.stack(group_std).mean()),
         "train/advantage_mean": float(algo.masked_mean(advantages, mask)),
         "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
-        "train/logprob_diff_max": float(diff.max()),
     }
+    if old is not None:
+        out["train/logprob_diff_max"] = float(((batch.rollout_log_probs - old).abs() * mask).max())
+    return out
 
 
 def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:

@@ -29,6 +29,19 @@ METRICS: dict[str, str] = {
     "rollout/response_length_mean": "mean generated (action) tokens per trained rollout",
     "rollout/truncated_rate": "fraction of trained rollouts cut by the token budget or the env",
     "rollout/group_reward_std": "mean over groups of the within-group reward standard deviation",
+    # ── rollout: policy versions per generated token (runtime/experience.py partial_rollout_metrics) ──
+    "rollout/partial_samples_frac": "fraction of trained samples whose generated tokens came from more than one "
+                                    "weights version: a weight sync paused them mid-generation (partial rollout)",
+    "rollout/partial_tokens_frac": "fraction of trained action tokens sampled by an older version than their "
+                                   "sample's newest (the part generated before the sync it crossed)",
+    "rollout/policy_version_min": "oldest weights version (trainer step; 0 = the initial checkpoint) that sampled "
+                                  "a trained action token",
+    "rollout/policy_version_max": "newest weights version that sampled a trained action token",
+    "rollout/policy_version_lag_mean": "token-mean of (weights the batch trains, step - 1) - (version that sampled "
+                                       "the token); the per-token IS correction covers this off-policyness",
+    "rollout/policy_version_lag_max": "max over trained action tokens of that lag",
+    "rollout/tokens_at_lag/<name>": "trained action tokens whose sampling version lags the trained weights by "
+                                    "<name> steps",
     # ── rollout: everything finished since the previous batch (before filters) ──
     "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, "
                                 "step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "
@@ -54,6 +67,8 @@ METRICS: dict[str, str] = {
     "train/policy_loss": "token-mean policy surrogate loss (plain mean, for logging)",
     "train/clip_ratio": "fraction of action tokens where the clipped surrogate was active",
     "train/policy_kl": "token-mean log π_old - log π over the update (how far the step moved the policy)",
+    "train/ratio_mean": "token-mean PPO ratio π/π_old (exactly 1 when π_old is the training forward: force_on_policy "
+                        "with KL off)",
     "train/kl": "token-mean KL estimate between π_old and π_ref (0 without a reference model)",
     "train/kl_loss": "token-mean KL term when KL is a loss",
     "train/kl_coef": "KL coefficient used this step (adaptive controllers change it)",
@@ -67,7 +82,8 @@ METRICS: dict[str, str] = {
     "train/score_centering_sampler_head_mass": "token-mean Σ_H q: the sampler's probability mass on the top-k ids "
                                                "it returned (score centering; 1 - its tail)",
     "train/score_centering_policy_head_mass": "token-mean Σ_H p: the policy's mass on the same ids during the update",
-    "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens",
+    "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens (absent without an "
+                              "old-logprob pass)",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",
     "train/grad_norm": "gradient norm before clipping (mean over the step's optimizer steps)",

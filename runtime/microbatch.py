@@ -7,7 +7,7 @@ the same plan from the same batch.
   balancing (`reference/molt_rules.md` G6: equal row counts, total tokens balanced): Karmarkar-Karp's largest
   differencing method with equal-size sets, as Molt's `utils/seqlen_balancing.py`.
 - Windows: one optimizer step per `window` rows of a rank's shard (micro * accum, or the plan's local batch size
-  under dynamic batching), so the step windows are the same with and without a token budget.
+  under dynamic batching, or the whole shard under force_on_policy), so the step windows are the same with and without a token budget.
 - Micro-batches: fixed `micro` rows, or first-fit-decreasing bins of at most `max_tokens` tokens (a longer row gets
   a bin of its own). FSDP ranks must run the same number of forwards, so the caller pads every rank's bin count to
   the maximum over ranks with empty micro-batches (`None`).
@@ -51,6 +51,15 @@ def karmarkar_karp(sizes: list[int], k: int) -> list[list[int]]:
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tiebreak, merged))
         tiebreak += 1
     return [members for _, members in heap[0][2]] if heap else [[] for _ in range(k)]
+
+
+def window_rows(shard_rows: int, micro: int, accum: int, local_batch: int | None, force_on_policy: bool) -> int:
+    """Rows of one optimizer-step window of a rank's shard: micro * accum, the plan's local batch under dynamic
+    batching (`local_batch` not None), or the whole shard under force_on_policy (Molt policy_actor.py:277-292,
+    critic_actor.py:136-141: one optimizer step per rollout batch)."""
+    if force_on_policy:
+        return max(shard_rows, 1)
+    return micro * accum if local_batch is None else local_batch
 
 
 def windows(rows: int, window: int) -> list[range]:

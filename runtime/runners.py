@@ -155,6 +155,8 @@ def _drop_reason(out) -> str | None:
             return "logprob_misalign"
         if sample.top_logprobs is not None and len(sample.top_logprobs) != len(sample.action_ranges):
             return "logprob_misalign"
+        if sample.policy_versions is not None and len(sample.policy_versions) != len(sample.token_ids):
+            return "logprob_misalign"  # the version column is aligned like the logprob one
     return None if out else "empty_tokens"
 
 
@@ -174,7 +176,8 @@ def _group_result(req: GroupRequest, kept: list[list], dropped: Counter, errors:
     exp = from_token_lists([t.token_ids for t in samples], [t.action_ranges for t in samples],
                            [t.rollout_log_probs or [] for t in samples], pad_id,
                            mm_inputs=[t.mm_inputs for t in samples], routed_experts=_routing(samples),
-                           top_logprobs=_top_logprobs(samples))
+                           top_logprobs=_top_logprobs(samples),
+                           policy_versions=[t.policy_versions or [] for t in samples])
     exp.rewards = torch.tensor([float(t.reward) for t in samples], dtype=torch.float32)
     exp.scores = torch.tensor([float(t.score) for t in samples], dtype=torch.float32)
     exp.truncated = torch.tensor([bool(t.truncated) for t in samples])

@@ -128,14 +128,18 @@ class PolicyWorker(FsdpRank):
     # ----------------------------------------------------------------------------------------------- train
     def train(self, batch: Experience, kl_coef: float) -> dict[str, float]:
         """max_epochs passes over this rank's rows, one optimizer step per window (micro_batch * grad_accum rows, or
-        the plan's local batch under dynamic batching), its micro-batches of fixed rows or of a token budget.
+        the plan's local batch under dynamic batching; under force_on_policy the whole shard: one step per rollout
+        batch), its micro-batches of fixed rows or of a token budget. A batch without old log-probs (the plan's
+        `old_logprob_pass` off) takes π_old from the training forward itself (ratio 1).
 
         Returns sums over this rank's micro-batches (token-weighted means are formed by the driver) plus rank-level
         scalars (lr, grad norm, optimizer steps).
         """
         t = self.t
         _, shard, lengths = self._shard(batch)
-        step_rows = t.micro_batch_size * t.grad_accum if t.dynamic_batch_max_tokens is None else t.local_batch_size
+        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, t.grad_accum, local,
+                                           t.force_on_policy)
         sums: dict[str, float] = {}
         grad_norms = []
         self.model.train()
@@ -185,7 +189,8 @@ class PolicyWorker(FsdpRank):
             raise RuntimeError("score centering is on but the batch carries no top-k log-probs from the engines")
         logp, entropy, top_lp = self.top_logprobs(self.model, part, self.t.temperature, self.t.packing,
                                                   with_entropy=ls.entropy_coef != 0, with_top=centered)
-        old = part.old_log_probs.to(dev)
+        # No old log-probs (Molt B28): π_old is this very forward, detached, so the ratio is exactly 1.
+        old = logp.detach() if part.old_log_probs is None else part.old_log_probs.to(dev)
         rollout_lp = part.rollout_log_probs.to(dev)
         is_out = algo.is_correction(old, rollout_lp, mask, level=isc.level, mode=isc.mode, low=isc.low,
                                     high=isc.high, gating=isc.gating)
@@ -339,7 +344,7 @@ def start_trainer_group(rl: RlRuntime, actor_options: list[dict], get: Callable 
     return TrainerGroup(workers=workers, world=t.world, get=get)
 
 
-def fill_for_training(batch: Experience, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
+def fill_for_training(batch: Experience, old: torch.Tensor | None, ref: torch.Tensor | None, advantages: torch.Tensor,
                       returns: torch.Tensor, values: torch.Tensor | None = None) -> Experience:
     return replace(batch, old_log_probs=old, ref_log_probs=ref, advantages=advantages, returns=returns,
                    values=values)

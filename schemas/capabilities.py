@@ -188,15 +188,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 15",
     ),
     Capability(
-        "rl-force-on-policy",
-        "rl",
-        "train.force_on_policy",
-        "on-policy ratios forced to 1",
-        lambda p: p.rl.trainer is not None and p.rl.trainer.force_on_policy,
-        "train.force_on_policy: false (π_old is computed by the trainer before each step)",
-        tracked="issue 15",
-    ),
-    Capability(
         "rl-full-determinism",
         "rl",
         "train.full_determinism",

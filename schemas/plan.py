@@ -454,7 +454,12 @@ class TrainerPlan(PlanModel):
     max_epochs: int
     """Epochs over each rollout batch."""
     force_on_policy: bool
-    """One optimizer step per rollout batch."""
+    """One optimizer step per rollout batch: each rank's whole shard is one accumulation window (Molt G10), for
+    fixed and token-budget micro-batches alike; max_epochs is 1 (BATCH005)."""
+    old_logprob_pass: bool
+    """π_old comes from a no-grad forward of the batch before the step (`forward_logprobs`). False (force_on_policy
+    with KL coef 0 and no reference, Molt B28): the training forward's detached log-probs are π_old, so the PPO
+    ratio is exactly 1; IS against the rollout log-probs still applies."""
     dynamic_batch_max_tokens: int | None
     """Token cap per microbatch (None: fixed-size microbatches)."""
     local_batch_size: int | None

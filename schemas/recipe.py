@@ -486,7 +486,9 @@ class RlTrain(Section):
     async_: AsyncCfg = Field(AsyncCfg(), alias="async")
     """Asynchronous pipeline settings."""
     force_on_policy: bool = False
-    """Treat the whole rollout batch as one optimizer step (needs max_epochs 1)."""
+    """Treat the whole rollout batch as one optimizer step (needs max_epochs 1). With algo.kl.coef 0 and no `ref:`,
+    π_old is the training forward itself (no separate log-prob pass; the PPO ratio is 1, IS against the engine's
+    log-probs still applies; Molt B28)."""
     routing_replay: bool = False
     """R3: replay vLLM's MoE routing in the training forward."""
     dynamic_batch: DynamicBatch | None = None

@@ -273,6 +273,19 @@ def test_steps_with_force_on_policy_and_caps(tmp_path) -> None:
     assert d.value("train.optimizer_steps_per_step") == 1
 
 
+@pytest.mark.parametrize(("force", "kl", "ref", "expected"), [
+    (False, 0.0, None, True),  # π_old from the no-grad forward, as always
+    (True, 0.0, None, False),  # B28: the training forward's detached log-probs are π_old
+    (True, 0.01, None, True),  # KL to the rollout policy is taken against π_old
+    (True, 0.0, {"placement": "colocate"}, True),  # a reference model's KL needs π_old too
+])
+def test_old_logprob_pass_is_skipped_only_under_force_on_policy_without_kl(force, kl, ref, expected) -> None:
+    extra = {} if ref is None else {"ref": ref}
+    d = derive(rl(train={"force_on_policy": force}, algo={"kl": {"coef": kl}}, **extra))
+    assert d.value("actor.old_logprob_pass") is expected
+    assert ("B28" in d["actor.old_logprob_pass"].reason) is force
+
+
 def test_gae_freezing_steps_shorten_actor_schedule(tmp_path) -> None:
     p = _prompts(tmp_path, 64)
     d = derive(rl(data={"prompts": p}, algo={"estimator": "gae"}, actor={"freezing_steps": 3},

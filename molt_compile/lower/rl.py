@@ -304,6 +304,7 @@ def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
     return TrainerPlan.model_construct(
         **batching_fields(r, d),
         force_on_policy=t.force_on_policy,
+        old_logprob_pass=d.value("actor.old_logprob_pass"),
         dynamic_batch_max_tokens=d.value("actor.dynamic_batch_max_tokens"),
         local_batch_size=d.value("actor.local_batch_size"),
         packing=d.value("actor.packing"),

@@ -33,7 +33,7 @@ from uuid import uuid4
 import numpy as np
 
 from runtime import vlm
-from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
 from runtime.vlm import VlmTruncation
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ class Trajectory:
     # Score centering: per action range, in order, the engine's ((n, k) int64 top ids, (n, k) float32 top log-probs)
     # of its n generated tokens; None when no top-k was requested.
     top_logprobs: list[tuple[Any, Any]] | None = None
+    # (T,) aligned with token_ids: the weights version that sampled each action token (GenerateOutput.policy_versions),
+    # UNKNOWN_VERSION (-1) off the action ranges; None: not recorded (the runner fills -1)
+    policy_versions: list[int] | None = None
 
     @property
     def num_action_tokens(self) -> int:
@@ -129,9 +132,10 @@ class Trajectory:
         return mask
 
     def append_action(self, token_ids: list[int], log_probs: list[float] | None,
-                      top: tuple[Any, Any] | None = None) -> None:
-        """One turn's generated ids, their log-probs and, under score centering, the engine's (ids, log-probs) top-k
-        rows (`GenerateOutput.top_ids`, `.top_logprobs`), one per generated id."""
+                      versions: list[int] | None = None, top: tuple[Any, Any] | None = None) -> None:
+        """One turn's generated ids and their log-probs. `versions`: the engine's per-token policy versions (empty or
+        None: unknown, -1); `top`: under score centering, the engine's (ids, log-probs) top-k rows
+        (`GenerateOutput.top_ids`, `.top_logprobs`), one per generated id."""
         start = len(self.token_ids)
         if self.top_logprobs is not None:  # Molt L17: every action token needs its top-k row
             ids, lps = top if top is not None else (None, None)
@@ -139,6 +143,9 @@ class Trajectory:
                 raise RuntimeError(f"engine returned {0 if ids is None else len(ids)} top-k rows for "
                                    f"{len(token_ids)} generated tokens; score centering needs one per token")
             self.top_logprobs.append((np.asarray(ids, dtype=np.int64), np.asarray(lps, dtype=np.float32)))
+        if self.policy_versions is None:
+            self.policy_versions = [UNKNOWN_VERSION] * start
+        self.policy_versions.extend(versions if versions else [UNKNOWN_VERSION] * len(token_ids))
         self.token_ids.extend(token_ids)
         self.action_ranges.append((start, len(self.token_ids)))
         if self.rollout_log_probs is not None:
@@ -165,6 +172,8 @@ class Trajectory:
         self.token_ids.extend(token_ids)
         if self.rollout_log_probs is not None:
             self.rollout_log_probs.extend([0.0] * len(token_ids))
+        if self.policy_versions is not None:
+            self.policy_versions.extend([UNKNOWN_VERSION] * len(token_ids))
 
 
 def absorb_routing(have: Any, rows: Any, n_tokens: int) -> Any:
@@ -370,7 +379,7 @@ class StepEnvRunner(Runner):
             traj.info = dict(result.info or {})
 
             traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None,
-                               (out.top_ids, out.top_logprobs))
+                               list(out.policy_versions), top=(out.top_ids, out.top_logprobs))
             traj.absorb_routing(out.routed_experts)
             traj.observation_text += action_text
             feedback_text, new_mm = result.observation, None

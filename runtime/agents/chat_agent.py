@@ -116,7 +116,8 @@ class ChatAgentRunner(Runner):
                        info=dict(result.info or {}), turns=len(seg.action_ranges),
                        finish_reasons=list(session.finish_reasons), images=result.images,
                        rollout_id=session.session_id, routed_experts=seg.routed_experts,
-                       top_logprobs=seg.top_logprobs)
+                       top_logprobs=seg.top_logprobs,
+                       policy_versions=seg.policy_versions)
             for seg in segments
         ]
         if not trajectories:  # the agent never called the model: an empty sample the generator drops with a reason

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agents.base import Tokenizer, absorb_routing, tokenize
-from runtime.agents.types import GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
 
 MODEL_NAME = "policy"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -50,6 +50,7 @@ class Segment:
     text: str = ""  # decode(token_ids), what the next rendering must extend to continue this segment
     routed_experts: Any = None  # (<= T, L, k) int16 routing of token_ids (R3), -1 where none; or None
     top_logprobs: list | None = None  # score centering: per action range, the engine's (top ids, top log-probs)
+    policy_versions: list[int] = field(default_factory=list)  # aligned with token_ids, -1 off the actions
 
 
 @dataclass
@@ -192,14 +193,17 @@ def _record(session: Session, segment: Segment | None, prompt_ids: list[int], de
             out: GenerateOutput) -> None:
     if segment is None:
         segment = Segment(token_ids=list(prompt_ids), rollout_log_probs=[0.0] * len(prompt_ids),
-                          top_logprobs=[] if session.sampling.top_logprobs else None)
+                          top_logprobs=[] if session.sampling.top_logprobs else None,
+                          policy_versions=[UNKNOWN_VERSION] * len(prompt_ids))
         session.segments.append(segment)
     else:
         segment.token_ids.extend(delta_ids)
         segment.rollout_log_probs.extend([0.0] * len(delta_ids))
+        segment.policy_versions.extend([UNKNOWN_VERSION] * len(delta_ids))
     start = len(segment.token_ids)
     segment.token_ids.extend(out.token_ids)
     segment.rollout_log_probs.extend(float(lp) for lp in out.logprobs)
+    segment.policy_versions.extend(out.policy_versions or [UNKNOWN_VERSION] * len(out.token_ids))
     segment.action_ranges.append((start, len(segment.token_ids)))
     if segment.top_logprobs is not None:  # one (n, k) pair per action range; runners drop a misaligned rollout
         if out.top_ids is not None and len(out.top_ids) == len(out.token_ids):

@@ -15,6 +15,10 @@ FinishReason = Literal["stop", "length", "abort"]
 request, e.g. paused for a weight sync without partial rollout)."""
 
 
+UNKNOWN_VERSION = -1
+"""The policy version of a token no engine sampled (prompt, feedback, padding) or whose engine did not say."""
+
+
 @dataclass(frozen=True)
 class GenerateOutput:
     """What one `generate` call returns.
@@ -34,6 +38,10 @@ class GenerateOutput:
     # of the distribution token_ids[i] was sampled from and their log-probs (same `logprobs_mode`); else None.
     top_ids: Any = None
     top_logprobs: Any = None
+    # (A,) the weights version (`RolloutEngine.weights_version`: the trainer step that produced them, 0 = the
+    # checkpoint the engine started from) that sampled each generated token. With partial rollout a request in flight
+    # across a weight sync has old-version tokens first and new-version ones after; empty: the client does not say.
+    policy_versions: list[int] = field(default_factory=list)
 
 
 @runtime_checkable

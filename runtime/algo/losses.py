@@ -80,6 +80,7 @@ class PolicyLossOutput:
     reported_loss: Tensor  # () plain per-token mean over this micro-batch, for logging
     clip_ratio: Tensor  # () fraction of action tokens clipped
     policy_kl: Tensor  # () masked mean of log π_old − log π (approx KL(π_old‖π))
+    ratio_mean: Tensor  # () masked mean of ρ = π/π_old (exactly 1 when π_old is this forward, detached)
 
 
 def policy_loss(
@@ -121,6 +122,7 @@ def policy_loss(
         reported_loss=masked_mean(loss_mat.detach(), mask),
         clip_ratio=masked_mean(clipped.float(), mask),
         policy_kl=masked_mean(-log_ratio.detach(), mask),
+        ratio_mean=masked_mean(ratio.detach(), mask),
     )
 
 
@@ -168,7 +170,8 @@ def actor_loss(
                       clip_high=clip_high, global_num_tokens=global_num_tokens, dp_size=dp_size,
                       dual_clip=dual_clip, is_coef=is_coef, row_weights=row_weights, centering=centering)
     total = out.loss
-    metrics = {"policy_loss": out.reported_loss, "clip_ratio": out.clip_ratio, "policy_kl": out.policy_kl}
+    metrics = {"policy_loss": out.reported_loss, "clip_ratio": out.clip_ratio, "policy_kl": out.policy_kl,
+               "ratio_mean": out.ratio_mean}
     if ref_log_probs is not None and kl_coef != 0.0:
         kl = kl_estimate(log_probs, ref_log_probs, kl_estimator, action_mask, ref=kl_ref)
         total = total + kl_coef * global_token_mean(kl, action_mask, global_num_tokens, dp_size)

@@ -27,6 +27,9 @@ Weight sync (`runtime.weight_sync`): once, `engine.join_weight_sync.remote(init)
 the trainer's broadcast group; per sync `await engine.pause.remote()` (partial rollout: in-flight requests are
 frozen, not dropped), `engine.receive_weights.remote(version)` while the trainer ranks run `send_weights`,
 `await engine.resume.remote()`; then `engine.score.remote(probe_ids)` gives logprobs to compare with the trainer's.
+A request straddling a sync has tokens of both versions: `GenerateOutput.policy_versions` gives, per generated token,
+the `weights_version` that sampled it (its logprob is that version's too). vLLM recomputes the prefix KV of such a
+request under the new weights; the hf engine keeps the old-weight KV of the tokens before the sync.
 """
 
 from __future__ import annotations

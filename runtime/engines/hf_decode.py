@@ -162,6 +162,7 @@ class Request:
     handle: Any = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the core's `version` when each token was sampled
     finish_reason: str | None = None
     limit: int = 0  # tokens it may generate: max_tokens, cut to the context length
     routed: list = field(default_factory=list)  # (n, L, k) int16 numpy chunks of routing (R3), prompt first
@@ -220,6 +221,7 @@ class DecodeCore:
         self.pending_lock = threading.Lock()
         self.active: dict[int, Request] = {}  # slot -> request
         self.free = list(range(slots))
+        self.version = 0  # weights version of the model, set by the engine after each load (between chunks)
         # R3: each decode step's routers copy their top-k into this fixed buffer (a CUDA graph replays the copy).
         layers, top_k = moe.shape_of(model)
         self.record_routing = record_routing and layers > 0
@@ -425,6 +427,7 @@ class DecodeCore:
         for tok, lp in zip(tokens, logprobs, strict=True):
             r.token_ids.append(tok)
             r.logprobs.append(lp)
+            r.versions.append(self.version)  # a chunk runs under one version: loads happen only between chunks
             if tok in self.eos_ids:
                 r.finish_reason = "stop"
                 return True

@@ -115,7 +115,8 @@ class HfEngine:
         top_ids, top_lps = r.top_arrays()
         return GenerateOutput(token_ids=r.token_ids, logprobs=r.logprobs if logprobs else [],
                               finish_reason=r.finish_reason, routed_experts=r.routed_experts(),
-                              top_ids=top_ids, top_logprobs=top_lps)
+                              top_ids=top_ids, top_logprobs=top_lps,
+                              policy_versions=r.versions)
 
     async def score(self, token_ids: list[int]) -> list[float]:
         return await asyncio.get_running_loop().run_in_executor(self._thread, self._score, list(token_ids))
@@ -143,7 +144,7 @@ class HfEngine:
     async def receive_weights(self, version: int) -> dict[str, float]:
         """One sync: receive the streamed buckets and copy each into the model as it arrives."""
         stats = await asyncio.to_thread(self._receive)
-        self._version = version
+        self._version = self.core.version = version  # tokens sampled from the next chunk on carry it
         return stats
 
     async def weights_version(self) -> int:

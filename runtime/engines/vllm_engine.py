@@ -8,12 +8,19 @@ logprobs mode, prefix caching, the recipe's extra engine args); nothing is defau
   the plan's `processed_logprobs` mode vLLM takes the top-k and the sampled token's log-prob from the same
   processed (tempered) log-softmax it samples from (`v1/sample/sampler.py`).
 - `pause`/`resume` use vLLM's scheduler pause in `keep` mode: requests in flight are frozen and continue after the
-  weight update (partial rollout), new requests queue.
+  weight update (partial rollout), new requests queue. Nothing is aborted or drained: `pause_generation(mode="keep",
+  clear_cache=False)` sets the scheduler to PAUSED_ALL (no step runs) and returns once the outputs already sampled
+  have been sent; `resume_generation` lets the same requests be scheduled again.
+- Per-token policy versions: `receive_weights` ends with `finish_weight_update(weight_version=str(version))`, which
+  sets the engine core's weight label; the core stamps every step's outputs with it and the output processor keeps,
+  per request, the spans of output tokens sampled under each label (`CompletionOutput.weight_versions`, vLLM 0.32).
+  `generate` turns them into `GenerateOutput.policy_versions`, one per token.
 - Weight sync goes through vLLM's weight-transfer API with the `molt_broadcast` backend (`vllm_worker`):
   `join_weight_sync` makes every worker join the trainer's broadcast group once; `receive_weights` runs one
   start/update/finish round (each worker receives the buckets and loads them as they arrive), then resets the
   prefix cache *including* running requests: they are preempted and their KV recomputed under the new weights, so
-  no cached block of the old policy is ever reused.
+  no cached block of the old policy is ever reused. The tokens they had sampled stay (with the old version and the
+  old policy's logprobs: what the IS correction needs); only their KV is recomputed when they are rescheduled.
 - a VLM prompt (`images`) goes in with each run of image placeholders collapsed to one (`runtime.vlm`).
 - `score` uses `prompt_logprobs=0`: log-softmax of the raw logits, i.e. temperature 1, like the trainer's probe.
 
@@ -29,7 +36,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.agents.types import GenerateOutput
+from runtime.agents.types import UNKNOWN_VERSION, GenerateOutput
 from runtime.engines.weights import image_token_id, tied_embeddings
 from runtime.vlm import collapse_image_runs
 
@@ -123,7 +130,8 @@ class VllmEngine:
         return GenerateOutput(token_ids=token_ids, logprobs=lps,
                               finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
                               routed_experts=None if routed is None else routed.astype("int16"),
-                              top_ids=top_ids, top_logprobs=top_lps)
+                              top_ids=top_ids, top_logprobs=top_lps,
+                              policy_versions=token_versions(completion.weight_versions, len(token_ids)))
 
     async def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams, TokensPrompt
@@ -159,7 +167,7 @@ class VllmEngine:
 
         await self.engine.start_weight_update()
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
-        await self.engine.finish_weight_update()
+        await self.engine.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
         # Preempts running requests so their KV is recomputed with the new weights (see the module docstring).
         await self.engine.reset_prefix_cache(reset_running_requests=True)
         self._version = version
@@ -174,3 +182,17 @@ class VllmEngine:
     async def shutdown(self) -> None:
         """Stop the engine core and its workers (they also exit by themselves when this actor dies)."""
         self.engine.shutdown()
+
+
+def token_versions(spans, n_tokens: int) -> list[int]:
+    """Per generated token, the weights version that sampled it, from vLLM's `CompletionOutput.weight_versions`
+    (spans `[start, end)` of output tokens per version label; the label is `str(version)` after a sync and
+    vLLM's `"default"` before the first one, i.e. version 0, the checkpoint the engine started from)."""
+    if spans is None:  # vLLM labels every step's output; only a request aborted before any output has none
+        return [UNKNOWN_VERSION] * n_tokens
+    out: list[int] = []
+    for span in spans:
+        out.extend([0 if span.version == "default" else int(span.version)] * (span.end - span.start))
+    if len(out) != n_tokens:
+        raise RuntimeError(f"vLLM's weight-version spans cover {len(out)} of {n_tokens} generated tokens")
+    return out

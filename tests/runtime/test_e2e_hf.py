@@ -42,3 +42,16 @@ def test_hf_engine_serves_the_trainers_weights(hf_run):
     assert max(r["weight_sync/logprob_diff_max"] for r in steps) < 1e-4
     # through the broadcast group, the same bytes every step
     assert len({r["weight_sync/bytes"] for r in steps}) == 1 and steps[0]["weight_sync/bytes"] > 0
+
+
+def test_every_step_reports_the_policy_versions_it_trains_on(hf_run):
+    """Each trained token's sampling version is known and no newer than the weights the step trains (step - 1);
+    the queue is 2 deep and groups carry over between batches, so tokens lag those weights by 0 to a few steps."""
+    _, steps = hf_run
+    for r in steps:
+        assert 0 <= r["rollout/policy_version_min"] <= r["rollout/policy_version_max"] <= r["step"] - 1
+        assert r["rollout/policy_version_lag_max"] == r["step"] - 1 - r["rollout/policy_version_min"]
+        assert 0 <= r["rollout/partial_tokens_frac"] <= 1 and 0 <= r["rollout/partial_samples_frac"] <= 1
+        assert (r["rollout/partial_tokens_frac"] > 0) == (r["rollout/partial_samples_frac"] > 0)
+    assert steps[0]["rollout/policy_version_max"] == 0  # the first batch: the checkpoint's weights only
+    assert max(r["rollout/policy_version_lag_mean"] for r in steps) > 0  # asynchronous: some tokens are stale

@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import ray
 import torch
+from partial_support import check_versions_and_metrics, generate_across_a_sync
 from transformers import AutoModelForCausalLM
 
 from runtime.agents.types import GenerateOutput
@@ -146,6 +147,19 @@ def test_pause_freezes_in_flight_requests_until_resume(engine):
     outs = ray.get(refs + [late], timeout=300)
     assert all(o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.token_ids) for o in outs)
     assert any(len(o.token_ids) == 300 for o in outs[:-1])
+
+
+def test_a_group_generated_across_a_sync_carries_both_policy_versions(engine, model_dir, sender):
+    """Partial rollout: requests in flight survive the sync, each token carries the version that sampled it (the
+    tokens before the sync keep their old-weight KV: not recomputed), and the metrics count the crossing."""
+    gen = torch.Generator().manual_seed(5)
+    original = {k: v for k, v in reference(model_dir).state_dict().items() if k != "lm_head.weight"}
+    state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in original.items()}
+    try:
+        exp, old, new = generate_across_a_sync(engine, sender, model_dir, state)
+        check_versions_and_metrics(exp, old, new, reference(model_dir), LOGPROB_TOL)
+    finally:
+        sender.push(original, ray.get(engine.weights_version.remote()) + 1)
 
 
 # ---------------------------------------------------------------- the decode core, in process (no Ray)

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import ray
 import torch
+from partial_support import check_versions_and_metrics, generate_across_a_sync, teacher_forced
 from transformers import AutoModelForCausalLM
 
 from runtime.agents.types import GenerateOutput
@@ -187,6 +188,25 @@ def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_d
         assert out.finish_reason == "stop" or len(out.token_ids) == 400
         assert len(out.logprobs) == len(out.token_ids)
     assert outs[-1].finish_reason in ("stop", "length") and len(outs[-1].token_ids) >= 1
+
+
+def test_a_group_generated_across_a_sync_carries_both_policy_versions(engine, model_dir, sender):
+    """Partial rollout: requests in flight survive the sync (paused in `keep` mode, not aborted), each token carries
+    the version that sampled it (vLLM's weight-version spans), and the metrics count the crossing. The running
+    requests are preempted at the sync and their prefix recomputed: the tokens sampled after it have exactly the new
+    weights' log-probs, over the whole prefix."""
+    state = perturbed_state(model_dir, seed=7)
+    try:
+        exp, old, new = generate_across_a_sync(engine, sender, model_dir, state)
+        crossed = check_versions_and_metrics(exp, old, new, hf_model(model_dir), LOGPROB_TOL)
+        trainer = hf_model(model_dir, {**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+        for row in crossed:
+            after = exp.action_mask[row] & (exp.policy_versions[row] == new)
+            diff = (exp.rollout_log_probs[row] - teacher_forced(trainer, exp, row)).abs()
+            assert float(diff[after].max()) < LOGPROB_TOL
+    finally:
+        original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+        sender.push(original, ray.get(engine.weights_version.remote()) + 1)
 
 
 def test_layerwise_reload_no_longer_warns_about_computed_buffers():

@@ -10,7 +10,7 @@ from runtime.runners import GroupResult
 def _generator(n: int) -> Generator:
     g = Generator.__new__(Generator)
     g.spec = SimpleNamespace(n_samples_per_prompt=n, dynamic_filtering=(0.01, 0.99))
-    g.ready, g.window, g.prompts_dropped = [], _Window(), Counter()
+    g.ready, g.window, g.prompts_dropped, g.dropped_positions = [], _Window(), Counter(), {}
     g.runner_failures = g.runner_restarts = g.consumed = 0
     return g
 
@@ -21,12 +21,13 @@ def test_pass_rate_counts_the_window_not_the_batch():
     g = _generator(2)
     mixed = [0.0, 1.0]  # mean 0.5: passes the (0.01, 0.99) filter
     for i in range(12):
-        g._accept(GroupResult(i, experience=object(), rewards=mixed, scores=mixed))
+        g._accept(GroupResult(i, experience=object(), rewards=mixed, scores=mixed), i)
     g.ready = g.ready[8:]  # 8 went into the batch
     assert g.window.flush(g)["rollout/dynamic_filtering_pass_rate"] == 1.0
-    g._accept(GroupResult(12, experience=object(), rewards=mixed, scores=mixed))
-    g._accept(GroupResult(13, experience=object(), rewards=[1.0, 1.0], scores=[1.0, 1.0]))  # all pass: filtered
+    g._accept(GroupResult(12, experience=object(), rewards=mixed, scores=mixed), 12)
+    g._accept(GroupResult(13, experience=object(), rewards=[1.0, 1.0], scores=[1.0, 1.0]), 13)  # all pass: filtered
     assert len(g.ready) == 5
     m = g.window.flush(g)
     assert m["rollout/dynamic_filtering_pass_rate"] == 0.5
     assert m["prompts/dropped/dynamic_filter"] == 1
+    assert g.dropped_positions == {"dynamic_filter": [13]}  # done: a resume does not send it again

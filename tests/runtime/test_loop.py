@@ -121,3 +121,15 @@ def test_batch_metrics_count_a_multi_sample_rollout_once():
     assert m["rollout/response_length_mean"] == (4 + 1 + 1) / 3
     assert abs(m["rollout/truncated_rate"] - 1 / 3) < 1e-6
     assert m["rollout/group_reward_std"] == (0.5 + 0.0) / 2
+    assert "train/logprob_diff_max" in m
+    assert "train/logprob_diff_max" not in batch_metrics(exp, torch.zeros(4, 3), None)  # no old-logprob pass
+
+
+def test_force_on_policy_windows_are_the_whole_shard():
+    # 10 rows on a rank: micro 2 x accum 3 -> windows of 6 rows; a local batch of 4 under dynamic batching
+    for accum, local, rows in ((3, None, 6), (1, 4, 4)):
+        assert microbatch.window_rows(10, 2, accum, local, force_on_policy=False) == rows
+        assert len(microbatch.windows(10, rows)) == (2 if rows == 6 else 3)
+        assert microbatch.window_rows(10, 2, accum, local, force_on_policy=True) == 10  # one step per batch
+    assert microbatch.windows(10, microbatch.window_rows(10, 2, 3, None, True)) == [range(0, 10)]
+    assert microbatch.window_rows(0, 2, 3, None, True) == 1  # an empty shard: one empty window, no zero step
