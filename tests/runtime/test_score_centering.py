@@ -114,10 +114,10 @@ def test_a_trajectory_refuses_misaligned_top_k():
 
     traj = Trajectory(prompt="", label=None, observation_text="", token_ids=[1, 2], rollout_log_probs=[0.0, 0.0],
                       top_logprobs=[])
-    traj.append_action([3, 4], [-0.1, -0.2], _top(2, 0))
+    traj.append_action([3, 4], [-0.1, -0.2], top=_top(2, 0))
     assert len(traj.top_logprobs) == 1 and traj.top_logprobs[0][0].shape == (2, K)
     with pytest.raises(RuntimeError, match="top-k rows"):
-        traj.append_action([5, 6, 7], [-0.1, -0.2, -0.3], _top(2, 0))
+        traj.append_action([5, 6, 7], [-0.1, -0.2, -0.3], top=_top(2, 0))
 
 
 # --------------------------------------------------------------------------------------------------- head pass
