@@ -48,6 +48,7 @@ from runtime import algo, ckpt
 from runtime.agents import SamplingParams
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
+from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
     check_image_alignment,
@@ -120,8 +121,9 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     with sup.phase("placement groups", "the Ray cluster", "cluster"):
         pgs = create_placement_groups(plan, sup)
     started.pgs = list(pgs.values())
-    with sup.phase("engine start-up", "rollout.engine", "rollout"):
-        engines, router = start_rollout(plan, pgs, sup)
+    # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both take
+    # minutes. A watched engine that dies meanwhile ends the run by name.
+    engines, router = start_rollout(plan, pgs, sup, wait=False)
     started.handles += engines
     for i, e in enumerate(engines):
         sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
@@ -146,6 +148,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
         started.groups.append(separate_ref)
         for r, w in enumerate(separate_ref.workers):
             sup.watch(f"ref[{r}] (reference rank {r})", w, "ready", "ref")
+    with sup.phase("engine start-up", "rollout.engine", "rollout"):
+        sup.get(engines_ready(engines))
     step, kl_coef, books = 0, rl.algo.kl.coef, Books()
     last_ckpt = None
     if resume_from is not None:
@@ -537,16 +541,19 @@ def _node_sorted_bundles(pg) -> list[int]:
     return sorted(nodes, key=lambda b: (nodes[b], b))
 
 
-def start_rollout(plan: Plan, pgs: dict, sup: Supervisor) -> tuple[list, object]:
-    """The engines (one actor per engine, in its bundle) and the router the runners call them through."""
-    from runtime.engines import start_engines
+def start_rollout(plan: Plan, pgs: dict, sup: Supervisor, wait: bool = True) -> tuple[list, object]:
+    """The engines (one actor per engine, in its bundle) and the router the runners call them through. Without
+    `wait` the engines are still loading their model (the caller waits on `engines_ready`)."""
+    from runtime.engines import create_engines, engines_ready
     from runtime.engines.router import Router
 
     rl = plan.rl
     role = plan.role("rollout.engine")
-    engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group],
-                            log_dir=Path(rl.logging.out_dir) / "logs",
-                            names=[f"{plan.name}.engine[{i}]" for i in range(len(role.instances))], get=sup.get)
+    engines = create_engines(rl.engines, role, rl.model.path, pgs[role.placement_group],
+                             log_dir=Path(rl.logging.out_dir) / "logs",
+                             names=[f"{plan.name}.engine[{i}]" for i in range(len(role.instances))])
+    if wait:
+        sup.get(engines_ready(engines))  # init errors surface here, not at a generate
     return engines, Router(engines, rl.engines.router_policy)
 
 
