@@ -90,7 +90,7 @@ def startup_problems(plan) -> list[str]:
                 for c in unimplemented(plan)]
     if problems or plan.kind != "rl":
         return problems
-    from runtime.loop import generator_spec
+    from runtime.roles import generator_spec
 
     generator_spec(plan)  # the one slice the loop builds; the other actors take their plan sections unchanged
     return problems

@@ -17,8 +17,9 @@ from pathlib import Path
 import ray
 
 from runtime.generator import EngineLock, Generator
-from runtime.loop import RunResult, create_placement_groups, generator_spec, role_options, start_rollout, start_runners
+from runtime.loop import RunResult
 from runtime.metrics import MetricsSink
+from runtime.roles import create_placement_groups, generator_spec, role_options, start_rollout, start_runners
 from runtime.supervisor import Started, Supervisor
 from schemas.plan import Plan
 

@@ -27,7 +27,8 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   the records logged after the save (metrics.jsonl, prompts.jsonl) are dropped before they are logged again.
 - Not done here: what `schemas/capabilities.py` lists (the compiler refuses plans that ask for it, CAP001).
 
-The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles).
+The driver process is the controller and the trainer loop (the plan's `controller` and `trainer` roles); what it
+starts, and with which options, is runtime/roles.py.
 """
 
 from __future__ import annotations
@@ -40,14 +41,12 @@ from pathlib import Path
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.queue import Queue
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import algo, ckpt
-from runtime.agents import SamplingParams
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
+from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
     check_image_alignment,
@@ -55,12 +54,20 @@ from runtime.experience import (
     pad_batch_to_multiple,
     partial_rollout_metrics,
 )
-from runtime.generator import EngineLock, Generator, GeneratorSpec
+from runtime.generator import EngineLock, Generator
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
 from runtime.reference import start_reference_group
-from runtime.runners import AgentRunnerActor
+from runtime.roles import (
+    actor_options,
+    create_placement_groups,
+    generator_spec,
+    probe_sequence,
+    role_options,
+    start_rollout,
+    start_runners,
+)
 from runtime.supervisor import RunAborted, RunStopped, Started, StopFlag, Supervisor
 from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
@@ -120,8 +127,9 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     with sup.phase("placement groups", "the Ray cluster", "cluster"):
         pgs = create_placement_groups(plan, sup)
     started.pgs = list(pgs.values())
-    with sup.phase("engine start-up", "rollout.engine", "rollout"):
-        engines, router = start_rollout(plan, pgs, sup)
+    # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both take
+    # minutes. A watched engine that dies meanwhile ends the run by name.
+    engines, router = start_rollout(plan, pgs, sup, wait=False)
     started.handles += engines
     for i, e in enumerate(engines):
         sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
@@ -146,6 +154,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
         started.groups.append(separate_ref)
         for r, w in enumerate(separate_ref.workers):
             sup.watch(f"ref[{r}] (reference rank {r})", w, "ready", "ref")
+    with sup.phase("engine start-up", "rollout.engine", "rollout"):
+        sup.get(engines_ready(engines))
     step, kl_coef, books = 0, rl.algo.kl.coef, Books()
     last_ckpt = None
     if resume_from is not None:
@@ -489,118 +499,3 @@ def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows, *t.shape[1:])]) if rows else t
-
-
-# ---------------------------------------------------------------------------------------------------- setup
-def create_placement_groups(plan: Plan, sup: Supervisor) -> dict[str, object]:
-    pgs = {p.name: placement_group(p.bundles, strategy=p.strategy, name=f"{plan.name}-{p.name}")
-           for p in plan.placement_groups}
-    try:
-        sup.get([pg.ready() for pg in pgs.values()])
-    except RunAborted:
-        for pg in pgs.values():
-            ray.util.remove_placement_group(pg)
-        raise
-    return pgs
-
-
-def role_options(plan: Plan, role_name: str) -> dict:
-    role = plan.role(role_name)
-    opts = {"num_cpus": role.ray_options.num_cpus, "num_gpus": role.ray_options.num_gpus}
-    if role.ray_options.resources:
-        opts["resources"] = dict(role.ray_options.resources)
-    if role.env:
-        opts["runtime_env"] = {"env_vars": dict(role.env)}
-    if role.scheduling == "SPREAD":
-        opts["scheduling_strategy"] = "SPREAD"
-    return opts
-
-
-def actor_options(plan: Plan, role_name: str, index: int, pgs: dict) -> dict:
-    """`.options()` of instance `index`: the role's resources, in its bundle of the placement group.
-
-    FSDP rank r goes to the r-th bundle in node-sorted order (Ray PACK does not promise bundle order = node order).
-    """
-    role = plan.role(role_name)
-    opts = role_options(plan, role_name)
-    pg = pgs[role.placement_group]
-    bundle = role.instances[index].bundle_indices[0]
-    if role_name in ("actor", "ref", "critic"):
-        bundle = _node_sorted_bundles(pg)[bundle]
-    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                   placement_group_bundle_index=bundle)
-    return opts
-
-
-def _node_sorted_bundles(pg) -> list[int]:
-    nodes = placement_group_table(pg)["bundles_to_node_id"]
-    return sorted(nodes, key=lambda b: (nodes[b], b))
-
-
-def start_rollout(plan: Plan, pgs: dict, sup: Supervisor) -> tuple[list, object]:
-    """The engines (one actor per engine, in its bundle) and the router the runners call them through."""
-    from runtime.engines import start_engines
-    from runtime.engines.router import Router
-
-    rl = plan.rl
-    role = plan.role("rollout.engine")
-    engines = start_engines(rl.engines, role, rl.model.path, pgs[role.placement_group],
-                            log_dir=Path(rl.logging.out_dir) / "logs",
-                            names=[f"{plan.name}.engine[{i}]" for i in range(len(role.instances))], get=sup.get)
-    return engines, Router(engines, rl.engines.router_policy)
-
-
-def start_runners(plan: Plan, router) -> list:
-    rl = plan.rl
-    cls = ray.remote(AgentRunnerActor)
-    # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
-    return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
-                        name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template,
-        rl.data.max_images_per_prompt, step_timeout_s=rl.agent.step_timeout_s, episode_timeout_s=rl.agent.episode_timeout_s)
-        for i in range(rl.agent.runners)]
-
-
-def runner_name(plan: Plan, index: int) -> str:
-    return f"{plan.name}.runner[{index}]"
-
-
-def _sampling(s) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs,
-                          top_logprobs=s.top_logprobs)
-
-
-def generator_spec(plan: Plan) -> GeneratorSpec:
-    rl = plan.rl
-    ev = rl.eval
-    return GeneratorSpec(
-        prompt_paths=tuple(rl.data.prompts), split=rl.data.split, prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
-        input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
-        image_key=rl.data.image_key if rl.data.max_images_per_prompt > 0 else None,
-        max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
-        n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
-        batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,
-        episodes=rl.generator.episodes, total_steps=rl.schedule.total_steps,
-        dynamic_filtering=tuple(rl.generator.dynamic_filtering) if rl.generator.dynamic_filtering else None,
-        partial_rollout=rl.queue.partial_rollout, seed=rl.generator.seed,
-        max_prompt_attempts=rl.agent.max_prompt_attempts, group_timeout_s=rl.agent.group_timeout_s,
-        rollout_dump_dir=rl.generator.rollout_dump_dir, rollout_replay_dir=rl.generator.rollout_replay_dir,
-        eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
-        eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
-        eval_pass_k=tuple(ev.pass_k),
-    )
-
-
-def probe_sequence(plan: Plan) -> list[int]:
-    """A fixed token sequence for the post-sync check: the first prompt of the dataset, rendered, plus its label."""
-    from transformers import AutoTokenizer
-
-    from runtime.datasource import read_prompts
-    from runtime.runners import render
-
-    rl = plan.rl
-    tok = AutoTokenizer.from_pretrained(rl.model.path)
-    prompt, label, tools = read_prompts(rl.data.prompts[0], rl.data.split, rl.data.input_key, rl.data.label_key,
-                                        rl.data.tools_key, 1)[0]
-    text = render(tok, prompt, rl.data.apply_chat_template, tools) + ("" if label is None else str(label))
-    return tok.encode(text, add_special_tokens=False)[-rl.data.max_len:]

@@ -41,7 +41,7 @@ from runtime.agents.types import GenerateOutput
 if TYPE_CHECKING:
     from schemas.plan import EnginesPlan, RolePlan
 
-__all__ = ["GenerateOutput", "RolloutEngine", "engine_class", "start_engines"]
+__all__ = ["GenerateOutput", "RolloutEngine", "create_engines", "engine_class", "engines_ready", "start_engines"]
 
 # Engine actors serve many agent episodes at once: each pending `generate` is an awaiting coroutine in the actor.
 ENGINE_MAX_CONCURRENCY = 10_000
@@ -117,8 +117,23 @@ def _ray_executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[s
 
 def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None,
                   log_dir: Any = None, names: list[str] | None = None, get: Any = None) -> list[Any]:
+    """`create_engines`, then wait until all have loaded the model (through `get`: the driver's supervisor)."""
+    import ray
+
+    handles = create_engines(engines, role, model_path, placement_group, log_dir, names)
+    (get or ray.get)(engines_ready(handles))  # init errors surface here, not at a generate
+    return handles
+
+
+def engines_ready(handles: list[Any]) -> list[Any]:
+    """One ref per engine that resolves once it has loaded its model."""
+    return [h.weights_version.remote() for h in handles]
+
+
+def create_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None,
+                   log_dir: Any = None, names: list[str] | None = None) -> list[Any]:
     """Create one engine actor per `role.instances` entry (named `names[i]` when given, so that operators and the
-    fault tests can find it) and wait until all have loaded the model (through `get`: the driver's supervisor).
+    fault tests can find it), without waiting: they load the model while the caller goes on (`engines_ready`).
     With `log_dir`, engine i's vLLM INFO lines go to `<log_dir>/engine-<i>.log` (warnings stay on the terminal)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -148,5 +163,4 @@ def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placeme
         if names is not None:
             options["name"] = names[inst.index]
         handles.append(cls.options(**options).remote(engines, inst.index, model_path))
-    (get or ray.get)([h.weights_version.remote() for h in handles])  # init errors surface here, not at a generate
     return handles

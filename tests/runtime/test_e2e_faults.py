@@ -33,7 +33,7 @@ def kill_runner_after_first_step(plan, killed: dict) -> None:
     """Wait for the first logged step, SIGKILL runner 0's process, then wait for Ray to bring it back."""
     import ray
 
-    from runtime.loop import runner_name
+    from runtime.roles import runner_name
 
     metrics = ROOT / plan.rl.logging.out_dir / "metrics.jsonl"
     deadline = time.time() + 600

@@ -143,8 +143,8 @@ def test_replay_serves_the_dumped_batches_then_ends(runs):
     from ray.util.queue import Queue
 
     from runtime.generator import EngineLock, Generator
-    from runtime.loop import generator_spec
     from runtime.messages import EndOfStream, RolloutBatch
+    from runtime.roles import generator_spec
 
     steps = len(runs["prompts"])
     dumps = [torch.load(ROOT / DUMP / f"rollout_step{n}.pt", weights_only=False) for n in range(1, steps + 1)]
