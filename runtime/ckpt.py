@@ -7,6 +7,10 @@ Layout under the plan's `ckpt.dir`:
       critic/               the critic's DCP checkpoint and scheduler.pt, laid out the same (gae only)
       trainer_state.json    written last by the driver: step, KL coefficient, the prompt books (positions done)
 
+    best/                   with `ckpt.best_metric_key` (RL): the same layout, for the eval round with the highest
+                            value of that metric so far; its trainer_state.json adds `best_metric_key`, `best_metric`.
+                            Never pruned (Molt protects `best_*`, M5); replaced when an eval improves on it.
+
 A save is written into `step_000010.tmp/` and renamed into place once its state file is in: a kill at any point
 of a save leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save;
 `prune` removes leftovers of interrupted saves.
@@ -34,6 +38,7 @@ HF_SNAPSHOTS = "_hf"
 """With `ckpt.save_hf`, each save also writes an HF snapshot to `<ckpt.dir>/_hf/step_NNNNNN` (Molt's
 `ckpt.path/_hf/<tag>`), pruned to `ckpt.keep`."""
 CRITIC_DIR = "critic"
+BEST_DIR = "best"
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +159,30 @@ def prune_snapshots(root: str | Path, keep: int) -> None:
     if keep > 0:
         for p in _saves(root)[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def best_record(root: str | Path) -> dict | None:
+    """The state of the best checkpoint under `root` (step, metric key and value), None when there is none."""
+    state = Path(root) / BEST_DIR / STATE_FILE
+    return json.loads(state.read_text()) if state.is_file() else None
+
+
+def improves(metrics: dict[str, float], key: str, best: float | None) -> bool:
+    """Molt's `save_best_checkpoint`: higher is better, the first eval with the metric saves, ties keep the older."""
+    return key in metrics and (best is None or metrics[key] > best)
+
+
+def save_best(trainer, critic, root: str | Path, state: dict) -> Path:
+    """Write `<root>/best` like a regular save (ranks into `best.tmp`, the state last, one rename), replacing the
+    previous best; `state` is the trainer state plus `best_metric_key` and `best_metric`."""
+    tmp = Path(root) / (BEST_DIR + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    trainer.save_checkpoint(str(tmp))
+    if critic is not None:
+        critic.save_checkpoint(str(tmp / CRITIC_DIR))
+    write_state(tmp, state)
+    return publish(tmp)
 
 
 def dir_bytes(path: Path) -> int:

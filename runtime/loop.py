@@ -168,7 +168,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
-    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, get=sup.get)
+    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, rl.train.check_weight_update_equal,
+                          get=sup.get)
     with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
         link.connect()
         if step > 0:  # resumed weights must reach the engines before the first rollout
@@ -201,6 +202,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     timeline: list[dict] = []
     status = "finished"
     last_eval_step = -1
+    best = (ckpt.best_record(rl.ckpt.dir) or {}).get("best_metric") if resume_from is not None else None
     last_ckpt_step = step  # the step last saved (a requeue saves the current one unless it is saved)
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
@@ -234,6 +236,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                     rollout_slots.put(step)
                     sink.log(step, msg.metrics)
                     last_eval_step = step
+                    best = keep_best(best, msg.metrics, trainer, critic, rl, step, kl_ctl.value, books, sup)
                     continue
                 case RolloutBatch():
                     pass
@@ -350,7 +353,9 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
         with sup.phase("end of the generator", "generator", "agent"):
             sup.get(generator_done)
             if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
-                sink.log(step, sup.get(generator.evaluate.remote()))  # the final weights are evaluated too
+                final_eval = sup.get(generator.evaluate.remote())  # the final weights are evaluated too
+                sink.log(step, final_eval)
+                keep_best(best, final_eval, trainer, critic, rl, step, kl_ctl.value, books, sup)
     sink.close()
     started.sink = None
     if status == "finished" and rl.ckpt.final_save:
@@ -485,6 +490,18 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
         ckpt.prune_snapshots(snapshots, rl.ckpt.keep)
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep, rl.ckpt.max_disk_gb)
     return str(path)
+
+
+def keep_best(best: float | None, metrics: dict, trainer, critic, rl, step: int, kl_coef: float, books: Books, sup):
+    """After an eval round: save `<ckpt.dir>/best` when `ckpt.best_metric_key` improved; returns the best value."""
+    key = rl.ckpt.best_metric_key
+    if key is None or not ckpt.improves(metrics, key, best):
+        return best
+    with sup.phase("best checkpoint save", "actor", "ckpt.best_metric_key"):
+        path = ckpt.save_best(trainer, critic, rl.ckpt.dir, {"step": step, "kl_coef": kl_coef, "prompts": books.state(),
+                                                             "best_metric_key": key, "best_metric": metrics[key]})
+    print(f"best checkpoint: {key}={metrics[key]:.4f} at step {step} -> {path}", flush=True)
+    return metrics[key]
 
 
 def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int) -> dict[str, int]:

@@ -104,6 +104,8 @@ METRICS: dict[str, str] = {
     # ── weight sync ──
     "weight_sync/logprob_diff_max": "max |engine logprob - trainer logprob| on the fixed probe sequence after the sync",
     "weight_sync/logprob_diff_mean": "mean |engine logprob - trainer logprob| on the probe sequence",
+    "weight_sync/unassigned_params": "with train.check_weight_update_equal: the most parameters any engine's sync "
+                                     "left unassigned (0 = every engine parameter was refreshed; a warning names them)",
     "weight_sync/bytes": "bytes broadcast to the engines this sync (engine dtype)",
     "weight_sync/buckets": "buckets broadcast this sync",
     "weight_sync/gb_per_s": "weight_sync/bytes / timing/weight_sync, in GB/s",

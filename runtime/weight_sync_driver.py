@@ -8,6 +8,7 @@ Nothing goes through the Ray object store; the driver sees only the numbers.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from runtime.trainer import TrainerGroup
     from schemas.plan import WeightSyncPlan
 
+logger = logging.getLogger(__name__)
+
 _TRANSPORT = {"gloo_broadcast": "gloo", "nccl_broadcast": "nccl", "cuda_ipc": "cuda_ipc"}
 
 
@@ -28,6 +31,7 @@ class WeightSyncLink:
     dtype: str              # the engines' dtype: what crosses the wire
     trainer: TrainerGroup
     engines: list[Any]      # engine actor handles, engine i at plan.engine_rank_offsets[i]
+    check_unassigned: bool  # train.check_weight_update_equal: each engine reports the parameters a sync left out
     get: Callable[[list], list] = ray.get  # how results are awaited (the driver's supervisor)
 
     def connect(self) -> None:
@@ -40,7 +44,7 @@ class WeightSyncLink:
         backend = _TRANSPORT[p.method]
         init = {"backend": backend, "master_address": host, "master_port": port, "world_size": p.world_size,
                 "timeout_s": float(p.timeout_s), "bucket_bytes": p.bucket_bytes,
-                "metas": [[n, d, list(s)] for n, d, s in metas]}
+                "metas": [[n, d, list(s)] for n, d, s in metas], "check_unassigned": self.check_unassigned}
         self.get([rank0.open_weight_sync.remote(backend, host, port, p.world_size, float(p.timeout_s))]
                 + [e.join_weight_sync.remote({**init, "rank_offset": off})
                    for e, off in zip(self.engines, p.engine_rank_offsets, strict=True)])
@@ -56,7 +60,9 @@ class WeightSyncLink:
         if any(r["bytes"] != sender["bytes"] for r in received):
             raise RuntimeError(f"weight sync: rank 0 sent {sender['bytes']} bytes, engines received "
                                f"{[r['bytes'] for r in received]}")
+        checked = {"weight_sync/unassigned_params": float(report_unassigned(received))} if self.check_unassigned else {}
         return {
+            **checked,
             "timing/weight_sync": wall,
             "timing/weight_sync_gather": sender["gather_s"],
             "timing/weight_sync_transfer": max([sender["transfer_s"], *(r["transfer_s"] for r in received)]),
@@ -67,12 +73,23 @@ class WeightSyncLink:
         }
 
 
+def report_unassigned(received: list[dict[str, Any]], shown: int = 5) -> int:
+    """The check of `train.check_weight_update_equal` (Molt reports, it does not stop): warn with the first few
+    parameters each engine's sync left unassigned; returns the most any engine left out."""
+    for i, r in enumerate(received):
+        if r["unassigned"]:
+            logger.warning("weight sync: engine %d has %d parameters this sync did not assign: %s%s", i,
+                           len(r["unassigned"]), ", ".join(r["unassigned"][:shown]),
+                           ", ..." if len(r["unassigned"]) > shown else "")
+    return max(len(r["unassigned"]) for r in received)
+
+
 class StateDictSender:
     """The calling process as group rank 0, streaming a plain state dict to engines (engine tests and benchmarks,
     where no trainer exists); the same protocol and engine code as the trainer's sync."""
 
     def __init__(self, engines: list[Any], names_shapes: dict[str, tuple[int, ...]], dtype: str, bucket_bytes: int,
-                 backend: str = "gloo", per_engine: int = 1, timeout_s: float = 120.0):
+                 backend: str = "gloo", per_engine: int = 1, timeout_s: float = 120.0, check_unassigned: bool = False):
         import threading
 
         from runtime import weight_sync
@@ -84,7 +101,7 @@ class StateDictSender:
         port = free_port()
         init = {"backend": backend, "master_address": "127.0.0.1", "master_port": port, "world_size": world,
                 "timeout_s": timeout_s, "bucket_bytes": bucket_bytes,
-                "metas": [[m.name, m.dtype, list(m.shape)] for m in self.metas]}
+                "metas": [[m.name, m.dtype, list(m.shape)] for m in self.metas], "check_unassigned": check_unassigned}
         joined = [e.join_weight_sync.remote({**init, "rank_offset": 1 + i * per_engine})
                   for i, e in enumerate(engines)]
         box: dict[str, Any] = {}

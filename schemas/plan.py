@@ -616,8 +616,9 @@ class CkptPlan(PlanModel):
     """Resume from the newest checkpoint."""
     final_save: bool
     """Export HF weights at the end."""
-    best_metric_key: str
-    """Eval metric for best checkpoints."""
+    best_metric_key: str | None
+    """Eval metric whose improvement saves `<dir>/best` (higher is better; resolved from the recipe: "" is
+    `eval/pass1` when the run evaluates, Molt's first `*_pass1`). None: no best checkpoint ("none", no eval, SFT)."""
     warm_resume_rollouts: bool
     """Keep untrained rollouts for resume."""
 
@@ -650,6 +651,9 @@ class WeightSyncPlan(PlanModel):
     """Port of the group's store on trainer rank 0's node (0: a free port chosen there at start)."""
     timeout_s: int
     """How long forming the group or one broadcast may take before the run fails."""
+    check_unassigned: bool
+    """`train.check_weight_update_equal`: after each sync every engine reports the parameters it did not assign
+    (`weight_sync/unassigned_params`, a warning names them; the run goes on, as in Molt)."""
 
 
 class SupervisorPlan(PlanModel):

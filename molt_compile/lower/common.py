@@ -181,7 +181,9 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
     )
 
 
-def ckpt_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> CkptPlan:
+def ckpt_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None, best_metric_key: str | None = None
+              ) -> CkptPlan:
+    """`best_metric_key`: the resolved key (RL's `best_metric_key`; SFT has none)."""
     c = r.ckpt
     return CkptPlan.model_construct(
         dir=resolve_path(c.dir, "ckpt.dir", source),
@@ -192,7 +194,7 @@ def ckpt_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> 
         save_hf=c.save_hf,
         resume=c.resume,
         final_save=c.final_save,
-        best_metric_key=c.best_metric_key,
+        best_metric_key=best_metric_key,
         warm_resume_rollouts=c.warm_resume_rollouts,
     )
 

@@ -118,9 +118,9 @@ def rl_runtime(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlRuntime:
         critic=_critic(r, d, source) if d.value("critic.exists") else None,
         algo=_algo(r, d),
         schedule=_schedule(r, d),
-        ckpt=ckpt_plan(r, d, source),
+        ckpt=ckpt_plan(r, d, source, best_metric_key(r, d)),
         logging=logging_plan(r, source),
-        weight_sync=_weight_sync(d),
+        weight_sync=_weight_sync(r, d),
         supervisor=SupervisorPlan.model_construct(
             poll_s=SUPERVISOR_POLL_S, stall_timeout_s=r.train.stall_timeout_s, stop_timeout_s=r.train.stop_timeout_s
         ),
@@ -272,6 +272,25 @@ def _eval(r: RlRecipe, d: Derived, source: SourceMap | None) -> EvalPlan:
     )
 
 
+DEFAULT_BEST_METRIC = "eval/pass1"
+"""`ckpt.best_metric_key: ""`: Molt picks the first sorted eval key ending in `_pass1` (B30), i.e. the pass@1 of its
+first eval datasource; this runtime reports one pass@1 over the whole eval set."""
+
+
+def eval_metric_keys(n_samples: int) -> list[str]:
+    """The eval metrics a best checkpoint can follow (higher is better): what `runtime/generator.py` reports."""
+    return ["eval/pass1", "eval/reward_mean", *(f"eval/pass@{k}" for k in _pass_ks(n_samples))]
+
+
+def best_metric_key(r: RlRecipe, d: Derived) -> str | None:
+    """The resolved `ckpt.best_metric_key`: None when it is "none" or no eval runs during training (CKPT003 refuses
+    an explicit key then), "" the default metric."""
+    key = r.ckpt.best_metric_key
+    if key == "none" or r.eval.only or not d.value("eval.enabled"):
+        return None
+    return key or DEFAULT_BEST_METRIC
+
+
 def _pass_ks(n: int) -> list[int]:
     """1, 2, 4, ... below n, then n: the pass@k an eval of n samples per prompt reports."""
     return sorted({1 << i for i in range(n.bit_length()) if 1 << i < n} | {n})
@@ -414,7 +433,7 @@ def _schedule(r: RlRecipe, d: Derived) -> SchedulePlan:
     )
 
 
-def _weight_sync(d: Derived) -> WeightSyncPlan:
+def _weight_sync(r: RlRecipe, d: Derived) -> WeightSyncPlan:
     return WeightSyncPlan.model_construct(
         method=d.value("weight_sync.method"),
         world_size=d.value("weight_sync.world_size"),
@@ -422,4 +441,5 @@ def _weight_sync(d: Derived) -> WeightSyncPlan:
         bucket_bytes=d.value("weight_sync.bucket_bytes"),
         master_port=0,  # a free port on trainer rank 0's node, chosen when the group forms
         timeout_s=WEIGHT_SYNC_TIMEOUT_S,
+        check_unassigned=r.train.check_weight_update_equal,
     )

@@ -90,6 +90,8 @@ ALL_RULES: tuple[Code, ...] = (
     Code("BATCH009", "dataset-smaller-than-batch", "error", batching.dataset_smaller_than_batch, BOTH),
     Code("CKPT001", "ckpt-cadence-zero", "error", eval_ckpt.ckpt_cadence_zero, BOTH),
     Code("CKPT002", "run-saves-nothing", "warning", eval_ckpt.run_saves_nothing, BOTH),
+    Code("CKPT003", "best-metric-without-eval", "error", eval_ckpt.best_metric_without_eval),
+    Code("CKPT004", "best-metric-unknown", "error", eval_ckpt.best_metric_unknown),
     Code("DATA001", "prompt-probs-count-mismatch", "error", data_agent.prompt_probs_count_mismatch, BOTH),
     Code("DATA002", "packing-with-vlm", "error", data_agent.packing_with_vlm, BOTH),
     Code("DATA003", "local-data-file-missing", "warning", data_agent.local_data_file_missing, BOTH),

@@ -192,3 +192,77 @@ def run_saves_nothing(recipe: RlRecipe | SftRecipe, derived: Derived, source: So
             "set ckpt.final_save: true or a ckpt.every cadence",
             ["ckpt.every"],
         )
+
+
+def _explicit_best_key(recipe: RlRecipe) -> str | None:
+    key = recipe.ckpt.best_metric_key
+    return None if key in ("", "none") else key
+
+
+def best_metric_without_eval(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `ckpt.best_metric_key` names a metric but no eval runs during training: no `eval.dataset`, no eval cadence
+    (`eval.every: -1` and no `eval.at_start`), or `eval.only`.
+
+    ## Why it matters
+    The best checkpoint is saved after eval rounds (Molt's `save_best_checkpoint` runs on the eval payload); without
+    them it is never written, and the run keeps only the newest `ckpt.keep` saves although the recipe asked for
+    the best one.
+
+    ## Example
+    ```yaml
+    ckpt: {best_metric_key: eval/pass1}   # no eval section
+    ```
+
+    ## Use instead
+    ```yaml
+    eval: {dataset: data/eval.jsonl, every: 10}
+    ckpt: {best_metric_key: eval/pass1}
+    ```
+
+    ## References
+    molt_rules.md §1 `--ckpt.best_metric_key`, B30, §4.3 step 2
+    """
+    if _explicit_best_key(recipe) and (recipe.eval.only or not derived.value("eval.enabled")):
+        yield diag(
+            source,
+            "ckpt.best_metric_key",
+            f"ckpt.best_metric_key {recipe.ckpt.best_metric_key!r} is never measured: no eval runs during training",
+            "set eval.dataset with eval.every (or eval.at_start), or drop the key (\"none\" turns it off)",
+        )
+
+
+def best_metric_unknown(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `ckpt.best_metric_key` is one of the eval metrics the runtime reports where higher is better: `eval/pass1`,
+    `eval/reward_mean`, `eval/pass@k` for the k reported with `eval.n_samples_per_prompt` samples.
+
+    ## Why it matters
+    A key no eval round carries never improves, so no best checkpoint is ever written. Molt's keys are named per
+    datasource (`eval_<source>_pass1`); this runtime reports one set over the whole eval set, under `eval/`.
+
+    ## Example
+    ```yaml
+    ckpt: {best_metric_key: eval_math_pass1}
+    ```
+
+    ## Use instead
+    ```yaml
+    ckpt: {best_metric_key: eval/pass1}   # or "" for the default (eval/pass1)
+    ```
+
+    ## References
+    molt_rules.md §1 `--ckpt.best_metric_key`, B30; runtime/metrics.py (eval/*)
+    """
+    from molt_compile.lower.rl import eval_metric_keys
+
+    key = _explicit_best_key(recipe)
+    if key and derived.value("eval.enabled") and not recipe.eval.only:
+        known = eval_metric_keys(derived.value("eval.n_samples_per_prompt"))
+        if key not in known:
+            yield diag(
+                source,
+                "ckpt.best_metric_key",
+                f"ckpt.best_metric_key {key!r} is not an eval metric this run reports",
+                f"use one of {', '.join(known)} (\"\" is eval/pass1)",
+            )

@@ -85,7 +85,7 @@ class RolloutEngine(Protocol):
         and the stream's tensor list); returns once every member has joined."""
         ...
 
-    async def receive_weights(self, version: int) -> dict[str, float]:
+    async def receive_weights(self, version: int) -> dict[str, Any]:
         """Receive one streamed sync and load it in place, bucket by bucket; return transfer/load seconds and bytes."""
         ...
 

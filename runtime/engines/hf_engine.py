@@ -141,7 +141,7 @@ class HfEngine:
             weight_sync.join_group, init["backend"], init["master_address"], init["master_port"],
             init["rank_offset"], init["world_size"], init["timeout_s"])
 
-    async def receive_weights(self, version: int) -> dict[str, float]:
+    async def receive_weights(self, version: int) -> dict[str, Any]:
         """One sync: receive the streamed buckets and copy each into the model as it arrives."""
         stats = await asyncio.to_thread(self._receive)
         self._version = self.core.version = version  # tokens sampled from the next chunk on carry it
@@ -180,20 +180,23 @@ class HfEngine:
             return self.core.score(token_ids)
 
     @torch.no_grad()
-    def _receive(self) -> dict[str, float]:
+    def _receive(self) -> dict[str, Any]:
         from runtime import weight_sync
 
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding: listed (and loaded) once
+        check = self._sync["check_unassigned"]  # train.check_weight_update_equal: report what was not assigned
         names = {m.name for m in self._sync_metas}
         missing = [n for n in params if n not in names]
-        if missing:
+        if missing and not check:
             raise ValueError(f"hf engine {self.index}: the trainer does not send {missing[:5]}")
+        assigned: set[str] = set()
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in pairs:
                 if name not in params:
                     raise ValueError(f"hf engine {self.index}: no parameter {name!r} to load")
                 params[name].copy_(tensor)
+                assigned.add(name)
 
         self._gate.close()  # waits for the forward pass in progress; generation resumes after the load
         try:
@@ -201,6 +204,8 @@ class HfEngine:
                                         next(iter(params.values())).device, load, {})
         finally:
             self._gate.open()
+        if check:
+            return {**stats.as_dict(), "unassigned": sorted(set(params) - assigned)}
         return stats.as_dict()
 
 

@@ -161,7 +161,7 @@ class VllmEngine:
         aliases = tied_aliases([TensorMeta(n, d, tuple(s)) for n, d, s in init["metas"]], self.tied)
         await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={**init, "aliases": aliases}))
 
-    async def receive_weights(self, version: int) -> dict[str, float]:
+    async def receive_weights(self, version: int) -> dict[str, Any]:
         """One sync: every worker receives the streamed buckets and loads them; worker 0's numbers are returned."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 

@@ -47,6 +47,7 @@ class MoltBroadcastInitInfo:
     timeout_s: float
     bucket_bytes: int
     metas: list[list[Any]]             # [name, dtype, shape] per tensor, the sender's stream order
+    check_unassigned: bool             # train.check_weight_update_equal: report parameters a sync did not assign
     aliases: dict[str, str] = field(default_factory=dict)
 
 
@@ -64,7 +65,8 @@ class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadc
         self.group = None
         self.info: MoltBroadcastInitInfo | None = None
         self.metas: list[weight_sync.TensorMeta] = []
-        self.last_stats: dict[str, float] = {}
+        self.last_stats: dict[str, Any] = {}
+        self.assigned: set[str] = set()
 
     def init_transfer_engine(self, init_info: MoltBroadcastInitInfo) -> None:
         pc = self.parallel_config
@@ -85,9 +87,16 @@ class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadc
 
         if self.group is None or self.info is None:
             raise RuntimeError("weight sync: update_weights before init_weight_transfer_engine")
+        self.assigned = set()
+
+        def load(pairs):  # vLLM's load_weights returns the (vLLM-named, fused) parameters it assigned
+            loaded = self.model.load_weights(pairs)
+            if self.info.check_unassigned:
+                self.assigned |= set(loaded or ())
+
         with disable_mtp_completeness_check():
-            stats = weight_sync.receive(self.group, self.metas, self.info.bucket_bytes, self.device,
-                                        self.model.load_weights, self.info.aliases)
+            stats = weight_sync.receive(self.group, self.metas, self.info.bucket_bytes, self.device, load,
+                                        self.info.aliases)
         self.last_stats = {**stats.as_dict(), "version": float(update_info.version)}
 
     def finish_weight_update(self) -> None:
@@ -98,6 +107,9 @@ class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadc
         t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         self.last_stats["load_s"] = self.last_stats.get("load_s", 0.0) + time.perf_counter() - t0
+        if self.info is not None and self.info.check_unassigned:
+            # what vLLM's own loader checks after a load from disk ("weights not initialized from checkpoint")
+            self.last_stats["unassigned"] = sorted({n for n, _ in self.model.named_parameters()} - self.assigned)
 
     def shutdown(self) -> None:
         self.group = None
@@ -122,6 +134,7 @@ if BACKEND not in WeightTransferEngineFactory._registry:
 class WeightSyncExtension:
     """Mixed into every vLLM worker (`worker_extension_cls`); importing it registers the backend above."""
 
-    def molt_weight_sync_stats(self) -> dict[str, float]:
-        """The last sync's receive-side numbers on this worker (transfer, load seconds, bytes)."""
+    def molt_weight_sync_stats(self) -> dict[str, Any]:
+        """The last sync's receive-side numbers on this worker (transfer, load seconds, bytes; with the check, the
+        names of the parameters the sync did not assign under `unassigned`)."""
         return dict(self.weight_transfer_engine.last_stats)
