@@ -216,7 +216,7 @@ def best_metric_without_eval(recipe: RlRecipe, derived: Derived, source: SourceM
 
     ## Use instead
     ```yaml
-    eval: {dataset: data/eval.jsonl, every: 10}
+    eval: {dataset: data/prompts.jsonl, every: 10}
     ckpt: {best_metric_key: eval/pass1}
     ```
 
@@ -243,11 +243,13 @@ def best_metric_unknown(recipe: RlRecipe, derived: Derived, source: SourceMap) -
 
     ## Example
     ```yaml
+    eval: {dataset: data/prompts.jsonl, every: 10}
     ckpt: {best_metric_key: eval_math_pass1}
     ```
 
     ## Use instead
     ```yaml
+    eval: {dataset: data/prompts.jsonl, every: 10}
     ckpt: {best_metric_key: eval/pass1}   # or "" for the default (eval/pass1)
     ```
 
