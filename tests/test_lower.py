@@ -328,3 +328,22 @@ def test_a_recipe_outside_any_project_gets_absolute_paths(tmp_path, monkeypatch)
         assert result.plan.rl.ckpt.dir == str(ROOT / "ckpt" / "demo-math" / "state")  # relative to the base that set it
         assert result.plan.rl.data.prompts == [str(ROOT / "recipes" / "data" / "demo_math" / "train.jsonl")]
     assert len(fingerprints) == 1
+
+
+@pytest.mark.parametrize(("sets", "expected"), [
+    ((), "eval/pass1"),  # "": Molt's first `*_pass1` (B30), here the one pass@1 over the eval set
+    (("ckpt.best_metric_key=eval/reward_mean",), "eval/reward_mean"),
+    (("ckpt.best_metric_key=none",), None),
+    (("eval.every=-1", "eval.at_start=false"), None),  # no eval during training: no best checkpoint
+])
+def test_best_metric_key_is_resolved_into_the_plan(sets, expected, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    plan, _ = lowered(ROOT / "recipes/demo_math.yaml", sets)
+    assert plan.rl.ckpt.best_metric_key == expected
+
+
+def test_check_weight_update_equal_reaches_the_weight_sync_plan(monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)
+    assert not lowered(ROOT / "recipes/demo_math.yaml")[0].rl.weight_sync.check_unassigned
+    plan, _ = lowered(ROOT / "recipes/demo_math.yaml", ("train.check_weight_update_equal=true",))
+    assert plan.rl.weight_sync.check_unassigned

@@ -282,11 +282,16 @@ def eval_metric_keys(n_samples: int) -> list[str]:
     return ["eval/pass1", "eval/reward_mean", *(f"eval/pass@{k}" for k in _pass_ks(n_samples))]
 
 
+def evals_during_training(r: RlRecipe, d: Derived) -> bool:
+    """Eval rounds reach the trainer loop: an eval set, a cadence or the step-0 eval, and a trainer (not eval.only)."""
+    return d.value("eval.enabled") and not r.eval.only and (d.value("eval.every") is not None or r.eval.at_start)
+
+
 def best_metric_key(r: RlRecipe, d: Derived) -> str | None:
     """The resolved `ckpt.best_metric_key`: None when it is "none" or no eval runs during training (CKPT003 refuses
     an explicit key then), "" the default metric."""
     key = r.ckpt.best_metric_key
-    if key == "none" or r.eval.only or not d.value("eval.enabled"):
+    if key == "none" or not evals_during_training(r, d):
         return None
     return key or DEFAULT_BEST_METRIC
 

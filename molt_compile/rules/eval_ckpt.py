@@ -223,7 +223,9 @@ def best_metric_without_eval(recipe: RlRecipe, derived: Derived, source: SourceM
     ## References
     molt_rules.md §1 `--ckpt.best_metric_key`, B30, §4.3 step 2
     """
-    if _explicit_best_key(recipe) and (recipe.eval.only or not derived.value("eval.enabled")):
+    from molt_compile.lower.rl import evals_during_training
+
+    if _explicit_best_key(recipe) and not evals_during_training(recipe, derived):
         yield diag(
             source,
             "ckpt.best_metric_key",
@@ -256,10 +258,10 @@ def best_metric_unknown(recipe: RlRecipe, derived: Derived, source: SourceMap) -
     ## References
     molt_rules.md §1 `--ckpt.best_metric_key`, B30; runtime/metrics.py (eval/*)
     """
-    from molt_compile.lower.rl import eval_metric_keys
+    from molt_compile.lower.rl import eval_metric_keys, evals_during_training
 
     key = _explicit_best_key(recipe)
-    if key and derived.value("eval.enabled") and not recipe.eval.only:
+    if key and evals_during_training(recipe, derived):
         known = eval_metric_keys(derived.value("eval.n_samples_per_prompt"))
         if key not in known:
             yield diag(

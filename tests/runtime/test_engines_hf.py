@@ -286,3 +286,18 @@ def test_core_serves_a_queue_longer_than_its_slots(sharp_dir):
     model = reference(sharp_dir)
     for r in reqs[::7]:
         assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens)
+
+
+def test_check_weight_update_equal_reports_the_parameters_a_sync_left_out(engine, model_dir):
+    """`train.check_weight_update_equal`: a full sync assigns every engine parameter (0 reported); a stream that leaves
+    out one tensor reports exactly that one (without the check the engine refuses such a stream). Last engine test of
+    the module: it re-forms the engine's weight-sync group."""
+    state = {n: p.detach().clone() for n, p in reference(model_dir).named_parameters()}
+    full = StateDictSender([engine], {n: tuple(t.shape) for n, t in state.items()}, "float32", 64 << 10,
+                           check_unassigned=True)
+    [received] = full.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
+    assert received["unassigned"] == []
+    partial = StateDictSender([engine], {n: tuple(t.shape) for n, t in state.items() if n != "model.norm.weight"},
+                              "float32", 64 << 10, check_unassigned=True)
+    [received] = partial.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
+    assert received["unassigned"] == ["model.norm.weight"]

@@ -249,3 +249,18 @@ def test_layerwise_reload_no_longer_warns_about_computed_buffers():
     after, cache_kept = reload(fix=True)
     assert cache_kept and "Rotary: Failed to load weights" not in after
     assert "Linear: Failed to load weights" in after
+
+
+def test_check_weight_update_equal_reports_the_parameters_a_sync_left_out(engine, model_dir):
+    """`train.check_weight_update_equal`: vLLM's `load_weights` returns the (fused, vLLM-named) parameters it assigned;
+    a full sync leaves none out, a stream without one tensor reports exactly that parameter. Last engine test of the
+    module: it re-forms the engine's weight-sync group."""
+    state = perturbed_state(model_dir, seed=3)
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
+    full = StateDictSender([engine], shapes, "float32", 64 << 10, check_unassigned=True)
+    [received] = full.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
+    assert received["unassigned"] == []
+    partial = StateDictSender([engine], {n: s for n, s in shapes.items() if n != "model.norm.weight"}, "float32",
+                              64 << 10, check_unassigned=True)
+    [received] = partial.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
+    assert received["unassigned"] == ["model.norm.weight"]
