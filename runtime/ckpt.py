@@ -185,5 +185,17 @@ def save_best(trainer, critic, root: str | Path, state: dict) -> Path:
     return publish(tmp)
 
 
+def keep_best(best: float | None, metrics: dict[str, float], plan, trainer, critic, sup, state: dict) -> float | None:
+    """After an eval round (driver): save `<plan.dir>/best` when `plan.best_metric_key` improved on `best`, in the
+    supervisor's phase; returns the best value so far."""
+    key = plan.best_metric_key
+    if key is None or not improves(metrics, key, best):
+        return best
+    with sup.phase("best checkpoint save", "actor", "ckpt.best_metric_key"):
+        path = save_best(trainer, critic, plan.dir, {**state, "best_metric_key": key, "best_metric": metrics[key]})
+    print(f"best checkpoint: {key}={metrics[key]:.4f} at step {state['step']} -> {path}", flush=True)
+    return metrics[key]
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

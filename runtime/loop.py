@@ -168,7 +168,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
         print(f"resumed from {last_ckpt} at step {step}", flush=True)
     kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
     probe_ids = probe_sequence(plan)
-    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, rl.train.check_weight_update_equal,
+    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, rl.weight_sync.check_unassigned,
                           get=sup.get)
     with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
         link.connect()
@@ -236,7 +236,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                     rollout_slots.put(step)
                     sink.log(step, msg.metrics)
                     last_eval_step = step
-                    best = keep_best(best, msg.metrics, trainer, critic, rl, step, kl_ctl.value, books, sup)
+                    best = ckpt.keep_best(best, msg.metrics, rl.ckpt, trainer, critic, sup,
+                                          {"step": step, "kl_coef": kl_ctl.value, "prompts": books.state()})
                     continue
                 case RolloutBatch():
                     pass
@@ -355,7 +356,8 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
             if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
                 final_eval = sup.get(generator.evaluate.remote())  # the final weights are evaluated too
                 sink.log(step, final_eval)
-                keep_best(best, final_eval, trainer, critic, rl, step, kl_ctl.value, books, sup)
+                ckpt.keep_best(best, final_eval, rl.ckpt, trainer, critic, sup,
+                               {"step": step, "kl_coef": kl_ctl.value, "prompts": books.state()})
     sink.close()
     started.sink = None
     if status == "finished" and rl.ckpt.final_save:
@@ -490,18 +492,6 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
         ckpt.prune_snapshots(snapshots, rl.ckpt.keep)
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep, rl.ckpt.max_disk_gb)
     return str(path)
-
-
-def keep_best(best: float | None, metrics: dict, trainer, critic, rl, step: int, kl_coef: float, books: Books, sup):
-    """After an eval round: save `<ckpt.dir>/best` when `ckpt.best_metric_key` improved; returns the best value."""
-    key = rl.ckpt.best_metric_key
-    if key is None or not ckpt.improves(metrics, key, best):
-        return best
-    with sup.phase("best checkpoint save", "actor", "ckpt.best_metric_key"):
-        path = ckpt.save_best(trainer, critic, rl.ckpt.dir, {"step": step, "kl_coef": kl_coef, "prompts": books.state(),
-                                                             "best_metric_key": key, "best_metric": metrics[key]})
-    print(f"best checkpoint: {key}={metrics[key]:.4f} at step {step} -> {path}", flush=True)
-    return metrics[key]
 
 
 def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int) -> dict[str, int]:

@@ -133,3 +133,24 @@ def test_force_on_policy_windows_are_the_whole_shard():
         assert microbatch.window_rows(10, 2, accum, local, force_on_policy=True) == 10  # one step per batch
     assert microbatch.windows(10, microbatch.window_rows(10, 2, 3, None, True)) == [range(0, 10)]
     assert microbatch.window_rows(0, 2, 3, None, True) == 1  # an empty shard: one empty window, no zero step
+
+
+def test_best_checkpoint_selection_and_pruning_never_removes_it(tmp_path):
+    """Higher is better, the first eval carrying the key saves, ties keep the older; rounds without the key save
+    nothing. `<dir>/best` sits next to the step saves and `prune` (ckpt.keep, the disk budget) leaves it alone."""
+    assert ckpt.improves({"eval/pass1": 0.25}, "eval/pass1", None)
+    assert ckpt.improves({"eval/pass1": 0.5}, "eval/pass1", 0.25)
+    assert not ckpt.improves({"eval/pass1": 0.25}, "eval/pass1", 0.25)
+    assert not ckpt.improves({"eval/pass1": 0.1}, "eval/pass1", 0.25)
+    assert not ckpt.improves({"eval/reward_mean": 1.0}, "eval/pass1", None)
+    assert ckpt.best_record(tmp_path) is None
+    best = tmp_path / ckpt.BEST_DIR
+    best.mkdir()
+    ckpt.write_state(best, {"step": 3, "best_metric_key": "eval/pass1", "best_metric": 0.5})
+    for step in (5, 10, 15):
+        ckpt.step_dir(tmp_path, step).mkdir()
+        ckpt.write_state(ckpt.step_dir(tmp_path, step), {"step": step})
+    ckpt.prune(tmp_path, keep=1, max_disk_gb=0.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_000015"]
+    assert ckpt.latest(tmp_path)[0].name == "step_000015"  # resume takes the newest step save, not the best
+    assert ckpt.best_record(tmp_path) == {"step": 3, "best_metric_key": "eval/pass1", "best_metric": 0.5}

@@ -132,3 +132,27 @@ def test_checkpoint_round_trip(group, tmp_path):
     group.load_checkpoint(path)
     restored = torch.tensor(group.probe_logprobs(probe))
     assert torch.allclose(restored, saved, atol=1e-6)
+
+
+def test_best_checkpoint_save_and_load(group, tmp_path):
+    """`ckpt.save_best` writes `<dir>/best` through the ranks' DCP save with its state last; loading it restores the
+    weights it was taken from after a training step moved them; a better eval replaces it in place."""
+    import ray
+
+    from runtime import ckpt
+
+    probe = make_batch(1).sequences[0].tolist()
+    state = {"step": 4, "kl_coef": 0.0, "prompts": {}, "best_metric_key": "eval/pass1", "best_metric": 0.5}
+    path = ckpt.save_best(group, None, tmp_path, state)
+    assert path == tmp_path / "best" and not (tmp_path / "best.tmp").exists()
+    assert ckpt.best_record(tmp_path) == state
+    saved = torch.tensor(group.probe_logprobs(probe))
+    batch = make_batch()
+    old, ref = group.forward_logprobs(ray.put(batch))
+    group.train(ray.put(replace(batch, old_log_probs=old, ref_log_probs=ref, advantages=torch.ones_like(old) *
+                                batch.action_mask, rollout_log_probs=old * batch.action_mask)), kl_coef=0.0)
+    assert (torch.tensor(group.probe_logprobs(probe)) - saved).abs().max() > 1e-4
+    group.load_checkpoint(str(path))
+    assert torch.allclose(torch.tensor(group.probe_logprobs(probe)), saved, atol=1e-6)
+    ckpt.save_best(group, None, tmp_path, {**state, "step": 8, "best_metric": 0.75})
+    assert ckpt.best_record(tmp_path)["step"] == 8 and sorted(p.name for p in tmp_path.iterdir()) == ["best"]
