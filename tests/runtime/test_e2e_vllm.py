@@ -19,6 +19,7 @@ SETS = (
     "ckpt.dir=../ckpt/test-e2e-vllm/state",
     "ckpt.hf_dir=../ckpt/test-e2e-vllm/hf",
     "logging.tensorboard_dir=../runs/test-e2e-vllm/tb",
+    "train.check_weight_update_equal=true",
 )
 
 
@@ -58,6 +59,21 @@ def test_weight_sync_engines_serve_the_trainers_weights(demo_run):
     before = load_file(ROOT / plan.rl.model.path / "model.safetensors")
     after = load_file(ROOT / plan.rl.ckpt.hf_dir / "model.safetensors")
     assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3
+
+
+def test_best_checkpoint_is_the_highest_eval_and_every_sync_assigned_everything(demo_run):
+    """`ckpt.best_metric_key: ""` resolves to eval/pass1: `<ckpt.dir>/best` holds the first eval round with the
+    highest pass@1; `train.check_weight_update_equal`: vLLM's load assigned every engine parameter at every sync."""
+    from runtime import ckpt
+
+    plan, _, records = demo_run
+    assert plan.rl.ckpt.best_metric_key == "eval/pass1"
+    evals = [(r["step"], r["eval/pass1"]) for r in records if "eval/pass1" in r]
+    top = max(v for _, v in evals)
+    best = ckpt.best_record(ROOT / plan.rl.ckpt.dir)
+    assert (best["step"], best["best_metric"]) == next((s, v) for s, v in evals if v == top)
+    assert (ROOT / plan.rl.ckpt.dir / "best" / ".metadata").is_file()  # a DCP checkpoint of the ranks
+    assert [r["weight_sync/unassigned_params"] for r in step_records(records)] == [0.0] * STEPS
 
 
 def load_weights(path):
