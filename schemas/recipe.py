@@ -498,7 +498,8 @@ class RlTrain(Section):
     rollout_replay_dir: str | None = None
     """Train on dumped batches instead of generating."""
     check_weight_update_equal: bool = False
-    """After each weight sync, report engine weights that were not refreshed."""
+    """After each weight sync, report engine parameters the sync did not assign (`weight_sync/unassigned_params` and
+    a warning naming them; the run goes on)."""
     stall_timeout_s: PositiveFloat = 1800.0
     """Longest any phase of the loop (a rollout batch, a training step, a weight sync, a save) may go without
     finishing before the run is ended as stalled, naming the actor and phase it waited on."""
@@ -632,7 +633,8 @@ class Ckpt(Section):
     final_save: bool = True
     """Export HF weights at the end."""
     best_metric_key: str = ""
-    """Eval metric for best-checkpoint saves. "": first `*_pass1`; "none": off."""
+    """Eval metric for best-checkpoint saves (`<ckpt.dir>/best`, replaced when an eval improves it; never pruned).
+    "": `eval/pass1` (Molt: the first `*_pass1`); "none": off. One of `eval/pass1`, `eval/reward_mean`, `eval/pass@k`."""
     warm_resume_rollouts: bool = False
     """Save finished-but-untrained rollout groups so a resumed run reuses them."""
 
