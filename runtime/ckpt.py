@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -191,9 +192,11 @@ def keep_best(best: float | None, metrics: dict[str, float], plan, trainer, crit
     key = plan.best_metric_key
     if key is None or not improves(metrics, key, best):
         return best
+    t0 = time.perf_counter()
     with sup.phase("best checkpoint save", "actor", "ckpt.best_metric_key"):
         path = save_best(trainer, critic, plan.dir, {**state, "best_metric_key": key, "best_metric": metrics[key]})
-    print(f"best checkpoint: {key}={metrics[key]:.4f} at step {state['step']} -> {path}", flush=True)
+    print(f"best checkpoint: {key}={metrics[key]:.4f} at step {state['step']} -> {path} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
     return metrics[key]
 
 
