@@ -915,13 +915,20 @@ def _old_logprob_pass(b: _Builder, r: Any) -> None:
         b.add("actor.old_logprob_pass", True, "π_old: a no-grad forward before the step", ("train.force_on_policy",))
     elif coef != 0 or ref:
         why = f"algo.kl.coef {coef} > 0" if coef != 0 else "a reference model (`ref:`) whose KL is taken against π_old"
-        b.add("actor.old_logprob_pass", True, f"force_on_policy, but {why}: π_old is computed before the step (B28)",
-              ("train.force_on_policy", "algo.kl.coef", "ref"))
+        b.add(
+            "actor.old_logprob_pass",
+            True,
+            f"force_on_policy, but {why}: π_old is computed before the step (B28)",
+            ("train.force_on_policy", "algo.kl.coef", "ref"),
+        )
     else:
-        b.add("actor.old_logprob_pass", False,
-              "force_on_policy with algo.kl.coef 0: the training forward's detached log-probs are π_old, the PPO "
-              "ratio is 1; IS against the rollout log-probs still applies (B28)",
-              ("train.force_on_policy", "algo.kl.coef", "ref"))
+        b.add(
+            "actor.old_logprob_pass",
+            False,
+            "force_on_policy with algo.kl.coef 0: the training forward's detached log-probs are π_old, the PPO "
+            "ratio is 1; IS against the rollout log-probs still applies (B28)",
+            ("train.force_on_policy", "algo.kl.coef", "ref"),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- schedule

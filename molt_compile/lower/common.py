@@ -181,8 +181,9 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
     )
 
 
-def ckpt_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None, best_metric_key: str | None = None
-              ) -> CkptPlan:
+def ckpt_plan(
+    r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None, best_metric_key: str | None = None
+) -> CkptPlan:
     """`best_metric_key`: the resolved key (RL's `best_metric_key`; SFT has none)."""
     c = r.ckpt
     return CkptPlan.model_construct(

@@ -230,7 +230,7 @@ def best_metric_without_eval(recipe: RlRecipe, derived: Derived, source: SourceM
             source,
             "ckpt.best_metric_key",
             f"ckpt.best_metric_key {recipe.ckpt.best_metric_key!r} is never measured: no eval runs during training",
-            "set eval.dataset with eval.every (or eval.at_start), or drop the key (\"none\" turns it off)",
+            'set eval.dataset with eval.every (or eval.at_start), or drop the key ("none" turns it off)',
         )
 
 
@@ -268,5 +268,5 @@ def best_metric_unknown(recipe: RlRecipe, derived: Derived, source: SourceMap) -
                 source,
                 "ckpt.best_metric_key",
                 f"ckpt.best_metric_key {key!r} is not an eval metric this run reports",
-                f"use one of {', '.join(known)} (\"\" is eval/pass1)",
+                f'use one of {", ".join(known)} ("" is eval/pass1)',
             )
