@@ -224,7 +224,8 @@ CAPABILITIES: tuple[Capability, ...] = (
         "sequence packing in the SFT trainer",
         lambda p: p.sft.trainer.packing,
         "actor.packing: false",
-        tracked="issue 11",
+        devices=frozenset({"cpu"}),
+        tracked="issue 11 (cuda: flash_attention_2 varlen, as for RL packing)",
     ),
     Capability(
         "sft-offload",
