@@ -186,8 +186,8 @@ class MetricsSink:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, line=line)
         elif line:  # not a terminal (a Ray job's log, a file, CI): one plain line per record that has something to say
-            eval_only = bool(metrics) and all(k.startswith("eval/") for k in metrics)
-            print(f"{'eval at step' if eval_only else 'step'} {step}/{self._status.total}  {line}", flush=True)
+            print(f"{'step' if 'timing/step_total' in metrics else 'eval at step'} {step}/{self._status.total}  "
+                  f"{line}", flush=True)
 
     def status(self, line: str) -> None:
         if self._progress is not None:
