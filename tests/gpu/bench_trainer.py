@@ -78,7 +78,8 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
         if i > 0 or DRY_RUN:
             times.append(time.perf_counter() - t0)
     if profile:
-        (out / "profile_trainer.txt").write_text(_profiled(lambda: worker.train(step_batch, 0.0), sync))
+        train = worker.train
+        (out / "profile_trainer.txt").write_text(_profiled(lambda: train(step_batch, 0.0), sync))
     best = min(times)
     real = int(batch.attention_mask.sum())
     run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
