@@ -52,11 +52,62 @@ def _batch(lengths: list[int], vocab: int, width: int):
     return batch
 
 
+def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out, compiled=False) -> dict:
+    """Best of `steps` optimizer steps (after one warm-up) of a fresh `PolicyWorker` on `batch`; `compiled`: each
+    decoder layer's forward under `torch.compile` (an experiment: no recipe key asks for it)."""
+    import torch
+
+    from runtime.trainer import PolicyWorker
+
+    worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+    if compiled:
+        torch._dynamo.config.cache_size_limit = 64
+        for layer in worker.model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+    mask = batch.action_mask
+    step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
+                         rollout_log_probs=torch.zeros(mask.shape))
+    if not DRY_RUN:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        worker.train(step_batch, 0.0)
+        sync()
+        if i > 0 or DRY_RUN:
+            times.append(time.perf_counter() - t0)
+    if profile:
+        train = worker.train
+        (out / "profile_trainer.txt").write_text(_profiled(lambda: train(step_batch, 0.0), sync))
+    best = min(times)
+    real = int(batch.attention_mask.sum())
+    run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
+           "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
+    if not DRY_RUN:
+        run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    worker.shutdown()
+    del worker
+    return run
+
+
+def _profiled(step, sync) -> str:
+    """The 40 costliest ops of one `step` under the torch profiler (self device time), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if DRY_RUN else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    key = "self_cpu_time_total" if DRY_RUN else "self_cuda_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+
+
 def main() -> int:
     import torch
     from loop_support import trainer_rl
 
-    from runtime.trainer import PolicyWorker, free_port
+    from runtime.trainer import free_port
 
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -97,43 +148,43 @@ def main() -> int:
     uniform = _batch([seq] * rows, cfg.vocab_size, seq)
     skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
     skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
-    port = free_port()
-    for name, batch, packing, micro in (("uniform/padded", uniform, False, rows), ("uniform/packed", uniform, True, rows),
-                                        ("skewed/packed", skewed, True, rows)):
+    def worker_args(batch, packing: bool, ckpt: str, attn: str):
         n = batch.batch_size
-        rl = trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": "sdpa",
-                                             "dtype": "float32" if DRY_RUN else "bfloat16",
-                                             "gradient_checkpoint": "full"},
-                        trainer={"micro_batch_size": micro, "grad_accum": n // micro, "max_epochs": 1,
-                                 "temperature": 1.0,
-                                 "packing": packing, "dynamic_batch_max_tokens": None, "local_batch_size": None},
-                        optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
-                        kl={"use_loss": False}, is_correction={"level": "off"}, device=device,
-                        dist_backend="gloo" if DRY_RUN else "nccl")
-        worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+        return trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": attn,
+                                               "dtype": "float32" if DRY_RUN else "bfloat16",
+                                               "gradient_checkpoint": ckpt},
+                          trainer={"micro_batch_size": rows, "grad_accum": n // rows, "max_epochs": 1,
+                                   "temperature": 1.0, "packing": packing, "dynamic_batch_max_tokens": None,
+                                   "local_batch_size": None},
+                          optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+                          kl={"use_loss": False}, is_correction={"level": "off"}, device=device,
+                          dist_backend="gloo" if DRY_RUN else "nccl")
+
+    port = free_port()
+    runs = [  # (name, batch, packing, activation checkpointing, attention)
+        ("uniform/padded", uniform, False, "full", "sdpa"),
+        ("uniform/padded-compiled", uniform, False, "full", "sdpa"),
+        ("uniform/padded-none-compiled", uniform, False, "none", "sdpa"),
+        ("uniform/padded-selective", uniform, False, "selective", "sdpa"),
+        ("uniform/padded-none", uniform, False, "none", "sdpa"),
+        ("uniform/packed", uniform, True, "full", "sdpa"),
+        ("skewed/packed", skewed, True, "full", "sdpa"),
+        ("skewed/packed-selective", skewed, True, "selective", "sdpa"),
+        ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention"),
+    ]
+    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]
+    for name, batch, packing, ckpt, attn in runs:
+        if only and name not in only:
+            continue
+        try:
+            run = _trainer_run(worker_args(batch, packing, ckpt, attn), batch, steps, sync, cfg, n_params, seq,
+                               plain, port, "--profile" in args and name == "uniform/padded-selective", out,
+                               compiled=name.endswith("-compiled"))
+        except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
+            run = {"error": repr(exc)[:2000]}
         port += 1
-        mask = batch.action_mask
-        step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
-                             rollout_log_probs=torch.zeros(mask.shape))
-        if not DRY_RUN:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(steps + 1):
-            sync()
-            t0 = time.perf_counter()
-            worker.train(step_batch, 0.0)
-            sync()
-            if i > 0 or DRY_RUN:
-                times.append(time.perf_counter() - t0)
-        best = min(times)
-        real = int(batch.attention_mask.sum())
-        run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
-               "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
-        if not DRY_RUN:
-            run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        run.update(gradient_checkpoint=ckpt, attn=attn, packing=packing)
         report["runs"][name] = run
-        worker.shutdown()
-        del worker
         if not DRY_RUN:
             torch.cuda.empty_cache()
     for name, run in report["runs"].items():  # each against the plain baseline on the same batch
