@@ -13,10 +13,6 @@ from __future__ import annotations
 import torch
 
 
-def is_vlm(model) -> bool:
-    return getattr(model.config, "vision_config", None) is not None
-
-
 class VisionPrefill:
     """The processor's images -> model inputs, and a prefill batch's embeddings and rope positions."""
 
