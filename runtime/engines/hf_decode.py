@@ -17,6 +17,8 @@ Needs only torch and transformers (the GPU benchmark loads this file by path, wi
   slots are freed; pending requests join at chunk boundaries.
 - Logprobs: `processed` = log-softmax of logits / T after the top-p cut (the distribution sampled from; greedy rows
   use T = 1), `raw` = log-softmax of the unprocessed logits, both in float32, as vLLM's `logprobs_mode`.
+- VLM prompts (a `vision` prefill helper, `hf_vision.VisionPrefill`): the prefill embeds the images' features at
+  their placeholders with the model's 3-D rope positions; decode positions are the cache position + the slot's delta.
 
 The model's forward is transformers' own; only attention (matmul + softmax over the slot's cache for decode, SDPA
 with `is_causal` for prefill) and the cache are ours. Models whose logits need more than `lm_head(final hidden)`
