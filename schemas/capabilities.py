@@ -142,6 +142,36 @@ CAPABILITIES: tuple[Capability, ...] = (
         "(none on CPU); vLLM on cuda is not tried yet",
     ),
     Capability(
+        "rl-compile-selective",
+        "rl",
+        "model.compile_layers",
+        "compiled decoder layers with selective activation checkpointing",
+        lambda p: p.rl.model.compile_layers and p.rl.model.gradient_checkpoint == "selective",
+        "model.gradient_checkpoint: full or none with compile_layers (selective checkpointing picks ops as they "
+        "dispatch, and a compiled layer's fused kernels do not dispatch them one by one)",
+        tracked="issue 11",
+    ),
+    Capability(
+        "sft-compile-selective",
+        "sft",
+        "model.compile_layers",
+        "compiled decoder layers with selective activation checkpointing",
+        lambda p: p.sft.model.compile_layers and p.sft.model.gradient_checkpoint == "selective",
+        "model.gradient_checkpoint: full or none with compile_layers (selective checkpointing picks ops as they "
+        "dispatch, and a compiled layer's fused kernels do not dispatch them one by one)",
+        tracked="issue 11",
+    ),
+    Capability(
+        "rl-compile-replay",
+        "rl",
+        "model.compile_layers",
+        "compiled decoder layers under MoE routing replay",
+        lambda p: p.rl.model.compile_layers and p.rl.trainer is not None and p.rl.trainer.routing_replay,
+        "model.compile_layers: false (replay swaps each router's top-k per micro-batch from Python state, which "
+        "a compiled layer would have to guard on)",
+        tracked="issue 11 (compiled layers are tested on dense models only)",
+    ),
+    Capability(
         "rl-critic-images",
         "rl",
         "critic",

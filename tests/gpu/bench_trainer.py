@@ -52,18 +52,14 @@ def _batch(lengths: list[int], vocab: int, width: int):
     return batch
 
 
-def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out, compiled=False) -> dict:
-    """Best of `steps` optimizer steps (after one warm-up) of a fresh `PolicyWorker` on `batch`; `compiled`: each
-    decoder layer's forward under `torch.compile` (an experiment: no recipe key asks for it)."""
+def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out) -> dict:
+    """Best of `steps` optimizer steps (after one warm-up, which also compiles) of a fresh `PolicyWorker` on
+    `batch`."""
     import torch
 
     from runtime.trainer import PolicyWorker
 
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
-    if compiled:
-        torch._dynamo.config.cache_size_limit = 64
-        for layer in worker.model.model.layers:
-            layer.forward = torch.compile(layer.forward)
     mask = batch.action_mask
     step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
                          rollout_log_probs=torch.zeros(mask.shape))
@@ -148,11 +144,11 @@ def main() -> int:
     uniform = _batch([seq] * rows, cfg.vocab_size, seq)
     skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
     skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
-    def worker_args(batch, packing: bool, ckpt: str, attn: str):
+    def worker_args(batch, packing: bool, ckpt: str, attn: str, compiled: bool):
         n = batch.batch_size
         return trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": attn,
                                                "dtype": "float32" if DRY_RUN else "bfloat16",
-                                               "gradient_checkpoint": ckpt},
+                                               "gradient_checkpoint": ckpt, "compile_layers": compiled},
                           trainer={"micro_batch_size": rows, "grad_accum": n // rows, "max_epochs": 1,
                                    "temperature": 1.0, "packing": packing, "dynamic_batch_max_tokens": None,
                                    "local_batch_size": None},
@@ -161,29 +157,31 @@ def main() -> int:
                           dist_backend="gloo" if DRY_RUN else "nccl")
 
     port = free_port()
-    runs = [  # (name, batch, packing, activation checkpointing, attention)
-        ("uniform/padded", uniform, False, "full", "sdpa"),
-        ("uniform/padded-compiled", uniform, False, "full", "sdpa"),
-        ("uniform/padded-none-compiled", uniform, False, "none", "sdpa"),
-        ("uniform/padded-selective", uniform, False, "selective", "sdpa"),
-        ("uniform/padded-none", uniform, False, "none", "sdpa"),
-        ("uniform/packed", uniform, True, "full", "sdpa"),
-        ("skewed/packed", skewed, True, "full", "sdpa"),
-        ("skewed/packed-selective", skewed, True, "selective", "sdpa"),
-        ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention"),
+    runs = [  # (name, batch, packing, activation checkpointing, attention, model.compile_layers)
+        ("uniform/padded", uniform, False, "full", "sdpa", False),
+        ("uniform/padded-compiled", uniform, False, "full", "sdpa", True),
+        ("uniform/padded-none-compiled", uniform, False, "none", "sdpa", True),
+        ("uniform/padded-selective", uniform, False, "selective", "sdpa", False),
+        ("uniform/padded-none", uniform, False, "none", "sdpa", False),
+        ("uniform/packed", uniform, True, "full", "sdpa", False),
+        ("skewed/packed", skewed, True, "full", "sdpa", False),
+        ("skewed/packed-compiled", skewed, True, "full", "sdpa", True),
+        ("skewed/packed-none-compiled", skewed, True, "none", "sdpa", True),
+        ("skewed/packed-flex-none-compiled", skewed, True, "none", "flex_attention", True),
+        ("skewed/packed-selective", skewed, True, "selective", "sdpa", False),
+        ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention", False),
     ]
     only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]
-    for name, batch, packing, ckpt, attn in runs:
+    for name, batch, packing, ckpt, attn, compiled in runs:
         if only and name not in only:
             continue
         try:
-            run = _trainer_run(worker_args(batch, packing, ckpt, attn), batch, steps, sync, cfg, n_params, seq,
-                               plain, port, "--profile" in args and name == "uniform/padded-selective", out,
-                               compiled=name.endswith("-compiled"))
+            run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg, n_params,
+                               seq, plain, port, "--profile" in args and name == "uniform/padded-none-compiled", out)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
             run = {"error": repr(exc)[:2000]}
         port += 1
-        run.update(gradient_checkpoint=ckpt, attn=attn, packing=packing)
+        run.update(gradient_checkpoint=ckpt, attn=attn, packing=packing, compile_layers=compiled)
         report["runs"][name] = run
         if not DRY_RUN:
             torch.cuda.empty_cache()
