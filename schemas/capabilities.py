@@ -142,24 +142,26 @@ CAPABILITIES: tuple[Capability, ...] = (
         "(none on CPU); vLLM on cuda is not tried yet",
     ),
     Capability(
-        "rl-compile-selective",
+        "rl-compile-checkpointing",
         "rl",
         "model.compile_layers",
-        "compiled decoder layers with selective activation checkpointing",
-        lambda p: p.rl.model.compile_layers and p.rl.model.gradient_checkpoint == "selective",
-        "model.gradient_checkpoint: full or none with compile_layers (selective checkpointing picks ops as they "
-        "dispatch, and a compiled layer's fused kernels do not dispatch them one by one)",
-        tracked="issue 11",
+        "compiled decoder layers with activation checkpointing",
+        lambda p: p.rl.model.compile_layers and p.rl.model.gradient_checkpoint != "none",
+        "model.gradient_checkpoint: none with compile_layers (a checkpoint's recompute re-enters the compiled "
+        "layer, which may recompile it with other saved tensors: pytorch issue 166926; selective checkpointing "
+        "picks ops as they dispatch, which fused kernels do not)",
+        tracked="issue 11 (compiled layers measured: none 1.36x the plain baseline on the H200)",
     ),
     Capability(
-        "sft-compile-selective",
+        "sft-compile-checkpointing",
         "sft",
         "model.compile_layers",
-        "compiled decoder layers with selective activation checkpointing",
-        lambda p: p.sft.model.compile_layers and p.sft.model.gradient_checkpoint == "selective",
-        "model.gradient_checkpoint: full or none with compile_layers (selective checkpointing picks ops as they "
-        "dispatch, and a compiled layer's fused kernels do not dispatch them one by one)",
-        tracked="issue 11",
+        "compiled decoder layers with activation checkpointing",
+        lambda p: p.sft.model.compile_layers and p.sft.model.gradient_checkpoint != "none",
+        "model.gradient_checkpoint: none with compile_layers (a checkpoint's recompute re-enters the compiled "
+        "layer, which may recompile it with other saved tensors: pytorch issue 166926; selective checkpointing "
+        "picks ops as they dispatch, which fused kernels do not)",
+        tracked="issue 11 (compiled layers measured: none 1.36x the plain baseline on the H200)",
     ),
     Capability(
         "rl-compile-replay",

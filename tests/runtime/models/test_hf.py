@@ -68,10 +68,11 @@ def test_selective_recomputes_norms_but_no_matmul_full_recomputes_both(runs):
     assert selective.rsqrts >= 4 * layers and full.rsqrts >= 4 * layers  # the layer and q/k norms were recomputed
 
 
-@pytest.mark.slow  # inductor compiles the layer once (~30 s on two cores); every mode reuses that graph
+@pytest.mark.slow  # inductor compiles the layer once (~30 s on two cores): the layers share one graph
 def test_compiled_layers_leave_gradients_unchanged(runs):
     plain, _ = runs["none"]
-    for mode in ("none", "full"):  # selective under a compiled forward is refused (capability rl-compile-selective)
-        grads, _ = _grads_and_backward_counts(mode, compiled=True)
-        for name, g in grads.items():
-            torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-5, msg=f"{mode}: {name}")
+    # Unchecked layers only: with checkpointing the compiler refuses compile_layers (rl-compile-checkpointing).
+    grads, _ = _grads_and_backward_counts("none", compiled=True)
+    assert grads.keys() == plain.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-5, msg=name)
