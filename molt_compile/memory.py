@@ -33,8 +33,8 @@ the experts — together every parameter lives on exactly one rank of `world`, s
   all-gather and reduce-scatter buffers: reserved minus allocated memory grew with the model, not the batch).
 - runtime overhead: CUDA context and NCCL, 2 GiB (estimate).
 The estimate is of the peak *reserved* memory (what out-of-memory is about), held against the measured peaks of
-seven configurations on an H200 (0.6B-4B Qwen3 shapes, 2k-16k tokens per micro-batch, full and no checkpointing):
-estimate / measured 0.97-1.03 (`tests/gpu/check_memory.py`; the table is `tests/test_memory.py`).
+eleven configurations on an H200 (0.6B-4B Qwen3 shapes, 2k-16k tokens per micro-batch, full, selective and no
+checkpointing): estimate / measured 0.97-1.03 (`tests/gpu/check_memory.py`; the table is `tests/test_memory.py`).
 Colocated roles (ref/critic with `placement: colocate`) stay resident on the same GPUs and run one after another:
 their static memory adds up, activations and temporaries count once (the largest). A reference model / teacher
 whose architecture cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.

@@ -59,6 +59,14 @@ def enable_checkpointing(model, mode: str) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def compile_layers(layers) -> None:
+    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks and the checkpoint wrapper around it
+    staying eager. The layers share one compiled graph (the models call them with `use_cache=False`, so no
+    per-layer cache state is guarded on); a second sequence length recompiles once with dynamic shapes."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
@@ -98,9 +106,12 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     router_mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.router_dtype), reduce_dtype=torch.float32)
     for router in moe.routers(model):
         fully_shard(router, mesh=mesh, mp_policy=router_mp)
-    for layer in (model.model.language_model.layers if vlm else model.model.layers):
+    layers = model.model.language_model.layers if vlm else model.model.layers
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if model_plan.compile_layers:
+        compile_layers(layers)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 
@@ -119,6 +130,8 @@ def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.devi
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if model_plan.compile_layers:
+        compile_layers(model.model.layers)
     return model
 
 
