@@ -83,17 +83,12 @@ def startup_problems(plan) -> list[str]:
     compiler accepts (tests/runtime/test_startup.py holds that over mutated recipes).
 
     The plan is checked against the runtime's own capability table (a plan compiled by another build of
-    molt-compile may ask for more), then the generator's slice is built, as `run` builds it."""
+    molt-compile may ask for more). Every actor, the generator included, takes its plan sections unchanged: there is
+    no slice to build."""
     from schemas.capabilities import unimplemented
 
-    problems = [f"{c.key}: {c.what} (capability {c.id}; recompile: molt-compile reports it as CAP001)"
-                for c in unimplemented(plan)]
-    if problems or plan.kind != "rl":
-        return problems
-    from runtime.roles import generator_spec
-
-    generator_spec(plan)  # the one slice the loop builds; the other actors take their plan sections unchanged
-    return problems
+    return [f"{c.key}: {c.what} (capability {c.id}; recompile: molt-compile reports it as CAP001)"
+            for c in unimplemented(plan)]
 
 
 if __name__ == "__main__":

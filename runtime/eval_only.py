@@ -19,7 +19,7 @@ import ray
 from runtime.generator import EngineLock, Generator
 from runtime.loop import RunResult
 from runtime.metrics import MetricsSink
-from runtime.roles import create_placement_groups, generator_spec, role_options, start_rollout, start_runners
+from runtime.roles import create_placement_groups, role_options, start_rollout, start_runners
 from runtime.supervisor import Started, Supervisor
 from schemas.plan import Plan
 
@@ -49,7 +49,7 @@ def run_eval_only(plan: Plan, sup: Supervisor, started: Started, *, live: bool =
         sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     # No rollout queue or slots: the generator is only asked for one eval round.
     generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-        generator_spec(plan), runners, None, None, lock)
+        plan.rl, runners, None, None, lock)
     started.handles.append(generator)
     sink.status(f"evaluating {rl.eval.dataset} with {rl.eval.sampling.n_samples_per_prompt} samples per prompt")
     t0 = time.time()

@@ -32,8 +32,8 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -45,62 +45,37 @@ from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.passk import mean_pass_at_k
 from runtime.runners import EngineLost, GroupRequest, GroupResult
 
+if TYPE_CHECKING:
+    from schemas.plan import RlRuntime
+
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GeneratorSpec:
-    """The generator's slice of the plan (copied by runtime/loop.py; nothing is defaulted here)."""
-
-    prompt_paths: tuple[str, ...]            # any format runtime/datasource.py reads
-    split: str                               # split of a source that is a dataset dict
-    prompt_probs: tuple[float, ...] | None
-    input_key: str
-    label_key: str | None
-    tools_key: str | None                    # column of per-row tool schemas (rendered by the chat template)
-    image_key: str | None                    # image column of a VLM run (None: text prompts)
-    max_samples: int
-    tokenizer_path: str
-    n_samples_per_prompt: int
-    sampling: SamplingParams
-    batch_size: int                          # prompt groups per training step
-    generate_batch_size: int                 # prompt groups kept in flight
-    episodes: int
-    total_steps: int
-    dynamic_filtering: tuple[float, float] | None
-    partial_rollout: bool
-    seed: int
-    max_prompt_attempts: int                 # a group whose runner died under it is sent at most this many times
-    group_timeout_s: float                   # a runner that has not answered a group for this long is restarted
-    rollout_dump_dir: str | None             # save each batch as rollout_step{N}.pt (N: the step that trains it)
-    rollout_replay_dir: str | None           # load batches from rollout_step{N}.pt instead of generating
-    eval_path: str | None
-    eval_split: str
-    eval_every: int                          # -1: never
-    eval_at_start: bool
-    eval_n_samples: int
-    eval_sampling: SamplingParams | None
-    eval_pass_k: tuple[int, ...]             # the k of each reported eval/pass@k
-
-
 class Generator:
-    def __init__(self, spec: GeneratorSpec, runners: list, rollout_queue, rollout_slots, engine_lock):
+    """`rl`: the plan's RL section, read where its fields are (data, sampling, generator, eval, agent, queue,
+    schedule, model.path); nothing is renamed or defaulted here."""
+
+    def __init__(self, rl: RlRuntime, runners: list, rollout_queue, rollout_slots, engine_lock):
         from transformers import AutoTokenizer
 
-        self.spec = spec
+        self.rl = rl
         self.runners = runners
         self.queue, self.slots, self.lock = rollout_queue, rollout_slots, engine_lock
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+        self.sampling = SamplingParams.from_plan(rl.sampling)
+        self.eval_sampling = SamplingParams.from_plan(rl.eval.sampling)
+        self.tokenizer = AutoTokenizer.from_pretrained(rl.model.path)
         self.pad_id = self.tokenizer.pad_token_id
-        self.sources = [read_prompts(p, spec.split, spec.input_key, spec.label_key, spec.tools_key, spec.max_samples)
-                        for p in spec.prompt_paths]
-        self.eval_rows = (read_prompts(spec.eval_path, spec.eval_split, spec.input_key, spec.label_key,
-                                       spec.tools_key, spec.max_samples) if spec.eval_path else [])
+        data, ev = rl.data, rl.eval
+        self.sources = [read_prompts(p, data.split, data.input_key, data.label_key, data.tools_key, data.max_samples)
+                        for p in data.prompts]
+        self.eval_rows = (read_prompts(ev.dataset, ev.split, data.input_key, data.label_key, data.tools_key,
+                                       data.max_samples) if ev.dataset else [])
         # VLM: each row's images (as the dataset holds them; the runner loads them) and the directory relative
         # image paths resolve against.
-        # Text prompts: no image lists at all ([[]] per source would be truthy and index out of range).
-        self.images = [self._images(p, spec.split) for p in spec.prompt_paths] if spec.image_key else []
-        self.eval_images = self._images(spec.eval_path, spec.eval_split) if spec.eval_path else []
+        # Text prompts (`data.image_key` None): no image lists at all ([[]] per source would be truthy and index
+        # out of range).
+        self.images = [self._images(p, data.split) for p in data.prompts] if data.image_key else []
+        self.eval_images = self._images(ev.dataset, ev.split) if ev.dataset else []
         self.inflight: dict[asyncio.Task, GroupRequest] = {}
         self.ready: list[GroupResult] = []        # passed the filters, not yet in a batch
         self.consumed = 0                         # prompts dispatched (each prompt is one group)
@@ -118,10 +93,11 @@ class Generator:
         self._task: asyncio.Task | None = None
 
     def _images(self, source: str, split: str) -> list[tuple[object, str]]:
-        if self.spec.image_key is None:
+        data = self.rl.data
+        if data.image_key is None:
             return []
         base = str(Path(source.partition("@")[0]).parent)
-        return [(refs, base) for refs in read_images(source, split, self.spec.image_key, self.spec.max_samples)]
+        return [(refs, base) for refs in read_images(source, split, data.image_key, data.max_samples)]
 
     def _request(self, group_id: int, row, images, n: int, sampling) -> GroupRequest:
         prompt, label, tools = row
@@ -133,25 +109,25 @@ class Generator:
         """`done`: positions (in the seeded data order) already trained or dropped before a resume, with their
         counts: they are skipped, and every other position is sent, the ones in flight at the save first."""
         self._task = asyncio.current_task()
-        spec = self.spec
+        ev, gen = self.rl.eval, self.rl.generator
         prompts = self._prompt_stream(skip=set(done))
         self.consumed, self.batched = len(done), trained
         self.prompts_dropped.update(dropped)
-        next_eval = _next_eval_step(start_step, spec.eval_every)
-        eval_due_at_start = spec.eval_at_start and start_step == 0 and bool(self.eval_rows)
+        next_eval = _next_eval_step(start_step, ev.every)
+        eval_due_at_start = ev.at_start and start_step == 0 and bool(self.eval_rows)
         produced, reason = start_step, "total_steps"
         try:
-            while produced < spec.total_steps:
+            while produced < self.rl.schedule.total_steps:
                 t0 = time.time()
                 step = await self.slots.get_async()            # back-pressure: blocks while the queue is full
                 slot_acquired_at = time.time()
-                if self.eval_rows and (eval_due_at_start or (spec.eval_every > 0 and step >= next_eval)):
+                if self.eval_rows and (eval_due_at_start or (ev.every is not None and step >= next_eval)):
                     eval_due_at_start = False
-                    next_eval = _next_eval_step(step, spec.eval_every)
+                    next_eval = _next_eval_step(step, ev.every)
                     metrics = await self._locked(self._evaluate())
                     await self.queue.put_async(EvalResult(step=step, metrics=metrics))
                     continue
-                if spec.rollout_replay_dir:
+                if gen.rollout_replay_dir:
                     results, batch, exhausted = self._replayed(produced + 1)
                 else:
                     results, exhausted = await self._locked(self._generate_batch(prompts))
@@ -161,7 +137,7 @@ class Generator:
                     reason = "data_exhausted"
                     break
                 self.batched += len(results)
-                if spec.rollout_dump_dir:
+                if gen.rollout_dump_dir:
                     self._dump(produced + 1, results, batch)
                 metrics = self.window.flush(self)
                 dropped, self.dropped_positions = self.dropped_positions, {}
@@ -203,7 +179,7 @@ class Generator:
 
     async def _locked(self, coro):
         """Hold the engine lock around a generation phase unless partial rollout lets weight syncs interleave."""
-        if self.spec.partial_rollout:
+        if self.rl.queue.partial_rollout:
             return await coro
         await self.lock.acquire.remote()
         try:
@@ -213,15 +189,16 @@ class Generator:
 
     # ----------------------------------------------------------------------------------------------- one batch
     async def _generate_batch(self, prompts: Iterator) -> tuple[list[GroupResult], bool]:
-        spec, exhausted = self.spec, False
-        while len(self.ready) < spec.batch_size:
-            while len(self.inflight) < spec.generate_batch_size and not exhausted:
+        gen, exhausted = self.rl.generator, False
+        while len(self.ready) < gen.batch_size:
+            while len(self.inflight) < gen.generate_batch_size and not exhausted:
                 item = next(prompts, None)
                 if item is None:
                     exhausted = True
                     break
                 position, (row, images) = item
-                self._dispatch(self._request(position, row, images, spec.n_samples_per_prompt, spec.sampling))
+                self._dispatch(self._request(position, row, images, self.rl.sampling.n_samples_per_prompt,
+                                             self.sampling))
                 self.consumed += 1
             if not self.inflight:
                 break
@@ -229,7 +206,7 @@ class Generator:
             for task in done:
                 req = self.inflight.pop(task)
                 self._accept(task.result(), req.group_id)
-        batch, self.ready = self.ready[:spec.batch_size], self.ready[spec.batch_size:]
+        batch, self.ready = self.ready[:gen.batch_size], self.ready[gen.batch_size:]
         return batch, exhausted and not self.inflight and not self.ready
 
     def _dispatch(self, req: GroupRequest) -> None:
@@ -243,17 +220,18 @@ class Generator:
         a suspect: a suspect is re-sent *alone* to an idle runner, so that a prompt that crashes or hangs the agent
         is found out without taking other prompts with it. A suspect that fails alone on its last attempt is
         dropped: `agent_crash` (the process died) or `episode_timeout` (it stopped answering)."""
+        agent = self.rl.agent
         suspect, reason = False, "agent_crash"
-        for attempt in range(self.spec.max_prompt_attempts):
+        for attempt in range(agent.max_prompt_attempts):
             index = await self._pick_runner(alone=suspect)
             self.runner_load[index] += 1
             try:
                 return await asyncio.wait_for(_awaitable(self.runners[index].run_group.remote(req)),
-                                              self.spec.group_timeout_s)
+                                              agent.group_timeout_s)
             except TimeoutError:
                 logger.warning("group %d: runner %d did not answer in %.0f s (attempt %d of %d); runner restarted",
-                               req.group_id, index, self.spec.group_timeout_s, attempt + 1,
-                               self.spec.max_prompt_attempts)
+                               req.group_id, index, agent.group_timeout_s, attempt + 1,
+                               agent.max_prompt_attempts)
                 reason = "episode_timeout"
                 self._runner_failed(index)
                 ray.kill(self.runners[index], no_restart=False)
@@ -263,7 +241,7 @@ class Generator:
                 raise
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 logger.warning("group %d: runner %d failed (%s; attempt %d of %d)", req.group_id, index,
-                               type(exc).__name__, attempt + 1, self.spec.max_prompt_attempts)
+                               type(exc).__name__, attempt + 1, agent.max_prompt_attempts)
                 reason = "agent_crash"
                 self._runner_failed(index)
             finally:
@@ -326,13 +304,12 @@ class Generator:
             self._drop_prompt(result, None if result == "engine_lost" else position)
             return
         self.window.add(result)
-        n = self.spec.n_samples_per_prompt
+        n, band = self.rl.sampling.n_samples_per_prompt, self.rl.generator.dynamic_filtering
         if result.experience is None:
             self._drop_prompt("all_rollouts_dropped", position)
-        elif self.spec.dynamic_filtering and len(result.scores) < n:
+        elif band and len(result.scores) < n:
             self._drop_prompt("incomplete_group", position)
-        elif self.spec.dynamic_filtering and not (
-                self.spec.dynamic_filtering[0] < sum(result.scores) / n < self.spec.dynamic_filtering[1]):
+        elif band and not band[0] < sum(result.scores) / n < band[1]:
             self._drop_prompt("dynamic_filter", position)
         else:
             self.ready.append(result)
@@ -356,7 +333,7 @@ class Generator:
     # ----------------------------------------------------------------------------------------------- dump, replay
     def _dump(self, step: int, results: list[GroupResult], batch) -> None:
         """Molt's `rollout_dump_dir`: the batch that step `step` trains, with its prompts' positions (atomic)."""
-        path = Path(self.spec.rollout_dump_dir) / f"rollout_step{step}.pt"
+        path = Path(self.rl.generator.rollout_dump_dir) / f"rollout_step{step}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"experience": batch, "positions": [r.group_id for r in results],
@@ -366,7 +343,7 @@ class Generator:
     def _replayed(self, step: int) -> tuple[list[GroupResult], object, bool]:
         """Molt's `rollout_replay_dir`: the dumped batch of step `step` instead of generating one; none left ends
         the stream (`data_exhausted`). Its prompts count as consumed and batched, like generated ones."""
-        path = Path(self.spec.rollout_replay_dir) / f"rollout_step{step}.pt"
+        path = Path(self.rl.generator.rollout_replay_dir) / f"rollout_step{step}.pt"
         if not path.is_file():
             return [], None, True
         saved = torch.load(path, weights_only=False)
@@ -384,13 +361,13 @@ class Generator:
         The order depends only on the seed, so skipping the positions a resumed run had done restores its place.
         """
         position = -1
-        spec = self.spec
-        for episode in range(spec.episodes):
-            rng = random.Random(spec.seed + episode)
-            if spec.prompt_probs:
-                order = _blend(self.sources, spec.prompt_probs, rng, spec.max_samples)
+        gen, data = self.rl.generator, self.rl.data
+        for episode in range(gen.episodes):
+            rng = random.Random(gen.seed + episode)
+            if data.probs:
+                order = _blend(self.sources, data.probs, rng, data.max_samples)
             else:
-                order = [(s, i) for s, rows in enumerate(self.sources) for i in range(len(rows))][:spec.max_samples]
+                order = [(s, i) for s, rows in enumerate(self.sources) for i in range(len(rows))][:data.max_samples]
                 rng.shuffle(order)
             for s, i in order:
                 position += 1
@@ -407,14 +384,15 @@ class Generator:
     async def _evaluate(self, per_prompt: bool = False):
         """eval/* metrics, pass@k among them: a prompt's n is the samples asked for (a dropped rollout counts as
         failed), its c the surviving samples with a score > 0 (`runtime/passk.py`)."""
-        spec = self.spec
+        ev = self.rl.eval
+        n = ev.sampling.n_samples_per_prompt
         t0 = time.time()
-        reqs = [self._request(-1 - i, row, self.eval_images[i] if self.eval_images else None, spec.eval_n_samples,
-                              spec.eval_sampling) for i, row in enumerate(self.eval_rows)]
+        reqs = [self._request(-1 - i, row, self.eval_images[i] if self.eval_images else None, n, self.eval_sampling)
+                for i, row in enumerate(self.eval_rows)]
         outcomes = await asyncio.gather(*(self._run_group(q) for q in reqs))
         results = [r for r in outcomes if not isinstance(r, str)]
         correct = [sum(s > 0 for s in r.scores) if not isinstance(r, str) else 0 for r in outcomes]
-        pass_k = mean_pass_at_k(correct, spec.eval_n_samples, spec.eval_pass_k)
+        pass_k = mean_pass_at_k(correct, n, ev.pass_k)
         rewards = [x for r in results for x in r.rewards]
         scores = [x for r in results for x in r.scores]
         exps = [r.experience for r in results if r.experience is not None]
@@ -431,7 +409,7 @@ class Generator:
         }
         if not per_prompt:
             return metrics
-        records = [{"prompt": p, "label": label, "n": spec.eval_n_samples, "correct": c,
+        records = [{"prompt": p, "label": label, "n": n, "correct": c,
                     "scores": [] if isinstance(r, str) else r.scores, "rewards": [] if isinstance(r, str) else r.rewards,
                     "lost": r if isinstance(r, str) else None}
                    for (p, label, _), r, c in zip(self.eval_rows, outcomes, correct, strict=True)]
@@ -478,8 +456,8 @@ class _Window:
         return m
 
 
-def _next_eval_step(step: int, every: int) -> int:
-    return (step // every + 1) * every if every > 0 else 1 << 62
+def _next_eval_step(step: int, every: int | None) -> int:
+    return (step // every + 1) * every if every is not None else 1 << 62
 
 
 def _blend(sources, probs, rng: random.Random, limit: int) -> list[tuple[int, int]]:

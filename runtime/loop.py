@@ -62,7 +62,6 @@ from runtime.reference import start_reference_group
 from runtime.roles import (
     actor_options,
     create_placement_groups,
-    generator_spec,
     probe_sequence,
     role_options,
     start_rollout,
@@ -193,7 +192,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     with sup.phase("agent runner start-up", "runner", "agent.path"):
         sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-        generator_spec(plan), runners, rollout_queue, rollout_slots, lock)
+        plan.rl, runners, rollout_queue, rollout_slots, lock)
     started.handles.append(generator)
     started.generator = generator
     generator_done = generator.run.remote(step, books.done_positions(), books.trained, dict(books.dropped))

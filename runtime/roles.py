@@ -1,6 +1,6 @@
 """Starting the plan's roles on the Ray cluster, as the plan says: placement groups, the `.options()` of each
-role's actors, the rollout engines and their router, the agent runners, the generator's spec, and the weight-sync
-probe. Shared by the RL loop (runtime/loop.py) and the eval-only run (runtime/eval_only.py)."""
+role's actors, the rollout engines and their router, the agent runners, and the weight-sync probe. Shared by the RL
+loop (runtime/loop.py) and the eval-only run (runtime/eval_only.py). The generator takes `plan.rl` as it is."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from runtime.agents import SamplingParams
-from runtime.generator import GeneratorSpec
 from runtime.runners import AgentRunnerActor
 from runtime.supervisor import RunAborted, Supervisor
 from schemas.plan import Plan
@@ -91,32 +89,6 @@ def start_runners(plan: Plan, router) -> list:
 
 def runner_name(plan: Plan, index: int) -> str:
     return f"{plan.name}.runner[{index}]"
-
-
-def _sampling(s) -> SamplingParams:
-    return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs,
-                          top_logprobs=s.top_logprobs)
-
-
-def generator_spec(plan: Plan) -> GeneratorSpec:
-    rl = plan.rl
-    ev = rl.eval
-    return GeneratorSpec(
-        prompt_paths=tuple(rl.data.prompts), split=rl.data.split, prompt_probs=tuple(rl.data.probs) if rl.data.probs else None,
-        input_key=rl.data.input_key, label_key=rl.data.label_key, tools_key=rl.data.tools_key,
-        image_key=rl.data.image_key if rl.data.max_images_per_prompt > 0 else None,
-        max_samples=rl.data.max_samples, tokenizer_path=rl.model.path,
-        n_samples_per_prompt=rl.sampling.n_samples_per_prompt, sampling=_sampling(rl.sampling),
-        batch_size=rl.generator.batch_size, generate_batch_size=rl.generator.generate_batch_size,
-        episodes=rl.generator.episodes, total_steps=rl.schedule.total_steps,
-        dynamic_filtering=tuple(rl.generator.dynamic_filtering) if rl.generator.dynamic_filtering else None,
-        partial_rollout=rl.queue.partial_rollout, seed=rl.generator.seed,
-        max_prompt_attempts=rl.agent.max_prompt_attempts, group_timeout_s=rl.agent.group_timeout_s,
-        rollout_dump_dir=rl.generator.rollout_dump_dir, rollout_replay_dir=rl.generator.rollout_replay_dir,
-        eval_path=ev.dataset if ev.enabled else None, eval_split=ev.split, eval_every=ev.every or -1, eval_at_start=ev.at_start,
-        eval_n_samples=ev.sampling.n_samples_per_prompt, eval_sampling=_sampling(ev.sampling),
-        eval_pass_k=tuple(ev.pass_k),
-    )
 
 
 def probe_sequence(plan: Plan) -> list[int]:

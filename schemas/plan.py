@@ -293,8 +293,8 @@ class RlDataPlan(PlanModel):
     """Label column."""
     tools_key: str | None
     """Tool schema column."""
-    image_key: str
-    """Image column."""
+    image_key: str | None
+    """Image column of a VLM run (None: text prompts, `max_images_per_prompt` 0)."""
     max_images_per_prompt: int
     """> 0 marks a VLM run."""
     apply_chat_template: bool

@@ -228,7 +228,7 @@ def _data(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlDataPlan:
         input_key=dt.input_key,
         label_key=dt.label_key,
         tools_key=dt.tools_key,
-        image_key=dt.image_key,
+        image_key=dt.image_key if dt.max_images_per_prompt > 0 else None,  # text run: no image column
         max_images_per_prompt=dt.max_images_per_prompt,
         apply_chat_template=dt.apply_chat_template,
         max_len=dt.max_len,

@@ -8,7 +8,10 @@ this module knows nothing about text, chat templates or tokenizers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from schemas.plan import SamplingPlan
 
 FinishReason = Literal["stop", "length", "abort"]
 """Why generation ended: "stop" (EOS or a stop token), "length" (hit `max_tokens`), "abort" (the engine cancelled the
@@ -76,3 +79,9 @@ class SamplingParams:
     top_p: float = 1.0
     logprobs: bool = True
     top_logprobs: int = 0  # k of score centering: the engine also returns each generated token's top-k (0: none)
+
+    @classmethod
+    def from_plan(cls, s: SamplingPlan) -> SamplingParams:
+        """From a plan's `SamplingPlan` (`rl.sampling`, `rl.eval.sampling`), field for field."""
+        return cls(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs,
+                   top_logprobs=s.top_logprobs)

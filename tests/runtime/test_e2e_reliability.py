@@ -144,14 +144,13 @@ def test_replay_serves_the_dumped_batches_then_ends(runs):
 
     from runtime.generator import EngineLock, Generator
     from runtime.messages import EndOfStream, RolloutBatch
-    from runtime.roles import generator_spec
 
     steps = len(runs["prompts"])
     dumps = [torch.load(ROOT / DUMP / f"rollout_step{n}.pt", weights_only=False) for n in range(1, steps + 1)]
     assert [sorted(d["positions"]) for d in dumps[-3:]] == [p["prompts"] for p in runs["prompts"][-3:]]  # trained
     plan = compile_plan("recipes/demo_math.yaml", *sets(runs["data"]), f"train.rollout_replay_dir={DUMP}")
     queue, slots = Queue(maxsize=2), Queue(maxsize=2)
-    generator = ray.remote(Generator).remote(generator_spec(plan), [], queue, slots, EngineLock.remote())
+    generator = ray.remote(Generator).remote(plan.rl, [], queue, slots, EngineLock.remote())
     done = generator.run.remote(0, [], 0, {})
     served = []
     for step in range(steps + 1):

@@ -32,7 +32,7 @@ class FakeRunner:
 
 def _generator(runners) -> Generator:
     g = Generator.__new__(Generator)
-    g.spec = SimpleNamespace(max_prompt_attempts=2, group_timeout_s=10.0)
+    g.rl = SimpleNamespace(agent=SimpleNamespace(max_prompt_attempts=2, group_timeout_s=10.0))
     g.runners, g.runner_load = runners, [0] * len(runners)
     g.runners_alone, g.runners_down, g.runners_dead = set(), set(), set()
     g._next_runner = g.runner_failures = g.runner_restarts = 0

@@ -9,7 +9,8 @@ from runtime.runners import GroupResult
 
 def _generator(n: int) -> Generator:
     g = Generator.__new__(Generator)
-    g.spec = SimpleNamespace(n_samples_per_prompt=n, dynamic_filtering=(0.01, 0.99))
+    g.rl = SimpleNamespace(sampling=SimpleNamespace(n_samples_per_prompt=n),
+                           generator=SimpleNamespace(dynamic_filtering=[0.01, 0.99]))
     g.ready, g.window, g.prompts_dropped, g.dropped_positions = [], _Window(), Counter(), {}
     g.runner_failures = g.runner_restarts = g.consumed = 0
     return g

@@ -2,7 +2,7 @@
 
 The property test mutates the shipped recipes with the settings users flip (hypothesis draws a few at a time) and
 compiles each; for every plan the compiler accepts, `startup_problems` (the capability table as the runtime reads
-it, then every actor's slice of the plan built as `run` builds it) must be empty. A plan compiled without the
+it; the actors take their plan sections as they are) must be empty. A plan compiled without the
 capability pass stands for one from another build of molt-compile: the entrypoint refuses it in one line, exit 2.
 """
 
