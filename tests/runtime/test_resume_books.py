@@ -27,8 +27,9 @@ def _batch(trained: list[int], dropped: dict[str, list[int]], consumed: int) -> 
 
 
 def _stream(rows: int, seed: int, skip: set[int]) -> list[int]:
-    spec = SimpleNamespace(episodes=2, seed=seed, prompt_probs=None, max_samples=rows * 2)
-    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(rows)]], images=[])
+    rl = SimpleNamespace(generator=SimpleNamespace(episodes=2, seed=seed),
+                         data=SimpleNamespace(probs=None, max_samples=rows * 2))
+    fake = SimpleNamespace(rl=rl, sources=[[(f"p{i}", None, None) for i in range(rows)]], images=[])
     return [pos for pos, _ in Generator._prompt_stream(fake, skip)]
 
 
@@ -53,8 +54,9 @@ def test_data_order_depends_only_on_the_seed_and_spans_episodes():
     assert full == list(range(20)) and _stream(10, seed=7, skip={0, 1}) == full[2:]
     order = list(range(10))
     random.Random(7).shuffle(order)
-    spec = SimpleNamespace(episodes=1, seed=7, prompt_probs=None, max_samples=10)
-    fake = SimpleNamespace(spec=spec, sources=[[(f"p{i}", None, None) for i in range(10)]], images=[])
+    rl = SimpleNamespace(generator=SimpleNamespace(episodes=1, seed=7),
+                         data=SimpleNamespace(probs=None, max_samples=10))
+    fake = SimpleNamespace(rl=rl, sources=[[(f"p{i}", None, None) for i in range(10)]], images=[])
     assert [row[0] for _, (row, _images) in Generator._prompt_stream(fake, set())] == [f"p{i}" for i in order]
 
 
