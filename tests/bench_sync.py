@@ -112,25 +112,26 @@ def _reload_from_file(worker, path: str) -> int:
 def run() -> dict:
     import ray
 
+    from molt_compile.compile import compile_recipe
     from runtime.tiny_model import build_tiny_model
-    from runtime.trainer import LossSpec, OptimizerSpec, TrainerGroup, TrainerSpec
+    from runtime.trainer import TrainerGroup
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = str(build_tiny_model(tmp / "model", seed=0, **SHAPE))
-    spec = TrainerSpec(
-        model_path=model_dir, ref_path=None, dtype="float32", attn="sdpa", gradient_checkpoint=False, device="cpu",
-        dist_backend="gloo", world=2, micro_batch_size=1, grad_accum=1, max_epochs=1, temperature=1.0, seed=0,
-        optimizer=OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=1.0,
-                                scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.0),
-        loss=LossSpec(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_estimator="k1",
-                      kl_use_loss=False, is_level="off", is_mode="mask", is_low=0.0, is_high=10.0))
+    rl = compile_recipe(Path(__file__).resolve().parents[1] / "recipes/demo_math.yaml").plan.rl
+    rl = rl.model_copy(update={
+        "device": "cpu", "dist_backend": "gloo", "ref": None,
+        "model": rl.model.model_copy(update={"path": model_dir, "dtype": "float32", "attn": "sdpa",
+                                             "gradient_checkpoint": "none"}),
+        "trainer": rl.trainer.model_copy(update={"world": 2, "dp": 2})})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     try:
         from runtime.trainer import free_port
 
-        workers = [ray.remote(_worker_cls()).options(num_cpus=0).remote(spec, r, "127.0.0.1", port)
-                   for port in [free_port()] for r in range(2)]
+        workers = [ray.remote(_worker_cls()).options(num_cpus=0).remote(
+            rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, r, "127.0.0.1", port)
+            for port in [free_port()] for r in range(2)]
         params = ray.get([w.ready.remote() for w in workers])[0]
         trainer = TrainerGroup(workers=workers, world=2)
         out = {"params_m": round(params / 1e6, 1), "fp32_mib": round(params * 4 / 2**20)}
