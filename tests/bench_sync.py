@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-REPEATS = 3
+REPEATS = 5
 DTYPES = ("float32", "bfloat16")
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=1000)
