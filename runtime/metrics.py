@@ -121,7 +121,8 @@ METRICS: dict[str, str] = {
     "timing/critic_train": "critic update on its FSDP group (gae)",
     "timing/weight_sync": "the streamed weight sync: every trainer rank gathers, rank 0 broadcasts buckets, every "
                           "engine loads them (they overlap, so the parts below add up to more)",
-    "timing/weight_sync_gather": "trainer rank 0: all-gathering each parameter in the engine dtype and packing buckets",
+    "timing/weight_sync_gather": "trainer rank 0: filling the buckets from the shards in the engine dtype (its own "
+                                 "rows cast in, the other ranks' rows received in place)",
     "timing/weight_sync_transfer": "longest time a group member waited on a bucket broadcast",
     "timing/weight_sync_load": "longest engine time spent loading received buckets into its model",
     "timing/weight_sync_lock_wait": "time waiting for the engine lock before the weight sync",

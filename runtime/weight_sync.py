@@ -234,25 +234,34 @@ class BufferPool:
     """Byte buffers kept across buckets and syncs. A fresh large CPU allocation is mmap'ed and pays a page fault per
     4 KiB on first touch — measured here as the largest single cost of a sync (a 400 MiB copy into new memory took
     longer than broadcasting it). CUDA's caching allocator already reuses memory, so there the pool is a pass-through.
-    A buffer comes back only when nothing else still views it (vLLM's layer-wise reload keeps the views of a layer's
-    weights until the layer is complete)."""
+    A buffer given back may still be viewed by someone else (vLLM's layer-wise reload keeps the views of a layer's
+    weights until the layer is complete, and a layer may straddle two buckets): it is handed out again only once
+    nothing else views it, so a bucket that is held a little longer is not lost to the pool."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep
-        self._free: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []
 
     def take(self, nbytes: int, device: torch.device, at_least: int = 0) -> torch.Tensor:
         """A byte buffer of `max(nbytes, at_least)` or more; use `[:nbytes]` of it."""
         if device.type == "cpu":
-            for i, b in enumerate(self._free):
-                if b.numel() >= nbytes:
-                    return self._free.pop(i)
-        # Headroom over the bucket size: a gathered bucket carries the shards' padding rows.
+            for i, b in enumerate(self._kept):
+                if b.numel() >= nbytes and _use_count(b) == _SOLE_OWNER:
+                    return self._kept.pop(i)
+        # Headroom over the bucket size: bucket sizes vary around it (a bucket closes before the tensor that would
+        # overflow it), so one buffer fits most of them.
         return torch.empty(max(nbytes, at_least + at_least // 8), dtype=torch.uint8, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
-        if buf.device.type == "cpu" and len(self._free) < self.keep and _use_count(buf) == _SOLE_OWNER:
-            self._free.append(buf)
+        """Keep `buf` for a later `take` (even if it is still viewed elsewhere); beyond `keep` buffers, drop it."""
+        if buf.device.type != "cpu":
+            return
+        if len(self._kept) >= self.keep:  # full: make room by dropping a buffer nobody uses, else this one
+            idle = next((i for i, b in enumerate(self._kept) if _use_count(b) == _SOLE_OWNER), None)
+            if idle is None:
+                return
+            self._kept.pop(idle)
+        self._kept.append(buf)
 
 
 POOL = BufferPool()
