@@ -9,18 +9,24 @@ run in the same session against the same actors, alternating, `REPEATS` syncs ea
 - old: every rank `get_model_state_dict(full_state_dict, cpu_offload)`, rank 0 `ray.put`s the whole model, the
   engine resolves it, writes a tmpfs safetensors file and every worker reloads it (`model_runner.reload_weights`)
   — the code this branch removed, kept here only as the baseline;
-- new: `WeightSyncLink.sync` (one shard gather per bucket in the engine dtype, 64 MiB buckets, gloo broadcast, bucket-wise
-  `load_weights` in vLLM's layer-wise reload).
+- new: `WeightSyncLink.sync` (64 MiB buckets in the engine dtype: rank 0 casts its shard rows into the bucket, rank 1's
+  rows arrive point to point in place; gloo broadcast; bucket-wise `load_weights` in vLLM's layer-wise reload).
 
 Reported: seconds per sync (median), the ratio, the new path's gather/transfer/load split and GB/s, the peak RSS
 growth of trainer rank 0 and of the engine actor during a sync (sampled every 5 ms), the object store's peak use,
 and the probe (engine vs trainer log-probs) after each path.
 
-Measured 2026-12-01 on the shared 2-core machine (load average 10-20 from other jobs, so +-30 %), one run:
-fp32 engine: old 2.20 s/sync, new 1.26 s (1.75x; gather 1.07, transfer 0.80, load 0.62, overlapped), 387 MiB in 7
-buckets; bf16 engine: old 2.13 s, new 0.67 s (3.2x), 194 MiB in 4 buckets. Peak RSS growth during a sync: trainer
-rank 0 1208 -> 302 MiB (fp32; the rest is the reused bucket pool), engine actor 1126 -> 0 MiB; the object store is
-no longer used. Probe max |diff| identical for both paths (2.4e-6 fp32, 2.0e-2 bf16 vs the fp32 trainer).
+Measured 2026-12-01 22:40 UTC on the shared 2-core machine (load average 3-8 during the run, 10-45 at times
+earlier in the evening; old and new alternate, so the ratio is the figure; single runs vary +-30 %), 5 syncs each:
+fp32 engine: old 2.28 s/sync, new 0.66 s (3.5x; gather 0.28, transfer 0.31, load 0.51, overlapped), 387 MiB in 7
+buckets; bf16 engine: old 2.03 s, new 0.40 s (5.05x; gather 0.17, transfer 0.15, load 0.27), 194 MiB in 4 buckets.
+The run before (same code, before merging main): fp32 1.88 vs 0.61 (3.1x), bf16 1.74 vs 0.36 (4.85x). Earlier that
+day (gather into a temporary + reorder on rank 0, fresh engine buckets): fp32 2.17 vs 1.05 (2.1x), bf16 1.87 vs
+0.64 (2.9x). The fp32 row cannot reach 5x on this path: vLLM's own CPU reload (the weight loader's copy into a
+freshly materialised layer, then oneDNN's repacking of every linear weight), which the old path pays as well, is
+~0.45-0.5 s of it by itself. Peak RSS growth during a sync: trainer rank 0 1201 -> 127 MiB (fp32; the reused bucket
+pool), engine actor 1163 -> 0 MiB; the object store is no longer used. Probe max |diff| identical for both paths
+(2.4e-6 fp32, 2.0e-2 bf16 vs the fp32 trainer).
 """
 
 from __future__ import annotations
