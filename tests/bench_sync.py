@@ -20,7 +20,9 @@ Measured 2026-12-01 22:40 UTC on the shared 2-core machine (load average 3-8 dur
 earlier in the evening; old and new alternate, so the ratio is the figure; single runs vary +-30 %), 5 syncs each:
 fp32 engine: old 2.28 s/sync, new 0.66 s (3.5x; gather 0.28, transfer 0.31, load 0.51, overlapped), 387 MiB in 7
 buckets; bf16 engine: old 2.03 s, new 0.40 s (5.05x; gather 0.17, transfer 0.15, load 0.27), 194 MiB in 4 buckets.
-The run before (same code, before merging main): fp32 1.88 vs 0.61 (3.1x), bf16 1.74 vs 0.36 (4.85x). Earlier that
+The run before (same code, before merging main): fp32 1.88 vs 0.61 (3.1x), bf16 1.74 vs 0.36 (4.85x); the run
+after: fp32 2.03 vs 0.59 (3.5x), bf16 3.83 vs 0.37 (10.4x: a load spike hit the old path; the new path's 0.36-0.40 s
+is steady, so against the usual old 1.7-2.0 s the bf16 row is ~5x). Earlier that
 day (gather into a temporary + reorder on rank 0, fresh engine buckets): fp32 2.17 vs 1.05 (2.1x), bf16 1.87 vs
 0.64 (2.9x). The fp32 row cannot reach 5x on this path: vLLM's own CPU reload (the weight loader's copy into a
 freshly materialised layer, then oneDNN's repacking of every linear weight), which the old path pays as well, is
