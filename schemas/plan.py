@@ -50,16 +50,11 @@ def plain(value: Any) -> Any:
     models and lists of models are converted; every other field already holds JSON data (tuples encode as lists),
     so large maps (`gpu_map`, bundles) pass through untouched.
     """
-    if isinstance(value, _JSON_SCALARS_AND_MAPS):  # first: an instance check against BaseModel (an ABC) costs more
-        return value
     if isinstance(value, BaseModel):
         return {k: plain(v) for k, v in value.__dict__.items()}
     if isinstance(value, list) and value and isinstance(value[0], BaseModel):
         return [plain(v) for v in value]
     return value
-
-
-_JSON_SCALARS_AND_MAPS = (str, int, float, type(None), dict, tuple)
 
 
 def _compact(value: Any) -> str:
