@@ -25,15 +25,11 @@ Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group 
 are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
 """
 
+import hashlib
 import json
 from typing import Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict
-
-try:  # CPython 3.11's own SHA-256 module: `hashlib` loads OpenSSL and BLAKE2 first (~4 ms of a cold compile)
-    from _sha256 import sha256  # type: ignore[import-not-found]
-except ImportError:  # 3.12+ (where it is _sha2) and other builds: the same digest through hashlib
-    from hashlib import sha256
 
 PLAN_SCHEMA_VERSION: Final = 1
 PLAN_FILE_PLACEHOLDER = "{plan_file}"
@@ -865,7 +861,7 @@ class Plan(PlanModel):
         return _compact(data)
 
     def compute_fingerprint(self) -> str:
-        return sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
+        return hashlib.sha256(self.canonical_json(with_fingerprint=False).encode()).hexdigest()
 
     def with_fingerprint(self) -> Self:
         """A copy whose `fingerprint` is set (lower() returns plans built this way)."""
