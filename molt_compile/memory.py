@@ -21,8 +21,10 @@ the experts — together every parameter lives on exactly one rank of `world`, s
   (MoE: experts_per_token × the expert width), divided by tp;
     * gradient_checkpoint full: the layer inputs are kept (2·T·h per layer; divided by tp with
       sequence_parallel) plus one layer's working set while it is recomputed;
-    * none or selective: every layer's working set (selective recomputes only the attention core, which the
-      fused attention kernels do not store anyway — estimate);
+    * selective: the runtime keeps each layer's input and the outputs of its matmuls and attention kernel and
+      recomputes the rest (norms, rotary, activation, residual adds): 2·(3h + 2·(heads·head_dim) +
+      2·(kv_heads·head_dim) + 2I) bytes per token and layer, plus one layer's working set while it is recomputed;
+    * none: every layer's working set;
     * the reference model runs forward only without grad: one layer's working set;
     * log-probs: the runtime computes the lm_head over chunks of `LOGPROB_CHUNK_TOKENS` positions
       (`runtime/logprobs.py`), so about 3.5 fp32 (chunk × vocab) tensors are alive at once (logits, their
@@ -31,8 +33,8 @@ the experts — together every parameter lives on exactly one rank of `world`, s
   all-gather and reduce-scatter buffers: reserved minus allocated memory grew with the model, not the batch).
 - runtime overhead: CUDA context and NCCL, 2 GiB (estimate).
 The estimate is of the peak *reserved* memory (what out-of-memory is about), held against the measured peaks of
-seven configurations on an H200 (0.6B-4B Qwen3 shapes, 2k-16k tokens per micro-batch, full and no checkpointing):
-estimate / measured 0.97-1.03 (`tests/gpu/check_memory.py`; the table is `tests/test_memory.py`).
+eleven configurations on an H200 (0.6B-4B Qwen3 shapes, 2k-16k tokens per micro-batch, full, selective and no
+checkpointing): estimate / measured 0.97-1.03 (`tests/gpu/check_memory.py`; the table is `tests/test_memory.py`).
 Colocated roles (ref/critic with `placement: colocate`) stay resident on the same GPUs and run one after another:
 their static memory adds up, activations and temporaries count once (the largest). A reference model / teacher
 whose architecture cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.
@@ -217,6 +219,15 @@ def _layer_bytes_per_token(facts: Any) -> float:
     return 16 * h + 8 * mlp + 12 * q + 12 * kv
 
 
+def _selective_bytes_per_token(facts: Any) -> float:
+    """What selective checkpointing keeps per token for one decoder layer: its bf16 input and matmul/attention
+    outputs (q, k, v, o, gate, up, down projections and the attention core)."""
+    mlp = facts.intermediate_size * (facts.experts_per_token if facts.is_moe and facts.experts_per_token else 1)
+    q = facts.heads * facts.head_dim
+    kv = facts.kv_heads * facts.head_dim
+    return 2 * (3 * facts.hidden_size + 2 * q + 2 * kv + 2 * mlp)
+
+
 def _activations(recipe: Any, role: str, facts: Any) -> float:
     a, t = recipe.actor, recipe.train
     tp, cp = a.mesh.tp, a.mesh.cp
@@ -229,6 +240,8 @@ def _activations(recipe: Any, role: str, facts: Any) -> float:
     elif recipe.model.gradient_checkpoint == "full":
         kept = 2 * tokens * h * layers / (tp if a.sequence_parallel else 1)
         acts = kept + layer_set
+    elif recipe.model.gradient_checkpoint == "selective":
+        acts = _selective_bytes_per_token(facts) * tokens * layers / tp + layer_set
     else:
         acts = layer_set * layers
     chunk = min(tokens, LOGPROB_CHUNK_TOKENS)

@@ -199,6 +199,8 @@ class ModelPlan(PlanModel):
     """Attention implementation of the trained models."""
     gradient_checkpoint: Literal["full", "selective", "none"]
     """Activation checkpointing (the reference model never checkpoints)."""
+    compile_layers: bool
+    """Each decoder layer's forward under `torch.compile`."""
     disable_fast_tokenizer: bool
     """Load the slow tokenizer."""
     router_dtype: Literal["bfloat16", "float16", "float32"]

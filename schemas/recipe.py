@@ -142,6 +142,10 @@ class Model(Section):
     """FSDP2 compute dtype. Master weights stay fp32."""
     gradient_checkpoint: Literal["full", "selective", "none"] = "full"
     """Activation checkpointing of the trained models. The reference model never checkpoints."""
+    compile_layers: bool = False
+    """Run each decoder layer's forward under `torch.compile` (inductor fuses the norms, rotary, activation and
+    casts around the matmuls) in the trained and reference models. An extension of Molt recipes (Molt has no such
+    flag). Compiles once per layer shape at the first steps; the numbers are those of the eager forward."""
     router_dtype: Dtype = "fp32"
     """Compute dtype of the MoE routers (gates) under mixed precision (Molt `MOLT_GATE_PRECISION`, default
     float32): top-k choices are made in this precision. Their master weights are fp32 either way."""

@@ -32,7 +32,7 @@ def test_fsdp_estimate_of_the_base_recipe_by_hand():
 
 
 # Peak reserved memory of this project's trainer rank (FSDP2 world 1, fp32 master weights, bf16 compute, fused AdamW,
-# two optimizer steps of two micro-batches), measured on one H200 by `tests/gpu/check_memory.py` on 2026-12-01:
+# two optimizer steps of two micro-batches), measured on one H200 by `tests/gpu/check_memory.py` on 2026-12-01 (selective: in a later run that day):
 # (model shape, rows per micro-batch, sequence length, gradient_checkpoint, measured GiB).
 H200_PEAKS = [
     ("qwen3-1.7b", 4, 4096, "full", 37.27),
@@ -42,6 +42,10 @@ H200_PEAKS = [
     ("qwen3-0.6b", 8, 2048, "full", 15.98),
     ("qwen3-0.6b", 2, 2048, "none", 21.56),
     ("qwen3-4b", 2, 4096, "full", 72.02),
+    ("qwen3-1.7b", 4, 4096, "selective", 56.28),
+    ("qwen3-1.7b", 2, 2048, "selective", 38.33),
+    ("qwen3-0.6b", 8, 2048, "selective", 28.02),
+    ("qwen3-4b", 2, 4096, "selective", 92.58),
 ]
 SHAPES = {  # the random models the script trained (Qwen3 config.json fields; vocabulary 151,936, tied)
     "qwen3-0.6b": (1024, 3072, 28, 16, 8),

@@ -176,6 +176,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         dtype=_DTYPES[m.param_dtype],
         attn=m.attn,
         gradient_checkpoint=m.gradient_checkpoint,
+        compile_layers=m.compile_layers,
         disable_fast_tokenizer=m.disable_fast_tokenizer,
         router_dtype=_DTYPES[m.router_dtype],
     )

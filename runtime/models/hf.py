@@ -31,6 +31,42 @@ def is_vlm(path: str) -> bool:
     return getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
 
 
+# Selective (per-op) checkpointing keeps what is expensive to recompute and cheap to keep: the outputs of the
+# matmuls (projections, MLP) and of the fused attention kernels. Norms, rotary, activations, residual adds and
+# casts are recomputed in the backward: memory-bound work, a fraction of a layer's time (torchtitan's "op" SAC).
+_SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")}
+
+
+def _keep_expensive(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def enable_checkpointing(model, mode: str) -> None:
+    """Activation checkpointing of every decoder layer (non-reentrant): `full` keeps each layer's input and
+    recomputes the whole layer in the backward; `selective` also keeps its matmul and attention outputs and
+    recomputes only the cheap ops (Molt's per-op mode)."""
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def compile_layers(layers) -> None:
+    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks and the checkpoint wrapper around it
+    staying eager. The layers share one compiled graph (the models call them with `use_cache=False`, so no
+    per-layer cache state is guarded on); a second sequence length recompiles once with dynamic shapes."""
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+
+
 def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
@@ -56,7 +92,7 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
 
         lora_adapters.apply(model, lora)
     if trainable and model_plan.gradient_checkpoint != "none":
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model, model_plan.gradient_checkpoint)
         if lora is not None:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if not trainable:
@@ -70,9 +106,12 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     router_mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.router_dtype), reduce_dtype=torch.float32)
     for router in moe.routers(model):
         fully_shard(router, mesh=mesh, mp_policy=router_mp)
-    for layer in (model.model.language_model.layers if vlm else model.model.layers):
+    layers = model.model.language_model.layers if vlm else model.model.layers
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if model_plan.compile_layers:
+        compile_layers(layers)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 
@@ -86,11 +125,13 @@ def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.devi
     model = load_value_model(path, model_plan.attn)
     model.to(device)
     if model_plan.gradient_checkpoint != "none":
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model, model_plan.gradient_checkpoint)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if model_plan.compile_layers:
+        compile_layers(model.model.layers)
     return model
 
 

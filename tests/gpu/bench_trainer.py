@@ -3,12 +3,22 @@
     python3 tests/gpu/bench_trainer.py OUT_DIR [--baseline PATH/plain_baseline.py]
     MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/bench_trainer.py OUT_DIR     (CPU, tiny: checks the script)
 
-Same random Qwen3-1.7B-shaped model (bf16 compute, full activation checkpointing) and the same 4 x 4096 tokens:
-1. plain PyTorch + transformers (`shared/bench/plain_baseline.py`: fused AdamW, cross-entropy over every token);
+Same random Qwen3-1.7B-shaped model (bf16 compute) and the same 4 x 4096 tokens:
+1. plain PyTorch + transformers (`shared/bench/plain_baseline.py`: full activation checkpointing, fused AdamW,
+   cross-entropy over every token);
 2. this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, the PPO loss over every token as actions,
-   chunked lm_head log-probs): its optimizer step (`train`) over micro-batches of 4 rows, padded and packed.
+   chunked lm_head log-probs): its optimizer step (`train`) over micro-batches of 4 rows, padded and packed, under
+   each `model.gradient_checkpoint` and with/without `model.compile_layers` (the compiler allows compiled layers only without checkpointing; the compiled+checkpointed variants are measured, not offered).
 Then a batch with skewed lengths (4 rows in 16 long, the rest short, the same 16 x 4096 padded shape): the baseline
 computes the padding, the packed trainer does not. Tokens/s count real tokens; MFU uses 790 TFLOP/s (bf16 dense).
+`--profile` also writes the 40 costliest ops of one uniform/padded-none-compiled step (profile_trainer.txt).
+Variants whose attention is not what the compiler allows on GPUs for packing (sdpa, flex: Molt's rule H2 wants
+flash_attention_2, te or tilelang) are measured as what the kernels would give, not as runnable recipes.
+
+Measured 2026-12-01 on one H200 (tokens/s against the plain baseline measured in the same run, 23.4k tokens/s,
+MFU 0.348): full checkpointing 0.83x (MFU 0.29), full + compiled layers 1.15x, no checkpointing 0.99x, no
+checkpointing + compiled layers 1.36x (MFU 0.47, peak 71 GiB), selective 0.88x; skewed batch packed: full 1.51x,
+full + compiled 2.02x, none + compiled 2.49x, none + compiled with flex attention 2.89x.
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 
@@ -52,11 +62,58 @@ def _batch(lengths: list[int], vocab: int, width: int):
     return batch
 
 
+def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out) -> dict:
+    """Best of `steps` optimizer steps (after one warm-up, which also compiles) of a fresh `PolicyWorker` on
+    `batch`."""
+    import torch
+
+    from runtime.trainer import PolicyWorker
+
+    worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+    mask = batch.action_mask
+    step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
+                         rollout_log_probs=torch.zeros(mask.shape))
+    if not DRY_RUN:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps + 1):
+        sync()
+        t0 = time.perf_counter()
+        worker.train(step_batch, 0.0)
+        sync()
+        if i > 0 or DRY_RUN:
+            times.append(time.perf_counter() - t0)
+    if profile:
+        train = worker.train
+        (out / "profile_trainer.txt").write_text(_profiled(lambda: train(step_batch, 0.0), sync))
+    best = min(times)
+    real = int(batch.attention_mask.sum())
+    run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
+           "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
+    if not DRY_RUN:
+        run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    worker.shutdown()
+    del worker
+    return run
+
+
+def _profiled(step, sync) -> str:
+    """The 40 costliest ops of one `step` under the torch profiler (self device time), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if DRY_RUN else [ProfilerActivity.CUDA])
+    with profile(activities=activities) as prof:
+        step()
+        sync()
+    key = "self_cpu_time_total" if DRY_RUN else "self_cuda_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+
+
 def main() -> int:
     import torch
     from loop_support import trainer_rl
 
-    from runtime.trainer import PolicyWorker, free_port
+    from runtime.trainer import free_port
 
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -97,43 +154,45 @@ def main() -> int:
     uniform = _batch([seq] * rows, cfg.vocab_size, seq)
     skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
     skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
-    port = free_port()
-    for name, batch, packing, micro in (("uniform/padded", uniform, False, rows), ("uniform/packed", uniform, True, rows),
-                                        ("skewed/packed", skewed, True, rows)):
+    def worker_args(batch, packing: bool, ckpt: str, attn: str, compiled: bool):
         n = batch.batch_size
-        rl = trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": "sdpa",
-                                             "dtype": "float32" if DRY_RUN else "bfloat16",
-                                             "gradient_checkpoint": "full"},
-                        trainer={"micro_batch_size": micro, "grad_accum": n // micro, "max_epochs": 1,
-                                 "temperature": 1.0,
-                                 "packing": packing, "dynamic_batch_max_tokens": None, "local_batch_size": None},
-                        optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
-                        kl={"use_loss": False}, is_correction={"level": "off"}, device=device,
-                        dist_backend="gloo" if DRY_RUN else "nccl")
-        worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+        return trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": attn,
+                                               "dtype": "float32" if DRY_RUN else "bfloat16",
+                                               "gradient_checkpoint": ckpt, "compile_layers": compiled},
+                          trainer={"micro_batch_size": rows, "grad_accum": n // rows, "max_epochs": 1,
+                                   "temperature": 1.0, "packing": packing, "dynamic_batch_max_tokens": None,
+                                   "local_batch_size": None},
+                          optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
+                          kl={"use_loss": False}, is_correction={"level": "off"}, device=device,
+                          dist_backend="gloo" if DRY_RUN else "nccl")
+
+    port = free_port()
+    runs = [  # (name, batch, packing, activation checkpointing, attention, model.compile_layers)
+        ("uniform/padded", uniform, False, "full", "sdpa", False),
+        ("uniform/padded-compiled", uniform, False, "full", "sdpa", True),
+        ("uniform/padded-none-compiled", uniform, False, "none", "sdpa", True),
+        ("uniform/padded-selective", uniform, False, "selective", "sdpa", False),
+        ("uniform/padded-none", uniform, False, "none", "sdpa", False),
+        ("uniform/packed", uniform, True, "full", "sdpa", False),
+        ("skewed/packed", skewed, True, "full", "sdpa", False),
+        ("skewed/packed-compiled", skewed, True, "full", "sdpa", True),
+        ("skewed/packed-none-compiled", skewed, True, "none", "sdpa", True),
+        ("skewed/packed-flex-none-compiled", skewed, True, "none", "flex_attention", True),
+        ("skewed/packed-selective", skewed, True, "selective", "sdpa", False),
+        ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention", False),
+    ]
+    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]
+    for name, batch, packing, ckpt, attn, compiled in runs:
+        if only and name not in only:
+            continue
+        try:
+            run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg, n_params,
+                               seq, plain, port, "--profile" in args and name == "uniform/padded-none-compiled", out)
+        except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
+            run = {"error": repr(exc)[:2000]}
         port += 1
-        mask = batch.action_mask
-        step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
-                             rollout_log_probs=torch.zeros(mask.shape))
-        if not DRY_RUN:
-            torch.cuda.reset_peak_memory_stats()
-        times = []
-        for i in range(steps + 1):
-            sync()
-            t0 = time.perf_counter()
-            worker.train(step_batch, 0.0)
-            sync()
-            if i > 0 or DRY_RUN:
-                times.append(time.perf_counter() - t0)
-        best = min(times)
-        real = int(batch.attention_mask.sum())
-        run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
-               "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
-        if not DRY_RUN:
-            run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        run.update(gradient_checkpoint=ckpt, attn=attn, packing=packing, compile_layers=compiled)
         report["runs"][name] = run
-        worker.shutdown()
-        del worker
         if not DRY_RUN:
             torch.cuda.empty_cache()
     for name, run in report["runs"].items():  # each against the plain baseline on the same batch

@@ -1,6 +1,6 @@
 """The compiler's memory estimate against the trainer rank's real peak, on one GPU (issue 11; not in `just test`).
 
-    python3 tests/gpu/check_memory.py OUT_DIR
+    python3 tests/gpu/check_memory.py OUT_DIR [CHECKPOINTING ...]      (only the configurations of these modes)
 
 For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing): a random
 Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute, AdamW)
@@ -40,6 +40,10 @@ CONFIGS = [  # (shape, rows per micro-batch, sequence length, gradient_checkpoin
     ("qwen3-0.6b", 8, 2048, "full"),
     ("qwen3-0.6b", 2, 2048, "none"),
     ("qwen3-4b", 2, 4096, "full"),
+    ("qwen3-1.7b", 4, 4096, "selective"),
+    ("qwen3-1.7b", 2, 2048, "selective"),
+    ("qwen3-0.6b", 8, 2048, "selective"),
+    ("qwen3-4b", 2, 4096, "selective"),
 ]
 
 
@@ -82,7 +86,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(0), "runs": []}
     dirs: dict[str, Path] = {}
-    for shape, rows, seq, ckpt in CONFIGS:
+    modes = set(sys.argv[2:]) or {c[3] for c in CONFIGS}
+    for shape, rows, seq, ckpt in (c for c in CONFIGS if c[3] in modes):
         if shape not in dirs:
             d = Path(tempfile.gettempdir()) / f"molt_gpu_mem_{shape}"
             if not (d / "config.json").exists():

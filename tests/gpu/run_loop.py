@@ -1,12 +1,14 @@
 """The whole RL loop on one GPU under Ray (issue 18; not part of `just test`).
 
-    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/run_loop.py OUT_DIR [--steps N]
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/run_loop.py OUT_DIR [--steps N] [--runs A,B]
 
 1. `molt-compile recipes/demo_gpu.yaml --submit` exactly as a user runs it (local Ray cluster through the `ray` CLI,
    the trainer rank and the hf engine colocated on the GPU, CUDA IPC weight sync): the demo task, reward rising.
 2. A throughput run of the same recipe on a random Qwen3-1.7B-shaped model (the demo's tokenizer, so its small
    vocabulary: ~1.4 B parameters), longer generations, a few steps: the step time split into generation, trainer,
    weight sync and idle waits, and the overlap efficiency max(generation, train + sync) / step time.
+3. The same throughput run with compiled decoder layers and no activation checkpointing (`model.compile_layers`).
+`--runs` picks some of demo, throughput, throughput-compiled (default: all).
 Writes OUT_DIR/run_loop.json (and copies each run's metrics.jsonl there) and prints the summary.
 """
 
@@ -64,6 +66,7 @@ def _run(name: str, out: Path, sets: list[str], timeout_s: float) -> dict:
                                              "timing/weight_sync", "timing/weight_sync_gather",
                                              "timing/weight_sync_transfer", "timing/weight_sync_load")}
         result["timing_mean_warm"] = split
+        result["policy_train_per_step"] = [r.get("timing/policy_train") for r in steps]
         gen, train = split["timing/generation"], split["timing/policy_train"]
         sync, total = split["timing/weight_sync_total"], split["timing/step_total"]
         if None not in (gen, train, total) and total:
@@ -99,19 +102,26 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 60
+    runs = args[args.index("--runs") + 1].split(",") if "--runs" in args else \
+        ["demo", "throughput", "throughput-compiled"]
     report: dict = {}
-    report["demo"] = _run("demo", out, [f"data.max_samples={steps * 8}"], 900)
+    if "demo" in runs:
+        report["demo"] = _run("demo", out, [f"data.max_samples={steps * 8}"], 900)
     big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
     if not (big / "config.json").exists():
         _big_model(big)
-    report["throughput"] = _run("throughput", out, [
-        f"model.path={big}", "data.max_samples=48", "data.max_len=320", "rollout.max_new_tokens=256",
-        "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
-        "model.gradient_checkpoint=full", "train.micro_batch_size=16"], 900)
+    throughput = [f"model.path={big}", "data.max_samples=48", "data.max_len=320", "rollout.max_new_tokens=256",
+                  "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
+                  "train.micro_batch_size=16"]
+    if "throughput" in runs:
+        report["throughput"] = _run("throughput", out, [*throughput, "model.gradient_checkpoint=full"], 900)
+    if "throughput-compiled" in runs:
+        report["throughput-compiled"] = _run("throughput-compiled", out, [
+            *throughput, "model.gradient_checkpoint=none", "model.compile_layers=true"], 900)
     text = json.dumps(report, indent=1, default=str)
     print(text)
     (out / "run_loop.json").write_text(text)
-    return 0 if report["demo"].get("rc") == 0 else 1
+    return 0 if all(r.get("rc") == 0 for r in report.values()) else 1
 
 
 if __name__ == "__main__":
