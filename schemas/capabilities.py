@@ -184,15 +184,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 14",
     ),
     Capability(
-        "rl-images",
-        "rl",
-        "data.max_images_per_prompt",
-        "image inputs with the hf rollout engine",
-        lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.engines.kind == "hf",
-        "rollout.engine: vllm (it takes images), or data.max_images_per_prompt: 0",
-        tracked="issue 17",
-    ),
-    Capability(
         "rl-automodel",
         "rl",
         "model.backend",

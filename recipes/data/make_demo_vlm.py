@@ -5,8 +5,13 @@
 The task: an image shows a digit a in 0-2 (drawn with PIL), the text asks for a + b ("<image>+1=" -> a + 1),
 rewarded 1 for the exact sum (recipes/agents/demo_vlm.py). The answer needs the image: the text alone leaves three
 possible sums. The images are 56x56 pixels (4 placeholder tokens each with the tiny model's processor).
-A short supervised warm-start on the task teaches the answer format (digits, then <|im_end|>) and part of the
-reading; RL then has to raise the accuracy.
+A supervised warm-start on the task (260 steps of 32 rows, lr 1e-3, about a minute) stops where the model answers in
+format (digits, then <|im_end|>) and has learnt the text's part (the sum is b, b + 1 or b + 2) but not yet the
+image: it is right a third of the time whatever the digit. RL then has to learn to read the image, which is what makes
+the reward rise (recipes/demo_vlm.yaml). Measured with this file's seed: the mean probability of the right first
+token is 0.33 at 260 steps; a few more supervised steps and the model starts reading (0.45 at 270, 0.67 at 290),
+while the former 25 steps at lr 3e-3 left it at the prior of the sums (0.22, the same answer for every prompt), from
+which RL did not move in 7 steps.
 
 Rows keep their image as a path relative to the dataset file (`image` column, a list of one), the form
 `runtime.datasource` / `runtime.vlm` read; HF image features and bytes work as well.
@@ -23,7 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent / "demo_vlm"
 SEED = 0
 MAX_DIGIT = 2
-WARM_START_STEPS = 25
+WARM_START_STEPS = 260   # see the module docstring: stops before the model reads the image
+WARM_START_LR = 1e-3
 SIZE = 56
 
 
@@ -49,7 +55,7 @@ def corpus() -> list[str]:
     return lines * 5 + [str(i) for i in range(100)]
 
 
-def warm_start(model_dir: Path, steps: int, seed: int, lr: float = 3e-3) -> None:
+def warm_start(model_dir: Path, steps: int, seed: int, lr: float = WARM_START_LR) -> None:
     """Supervised steps on the answer tokens of chat-templated image prompts (seeded), saved in place."""
     import torch
     from transformers import AutoModelForImageTextToText

@@ -17,6 +17,8 @@ Needs only torch and transformers (the GPU benchmark loads this file by path, wi
   slots are freed; pending requests join at chunk boundaries.
 - Logprobs: `processed` = log-softmax of logits / T after the top-p cut (the distribution sampled from; greedy rows
   use T = 1), `raw` = log-softmax of the unprocessed logits, both in float32, as vLLM's `logprobs_mode`.
+- VLM prompts (a `vision` prefill helper, `hf_vision.VisionPrefill`): the prefill embeds the images' features at
+  their placeholders with the model's 3-D rope positions; decode positions are the cache position + the slot's delta.
 
 The model's forward is transformers' own; only attention (matmul + softmax over the slot's cache for decode, SDPA
 with `is_causal` for prefill) and the cache are ours. Models whose logits need more than `lm_head(final hidden)`
@@ -65,11 +67,14 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
 
 
 def use_slot_attention(model) -> None:
-    """Register `slot_attention` and make the model use it (also for plain forwards: causal SDPA, no mask)."""
+    """Register `slot_attention` and make the model use it (also for plain forwards: causal SDPA, no mask). A VLM's
+    vision tower keeps SDPA: its attention is bidirectional and never cached."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, slot_attention)
-    model.set_attn_implementation(ATTENTION)
+    vision = getattr(model.config, "vision_config", None) is not None
+    model.set_attn_implementation({"": ATTENTION, "text_config": ATTENTION, "vision_config": "sdpa"} if vision
+                                  else ATTENTION)
 
 
 class SlotKVCache:
@@ -168,6 +173,7 @@ class Request:
     routed: list = field(default_factory=list)  # (n, L, k) int16 numpy chunks of routing (R3), prompt first
     top_k: int = 0  # score centering: also record each generated token's top-k ids and log-probs
     top: list = field(default_factory=list)  # ((n, top_k) int64 ids, (n, top_k) float32 log-probs) numpy chunks
+    mm: dict | None = None  # VLM: the prompt's images as model inputs (pixel_values, image_grid_thw), `hf_vision`
 
     def routed_experts(self):
         """(prompt + generated - 1, L, k) routing of every token a forward saw, or None when not recorded."""
@@ -185,7 +191,8 @@ class DecodeCore:
     thread."""
 
     def __init__(self, model, *, slots: int, max_model_len: int, eos_ids, pad_id: int, raw_logprobs: bool,
-                 cuda_graphs: bool, chunk_steps: int = 16, prefill_tokens: int = 16384, record_routing: bool = False):
+                 cuda_graphs: bool, chunk_steps: int = 16, prefill_tokens: int = 16384, record_routing: bool = False,
+                 vision=None):
         cfg = model.config.get_text_config()
         self.model = model
         self.decoder = model.get_decoder()
@@ -221,6 +228,10 @@ class DecodeCore:
         self.pending_lock = threading.Lock()
         self.active: dict[int, Request] = {}  # slot -> request
         self.free = list(range(slots))
+        # VLM (`hf_vision.VisionPrefill`): image prompts prefill with the tower's features and 3-D rope positions;
+        # decode positions are the cache position plus the slot's rope delta.
+        self.vision = vision
+        self.rope_delta = torch.zeros(slots, dtype=torch.long, device=dev)
         self.version = 0  # weights version of the model, set by the engine after each load (between chunks)
         # R3: each decode step's routers copy their top-k into this fixed buffer (a CUDA graph replays the copy).
         layers, top_k = moe.shape_of(model)
@@ -299,11 +310,16 @@ class DecodeCore:
         slot_t = torch.tensor(slots, device=dev)
         positions = torch.arange(width, device=dev).expand(len(reqs), width)
         causal = torch.full((width, width), float("-inf"), device=dev).triu(1).expand(len(reqs), 1, width, width)
+        inputs = {"input_ids": ids, "position_ids": positions}
+        if self.vision is not None:
+            embeds, positions, deltas = self.vision.inputs(ids, lens, [r.mm for r in reqs])
+            inputs = {"inputs_embeds": embeds, "position_ids": positions}
+            self.rope_delta[slot_t] = deltas
         self.cache.prefill_slots = slot_t
         try:
             with self._recording() as routed:
-                hidden = self.decoder(input_ids=ids, position_ids=positions, attention_mask=causal,
-                                      past_key_values=self.cache, use_cache=True).last_hidden_state
+                hidden = self.decoder(**inputs, attention_mask=causal, past_key_values=self.cache,
+                                      use_cache=True).last_hidden_state
         finally:
             self.cache.prefill_slots = None
         if self.record_routing:  # (L, rows * width, k) -> each row's (len, L, k) prompt routing
@@ -389,7 +405,8 @@ class DecodeCore:
         pos = self.cache.pos[:nb]
         mask = torch.zeros((nb, length), device=self.device).masked_fill_(
             self.columns[:length].unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
-        hidden = self.decoder(input_ids=self.tokens[:nb].unsqueeze(1), position_ids=pos.unsqueeze(1),
+        rope = pos if self.vision is None else pos + self.rope_delta[:nb]
+        hidden = self.decoder(input_ids=self.tokens[:nb].unsqueeze(1), position_ids=rope.unsqueeze(1),
                               attention_mask=mask.view(nb, 1, 1, length), past_key_values=self.cache,
                               use_cache=True).last_hidden_state
         self.logits[:nb] = self.lm_head(hidden[:, 0]).float()

@@ -6,6 +6,8 @@ batch of up to `engines.max_num_seqs` sequences (a KV-cache slot each; more wait
 temperature and top-p. A generation thread runs the core chunk by chunk (up to 16 decode steps between host syncs);
 new requests join between chunks; on CUDA each decode step is a replayed CUDA graph unless `engines.enforce_eager`.
 The actor's event loop keeps accepting requests, pauses and weight updates meanwhile.
+A VLM run's requests carry their images (expanded placeholders in the prompt ids, as the trainer sees them); the
+engine encodes them with the model's processor and prefills with the vision tower's features (`hf_vision`).
 
 Logprobs follow the plan's `logprobs_mode` like vLLM's: `processed_logprobs` = log-softmax of logits / T after the
 top-p cut (the distribution sampled from), `raw_logprobs` = log-softmax of the unprocessed logits. Score centering's
@@ -76,14 +78,22 @@ class _StepGate:
 
 class HfEngine:
     def __init__(self, engines: EnginesPlan, index: int, model_path: str):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         t0 = time.perf_counter()
         self.index = index
         torch.manual_seed(engines.seeds[index])
         self.device = torch.device(engines.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, engines.dtype)).eval()
+        vlm = engines.max_images_per_prompt > 0  # a VLM run (data.max_images_per_prompt)
+        auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM  # a VLM's parameter names, as trained
+        self.model = auto.from_pretrained(model_path, dtype=getattr(torch, engines.dtype)).eval()
         self.model.to(self.device)
+        self.vision = None
+        if vlm:
+            from runtime import vlm as vlm_inputs
+            from runtime.engines.hf_vision import VisionPrefill
+
+            self.vision = VisionPrefill(self.model, vlm_inputs.load_processor(model_path))
         self.tied = tied_embeddings(model_path)
         gen = self.model.generation_config
         eos = gen.eos_token_id
@@ -91,7 +101,8 @@ class HfEngine:
         pad_id = gen.pad_token_id if gen.pad_token_id is not None else min(eos_ids, default=0)
         self.core = DecodeCore(self.model, slots=engines.max_num_seqs, max_model_len=engines.max_model_len,
                                eos_ids=eos_ids, pad_id=pad_id, raw_logprobs=engines.logprobs_mode == "raw_logprobs",
-                               cuda_graphs=not engines.enforce_eager, record_routing=engines.routed_experts)
+                               cuda_graphs=not engines.enforce_eager, record_routing=engines.routed_experts,
+                               vision=self.vision)
         self._gate = _StepGate()
         self._paused = False
         self._wake = threading.Event()
@@ -103,13 +114,17 @@ class HfEngine:
 
     # ------------------------------------------------------------------ interface
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
-                       session_id: str, logprobs: bool, top_logprobs: int = 0) -> GenerateOutput:
+                       session_id: str, logprobs: bool, images: list | None = None,
+                       top_logprobs: int = 0) -> GenerateOutput:
+        if images and self.vision is None:
+            raise ValueError(f"hf engine {self.index}: a request with images, but the plan has no image inputs")
+        mm = self.vision.encode(images) if images else None  # on the actor's thread, beside generation
         if self._generator is None:
             self._generator = threading.Thread(target=self._generate_forever, name=f"hf-engine-{self.index}-generate", daemon=True)
             self._generator.start()
         future = asyncio.get_running_loop().create_future()
         self.core.submit(Request(list(prompt_ids), max_tokens, temperature, top_p, handle=future,
-                                 top_k=top_logprobs))
+                                 top_k=top_logprobs, mm=mm))
         self._wake.set()
         r = await future
         top_ids, top_lps = r.top_arrays()

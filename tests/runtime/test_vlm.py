@@ -188,3 +188,46 @@ def test_tied_lm_head_of_a_vlm_is_aliased_for_the_engine():
 
     metas = [TensorMeta(VLM_EMBED, "float32", (10, 4)), TensorMeta("model.visual.merger.mlp.0.weight", "float32", (4, 4))]
     assert tied_aliases(metas, tied=True) == {LM_HEAD: VLM_EMBED}
+
+
+def test_hf_engine_generates_from_images_as_the_full_model_scores(processor):
+    """The hf engine (rollout.engine: hf) batches two image prompts with a text prompt and decodes several tokens:
+    its log-probs are those of the full model forward with the images (features in the placeholders, 3-D rope
+    positions in the prompt, the rope delta after it); the same ids without the features score differently."""
+    from transformers import AutoModelForImageTextToText
+
+    from runtime.engines.hf_engine import HfEngine
+    from runtime.engines.local import cpu_engines_plan
+
+    engine = HfEngine(cpu_engines_plan("hf", max_model_len=128).model_copy(update={"max_images_per_prompt": 1}),
+                      0, str(MODEL))
+    engine.core.eos_ids = set()  # decode every step up to max_tokens, past the answer
+    model = AutoModelForImageTextToText.from_pretrained(MODEL, dtype=torch.float32).eval()
+    images = [vlm.load_image(f"images/{d}.png", DEMO) for d in (0, 2)]
+    prompts = [vlm.encode(processor, vlm.render(processor, f"<image>+{d}=", 1), [img])[0]
+               for d, img in zip((1, 0), images, strict=True)]
+    text = processor.tokenizer.encode(processor.apply_chat_template([{"role": "user", "content": "1+1="}],
+                                                                    tokenize=False, add_generation_prompt=True))
+
+    async def generate():
+        calls = [engine.generate(ids, max_tokens=5, temperature=1.0, top_p=1.0, session_id=str(i), logprobs=True,
+                                 images=[img]) for i, (ids, img) in enumerate(zip(prompts, images, strict=True))]
+        calls.append(engine.generate(text, max_tokens=5, temperature=1.0, top_p=1.0, session_id="t", logprobs=True))
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            await engine.shutdown()
+
+    outs = asyncio.run(generate())
+    with torch.no_grad():
+        for ids, img, out in zip([*prompts, text], [*images, None], outs, strict=True):
+            assert len(out.token_ids) == 5
+            seq = torch.tensor([ids + out.token_ids])
+            inputs = {} if img is None else {"mm_token_type_ids": (seq == processor.image_token_id).int(),
+                                             **vlm.encode(processor, "x", [img])[1]}
+            logits = model(input_ids=seq, **inputs).logits[0, len(ids) - 1:-1]
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=1e-4, atol=1e-4)
+            if img is not None:
+                blind = torch.log_softmax(model(input_ids=seq).logits[0, len(ids) - 1:-1], -1)
+                assert (blind.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0] - want).abs().max() > 1e-3
