@@ -16,8 +16,10 @@ from pathlib import Path
 METRICS: dict[str, str] = {
     # ── step ──
     "step": "trainer step (1-based) this record belongs to",
-    "policy_version": "trainer step whose weights generated the batch (step - 1 - policy_version = staleness)",
-    "staleness": "steps between the weights that generated the batch and the weights it trains (0 = on-policy)",
+    "policy_version": "weights version (trainer step) current when the generator completed the batch; groups "
+    "carried over from earlier windows and partial rollouts may be older (rollout/policy_version_min)",
+    "staleness": "step - 1 - policy_version: how far the batch's completion lags the weights it trains (0 = "
+    "on-policy); the oldest token's lag is rollout/policy_version_lag_max",
     # ── rollout: the trained batch (after filters) ──
     "rollout/reward_mean": "mean episode reward over the trained rollouts",
     "rollout/reward_std": "standard deviation of the episode reward over the trained rollouts",
