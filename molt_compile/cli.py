@@ -648,12 +648,28 @@ def rules(code: str | None, fmt: str = "text") -> None:
     _console().print(table)
 
 
+def _no_pydantic_plugin_loader() -> None:
+    """With every plugin disabled, pydantic's plugin loader still imports `importlib.metadata` (email, zipfile, csv:
+    ~13 ms of a cold compile) when the first validator is built, only to read PYDANTIC_DISABLE_PLUGINS and return no
+    plugins. Hand it a loader module whose `get_plugins` gives that answer at once (pydantic imports nothing else
+    from it). Only when the variable disables them all; a user's own plugin setting keeps pydantic's loader."""
+    import os
+    import types
+
+    if os.environ.get("PYDANTIC_DISABLE_PLUGINS") not in ("__all__", "1", "true"):
+        return
+    loader = types.ModuleType("pydantic.plugin._loader", "No plugins: PYDANTIC_DISABLE_PLUGINS disables them all.")
+    loader.get_plugins = tuple  # type: ignore[attr-defined]  # () as pydantic's loader returns when disabled
+    sys.modules.setdefault(loader.__name__, loader)
+
+
 def main() -> None:
     import os
 
     # pydantic scans every installed distribution's entry points for plugins on first use; in an environment
     # with the runtime's hundreds of packages that costs more than validating a recipe. The compiler uses none.
     os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+    _no_pydantic_plugin_loader()
     try:
         cli(prog_name="molt-compile")
     except BrokenPipeError:

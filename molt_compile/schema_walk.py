@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel
 
+from schemas.recipe import field_docs
+
 
 def _strip(tp: Any) -> Any:
     while typing.get_origin(tp) is Annotated:
@@ -123,8 +125,9 @@ def field_doc(root: Any, segments: list[str | int]) -> str:
         for m in members(tp):
             if is_model(m):
                 f = _fields(m).get(str(segments[-1]))
-                if f is not None and f.description:
-                    return f.description
+                doc = field_docs(m).get(str(segments[-1])) or (f.description if f is not None else None)
+                if doc:
+                    return doc
     return ""
 
 

@@ -60,10 +60,10 @@ from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
 from runtime.reference import start_reference_group
 from runtime.roles import (
-    actor_options,
     create_placement_groups,
     probe_sequence,
     role_options,
+    start_fsdp_group,
     start_rollout,
     start_runners,
 )
@@ -132,27 +132,13 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     started.handles += engines
     for i, e in enumerate(engines):
         sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
-    with sup.phase("trainer start-up", "actor", "actor"):
-        trainer = start_trainer_group(plan.rl, [actor_options(plan, "actor", r, pgs) | {"name": f"{plan.name}.actor[{r}]"}
-                                                for r in range(rl.trainer.world)], get=sup.get)
-    started.groups.append(trainer)
-    for r, w in enumerate(trainer.workers):
-        sup.watch(f"actor[{r}] (trainer rank {r})", w, "ready", "actor")
+    trainer = start_fsdp_group(start_trainer_group, plan, "actor", rl.trainer.world, "trainer", pgs, sup, started)
     critic = separate_ref = None
     if rl.critic is not None:
-        with sup.phase("critic start-up", "critic", "critic"):
-            critic = start_critic_group(rl, [actor_options(plan, "critic", r, pgs) | {"name": f"{plan.name}.critic[{r}]"}
-                                             for r in range(rl.critic.world)], get=sup.get)
-        started.groups.append(critic)
-        for r, w in enumerate(critic.workers):
-            sup.watch(f"critic[{r}] (critic rank {r})", w, "ready", "critic")
+        critic = start_fsdp_group(start_critic_group, plan, "critic", rl.critic.world, "critic", pgs, sup, started)
     if rl.ref is not None and not rl.ref.colocated:
-        with sup.phase("reference start-up", "ref", "ref"):
-            separate_ref = start_reference_group(rl, [actor_options(plan, "ref", r, pgs) | {"name": f"{plan.name}.ref[{r}]"}
-                                                      for r in range(rl.ref.world)], get=sup.get)
-        started.groups.append(separate_ref)
-        for r, w in enumerate(separate_ref.workers):
-            sup.watch(f"ref[{r}] (reference rank {r})", w, "ready", "ref")
+        separate_ref = start_fsdp_group(start_reference_group, plan, "ref", rl.ref.world, "reference", pgs, sup,
+                                        started)
     with sup.phase("engine start-up", "rollout.engine", "rollout"):
         sup.get(engines_ready(engines))
     step, kl_coef, books = 0, rl.algo.kl.coef, Books()

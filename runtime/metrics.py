@@ -16,8 +16,10 @@ from pathlib import Path
 METRICS: dict[str, str] = {
     # ── step ──
     "step": "trainer step (1-based) this record belongs to",
-    "policy_version": "trainer step whose weights generated the batch (step - 1 - policy_version = staleness)",
-    "staleness": "steps between the weights that generated the batch and the weights it trains (0 = on-policy)",
+    "policy_version": "weights version (trainer step) current when the generator completed the batch; groups "
+    "carried over from earlier windows and partial rollouts may be older (rollout/policy_version_min)",
+    "staleness": "step - 1 - policy_version: how far the batch's completion lags the weights it trains (0 = "
+    "on-policy); the oldest token's lag is rollout/policy_version_lag_max",
     # ── rollout: the trained batch (after filters) ──
     "rollout/reward_mean": "mean episode reward over the trained rollouts",
     "rollout/reward_std": "standard deviation of the episode reward over the trained rollouts",
@@ -121,7 +123,8 @@ METRICS: dict[str, str] = {
     "timing/critic_train": "critic update on its FSDP group (gae)",
     "timing/weight_sync": "the streamed weight sync: every trainer rank gathers, rank 0 broadcasts buckets, every "
                           "engine loads them (they overlap, so the parts below add up to more)",
-    "timing/weight_sync_gather": "trainer rank 0: all-gathering each parameter in the engine dtype and packing buckets",
+    "timing/weight_sync_gather": "trainer rank 0: filling the buckets from the shards in the engine dtype (its own "
+                                 "rows cast in, the other ranks' rows received in place)",
     "timing/weight_sync_transfer": "longest time a group member waited on a bucket broadcast",
     "timing/weight_sync_load": "longest engine time spent loading received buckets into its model",
     "timing/weight_sync_lock_wait": "time waiting for the engine lock before the weight sync",

@@ -55,6 +55,19 @@ def actor_options(plan: Plan, role_name: str, index: int, pgs: dict) -> dict:
     return opts
 
 
+def start_fsdp_group(start, plan: Plan, role_name: str, world: int, what: str, pgs: dict, sup: Supervisor,
+                     started) -> object:
+    """One FSDP role's ranks (`start`: the trainer's, critic's or separate reference's group starter) in their
+    start-up phase, on the run's tear-down list, each rank watched by name (`what`: trainer, critic, reference)."""
+    with sup.phase(f"{what} start-up", role_name, role_name):
+        group = start(plan.rl, [actor_options(plan, role_name, r, pgs) | {"name": f"{plan.name}.{role_name}[{r}]"}
+                                for r in range(world)], get=sup.get)
+    started.groups.append(group)
+    for r, w in enumerate(group.workers):
+        sup.watch(f"{role_name}[{r}] ({what} rank {r})", w, "ready", role_name)
+    return group
+
+
 def _node_sorted_bundles(pg) -> list[int]:
     nodes = placement_group_table(pg)["bundles_to_node_id"]
     return sorted(nodes, key=lambda b: (nodes[b], b))

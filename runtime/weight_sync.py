@@ -9,9 +9,10 @@ The sender and the receivers agree on the stream without exchanging anything per
 `TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
 cut it into buckets with the same `bucket_layout`. Per sync:
 
-- every trainer rank packs its local shards of one bucket's parameters, cast to the wire dtype, into one buffer and
-  rank 0 gathers them (one collective per bucket, `ShardGather`), so the gather moves wire-dtype bytes and no rank
-  holds more than two buckets (never the whole model, never fp32 unless the engine runs fp32);
+- rank 0 casts its own rows of one bucket's parameters straight into the bucket and every other trainer rank sends
+  its rows point to point, received directly into their place (`ShardGather`): the gather moves wire-dtype bytes,
+  writes each byte once, and no rank holds more than two buckets (never the whole model, never fp32 unless the
+  engine runs fp32);
 - rank 0 copies each full parameter into the current bucket and broadcasts a full bucket asynchronously, so the next
   bucket's gather overlaps the previous bucket's transfer (at most two buckets alive);
 - each receiver posts the next bucket's receive before loading the current one (again two buffers), and loads each
@@ -233,25 +234,34 @@ class BufferPool:
     """Byte buffers kept across buckets and syncs. A fresh large CPU allocation is mmap'ed and pays a page fault per
     4 KiB on first touch — measured here as the largest single cost of a sync (a 400 MiB copy into new memory took
     longer than broadcasting it). CUDA's caching allocator already reuses memory, so there the pool is a pass-through.
-    A buffer comes back only when nothing else still views it (vLLM's layer-wise reload keeps the views of a layer's
-    weights until the layer is complete)."""
+    A buffer given back may still be viewed by someone else (vLLM's layer-wise reload keeps the views of a layer's
+    weights until the layer is complete, and a layer may straddle two buckets): it is handed out again only once
+    nothing else views it, so a bucket that is held a little longer is not lost to the pool."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep
-        self._free: list[torch.Tensor] = []
+        self._kept: list[torch.Tensor] = []
 
     def take(self, nbytes: int, device: torch.device, at_least: int = 0) -> torch.Tensor:
         """A byte buffer of `max(nbytes, at_least)` or more; use `[:nbytes]` of it."""
         if device.type == "cpu":
-            for i, b in enumerate(self._free):
-                if b.numel() >= nbytes:
-                    return self._free.pop(i)
-        # Headroom over the bucket size: a gathered bucket carries the shards' padding rows.
+            for i, b in enumerate(self._kept):
+                if b.numel() >= nbytes and _use_count(b) == _SOLE_OWNER:
+                    return self._kept.pop(i)
+        # Headroom over the bucket size: bucket sizes vary around it (a bucket closes before the tensor that would
+        # overflow it), so one buffer fits most of them.
         return torch.empty(max(nbytes, at_least + at_least // 8), dtype=torch.uint8, device=device)
 
     def give(self, buf: torch.Tensor) -> None:
-        if buf.device.type == "cpu" and len(self._free) < self.keep and _use_count(buf) == _SOLE_OWNER:
-            self._free.append(buf)
+        """Keep `buf` for a later `take` (even if it is still viewed elsewhere); beyond `keep` buffers, drop it."""
+        if buf.device.type != "cpu":
+            return
+        if len(self._kept) >= self.keep:  # full: make room by dropping a buffer nobody uses, else this one
+            idle = next((i for i, b in enumerate(self._kept) if _use_count(b) == _SOLE_OWNER), None)
+            if idle is None:
+                return
+            self._kept.pop(idle)
+        self._kept.append(buf)
 
 
 POOL = BufferPool()
@@ -267,10 +277,12 @@ def _chunk_rows(n: int, world: int) -> list[int]:
 
 
 class ShardGather:
-    """Fills one bucket from the FSDP2 shards with one collective: each rank packs its local shards of the bucket's
-    parameters (cast to the wire dtype, each padded to the largest rank's rows) into one buffer, rank 0 gathers them
-    and reorders the rank-major result into full tensors in the bucket. Every rank must call it for every
-    bucket, in order."""
+    """Fills one bucket from the FSDP2 shards, each byte written once, straight where it belongs: rank 0 casts its
+    own rows of every parameter into the bucket, every other rank sends its rows (cast to the wire dtype; in the
+    wire dtype already, the local shard itself, no copy) point to point and rank 0 receives them directly into
+    their place in the bucket. No gather buffer and no reorder pass: the collective gather copied every byte twice
+    more on rank 0 (gloo's flat temporary, then rank-major to full tensors), which on CPU cost more than the
+    broadcast. Every rank must call it for every bucket, in order."""
 
     def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
                  device: torch.device, bucket_bytes: int):
@@ -280,6 +292,7 @@ class ShardGather:
         self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
         self.bucket_bytes = bucket_bytes
         self.dtype = getattr(torch, metas[0].dtype)
+        self._sends: list = []  # a non-zero rank's sends in flight: (works, cast buffer, sent tensors)
 
     def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
@@ -292,59 +305,84 @@ class ShardGather:
             raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
         return p.detach().to_local(), placements[0].is_shard(0)
 
-    @torch.no_grad()
-    def __call__(self, bucket: list[int], buf: torch.Tensor | None) -> None:
+    def _pieces(self, bucket: list[int]):
+        """(index, local piece, is Shard(0), rows per rank, bytes per row) of each parameter of the bucket."""
         esize = torch.empty((), dtype=self.dtype).element_size()
-        sharded, whole = [], []  # (index, local piece, rows per rank, bytes per row, offset in the segment)
-        seg = 0
         for i in bucket:
             local, is_shard = self._local(self.params[i])
             shape = self.metas[i].shape
-            if not is_shard:
-                whole.append((i, local))
-                continue
-            row_bytes = esize * (self.metas[i].nbytes // (esize * shape[0]) if shape[0] else 0)
-            rows = _chunk_rows(shape[0], self.world)
-            if local.shape[0] != rows[self.rank]:
+            row_bytes = esize * (self.metas[i].nbytes // (esize * shape[0]) if shape and shape[0] else 0)
+            rows = _chunk_rows(shape[0], self.world) if is_shard else []
+            if is_shard and local.shape[0] != rows[self.rank]:
                 raise RuntimeError(f"weight sync: {self.metas[i].name} shard has {local.shape[0]} rows, "
                                    f"expected {rows[self.rank]} (FSDP2 chunking)")
-            sharded.append((i, local, rows, row_bytes, seg))
-            seg += rows[0] * row_bytes
-        if sharded:
-            send_base = POOL.take(seg, self.device, at_least=self.bucket_bytes)
-            send = send_base[:seg]
-            for _, local, rows, row_bytes, off in sharded:
-                n = rows[self.rank] * row_bytes
-                if n:
-                    send[off:off + n].view(self.dtype).copy_(local.reshape(-1))
-            import torch.distributed as dist
+            yield i, local, is_shard, rows, row_bytes
 
-            # A gather, not an all-gather: only rank 0 needs the full tensors.
-            recv_base = POOL.take(seg * self.world, self.device, self.bucket_bytes) if self.rank == 0 else None
-            recv = recv_base[:seg * self.world] if recv_base is not None else None
-            dist.gather(send, list(recv.view(self.world, seg)) if recv is not None else None, group=self.group,
-                        group_dst=0)
-            del send
-            POOL.give(send_base)
-        if buf is None:
+    @torch.no_grad()
+    def __call__(self, bucket: list[int], buf: torch.Tensor | None) -> None:
+        import torch.distributed as dist
+
+        if self.rank != 0:
+            self._send(bucket, dist)
             return
-        dest = {}
-        offset = 0
-        for i in bucket:
-            dest[i] = offset
-            offset += self.metas[i].nbytes
-        for i, _, rows, row_bytes, off in sharded:
-            at = dest[i]
-            for r in range(self.world):
-                n = rows[r] * row_bytes
-                buf[at:at + n].copy_(recv[r * seg + off:r * seg + off + n])
-                at += n
-        for i, local in whole:
-            n = self.metas[i].nbytes
-            buf[dest[i]:dest[i] + n].view(self.dtype).copy_(local.reshape(-1))
-        if sharded:
-            del recv
-            POOL.give(recv_base)
+        scratch = None
+        if buf is None:  # no engine to send to (no group): receive the other ranks' rows all the same
+            size = sum(self.metas[i].nbytes for i in bucket)
+            scratch = POOL.take(size, self.device, at_least=self.bucket_bytes)
+            buf = scratch[:size]
+        recvs, owns, at = [], [], 0
+        for i, local, is_shard, rows, row_bytes in self._pieces(bucket):
+            own = rows[0] * row_bytes if is_shard else self.metas[i].nbytes
+            owns.append((at, own, local))
+            if is_shard:
+                start = at + own
+                for r in range(1, self.world):
+                    k = rows[r] * row_bytes
+                    if k:  # tag: the tensor's index, so each receive pairs with its send
+                        recvs.append(dist.P2POp(dist.irecv, buf[start:start + k], group=self.group, group_peer=r,
+                                                tag=i))
+                    start += k
+            at += self.metas[i].nbytes
+        works = dist.batch_isend_irecv(recvs) if recvs else []  # posted first: they arrive while rank 0 copies
+        for at, own, local in owns:
+            if own:
+                buf[at:at + own].view(self.dtype).copy_(local.reshape(-1))
+        for w in works:
+            w.wait()
+        if scratch is not None:
+            del buf
+            POOL.give(scratch)
+
+    def _send(self, bucket: list[int], dist) -> None:
+        """A non-zero rank: send this rank's rows of each sharded parameter of the bucket to rank 0. The sends of
+        the previous bucket are finished first, so at most two buckets' worth of cast shards are in flight."""
+        self._finish_sends()
+        pieces = [(i, local, rows[self.rank] * row_bytes) for i, local, is_shard, rows, row_bytes
+                  in self._pieces(bucket) if is_shard and rows[self.rank]]
+        cast = sum(k for _, local, k in pieces if local.dtype != self.dtype or not local.is_contiguous())
+        base = POOL.take(cast, self.device, at_least=self.bucket_bytes) if cast else None
+        sends, off = [], 0
+        for i, local, k in pieces:
+            if local.dtype == self.dtype and local.is_contiguous():
+                out = local.reshape(-1)  # already in the wire dtype: the shard itself goes out
+            else:
+                out = base[off:off + k].view(self.dtype)
+                out.copy_(local.reshape(-1))
+                off += k
+            # as bytes on both ends (rank 0 receives into its byte bucket; NCCL pairs dtype and count)
+            sends.append(dist.P2POp(dist.isend, out.view(torch.uint8), group=self.group, group_peer=0, tag=i))
+        # the sent tensors are kept alive until their sends are done (a LoRA-merged piece is a temporary)
+        self._sends = [(dist.batch_isend_irecv(sends) if sends else [], base, [op.tensor for op in sends])]
+        if bucket[-1] == len(self.metas) - 1:  # the last bucket of the sync: nothing may stay in flight
+            self._finish_sends()
+
+    def _finish_sends(self) -> None:
+        for works, base, _ in self._sends:
+            for w in works:
+                w.wait()
+            if base is not None:
+                POOL.give(base)
+        self._sends = []
 
 
 def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group, device: torch.device,

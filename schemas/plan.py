@@ -638,9 +638,10 @@ class LoggingPlan(PlanModel):
 
 class WeightSyncPlan(PlanModel):
     method: Literal["gloo_broadcast", "nccl_broadcast", "cuda_ipc"]
-    """How weights reach the engines after each step: every trainer rank all-gathers one parameter at a time (cast
-    to `engines.dtype` first), trainer rank 0 packs them into `bucket_bytes` buckets and broadcasts each over a
-    dedicated process group (gloo on CPU, NCCL on GPUs) to every engine worker, which loads it as it arrives;
+    """How weights reach the engines after each step: bucket by bucket (`bucket_bytes`), trainer rank 0 casts its
+    shard rows to `engines.dtype` into the bucket and receives every other rank's rows (cast by that rank) straight
+    into their place, then broadcasts the bucket over a dedicated process group (gloo on CPU, NCCL on GPUs) to every
+    engine worker, which loads it as it arrives;
     `cuda_ipc` (engines on trainer rank 0's GPU): the buckets stay in two GPU slots the engines map through CUDA IPC,
     and the group (gloo) carries only the hand-shakes."""
     world_size: int

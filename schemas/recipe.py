@@ -14,8 +14,6 @@ No cross-field checks live here: those are compiler rules with ids (`molt_compil
 one reports a position, a reason and a fix.
 """
 
-import ast
-import inspect
 import re
 import sys
 from functools import cache
@@ -33,8 +31,11 @@ def _attribute_docstrings(module_file: str) -> dict[str, dict[str, str]]:
 
     pydantic's `use_attribute_docstrings` does the same, but re-parses the module once per class
     (`inspect.getsource`), which made importing this module the slowest part of a cold compile.
-    One parse here is ~5 ms.
+    One parse here is ~5 ms, and only when a docstring is asked for (`field_docs`).
     """
+    import ast
+    import inspect
+
     with open(module_file, encoding="utf-8") as f:
         tree = ast.parse(f.read())
     docs: dict[str, dict[str, str]] = {}
@@ -54,33 +55,49 @@ def _attribute_docstrings(module_file: str) -> dict[str, dict[str, str]]:
     return docs
 
 
+def field_docs(model: type[BaseModel]) -> dict[str, str]:
+    """YAML key -> the docstring of that field, for a model of this module (bases first, so a subclass's own
+    docstring wins). Read on demand (`molt-compile schema`, `explain`, a schema error's help), not at import: a
+    compile that reports nothing about a key never parses this file."""
+    docs = _attribute_docstrings(sys.modules[__name__].__file__ or "")
+    out: dict[str, str] = {}
+    for klass in reversed(model.__mro__):
+        for name, doc in docs.get(klass.__name__, {}).items() if klass.__module__ == __name__ else ():
+            field = model.model_fields.get(name)
+            if field is not None:
+                out[field.alias or name] = doc
+    return out
+
+
+def _describe_fields(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The field docstrings as the JSON Schema's descriptions (pydantic calls this when it writes the schema)."""
+    properties = schema.get("properties", {})
+    for key, doc in field_docs(model).items():
+        if key in properties:
+            properties[key]["description"] = doc
+
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, docstrings become schema descriptions."""
 
-    # defer_build: the validator is built on first use, after __pydantic_init_subclass__ has attached the
-    # field docstrings (descriptions are baked into the core schema when it is built).
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
-
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        docs = _attribute_docstrings(sys.modules[cls.__module__].__file__)
-        for klass in reversed(cls.__mro__):  # bases first, so a subclass's own docstring wins
-            for name, doc in docs.get(klass.__name__, {}).items() if klass.__module__ == cls.__module__ else ():
-                field = cls.__pydantic_fields__.get(name)
-                if field is not None:
-                    field.description = doc
+    # defer_build: the validator is built on first use (a compile builds the recipe's, once).
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, json_schema_extra=_describe_fields)
 
 
-def section(model: type[BaseModel]) -> Any:
-    """A nested section that defaults to its own defaults. A factory, not an instance: an instance built while this
-    module is imported would build that model's validator then (defeating `defer_build`), in every compile. The
-    JSON Schema still shows the default."""
+def section(model: type[BaseModel], *, alias: str | None = None, **values: Any) -> Any:
+    """A nested section that defaults to its own defaults (with `values` in place of some). A factory, not an
+    instance, and one that does not validate: an instance built while this module is imported, or a section left out
+    of a recipe and filled in by `model()`, would build that model's own validator (on top of the recipe's, which
+    holds it), in every compile. `model_construct` gives the equal object: pydantic validates no defaults, and the
+    `values` are constants of this file. The JSON Schema still shows the default."""
+
+    def default() -> BaseModel:
+        return model.model_construct(**values)
 
     def schema_default(schema: dict[str, Any]) -> None:
-        schema["default"] = model().model_dump(mode="json", by_alias=True)
+        schema["default"] = model(**values).model_dump(mode="json", by_alias=True)
 
-    return Field(default_factory=model, json_schema_extra=schema_default)
+    return Field(default_factory=default, alias=alias, json_schema_extra=schema_default)
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -283,7 +300,7 @@ class Critic(Section):
     """PPO value-clip range."""
     max_epochs: PositiveInt | None = None
     """Critic epochs per RL step. None: `train.max_epochs`."""
-    optimizer: Optimizer = Optimizer(lr=5.0e-6)
+    optimizer: Optimizer = section(Optimizer, lr=5.0e-6)
     """Critic optimizer."""
     freeze_moe_router: bool = False
     """Freeze the critic's router (also frozen when `actor.freeze.moe_router`)."""
@@ -487,7 +504,7 @@ class RlTrain(Section):
     """Seed; vLLM engine i uses seed + i."""
     full_determinism: bool = False
     """`transformers.enable_full_determinism` (slow)."""
-    async_: AsyncCfg = Field(AsyncCfg(), alias="async")
+    async_: AsyncCfg = section(AsyncCfg, alias="async")
     """Asynchronous pipeline settings."""
     force_on_policy: bool = False
     """Treat the whole rollout batch as one optimizer step (needs max_epochs 1). With algo.kl.coef 0 and no `ref:`,
@@ -798,7 +815,7 @@ class SftActor(Section):
     """Pack sequences without padding."""
     offload: Literal["none", "optimizer", "full"] = "none"
     """CPU offload level."""
-    optimizer: Optimizer = Optimizer(lr=5.0e-6)
+    optimizer: Optimizer = section(Optimizer, lr=5.0e-6)
     """Optimizer and LR schedule."""
     aux_loss_coef: float = Field(0.0, ge=0)
     """MoE load-balancing loss coefficient."""

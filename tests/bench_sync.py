@@ -9,18 +9,26 @@ run in the same session against the same actors, alternating, `REPEATS` syncs ea
 - old: every rank `get_model_state_dict(full_state_dict, cpu_offload)`, rank 0 `ray.put`s the whole model, the
   engine resolves it, writes a tmpfs safetensors file and every worker reloads it (`model_runner.reload_weights`)
   — the code this branch removed, kept here only as the baseline;
-- new: `WeightSyncLink.sync` (one shard gather per bucket in the engine dtype, 64 MiB buckets, gloo broadcast, bucket-wise
-  `load_weights` in vLLM's layer-wise reload).
+- new: `WeightSyncLink.sync` (64 MiB buckets in the engine dtype: rank 0 casts its shard rows into the bucket, rank 1's
+  rows arrive point to point in place; gloo broadcast; bucket-wise `load_weights` in vLLM's layer-wise reload).
 
 Reported: seconds per sync (median), the ratio, the new path's gather/transfer/load split and GB/s, the peak RSS
 growth of trainer rank 0 and of the engine actor during a sync (sampled every 5 ms), the object store's peak use,
 and the probe (engine vs trainer log-probs) after each path.
 
-Measured 2026-12-01 on the shared 2-core machine (load average 10-20 from other jobs, so +-30 %), one run:
-fp32 engine: old 2.20 s/sync, new 1.26 s (1.75x; gather 1.07, transfer 0.80, load 0.62, overlapped), 387 MiB in 7
-buckets; bf16 engine: old 2.13 s, new 0.67 s (3.2x), 194 MiB in 4 buckets. Peak RSS growth during a sync: trainer
-rank 0 1208 -> 302 MiB (fp32; the rest is the reused bucket pool), engine actor 1126 -> 0 MiB; the object store is
-no longer used. Probe max |diff| identical for both paths (2.4e-6 fp32, 2.0e-2 bf16 vs the fp32 trainer).
+Measured 2026-12-01 22:40 UTC on the shared 2-core machine (load average 3-8 during the run, 10-45 at times
+earlier in the evening; old and new alternate, so the ratio is the figure; single runs vary +-30 %), 5 syncs each:
+fp32 engine: old 2.28 s/sync, new 0.66 s (3.5x; gather 0.28, transfer 0.31, load 0.51, overlapped), 387 MiB in 7
+buckets; bf16 engine: old 2.03 s, new 0.40 s (5.05x; gather 0.17, transfer 0.15, load 0.27), 194 MiB in 4 buckets.
+The run before (same code, before merging main): fp32 1.88 vs 0.61 (3.1x), bf16 1.74 vs 0.36 (4.85x); the run
+after: fp32 2.03 vs 0.59 (3.5x), bf16 3.83 vs 0.37 (10.4x: a load spike hit the old path; the new path's 0.36-0.40 s
+is steady, so against the usual old 1.7-2.0 s the bf16 row is ~5x). Earlier that
+day (gather into a temporary + reorder on rank 0, fresh engine buckets): fp32 2.17 vs 1.05 (2.1x), bf16 1.87 vs
+0.64 (2.9x). The fp32 row cannot reach 5x on this path: vLLM's own CPU reload (the weight loader's copy into a
+freshly materialised layer, then oneDNN's repacking of every linear weight), which the old path pays as well, is
+~0.45-0.5 s of it by itself. Peak RSS growth during a sync: trainer rank 0 1201 -> 127 MiB (fp32; the reused bucket
+pool), engine actor 1163 -> 0 MiB; the object store is no longer used. Probe max |diff| identical for both paths
+(2.4e-6 fp32, 2.0e-2 bf16 vs the fp32 trainer).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-REPEATS = 3
+REPEATS = 5
 DTYPES = ("float32", "bfloat16")
 SHAPE = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
              num_key_value_heads=4, head_dim=64, vocab_size=1000)
@@ -112,25 +120,26 @@ def _reload_from_file(worker, path: str) -> int:
 def run() -> dict:
     import ray
 
+    from molt_compile.compile import compile_recipe
     from runtime.tiny_model import build_tiny_model
-    from runtime.trainer import LossSpec, OptimizerSpec, TrainerGroup, TrainerSpec
+    from runtime.trainer import TrainerGroup
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     model_dir = str(build_tiny_model(tmp / "model", seed=0, **SHAPE))
-    spec = TrainerSpec(
-        model_path=model_dir, ref_path=None, dtype="float32", attn="sdpa", gradient_checkpoint=False, device="cpu",
-        dist_backend="gloo", world=2, micro_batch_size=1, grad_accum=1, max_epochs=1, temperature=1.0, seed=0,
-        optimizer=OptimizerSpec(lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_norm=1.0,
-                                scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.0),
-        loss=LossSpec(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, kl_estimator="k1",
-                      kl_use_loss=False, is_level="off", is_mode="mask", is_low=0.0, is_high=10.0))
+    rl = compile_recipe(Path(__file__).resolve().parents[1] / "recipes/demo_math.yaml").plan.rl
+    rl = rl.model_copy(update={
+        "device": "cpu", "dist_backend": "gloo", "ref": None,
+        "model": rl.model.model_copy(update={"path": model_dir, "dtype": "float32", "attn": "sdpa",
+                                             "gradient_checkpoint": "none"}),
+        "trainer": rl.trainer.model_copy(update={"world": 2, "dp": 2})})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")}})
     try:
         from runtime.trainer import free_port
 
-        workers = [ray.remote(_worker_cls()).options(num_cpus=0).remote(spec, r, "127.0.0.1", port)
-                   for port in [free_port()] for r in range(2)]
+        workers = [ray.remote(_worker_cls()).options(num_cpus=0).remote(
+            rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, r, "127.0.0.1", port)
+            for port in [free_port()] for r in range(2)]
         params = ray.get([w.ready.remote() for w in workers])[0]
         trainer = TrainerGroup(workers=workers, world=2)
         out = {"params_m": round(params / 1e6, 1), "fp32_mib": round(params * 4 / 2**20)}

@@ -198,3 +198,22 @@ def test_env_key_error_points_at_the_key(tmp_path):
     _, diags = validate(load_recipe(tmp_path / "r.yaml"))
     assert [(d.code, d.line, d.col) for d in diags] == [("SCHEMA007", 8, 3)]
     assert "`A: ...`" in diags[0].help
+
+
+def test_section_defaults_are_the_validated_defaults():
+    """A section left out of a recipe is filled by `model_construct` (schemas.recipe.section: building it would build
+    that section's own validator in every compile). That is the object validation would give while no section has a
+    model validator (pydantic validates no defaults either way): this test says when that stops being true."""
+    import schemas.recipe as recipe_module
+
+    sections = [c for c in vars(recipe_module).values()
+                if isinstance(c, type) and issubclass(c, recipe_module.Section) and c is not recipe_module.Section]
+    assert len(sections) > 25
+    for cls in sections:
+        assert not cls.__pydantic_decorators__.model_validators, cls.__name__
+        for name, field in cls.model_fields.items():
+            if field.default_factory is not None:
+                built = field.default_factory()  # type: ignore[call-arg]
+                given = {k: getattr(built, k) for k in built.model_fields_set}  # section(X, lr=...)'s values
+                validated = type(built).model_validate(given)
+                assert built == validated and built.model_fields_set == validated.model_fields_set, (cls, name)

@@ -159,7 +159,7 @@ def batching_fields(r: RlRecipe | SftRecipe, d: Derived) -> dict[str, Any]:
     return {
         "world": d.value("actor.world"),
         "dp": d.value("actor.dp"),
-        "mesh": MeshPlan.model_construct(**r.actor.mesh.model_dump()),
+        "mesh": MeshPlan.model_construct(**dict(r.actor.mesh)),  # ints: no serializer to build
         "micro_batch_size": r.train.micro_batch_size,
         "grad_accum": d.value("actor.grad_accum"),
         "batch_size": r.train.batch_size,
@@ -214,7 +214,7 @@ def logging_plan(r: RlRecipe | SftRecipe, source: SourceMap | None) -> LoggingPl
 
 def _wandb(r: RlRecipe | SftRecipe, wandb: Wandb) -> dict[str, Any]:
     """The wandb settings with Molt's defaults filled: project molt_train_rl / molt_train_sft, run name = job name."""
-    w = wandb.model_dump(mode="json")
+    w = dict(wandb)  # its fields are strings and None: model_dump(mode="json") would build its serializer
     w["project"] = w["project"] or f"molt_train_{r.kind}"
     w["run_name"] = w["run_name"] or r.name
     return w

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 
 from molt_compile.derive import Derived
@@ -40,6 +39,8 @@ def unknown_code_in_ignore(
         known = frozenset(r.code for r in ALL_RULES)
     for code in recipe.ignore:
         if code not in known:
+            import difflib  # a did-you-mean only: not imported by every compile
+
             close = difflib.get_close_matches(code, sorted(known), n=1)
             yield diag(
                 source,

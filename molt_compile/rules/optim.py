@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 
 from molt_compile.derive import Derived
@@ -103,6 +102,8 @@ def unknown_lr_scheduler(recipe: RlRecipe | SftRecipe, derived: Derived, source:
         if name in TRANSFORMERS_SCHEDULERS:
             why = "does not accept Molt's min_lr_rate argument (TypeError when the optimizer is built)"
         else:
+            import difflib  # a did-you-mean only: not imported by every compile
+
             close = difflib.get_close_matches(name, TRANSFORMERS_SCHEDULERS, n=1)
             why = "is not a transformers scheduler" + (f" (did you mean {close[0]!r}?)" if close else "")
         yield diag(

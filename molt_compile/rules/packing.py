@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 
 from molt_compile.derive import Derived
@@ -332,6 +331,8 @@ def unknown_model_arch(recipe: RlRecipe | SftRecipe, derived: Derived, source: S
     """
     arch = recipe.model.arch
     if arch is not None and arch not in MODELS:
+        import difflib  # a did-you-mean only: not imported by every compile
+
         close = difflib.get_close_matches(arch.lower(), MODELS, n=1, cutoff=0.5)
         yield diag(
             source,

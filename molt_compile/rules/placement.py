@@ -6,7 +6,6 @@ groups split across nodes) is modelled by `lower/` (PLACE1xx), which runs only w
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 
 from molt_compile.derive import Derived
@@ -241,6 +240,8 @@ def unknown_gpu_type(recipe: RlRecipe | SftRecipe, derived: Derived, source: Sou
     """
     gpu = recipe.cluster.gpu
     if gpu not in GPUS:
+        import difflib  # a did-you-mean only: not imported by every compile
+
         close = difflib.get_close_matches(gpu, GPUS, n=1, cutoff=0.3)
         yield diag(
             source,

@@ -30,6 +30,7 @@ that builds this class must guard its entry point with `if __name__ == "__main__
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import time
@@ -167,11 +168,15 @@ class VllmEngine:
 
         await self.engine.start_weight_update()
         await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
-        await self.engine.finish_weight_update(weight_version=str(version))  # labels the tokens sampled from now on
-        # Preempts running requests so their KV is recomputed with the new weights (see the module docstring).
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        await self.engine.finish_weight_update()
+        # Independent once the weights are in (the engine stays paused until the driver resumes it), so one round
+        # trip instead of three: the version labels the tokens sampled from now on; the cache reset preempts running
+        # requests so their KV is recomputed with the new weights (see the module docstring); the numbers.
+        _, _, stats = await asyncio.gather(self.engine.update_weight_version(str(version)),
+                                           self.engine.reset_prefix_cache(reset_running_requests=True),
+                                           self.engine.collective_rpc("molt_weight_sync_stats"))
         self._version = version
-        return (await self.engine.collective_rpc("molt_weight_sync_stats"))[0]
+        return stats[0]
 
     async def weights_version(self) -> int:
         return self._version

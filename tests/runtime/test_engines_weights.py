@@ -107,3 +107,24 @@ def test_shard_rows_follow_fsdp2_chunking():
         for world in (1, 2, 3, 4, 8):
             chunks = [len(c) for c in torch.arange(n).chunk(world)] if n else []
             assert weight_sync._chunk_rows(n, world) == chunks + [0] * (world - len(chunks)), (n, world)
+
+
+def test_buffer_pool_keeps_a_viewed_buffer_and_hands_it_out_once_free():
+    pool = weight_sync.BufferPool(keep=2)
+    cpu = torch.device("cpu")
+    buf = pool.take(1000, cpu)
+    view = buf[:10]  # the loader still holds a view (vLLM's layer-wise reload of a layer straddling two buckets)
+    pool.give(buf)
+    other = pool.take(1000, cpu)
+    assert other.data_ptr() != buf.data_ptr()  # still viewed: not handed out
+    del view
+    again = pool.take(1000, cpu)
+    assert again.data_ptr() == buf.data_ptr()  # free now: reused, no fresh allocation
+    # a full pool makes room by dropping a buffer nobody views, never one still viewed
+    a, b, c = (torch.empty(1000, dtype=torch.uint8) for _ in range(3))
+    pool = weight_sync.BufferPool(keep=2)
+    view_a = a[:1]
+    pool.give(a)
+    pool.give(b)
+    pool.give(c)
+    assert {t.data_ptr() for t in pool._kept} == {a.data_ptr(), c.data_ptr()} and view_a.numel() == 1

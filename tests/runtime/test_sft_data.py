@@ -11,7 +11,7 @@ import torch
 from loop_support import ROOT
 
 from runtime.algo.losses import sft_loss
-from runtime.sft import Example, SftError, collate, encode_conversation, load_examples, reply_logprobs
+from runtime.sft_data import Example, SftError, collate, encode_conversation, load_examples, reply_logprobs
 
 MODEL = ROOT / "recipes/data/demo_sft/model"
 END = "<|im_end|>\n"

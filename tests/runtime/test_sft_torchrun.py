@@ -84,7 +84,7 @@ def test_hf_export_loads_and_reproduces_the_logged_eval_loss(runs) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runtime.sft import collate, load_examples, reply_logprobs
+    from runtime.sft_data import collate, load_examples, reply_logprobs
 
     plan, _, metrics, _, _ = runs
     hf = ROOT / plan.sft.ckpt.hf_dir

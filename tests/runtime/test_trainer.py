@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 MODEL = str(ROOT / "recipes/data/demo_math/model")
 RL = trainer_rl(
     # selective checkpointing: its recomputation inside FSDP2's all-gather hooks must not change a number
-    2, model=dict(gradient_checkpoint="selective"), trainer=dict(micro_batch_size=2, grad_accum=2, max_epochs=1, temperature=0.7, seed=0, packing=False,
-                    dynamic_batch_max_tokens=None, local_batch_size=None),
+    2, model=dict(gradient_checkpoint="selective"),
+    trainer=dict(micro_batch_size=2, grad_accum=2, max_epochs=1, temperature=0.7, seed=0, packing=False,
+                 dynamic_batch_max_tokens=None, local_batch_size=None),
     # eps 1e-3, not 1e-8: Adam's first step is lr * g / (|g| + eps), which turns the fp32 rounding (~1e-7) of a gradient
     # element of size ~eps into a weight difference of up to lr * rounding / (4 eps); the gradients of micro-batches cut
     # to their own width differ from the one-batch reference by such rounding. The test is about the aggregation.
