@@ -174,6 +174,15 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 11 (compiled layers are tested on dense models only)",
     ),
     Capability(
+        "rl-chat-images",
+        "rl",
+        "data.max_images_per_prompt",
+        "image prompts for a chat agent (ChatAgentRunner)",
+        lambda p: p.rl.agent.chat and p.rl.data.image_key is not None,
+        "a step agent (StepEnvRunner) for image prompts: it takes them, and Result.images joins the next turn",
+        tracked="issue 17 (the chat server keeps no image parts yet)",
+    ),
+    Capability(
         "rl-critic-images",
         "rl",
         "critic",

@@ -260,6 +260,9 @@ class EnginesPlan(PlanModel):
 class AgentPlan(PlanModel):
     path: str
     """Agent file relative to the project root, or `builtin:distill`."""
+    chat: bool
+    """The file's runner is chat-style (`ChatAgentRunner`, or `PRERENDER_PROMPT = False`): rows reach it as chat
+    messages, and it samples through the OpenAI-compatible chat server."""
     max_turns: int
     """Turn limit (also exported as MAX_AGENT_TURNS)."""
     env: dict[str, str]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
+from molt_compile.agent_check import inspect_agent
 from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError
@@ -199,8 +201,12 @@ def _agent(r: RlRecipe, d: Derived, source: SourceMap | None) -> AgentPlan:
     if path != DISTILL_AGENT_PATH:
         path = resolve_path(path, "agent.path", source)
     ag = r.agent if r.agent is not None else _default_agent()
+    # The plan's path is relative to the job root; the scan reads the file itself (a missing one is AGENT00x's).
+    root = source.job_root if source is not None and source.job_root else os.getcwd()
+    chat = path != DISTILL_AGENT_PATH and inspect_agent(os.path.join(root, path)).chat_style
     return AgentPlan.model_construct(
         path=path,
+        chat=chat,
         max_turns=d.value("agent.max_turns"),
         env=agent_env(r, d),
         runners=d.value("rollout.runners"),
