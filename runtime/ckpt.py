@@ -12,7 +12,8 @@ Layout under the plan's `ckpt.dir`:
                             Never pruned (Molt protects `best_*`, M5); replaced when an eval improves on it.
 
 A save is written into `step_000010.tmp/` and renamed into place once its state file is in: a kill at any point
-of a save leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save;
+of a save leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save
+(else a complete `best/`);
 `prune` removes leftovers of interrupted saves.
 """
 
@@ -124,10 +125,12 @@ def write_state(path: Path, state: dict) -> None:
 
 
 def latest(root: str | Path) -> tuple[Path, dict] | None:
-    """Newest complete save under `root` (one whose trainer_state.json exists), with its state."""
+    """Newest complete save under `root` (one whose trainer_state.json exists), with its state; without one, the
+    best checkpoint when it is complete (Molt's load order, M4: the newest regular checkpoint, then best)."""
     saves = [p for p in _saves(root) if (p / STATE_FILE).is_file()]
     if not saves:
-        return None
+        best = Path(root) / BEST_DIR
+        return (best, json.loads((best / STATE_FILE).read_text())) if (best / STATE_FILE).is_file() else None
     return saves[-1], json.loads((saves[-1] / STATE_FILE).read_text())
 
 

@@ -3,6 +3,8 @@ table, checkpoint bookkeeping."""
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from runtime import ckpt, microbatch
@@ -154,3 +156,7 @@ def test_best_checkpoint_selection_and_pruning_never_removes_it(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "step_000015"]
     assert ckpt.latest(tmp_path)[0].name == "step_000015"  # resume takes the newest step save, not the best
     assert ckpt.best_record(tmp_path) == {"step": 3, "best_metric_key": "eval/pass1", "best_metric": 0.5}
+    shutil.rmtree(ckpt.step_dir(tmp_path, 15))
+    assert ckpt.latest(tmp_path) == (best, ckpt.best_record(tmp_path))  # no step save left: resume from the best
+    (best / ckpt.STATE_FILE).unlink()
+    assert ckpt.latest(tmp_path) is None  # an incomplete best is no checkpoint
