@@ -478,9 +478,11 @@ async def _awaitable(ref):
 
 @ray.remote(num_cpus=0)
 class EngineLock:
-    """Generation and weight sync must not overlap (unless partial rollout says they may), so that every sample
-    of a batch is generated with one version of the weights. An asyncio lock in its own zero-CPU actor is shared by
-    the generator (held while producing a batch) and the trainer loop (held while pushing weights)."""
+    """Generation and weight sync must not overlap (unless partial rollout says they may): no request runs while
+    weights are being loaded. An asyncio lock in its own zero-CPU actor is shared by the generator (held while
+    producing a batch) and the trainer loop (held while pushing weights). It does not make a batch single-version:
+    surplus groups in flight at the end of a batch are carried into the next one, across the sync (Molt 0.2.1
+    drains them instead, D12/X4); each token's version is in `Experience.policy_versions`."""
 
     def __init__(self):
         self._lock = asyncio.Lock()
