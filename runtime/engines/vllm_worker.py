@@ -88,11 +88,18 @@ class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadc
         if self.group is None or self.info is None:
             raise RuntimeError("weight sync: update_weights before init_weight_transfer_engine")
         self.assigned = set()
+        self.fused_parts: dict[str, set[str]] = {}
+        packed = [(f".{sub}.", f".{fused}.", sub) for fused, subs in
+                  (getattr(self.model, "packed_modules_mapping", None) or {}).items() for sub in subs]
 
         def load(pairs):  # vLLM's load_weights returns the (vLLM-named, fused) parameters it assigned
             loaded = self.model.load_weights(pairs)
             if self.info.check_unassigned:
                 self.assigned |= set(loaded or ())
+                for name, _ in pairs:  # which parts of a fused parameter (q/k/v of qkv_proj) arrived
+                    for sub, fused, part in packed:
+                        if sub in name:
+                            self.fused_parts.setdefault(name.replace(sub, fused), set()).add(part)
 
         with disable_mtp_completeness_check():
             stats = weight_sync.receive(self.group, self.metas, self.info.bucket_bytes, self.device, load,
@@ -108,8 +115,13 @@ class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadc
         finalize_layerwise_reload(self.model, self.model_config)
         self.last_stats["load_s"] = self.last_stats.get("load_s", 0.0) + time.perf_counter() - t0
         if self.info is not None and self.info.check_unassigned:
-            # what vLLM's own loader checks after a load from disk ("weights not initialized from checkpoint")
-            self.last_stats["unassigned"] = sorted({n for n, _ in self.model.named_parameters()} - self.assigned)
+            # what vLLM's own loader checks after a load from disk ("weights not initialized from checkpoint"),
+            # plus fused parameters only some of whose parts arrived (load_weights names them as assigned)
+            params = {n for n, _ in self.model.named_parameters()}
+            mapping = getattr(self.model, "packed_modules_mapping", None) or {}
+            partial = {name for name, parts in self.fused_parts.items() if name in params
+                       and parts != set(mapping.get(name.rsplit(".", 2)[-2], parts))}
+            self.last_stats["unassigned"] = sorted((params - self.assigned) | partial)
 
     def shutdown(self) -> None:
         self.group = None

@@ -253,7 +253,8 @@ def test_layerwise_reload_no_longer_warns_about_computed_buffers():
 
 def test_check_weight_update_equal_reports_the_parameters_a_sync_left_out(engine, model_dir):
     """`train.check_weight_update_equal`: vLLM's `load_weights` returns the (fused, vLLM-named) parameters it assigned;
-    a full sync leaves none out, a stream without one tensor reports exactly that parameter. Last engine test of the
+    a full sync leaves none out, a stream without one tensor reports exactly that parameter, one without a part of a
+    fused parameter (k of qkv_proj) reports the fused one. Last engine test of the
     module: it re-forms the engine's weight-sync group."""
     state = perturbed_state(model_dir, seed=3)
     shapes = {n: tuple(t.shape) for n, t in state.items()}
@@ -264,3 +265,8 @@ def test_check_weight_update_equal_reports_the_parameters_a_sync_left_out(engine
                               64 << 10, check_unassigned=True)
     [received] = partial.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
     assert received["unassigned"] == ["model.norm.weight"]
+    # A fused parameter counts as assigned by vLLM when any of its parts arrived: q and v without k is reported.
+    no_k = StateDictSender([engine], {n: s for n, s in shapes.items() if n != "model.layers.0.self_attn.k_proj.weight"},
+                           "float32", 64 << 10, check_unassigned=True)
+    [received] = no_k.push(state, ray.get(engine.weights_version.remote()) + 1)["received"]
+    assert received["unassigned"] == ["model.layers.0.self_attn.qkv_proj.weight"]
