@@ -341,7 +341,9 @@ class StepEnvRunner(Runner):
             if remaining <= 0:
                 traj.truncated = True
                 break
-            turn_sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, remaining))
+            # no cap (Molt's default, every launch script): a turn may use whatever context is left
+            cap = remaining if sampling.max_tokens is None else min(sampling.max_tokens, remaining)
+            turn_sampling = dataclasses.replace(sampling, max_tokens=cap)
             extra = {"images": traj.images} if traj.images else {}  # text clients never see the keyword
             if sampling.top_logprobs:  # fixed for the episode, like the logprob column
                 extra["top_logprobs"] = sampling.top_logprobs

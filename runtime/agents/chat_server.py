@@ -136,11 +136,12 @@ class TurnReply:
     prompt_tokens: int
 
 
-def _params(session: Session, body: dict) -> tuple[int, float, float]:
+def _params(session: Session, body: dict) -> tuple[int | None, float, float]:
+    """The request's (max_tokens, temperature, top_p) over the session's; max_tokens None: no cap."""
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or session.sampling.max_tokens
     temperature = body.get("temperature", session.sampling.temperature)
     top_p = body.get("top_p", session.sampling.top_p)
-    return int(max_tokens), float(session.sampling.temperature if temperature is None else temperature), \
+    return None if max_tokens is None else int(max_tokens), float(session.sampling.temperature if temperature is None else temperature), \
         float(session.sampling.top_p if top_p is None else top_p)
 
 
@@ -174,7 +175,8 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
         else:
             k = session.sampling.top_logprobs
             out: GenerateOutput = await session.client.generate(
-                prompt_ids, max_tokens=min(max_tokens, remaining), temperature=temperature, top_p=top_p,
+                prompt_ids, max_tokens=remaining if max_tokens is None else min(max_tokens, remaining),
+                temperature=temperature, top_p=top_p,
                 session_id=session.session_id, logprobs=True, **({"top_logprobs": k} if k else {}))
             if out.finish_reason == "abort":
                 session.aborted = True

@@ -72,9 +72,10 @@ class SamplingParams:
     """Per-call sampling settings the runners pass to `GenerateClient.generate` (from the plan's `sampling` block).
 
     `max_tokens` is the per-turn cap (`sampling.max_new_tokens`); the runner clamps it to the remaining context.
+    None (no cap, Molt's default): a turn may use whatever context is left.
     """
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs: bool = True

@@ -187,8 +187,10 @@ class LongTalker(ChatAgent):
         return Result(reward=0.0)
 
 
-def test_generation_is_clamped_to_the_context_budget(engine, tokenizer):
-    traj = execute(ChatAgentRunner(LongTalker), engine, tokenizer, max_length=40)
+@pytest.mark.parametrize("max_tokens", [8, None], ids=["capped", "no-cap"])
+def test_generation_is_clamped_to_the_context_budget(engine, tokenizer, max_tokens):
+    # no cap (max_new_tokens unset, Molt's default): each completion may take what is left of max_length
+    traj = execute(ChatAgentRunner(LongTalker), engine, tokenizer, max_tokens=max_tokens, max_length=40)
     assert len(traj.token_ids) <= 40
     assert traj.truncated
     # once the budget is spent the server answers with an empty "length" completion instead of failing

@@ -186,6 +186,19 @@ def test_per_turn_budget_is_min_of_cap_and_remaining_context():
     assert len(traj.rollout_log_probs) == len(traj.token_ids)
 
 
+def test_no_cap_lets_a_turn_use_the_remaining_context():
+    """`max_new_tokens` unset (Molt's default in every launch script): each turn's budget is what is left."""
+    class Forever(Env):
+        async def step(self, state):
+            return Result(observation="ob", terminated=False)
+
+    engine = ScriptedEngine(["0123456789"])
+    traj = execute(StepEnvRunner(Forever), engine, prompt="PPPP", max_tokens=None, max_length=100)
+    # 100 - 4 prompt tokens, then 10 generated + 2 feedback per turn
+    assert [c[1]["max_tokens"] for c in engine.calls][:3] == [96, 84, 72]
+    assert len(traj.token_ids) == 100 and traj.truncated is True
+
+
 def test_length_finish_marks_truncated_but_still_scores():
     engine = ScriptedEngine(["It is 42 indeed"])
     traj = execute(StepEnvRunner(AnswerEnv), engine, max_tokens=8)
