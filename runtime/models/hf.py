@@ -60,8 +60,8 @@ def enable_checkpointing(model, mode: str) -> None:
 
 
 def compile_layers(layers) -> None:
-    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks and the checkpoint wrapper around it
-    staying eager. The layers share one compiled graph (the models call them with `use_cache=False`, so no
+    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks staying eager around it (the compiler
+    allows it only without activation checkpointing: capability rows *-compile-checkpointing). The layers share one compiled graph (the models call them with `use_cache=False`, so no
     per-layer cache state is guarded on); a new shape recompiles (torch's automatic dynamic shapes). Measured on
     an H200 in the RL loop (1.4B model): `dynamic=True` from the start compiled for 48 s and then ran 10-30 %
     slower per step than these static-then-automatic graphs (first step 7.6 s, a 17 s recompile at a new shape)."""
