@@ -210,22 +210,23 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts))
 
 
+def _widths(facts: Any) -> tuple[int, int, int, int]:
+    """A decoder layer's hidden, MLP (MoE: experts per token x expert width), q and kv widths."""
+    mlp = facts.intermediate_size * (facts.experts_per_token if facts.is_moe and facts.experts_per_token else 1)
+    return facts.hidden_size, mlp, facts.heads * facts.head_dim, facts.kv_heads * facts.head_dim
+
+
 def _layer_bytes_per_token(facts: Any) -> float:
     """What autograd keeps per token for one decoder layer (bf16, fp32 norm upcasts; see the module docstring)."""
-    h = facts.hidden_size
-    mlp = facts.intermediate_size * (facts.experts_per_token if facts.is_moe and facts.experts_per_token else 1)
-    q = facts.heads * facts.head_dim
-    kv = facts.kv_heads * facts.head_dim
+    h, mlp, q, kv = _widths(facts)
     return 16 * h + 8 * mlp + 12 * q + 12 * kv
 
 
 def _selective_bytes_per_token(facts: Any) -> float:
     """What selective checkpointing keeps per token for one decoder layer: its bf16 input and matmul/attention
     outputs (q, k, v, o, gate, up, down projections and the attention core)."""
-    mlp = facts.intermediate_size * (facts.experts_per_token if facts.is_moe and facts.experts_per_token else 1)
-    q = facts.heads * facts.head_dim
-    kv = facts.kv_heads * facts.head_dim
-    return 2 * (3 * facts.hidden_size + 2 * q + 2 * kv + 2 * mlp)
+    h, mlp, q, kv = _widths(facts)
+    return 2 * (3 * h + 2 * q + 2 * kv + 2 * mlp)
 
 
 def _activations(recipe: Any, role: str, facts: Any) -> float:
