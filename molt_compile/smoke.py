@@ -298,6 +298,8 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
             decoder_sparse_step=1,
             norm_topk_prob=True,
             mlp_only_layers=[],
+            # the checkpoint's own choice: nemo-automodel's MoE implementations refuse tied embeddings (MOE014)
+            tie_word_embeddings=facts.tie_embeddings,
         )
     tokenizer = _tokenizer_dir(recipe, source)
     spec = {

@@ -101,6 +101,8 @@ def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
+    if hasattr(model, "molt_hf_state_dict"):  # the automodel backend: transformers' names and layouts
+        sd = model.molt_hf_state_dict(sd)
     config = AutoConfig.from_pretrained(model_path)
     vlm = getattr(config, "vision_config", None) is not None
     with torch.device("meta"):

@@ -68,7 +68,10 @@ class SyncStats:
 
 def sync_sources(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(engine name, parameter) of what a sync streams: the floating parameters in module order; under LoRA the
-    merged base weights W + scale·B@A under their HF names, without the adapters (`runtime/lora.py`)."""
+    merged base weights W + scale·B@A under their HF names, without the adapters (`runtime/lora.py`); from the
+    automodel backend its parameters under transformers' names and layouts (`runtime/models/automodel.py`)."""
+    if hasattr(model, "molt_hf_weights"):
+        return model.molt_hf_weights()
     if getattr(model, "molt_lora", None) is not None:
         from runtime import lora
 
@@ -296,7 +299,7 @@ class ShardGather:
 
     def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
-        if hasattr(p, "lora_a"):  # a LoRA-merged weight: sharded like its base weight
+        if hasattr(p, "base") and hasattr(p, "local"):  # a LoRA-merged or transposed view: sharded like its base
             return p.local(), getattr(p.base, "placements", None) is not None and p.base.placements[0].is_shard(0)
         placements = getattr(p, "placements", None)
         if placements is None:

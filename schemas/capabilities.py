@@ -111,6 +111,76 @@ def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan
     )
 
 
+_DEEPEP_DISPATCHERS = ("deepep", "hybridep", "uccl_ep")
+
+
+def _automodel_rows() -> tuple[Capability, ...]:
+    """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
+    backend implements, and nemo-automodel's DeepEP token dispatchers."""
+
+    def row(id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str) -> Capability:
+        def on_automodel(p: Plan) -> bool:
+            return p.rl.trainer is not None and p.rl.model.backend == "automodel" and asks(p)
+
+        return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}")
+
+    return (
+        row(
+            "rl-automodel-lora",
+            "actor.lora",
+            "LoRA adapters on the automodel backend",
+            lambda p: p.rl.trainer is not None and p.rl.trainer.lora is not None,
+            "model.backend: hf",
+            "the adapters are peft's on transformers modules (runtime/lora.py); nemo-automodel's grouped experts "
+            "take adapters of its own, which the refit merge cannot map (Molt L12)",
+        ),
+        row(
+            "rl-automodel-critic",
+            "algo.estimator",
+            "a critic (value model) on the automodel backend",
+            lambda p: p.rl.critic is not None,
+            "a critic-free estimator (grpo, rloo, ...), or model.backend: hf",
+            "the value model is transformers' token classifier (runtime/models/hf.py)",
+        ),
+        row(
+            "rl-automodel-images",
+            "data.max_images_per_prompt",
+            "image prompts on the automodel backend",
+            lambda p: p.rl.data.max_images_per_prompt > 0,
+            "model.backend: hf (VLMs load as transformers' image-text-to-text models)",
+            "the backend builds causal LMs only",
+        ),
+        row(
+            "rl-automodel-attn",
+            "model.attn",
+            "an attention other than sdpa on the automodel backend",
+            lambda p: p.rl.model.attn != "sdpa",
+            "model.attn: sdpa",
+            "te and tilelang kernels are not in this build, and flex is untested on nemo-automodel's layers",
+        ),
+        row(
+            "rl-automodel-compile",
+            "model.compile_layers",
+            "compiled decoder layers on the automodel backend",
+            lambda p: p.rl.model.compile_layers,
+            "model.compile_layers: false",
+            "compiled layers are tested on transformers' layers only",
+        ),
+        row(
+            "rl-automodel-dispatcher",
+            "env.MOLT_MOE_DISPATCHER",
+            "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",
+            lambda p: (
+                (p.rl.model.moe_dispatcher or "") in _DEEPEP_DISPATCHERS
+                and p.rl.trainer is not None
+                and p.rl.trainer.world > 1
+            ),
+            "env: {MOLT_MOE_DISPATCHER: torch}",
+            "DeepEP is not in this build (at world 1 nemo-automodel keeps its local grouped experts)",
+        ),
+    )
+
+
 CAPABILITIES: tuple[Capability, ...] = (
     # ---------------------------------------------------------------------------------------------------- RL
     Capability(
@@ -195,17 +265,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "(the value model loads as a text-only token classifier and never sees the images)",
         tracked="issue 14",
     ),
-    Capability(
-        "rl-automodel",
-        "rl",
-        "model.backend",
-        "RL on the nemo-automodel training backend",
-        lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
-        "model.backend: hf (HF transformers models under FSDP2, their MoE layers included)",
-        tracked="issue 16: runtime/models/automodel.py builds and trains nemo-automodel's models (its MoE layers, "
-        "frozen fp32 gates, routing replay, aux losses) on CPU and CUDA, but the weight sync does not yet map its "
-        "grouped-expert parameters to the engines' HF names (its state_dict_adapter)",
-    ),
+    *_automodel_rows(),
     Capability(
         "rl-offload",
         "rl",

@@ -532,3 +532,46 @@ def routing_replay_forces_prefix_caching(recipe: RlRecipe, derived: Derived, sou
             "write rollout.prefix_caching: true",
             ["rollout.prefix_caching"],
         )
+
+
+def tied_embeddings_on_automodel(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    A policy that trains on nemo-automodel's own implementation (`model.backend: automodel` on an architecture it
+    implements) whose checkpoint ties its input and output embeddings (`tie_word_embeddings: true`).
+
+    ## Why it matters
+    nemo-automodel's implementations of every architecture the compiler sends to it (Qwen3-MoE, Qwen3-Next,
+    Qwen3.5-MoE, DeepSeek-V3/V3.2, GLM-4.5 and GLM-5 MoE, Nemotron-H, Nemotron Omni, gpt-oss) keep separate
+    embeddings and refuse to build a tied checkpoint ("... has separate input and output embeddings and does not
+    support tie_word_embeddings=True"): the run would die at trainer start-up.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8}
+    model: {path: ./models/tiny-moe-tied, arch: null}
+    actor: {gpus_per_node: 4, mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 1, gpus_per_node: 8}
+    model: {path: ./models/tiny-moe-mtp, arch: null}
+    actor: {gpus_per_node: 4, mesh: {ep: 4}}
+    ```
+
+    ## References
+    nemo_automodel 0.7.0 `components/models/*/model.py` (`tie_word_embeddings_support = UNTIED_ONLY`);
+    molt_rules.md H9
+    """
+    facts = model_facts(recipe, source)
+    if facts is not None and facts.tie_embeddings and not hf_fallback(recipe, facts):
+        yield diag(
+            source,
+            "model.path",
+            f"{facts.key} ties its output embeddings to its input embeddings, which nemo-automodel's implementation "
+            "of it refuses",
+            "untie them in the checkpoint (its own lm_head.weight), or set model.backend: hf",
+            ["model.backend"],
+        )

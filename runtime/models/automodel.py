@@ -14,6 +14,12 @@ once three of its CUDA assumptions are answered for the build (`_built_on_cpu`):
 `torch.cuda.current_device()` for a device index, its checkpoint load goes to that device, and the rotary embedding
 keeps it for buffers it makes at the first forward. `reference/environment.md` §2 documents the first.
 
+The engines and the HF export see transformers' names and layouts (`hf_weights`, `hf_state_dict`): nemo-automodel's
+grouped experts hold (experts, in, out) matrices where transformers' fused experts hold (experts, out, in), so the
+two expert parameters of each MoE layer travel transposed under transformers' names; every other parameter has the
+same name and layout in both (checked against transformers' model of the same checkpoint in
+tests/runtime/models/test_automodel.py).
+
 Its gates' own load-balancing loss is switched off (`aux_loss_coeff = 0`): the trainer adds the recipe's
 load-balancing and z-loss itself from the gates' logits (`runtime/moe.py`), once.
 """
@@ -21,6 +27,7 @@ load-balancing and z-loss itself from the gates' logits (`runtime/moe.py`), once
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +38,57 @@ if TYPE_CHECKING:
     from schemas.plan import LoraPlan, ModelPlan
 
 device_mesh = hf.device_mesh
+
+# nemo-automodel's grouped-experts parameters -> transformers' fused-experts names (both (experts, ., .), transposed)
+_EXPERTS = {".experts.gate_and_up_projs": ".experts.gate_up_proj", ".experts.down_projs": ".experts.down_proj"}
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+    """(transformers' name of a nemo-automodel parameter, whether its last two dims are swapped there)."""
+    for nemo, transformers_name in _EXPERTS.items():
+        if name.endswith(nemo):
+            return name[: -len(nemo)] + transformers_name, True
+    return name, False
+
+
+@dataclass
+class TransposedExperts:
+    """A grouped-experts parameter as transformers lays it out: (experts, out, in). FSDP2 shards the experts dim,
+    so each rank's rows stay its own."""
+
+    base: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        e, a, b = self.base.shape
+        return torch.Size((e, b, a))
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def local(self) -> torch.Tensor:
+        local = self.base.to_local() if hasattr(self.base, "to_local") else self.base
+        return local.detach().transpose(1, 2)
+
+
+def hf_weights(model) -> list[tuple[str, torch.Tensor | TransposedExperts]]:
+    """(transformers' name, parameter or transposed view) of every floating parameter, in module order: what a
+    weight sync streams to the engines."""
+    out: list[tuple[str, torch.Tensor | TransposedExperts]] = []
+    for name, p in model.named_parameters():
+        if p.is_floating_point():
+            name, swapped = hf_name(name)
+            out.append((name, TransposedExperts(p) if swapped else p))
+    return out
+
+
+def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full nemo-automodel state dict under transformers' names and layouts (the HF export)."""
+    out = {}
+    for name, t in state.items():
+        name, swapped = hf_name(name)
+        out[name] = t.transpose(1, 2).contiguous() if swapped else t
+    return out
 
 
 @contextlib.contextmanager
@@ -93,4 +151,7 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     routers in their own unit in the router dtype, frozen with `freeze_router`, matched by type as Molt F11 does).
     `lora` and `freeze_visual_encoder` are hf-backend settings (the capability table keeps them off this one)."""
     model = load(model_plan, path, device)
-    return hf.shard(model, decoder_layers(model), model_plan, mesh, trainable, freeze_router, lora)
+    model = hf.shard(model, decoder_layers(model), model_plan, mesh, trainable, freeze_router, lora)
+    model.molt_hf_weights = lambda: hf_weights(model)  # the weight sync's and the HF export's view
+    model.molt_hf_state_dict = hf_state_dict
+    return model

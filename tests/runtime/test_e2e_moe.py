@@ -1,6 +1,7 @@
-"""The MoE demo (recipes/demo_moe.yaml: tiny Qwen3-MoE, hf engine, routing replay, frozen fp32 router) trains on a
-real local Ray cluster with 2 FSDP2 ranks: the routing reaches the trainer and is replayed, the aux losses are
-reported, and the engine serves the trainer's weights after every sync."""
+"""The MoE demo (recipes/demo_moe.yaml: tiny Qwen3-MoE on the automodel backend, hf engine, routing replay, frozen
+fp32 router) trains on a real local Ray cluster with 2 FSDP2 ranks of nemo-automodel's own Qwen3-MoE: the routing
+reaches the trainer and is replayed, the aux losses are reported, and the engine (transformers' Qwen3-MoE) serves
+the trainer's weights after every sync (nemo-automodel's grouped experts mapped to transformers' layout)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ SETS = (  # a short run: 4 steps of 4 groups x 8 samples, one optimizer step eac
 def test_moe_demo_trains_with_routing_replay(local_ray):
     plan, result, records = run_recipe("recipes/demo_moe.yaml", *SETS)
     t = plan.rl.trainer
+    assert plan.rl.model.backend == "automodel" and plan.rl.model.moe_dispatcher == "torch"
     assert t.routing_replay and t.freeze_moe_router and plan.rl.engines.routed_experts
     steps = step_records(records)
     assert result.status == "finished" and len(steps) == STEPS

@@ -123,3 +123,31 @@ def test_aux_losses_read_the_gate_logits(world, checkpoint):
     balance = moe.load_balancing_loss(sink.logits, 2, real)
     assert 1.0 <= balance.item() < 4.0  # E * sum f_e P_e: 1 when perfectly balanced, at most E
     assert moe.z_loss(sink.logits, real).item() > 0
+
+
+def test_weight_sync_and_export_see_transformers_names_and_layouts(world, checkpoint, tmp_path):
+    """What the engines receive from this backend is what they receive from the hf backend: the same names, shapes
+    and values (grouped experts transposed to transformers' fused layout; module order differs: nemo-automodel
+    registers a layer's gate before its experts); the HF export loads in transformers with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import ckpt, weight_sync
+
+    model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    reference = hf.build(_plan(checkpoint, "hf"), checkpoint, world, torch.device("cpu"), trainable=False)
+    mine, theirs = dict(weight_sync.sync_sources(model)), dict(weight_sync.sync_sources(reference))
+    assert {n: tuple(p.shape) for n, p in mine.items()} == {n: tuple(p.shape) for n, p in theirs.items()}
+    swapped = [n for n, p in mine.items() if isinstance(p, automodel.TransposedExperts)]
+    assert len(swapped) == 4  # gate_up_proj and down_proj of both layers
+    for name, p in mine.items():
+        local = p.local() if isinstance(p, automodel.TransposedExperts) else p.detach().to_local()
+        assert torch.equal(local, theirs[name].detach().to_local()), name
+    metas = weight_sync.wire_metas(model, "float32")
+    assert sorted(m.name for m in metas) == sorted(theirs)
+
+    out = ckpt.export_hf(str(tmp_path / "hf"), model, checkpoint, rank=0)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    ids, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(input_ids=ids).logits, original(input_ids=ids).logits)
