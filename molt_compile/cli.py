@@ -704,10 +704,10 @@ def run() -> None:
     gc.disable()
     try:
         main()
-        code: object = 0
+        code: str | int | None = 0
     except SystemExit as e:
         code = e.code
-    if _STAYS or not (code is None or isinstance(code, int)):
+    if _STAYS or isinstance(code, str):  # a message: Python prints it and exits 1
         sys.exit(code)
     try:
         sys.stdout.flush()

@@ -402,7 +402,7 @@ def _flow_too_deep(text: str) -> tuple[int, int] | None:
     return None
 
 
-_PLAIN_LINE = frozenset(" \n!\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[]^_`abcdefghijklmnopqrstuvwxyz{|}~")
+_PLAIN_LINE = frozenset(map(chr, range(0x20, 0x7F))) | {"\n"}
 """Printable ASCII and the newline: text made of these (and the non-ASCII letters of `_libyaml_agrees`) reads the
 same to libyaml as to ruamel's pure parser, outside the constructs that `_libyaml_agrees` sends to the pure parser."""
 _NESTING = "-?:[{"

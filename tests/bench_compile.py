@@ -33,7 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 7
-FLOOR = "import pydantic, ruamel.yaml, click, rich, jinja2"
+FLOOR = "from pydantic import BaseModel, ConfigDict, Field; import ruamel.yaml, click, rich, jinja2"
+"""What a CLI on these libraries pays before its own code: pydantic with its model machinery (a bare `import pydantic`
+is lazy and skips pydantic.main, about a third of the cost), ruamel.yaml (with libyaml when installed), click, rich,
+jinja2."""
 RECIPES = ("recipes/glm5_ep256.yaml", "tests/data/plan/synthetic_1024.yaml")
 
 
@@ -47,24 +50,28 @@ def _cpu_of_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _one(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one fresh process."""
+def _one(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh process, run in `cwd` with `cwd` on the import path."""
     env = {**os.environ, "COLUMNS": "120"}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # cold means a fresh process, with the bytecode cache a user's install has
+    if cwd != ROOT:
+        env["PYTHONPATH"] = str(cwd)
     cpu0, t0 = _cpu_of_children(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, env=env)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1) or b"Traceback" in proc.stderr:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.decode()[-500:]}")
     return wall, _cpu_of_children() - cpu0
 
 
-def _interleaved(cmds: dict[str, list[str]], runs: int = RUNS) -> dict[str, tuple[list[float], list[float]]]:
+def _interleaved(
+    cmds: dict[str, list[str]], runs: int = RUNS, where: dict[str, Path] | None = None
+) -> dict[str, tuple[list[float], list[float]]]:
     """`runs` rounds of every command in turn (after one warm-up round), so that they see the same load."""
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in cmds}
     for round_ in range(runs + 1):
         for name, cmd in cmds.items():
-            wall, cpu = _one(cmd)
+            wall, cpu = _one(cmd, (where or {}).get(name, ROOT))
             if round_:
                 out[name][0].append(wall)
                 out[name][1].append(cpu)
@@ -94,10 +101,17 @@ def run() -> dict:
     cli = [str(script)] if script.exists() else [sys.executable, "-m", "molt_compile.cli"]
     plan_out = str(Path(tempfile.mkdtemp()) / "p.json")
     cmds = {"floor": [sys.executable, "-c", FLOOR], "python": [sys.executable, "-c", "pass"]}
+    where: dict[str, Path] = {}
+    baseline = os.environ.get("MOLT_BENCH_BASELINE")  # another checkout (`git worktree add /tmp/base main`): before
+    if baseline:
+        cli = [sys.executable, "-m", "molt_compile.cli"]  # both from source, so that they start alike
+        where["baseline." + Path(RECIPES[0]).stem] = Path(baseline).resolve()
     for path in RECIPES:
         if (ROOT / path).exists():
             cmds[Path(path).stem] = cli + [path, "--plan-out", plan_out]
-    measured = _interleaved(cmds)
+    if baseline:
+        cmds["baseline." + Path(RECIPES[0]).stem] = cli + [RECIPES[0], "--plan-out", plan_out]
+    measured = _interleaved(cmds, where=where)
     floor_wall, floor_cpu = (statistics.median(v) for v in measured["floor"])
     out: dict = {"recipe": recipe, "runs": RUNS}
     for name, (walls, cpus) in measured.items():
@@ -108,6 +122,11 @@ def run() -> dict:
         if name not in ("floor", "python"):
             out[f"{name}.wall_over_floor"] = round(wall / floor_wall, 2)
             out[f"{name}.cpu_over_floor"] = round(cpu / floor_cpu, 2)
+    base = "baseline." + Path(RECIPES[0]).stem
+    if base in measured:
+        for i, kind in ((0, "wall"), (1, "cpu")):
+            ratio = statistics.median(measured[Path(RECIPES[0]).stem][i]) / statistics.median(measured[base][i])
+            out[f"{Path(RECIPES[0]).stem}.{kind}_over_baseline"] = round(ratio, 2)
     help_walls = [_one(cli + ["--help"])[0] for _ in range(5)]
 
     os.chdir(ROOT)
