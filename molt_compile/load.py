@@ -1,8 +1,10 @@
 """Pass 1, load: a recipe file -> plain data + a SourceMap, with `extends` and `--set` resolved.
 
 Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
-bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's pure-Python safe parser, no constructors run), and
-plain Python data is then built here from the node tree. That is where the loader
+bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's safe composer, no constructors run), and plain
+Python data is then built here from the node tree. The pure-Python parser is the reference; libyaml (ruamel.yaml.clib)
+composes only text in the subset where the two provably agree (`_libyaml_agrees`), and anything libyaml refuses goes
+to the pure parser, so every diagnostic is the pure parser's. That is where the loader
 - keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
   list items as `algo.reward_clip.0`);
 - rejects what plain data cannot hold: duplicate keys, non-string keys, `!!python/...` and other tags;
@@ -480,7 +482,7 @@ def _compose_libyaml(text: str) -> Any:
 
 _NO_DOCUMENT = object()
 _COMMENT = re.compile(r"(?:^|\s)#")
-_LIBYAML_DIFFERS = re.compile(r"(?:^|[\s\[\]{},])[&*!]|^%|[|>](?![ \n]|[-+](?:[ \n]|$)|$)", re.M)
+_LIBYAML_DIFFERS = re.compile(r"(?:^|[\s\[\]{},:])[&*!]|^%|[|>](?![ \n]|[-+](?:[ \n]|$)|$)", re.M)
 
 
 def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool, Any]:

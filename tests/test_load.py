@@ -476,13 +476,17 @@ def _flow(depth: int):
             lambda kvs: "{" + ", ".join(f"{k}: {v}" for k, v in kvs) + "}"
         ),
         st.lists(inner, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]"),
+        st.lists(st.tuples(_scalar(), inner), max_size=3).map(  # `"a":b`, adjacent values (YAML 1.2)
+            lambda kvs: "{" + ",".join(f"{k}:{v}" for k, v in kvs) + "}"
+        ),
     )
 
 
 def _block(indent: int, depth: int):
     pad = " " * indent
     leaf = st.one_of(_flow(2).map(lambda v: " " + v), st.just(""), st.sampled_from([" |\n", " >-\n", " |+\n"]).map(
-        lambda h: h + pad + "  line one\n" + pad + "  line two"))
+        lambda h: h + pad + "  line one\n" + pad + "  line two"),
+        st.sampled_from([" a\n", " 'a\n", ' "a\n']).map(lambda v: v + pad + " b c" + v.strip(" a\n")))  # 2 lines
     comment = st.sampled_from(["", "  # note", " #: -", "#x"])
     if depth == 0:
         value = leaf
