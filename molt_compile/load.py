@@ -3,8 +3,8 @@
 Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
 bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's safe composer, no constructors run), and plain
 Python data is then built here from the node tree. The pure-Python parser is the reference; libyaml (ruamel.yaml.clib)
-composes only text in the subset where the two provably agree (`_libyaml_agrees`), and anything libyaml refuses goes
-to the pure parser, so every diagnostic is the pure parser's. That is where the loader
+composes only text in a subset where the two agree (`_libyaml_agrees`: argued there, fuzzed in tests/test_load.py),
+and anything libyaml refuses goes to the pure parser, so every diagnostic is the pure parser's. That is where the loader
 - keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
   list items as `algo.reward_clip.0`);
 - rejects what plain data cannot hold: duplicate keys, non-string keys, `!!python/...` and other tags;
@@ -410,7 +410,8 @@ same to libyaml as to ruamel's pure parser, outside the constructs that `_libyam
 _NESTING = "-?:[{"
 _DEEPEST_FOR_LIBYAML = 300
 """Bound on nesting below which both parsers compose (ruamel's pure composer recurses, about 450 levels deep before a
-RecursionError: YAML008 without a position; the builder stops at MAX_DEPTH either way)."""
+RecursionError at about 500 levels from the top of the stack: YAML008 without a position; libyaml goes deeper
+there; the builder stops at MAX_DEPTH either way)."""
 
 
 def _libyaml_agrees(text: str) -> bool:
