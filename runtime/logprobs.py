@@ -91,8 +91,10 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              **vision).last_hidden_state
     else:
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                     use_cache=False).last_hidden_state
+        # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        hidden = out if isinstance(out, Tensor) else out.last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])

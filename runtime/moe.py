@@ -1,9 +1,15 @@
-"""MoE routers of a transformers model: find them, freeze them, record and replay their choices, and their aux losses.
+"""MoE routers of a transformers or nemo-automodel model: find them, freeze them, record and replay their choices,
+and their aux losses.
 
-A router here is transformers' top-k router module (`Qwen3MoeTopKRouter`, `Qwen2MoeTopKRouter`, `MixtralTopKRouter`,
-... : a `weight` of (experts, hidden) and a forward that returns `(logits, top-k weights, top-k indices)` for the
-flattened tokens of one MoE layer). Everything here is a forward hook on those modules inside a `with` block, so no
-model class is forked and nothing stays patched after the block.
+A router here is one of two kinds of module, each holding a `weight` of (experts, hidden) for the flattened tokens of
+one MoE layer:
+- transformers' top-k router (`Qwen3MoeTopKRouter`, `Qwen2MoeTopKRouter`, `MixtralTopKRouter`, ...), whose forward
+  returns `(logits, top-k weights, top-k indices)`;
+- nemo-automodel's `Gate` (its own MoE implementations, the `automodel` backend), whose forward takes
+  `(x, token_mask, cp_mesh)` and returns `(weights, indices, aux_loss)`, and which routes its top-k through its
+  `router_replay` handle (nemo-automodel's R3 seam: `replay_selection`).
+Everything here is a forward hook on those modules (or, for a `Gate`, its `router_replay` handle) inside a `with`
+block, so no model class is forked and nothing stays patched after the block.
 
 - `record(model)`: the experts every token was routed to, per MoE layer, as the engine saw them (the hf engine).
 - `replay(model, targets)`: R3 (`reference/molt_rules.md` F13): each router's top-k indices are replaced by the
@@ -29,9 +35,26 @@ NO_ROUTING = -1
 """Sentinel of a token with no captured routing: the trainer keeps its live top-k there."""
 
 
+def _is_gate(module: nn.Module) -> bool:
+    """nemo-automodel's MoE `Gate`, FSDP2-wrapped or not (matched by class name and its replay seam, so that
+    nemo_automodel stays an optional import)."""
+    return hasattr(module, "router_replay") and any(c.__name__ == "Gate" for c in type(module).__mro__)
+
+
 def routers(model: nn.Module) -> list[nn.Module]:
     """The model's top-k router modules, in layer order (one per MoE layer)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+    return [m for m in model.modules()
+            if (type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")) or _is_gate(m)]
+
+
+def _top_k(router: nn.Module) -> int:
+    return router.topk if _is_gate(router) else router.top_k
+
+
+def _logits_site(router: nn.Module) -> nn.Module:
+    """The module whose forward sees a router's logits: a `Gate` returns only weights and indices, and hands its
+    logits to its parameterless `routing_core` child (the automodel backend routes every gate through it)."""
+    return router.routing_core if _is_gate(router) else router
 
 
 def is_moe(model: nn.Module) -> bool:
@@ -55,7 +78,7 @@ def freeze_routers(model: nn.Module) -> int:
 def shape_of(model: nn.Module) -> tuple[int, int]:
     """(MoE layers, top_k) of the model's routers."""
     rs = routers(model)
-    return len(rs), (rs[0].top_k if rs else 0)
+    return len(rs), (_top_k(rs[0]) if rs else 0)
 
 
 @contextlib.contextmanager
@@ -69,7 +92,7 @@ def record(model: nn.Module, into: Tensor | None = None) -> Iterator[list[Tensor
 
     def hook_for(layer: int):
         def hook(module, args, output):
-            indices = output[2]
+            indices = output[1] if _is_gate(module) else output[2]
             captured[layer] = indices
             if into is not None:
                 into[layer, :indices.shape[0]].copy_(indices)
@@ -93,28 +116,48 @@ class Replay:
         self.agreed = 0     # of those, the ones whose live top-k (as a set) was the recorded one
         self.selected: list[Tensor | None] = [None] * layers   # what each router finally used, last forward
 
+    def choose(self, layer: int, live: Tensor) -> Tensor:
+        """The experts layer `layer` uses: the recorded ones where a row was captured, its live top-k elsewhere."""
+        if self.targets is None:
+            self.selected[layer] = live
+            return live
+        target = self.targets[:, layer].to(device=live.device, dtype=live.dtype)
+        if target.shape != live.shape:
+            raise ValueError(f"routing replay: layer {layer} routes {tuple(live.shape)} tokens x top-k, the "
+                             f"recorded routing has {tuple(target.shape)}")
+        missing = (target < 0).any(-1, keepdim=True)
+        chosen = torch.where(missing, live, target)
+        with torch.no_grad():
+            same = (live.sort(-1).values == target.sort(-1).values).all(-1)
+            self.known += int((~missing[:, 0]).sum())
+            self.agreed += int((same & ~missing[:, 0]).sum())
+        self.selected[layer] = chosen
+        return chosen
+
     def hook_for(self, layer: int):
         def hook(module, args, output):
             logits, _, live = output
             if self.targets is None:
                 self.selected[layer] = live
                 return output
-            target = self.targets[:, layer].to(device=live.device, dtype=live.dtype)
-            if target.shape != live.shape:
-                raise ValueError(f"routing replay: layer {layer} routes {tuple(live.shape)} tokens x top-k, the "
-                                 f"recorded routing has {tuple(target.shape)}")
-            missing = (target < 0).any(-1, keepdim=True)
-            chosen = torch.where(missing, live, target)
-            with torch.no_grad():
-                same = (live.sort(-1).values == target.sort(-1).values).all(-1)
-                self.known += int((~missing[:, 0]).sum())
-                self.agreed += int((same & ~missing[:, 0]).sum())
+            chosen = self.choose(layer, live)
             weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
             if getattr(module, "norm_topk_prob", False):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            self.selected[layer] = chosen
             return logits, weights.to(logits.dtype), chosen
         return hook
+
+
+class _GateReplay:
+    """A `Gate`'s `router_replay` handle: the gate passes its live top-k through `apply` and weighs the experts it
+    gets back with its own scores (nemo-automodel's `replay_selection`; unlike its own handle, rows recorded as
+    NO_ROUTING keep the live choice, Molt's sentinel replay, F13)."""
+
+    def __init__(self, state: Replay, layer: int):
+        self.state, self.layer = state, layer
+
+    def apply(self, indices: Tensor) -> Tensor:
+        return self.state.choose(self.layer, indices)
 
 
 @contextlib.contextmanager
@@ -124,12 +167,20 @@ def replay(model: nn.Module) -> Iterator[Replay]:
     if not rs:
         raise RuntimeError("routing_replay is on but the model has no MoE router")
     state = Replay(len(rs))
-    handles = [r.register_forward_hook(state.hook_for(i)) for i, r in enumerate(rs)]
+    handles, gates = [], []
+    for i, r in enumerate(rs):
+        if _is_gate(r):
+            gates.append((r, r.router_replay))
+            r.router_replay = _GateReplay(state, i)
+        else:
+            handles.append(r.register_forward_hook(state.hook_for(i)))
     try:
         yield state
     finally:
         for h in handles:
             h.remove()
+        for gate, handle in gates:
+            gate.router_replay = handle
 
 
 def flat_targets(routed: Tensor, attention_mask: Tensor, packed: bool) -> Tensor:
@@ -147,13 +198,13 @@ class RouterLogits:
         self.logits: list[Tensor] = []
 
     def hook(self, module, args, output):
-        self.logits.append(output[0])
+        self.logits.append(args[0] if type(module).__name__ == "_GateRoutingCore" else output[0])
 
 
 @contextlib.contextmanager
 def collect_logits(model: nn.Module) -> Iterator[RouterLogits]:
     sink = RouterLogits()
-    handles = [r.register_forward_hook(sink.hook) for r in routers(model)]
+    handles = [_logits_site(r).register_forward_hook(sink.hook) for r in routers(model)]
     try:
         yield sink
     finally:

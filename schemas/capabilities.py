@@ -199,10 +199,12 @@ CAPABILITIES: tuple[Capability, ...] = (
         "rl-automodel",
         "rl",
         "model.backend",
-        "the nemo-automodel training backend",
+        "RL on the nemo-automodel training backend",
         lambda p: p.rl.trainer is not None and p.rl.model.backend == "automodel",
-        "model.backend: hf (HF transformers models under FSDP2)",
-        tracked="issue 16",
+        "model.backend: hf (HF transformers models under FSDP2, their MoE layers included)",
+        tracked="issue 16: runtime/models/automodel.py builds and trains nemo-automodel's models (its MoE layers, "
+        "frozen fp32 gates, routing replay, aux losses) on CPU and CUDA, but the weight sync does not yet map its "
+        "grouped-expert parameters to the engines' HF names (its state_dict_adapter)",
     ),
     Capability(
         "rl-offload",
@@ -302,7 +304,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "sft-automodel",
         "sft",
         "model.backend",
-        "the nemo-automodel training backend",
+        "the nemo-automodel training backend for SFT",
         lambda p: p.sft.model.backend == "automodel",
         "model.backend: hf",
         tracked="issue 16",

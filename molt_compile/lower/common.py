@@ -9,6 +9,7 @@ from typing import Any, Literal
 from molt_compile.codes import BUILTIN
 from molt_compile.derive import Derived, local_path, plan_path, resolve_path
 from molt_compile.diagnostics import Diagnostic
+from molt_compile.rules._base import model_facts, moe_dispatcher
 from molt_compile.source import SourceMap
 from schemas.plan import (
     DEVICE_SLOT_RESOURCE,
@@ -169,6 +170,8 @@ def batching_fields(r: RlRecipe | SftRecipe, d: Derived) -> dict[str, Any]:
 
 def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) -> ModelPlan:
     m = r.model
+    facts = model_facts(r, source)
+    dense = facts is not None and not facts.is_moe
     return ModelPlan.model_construct(
         path=model_path(m.path, "model.path", source),
         arch=m.arch,
@@ -179,6 +182,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         compile_layers=m.compile_layers,
         disable_fast_tokenizer=m.disable_fast_tokenizer,
         router_dtype=_DTYPES[m.router_dtype],
+        moe_dispatcher=None if dense else moe_dispatcher(r),
     )
 
 

@@ -73,15 +73,11 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
 
-    A frozen model (a reference) is in eval mode without gradients and never checkpoints. MoE routers are their own
-    FSDP2 unit computing in `model_plan.router_dtype` (fp32 by default, Molt's `MOLT_GATE_PRECISION`: the unit casts
-    its input to that dtype, so top-k ties are decided in fp32), and with `freeze_router` they take no gradient.
-    `lora`: peft adapters patched in before sharding (`runtime/lora.py`); only they train. A VLM loads as an
-    image-text-to-text model; its language-model layers are the FSDP units and the vision tower stays in the root
-    unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the same collectives).
-    `freeze_visual_encoder` (Molt's: train only the language model and lm_head) stops the tower's gradients.
+    A VLM loads as an image-text-to-text model; its language-model layers are the FSDP units and the vision tower
+    stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the same
+    collectives). `freeze_visual_encoder` (Molt's: train only the language model and lm_head) stops the tower's
+    gradients. The rest is `shard`'s.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
@@ -89,6 +85,24 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
     model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
     model.to(device)
+    if vlm and freeze_visual_encoder:
+        model.model.visual.requires_grad_(False)
+    layers = model.model.language_model.layers if vlm else model.model.layers
+    return shard(model, layers, model_plan, mesh, trainable, freeze_router, lora)
+
+
+def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_router: bool,
+          lora: LoraPlan | None):
+    """An unsharded fp32 causal LM (on its device) -> the trained or reference model, FSDP2-sharded over `mesh`.
+
+    A frozen model (a reference) is in eval mode without gradients and never checkpoints. MoE routers are their own
+    FSDP2 unit computing in `model_plan.router_dtype` (fp32 by default, Molt's `MOLT_GATE_PRECISION`: the unit casts
+    its input to that dtype, so top-k ties are decided in fp32), and with `freeze_router` they take no gradient.
+    `lora`: peft adapters patched in before sharding (`runtime/lora.py`); only they train. `layers` (the decoder
+    layers) are the FSDP units between the routers and the root.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if lora is not None:
         from runtime import lora as lora_adapters
 
@@ -100,15 +114,12 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    if vlm and freeze_visual_encoder:
-        model.model.visual.requires_grad_(False)
     if freeze_router:
         moe.freeze_routers(model)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
     router_mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.router_dtype), reduce_dtype=torch.float32)
     for router in moe.routers(model):
         fully_shard(router, mesh=mesh, mp_policy=router_mp)
-    layers = model.model.language_model.layers if vlm else model.model.layers
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

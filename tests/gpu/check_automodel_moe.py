@@ -1,21 +1,18 @@
-"""GPU check: a tiny Qwen3-MoE trains through nemo-automodel on one GPU (not part of `just test`).
+"""GPU check: a tiny Qwen3-MoE trains through the automodel backend on one GPU (not part of `just test`).
 
-    python3 tests/gpu/check_automodel_moe.py OUT_DIR [STEPS]
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/check_automodel_moe.py OUT_DIR [STEPS]
 
-Needs nemo-automodel importable. The H200 machines have torch (CUDA) and transformers but not nemo-automodel: carry
-its wheel and the few it needs and install them without dependencies first (they leave torch and transformers as
-they are):
-    pip download --no-deps -d .cache/gpu_wheels nemo-automodel==0.7.0 megatron-fsdp==0.5.0 "torchao>=0.16.0" torchdata
-    (on the GPU machine) pip install --no-deps .cache/gpu_wheels/*.whl
-(8 MB: nemo_automodel 3.8, torchao 3.4, megatron_fsdp 0.1, torchdata 0.06; `*.whl` is git-ignored, so carry the
-folder.) The H200 image has torch 2.11.0+cu130 and transformers 5.17.0, while nemo-automodel 0.7.0 pins
-transformers==5.18.0: if its import fails on 5.17, carry the transformers 5.18.0 wheel too (not tried yet).
+The carry (tests/gpu/make_carry.sh) brings nemo-automodel 0.7.0 and what its import needs beyond the H200 image
+(megatron-fsdp, torchao, torchdata, and transformers 5.18.0, its pin: the image's 5.17 lacks `resolve_revision`).
 
-What runs: `runtime.tiny_model` builds a random Qwen3-MoE (2 layers, 4 experts, top-2, untied embeddings: NeMo's
-Qwen3-MoE class refuses tied ones); `NeMoAutoModelForCausalLM.from_pretrained` loads it as NeMo's own MoE
-implementation (its `Gate` routers and grouped experts) on cuda:0 in a world-1 process group; the routers are frozen
-by type (Molt F11) and the rest trains with AdamW (bf16 autocast, fp32 master weights) on a fixed batch for STEPS
-steps. Checks: the model class is NeMo's, the loss falls, the routers are unchanged and fp32, the experts moved.
+What runs, through the runtime's own code: `runtime.models.automodel.build` (nemo-automodel's own Qwen3-MoE
+implementation, its `Gate` routers and grouped experts, FSDP2 over a world-1 NCCL mesh, bf16 compute with fp32
+master weights and fp32 routers, routers frozen by type: Molt F11) on a random Qwen3-MoE from `runtime.tiny_model`
+(2 layers, 4 experts, top-2, untied embeddings); then
+1. routing replay (R3): the routing of one forward is recorded, the gate weights are perturbed, and the replayed
+   forward selects the recorded experts for every token (without replay it does not);
+2. STEPS AdamW steps (`runtime.fsdp`) on a fixed batch with the recipe-style aux losses from the gates' logits
+   (`runtime.moe`): the loss falls, the gates stay fp32 and unchanged, the experts move.
 Writes OUT_DIR/automodel_moe_gpu.json and prints it.
 """
 
@@ -36,59 +33,96 @@ def main(out_dir: str, steps: int = 30) -> dict:
     import torch
     import torch.distributed as dist
 
+    from runtime import fsdp, moe
+    from runtime.logprobs import token_logprobs
+    from runtime.models import automodel
     from runtime.tiny_model import build_tiny_model
+    from schemas.plan import ModelPlan, OptimizerPlan
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "moe", seed=0, vocab_size=300, experts=4,
-                                 experts_per_token=2, tie_word_embeddings=False)
+    device = torch.device("cuda", 0)
+    mesh = automodel.device_mesh("cuda", 1)
+    path = str(build_tiny_model(Path(tempfile.mkdtemp()) / "moe", seed=0, vocab_size=300, experts=4,
+                                experts_per_token=2, tie_word_embeddings=False))
+    plan = ModelPlan(path=path, arch=None, backend="automodel", dtype="bfloat16", attn="sdpa",
+                     gradient_checkpoint="none", compile_layers=False, disable_fast_tokenizer=False,
+                     router_dtype="float32", moe_dispatcher="torch")
     t0 = time.perf_counter()
-    from nemo_automodel import NeMoAutoModelForCausalLM
-
-    model = NeMoAutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_liger_kernel=False,
-                                                     attn_implementation="sdpa")
-    model.to("cuda")
+    model = automodel.build(plan, path, mesh, device, freeze_router=True)
     build_s = time.perf_counter() - t0
-    gates = {n: m for n, m in model.named_modules() if type(m).__name__ == "Gate"}
-    gate_params = {f"{n}.{pn}": p for n, m in gates.items() for pn, p in m.named_parameters()}
-    for p in gate_params.values():
-        p.requires_grad_(False)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, 290, (8, 64), generator=g).cuda()
-    losses = []
+    ids = torch.randint(5, 290, (8, 64), generator=g).to(device)
+    mask = torch.ones_like(ids)
+
+    def full(p):
+        return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+    def local(p):
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    not_sharded = [n for n, p in model.named_parameters() if not hasattr(p, "full_tensor")]
+
+    # 1. R3 on a perturbed copy
+    with moe.record(model) as captured, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    recorded = torch.stack([c.to(torch.int16) for c in captured], dim=1)
+    before = {n: full(p.detach()).clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for gate in moe.routers(model):
+            local(gate.weight).add_(torch.randn(gate.weight.shape, generator=g).to(device) * 3.0)
+    with moe.replay(model) as state, torch.no_grad():
+        state.targets = recorded
+        model(input_ids=ids, attention_mask=mask)
+    replayed_match = sum(int((c.sort(-1).values == recorded[:, i].long().sort(-1).values).all(-1).sum())
+                         for i, c in enumerate(state.selected)) / (recorded.shape[0] * recorded.shape[1])
+    live_agreement = state.agreed / state.known
+    with torch.no_grad():  # back to the checkpoint's gates
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                local(p).copy_(before[name])
+
+    # 2. training steps with the aux losses
+    opt = OptimizerPlan(name="adam", lr=3e-3, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,
+                        scheduler="constant", warmup_steps=0, total_steps=steps, min_lr_ratio=0.1, muon=None)
+    optimizer, scheduler = fsdp.build_optimizer(opt, model)
+    real = mask.reshape(-1).bool()
+    losses, balances = [], []
+    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(input_ids=ids)
-        logits = (out.logits if hasattr(out, "logits") else out).float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        with moe.collect_logits(model) as sink:
+            logprobs = token_logprobs(model, ids, mask, 1.0)[0]
+        balance = moe.load_balancing_loss(sink.logits, 2, real)
+        loss = -logprobs.mean() + 1e-3 * balance + 1e-4 * moe.z_loss(sink.logits, real)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        fsdp.clipped_step(model, optimizer, scheduler, 1.0)
+        losses.append(float(-logprobs.detach().mean()))
+        balances.append(float(balance.detach()))
     torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
-    params = dict(model.named_parameters())
-    moved = {n: not torch.equal(before[n], p.detach()) for n, p in params.items()}
+    after = {n: full(p.detach()) for n, p in model.named_parameters()}
+    gates = [n for n in after if n.endswith("mlp.gate.weight")]
     result = {
-        "model_class": f"{type(model).__module__}.{type(model).__name__}",
+        "model_class": next(f"{c.__module__}.{c.__name__}" for c in type(model).__mro__
+                            if c.__module__.startswith("nemo_automodel")),
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "nemo_automodel": __import__("nemo_automodel").__version__,
         "build_s": round(build_s, 2), "train_s": round(train_s, 2), "steps": steps,
-        "loss_first": losses[0], "loss_last": losses[-1],
-        "gates": len(gates), "gate_dtypes": sorted({str(p.dtype) for p in gate_params.values()}),
-        "gates_unchanged": not any(moved[n] for n in gate_params),
-        "experts_moved": any(v for n, v in moved.items() if "experts" in n),
+        "replayed_selects_recorded": replayed_match, "live_agreement_after_perturbation": live_agreement,
+        "loss_first": losses[0], "loss_last": losses[-1], "balance_first": balances[0], "balance_last": balances[-1],
+        "gates": len(gates), "gate_dtypes": sorted({str(after[n].dtype) for n in gates}),
+        "gates_unchanged": all(torch.equal(after[n], before[n]) for n in gates),
+        "experts_moved": all(not torch.equal(after[n], before[n]) for n in after if "experts" in n),
+        "not_dtensor_params": not_sharded,
         "peak_mem_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1),
     }
     result["ok"] = bool("nemo_automodel" in result["model_class"] and losses[-1] < losses[0] and gates
+                        and replayed_match == 1.0 and live_agreement < 1.0
                         and result["gates_unchanged"] and result["experts_moved"]
                         and result["gate_dtypes"] == ["torch.float32"])
     Path(out_dir).mkdir(parents=True, exist_ok=True)

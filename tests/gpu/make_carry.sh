@@ -14,6 +14,11 @@ trap 'rm -rf "$tmp"' EXIT
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$dir" \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions ruamel.yaml \
   jsonschema attrs referencing rpds-py jsonschema-specifications
+# The automodel backend: nemo-automodel and what its import needs beyond the image (which has transformers 5.17;
+# nemo-automodel 0.7.0 pins 5.18.0 and fails on 5.17 for `resolve_revision`).
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$dir" \
+  nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0 torchdata==0.11.0 transformers==5.18.0
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
   -d "$tmp" ray==2.60.0
 (cd "$tmp" && unzip -q ray-*.whl && rm ray-*.whl \

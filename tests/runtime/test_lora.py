@@ -102,7 +102,7 @@ def test_fsdp_lora_trains_adapters_and_dcp_resumes_them(tmp_path):
     try:
         mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         mp = ModelPlan(path=MODEL, arch=None, backend="hf", dtype="float32", attn="sdpa", gradient_checkpoint="full",
-                       compile_layers=False, disable_fast_tokenizer=False, router_dtype="float32")
+                       compile_layers=False, disable_fast_tokenizer=False, router_dtype="float32", moe_dispatcher=None)
         plan = LoraPlan(dim=4, alpha=8, scale=2.0, target_modules=["*.q_proj", "*.down_proj"])
         model = models.backend("hf").build(mp, MODEL, mesh, torch.device("cpu"), lora=plan)
         opt = OptimizerPlan(name="adam", lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,

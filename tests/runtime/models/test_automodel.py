@@ -1,0 +1,125 @@
+"""The automodel backend on CPU (runtime/models/automodel.py): nemo-automodel's own Qwen3-MoE, built and FSDP2-sharded
+in a one-rank gloo world, against transformers' implementation of the same checkpoint.
+
+- it is nemo-automodel's class (its `Gate` routers and grouped experts), and its logits are transformers';
+- frozen routers (Molt F11, matched by type) stay fp32 and unchanged over optimizer steps while the experts move;
+- routing replay (R3) through the gates' `router_replay` seam: with perturbed weights the replayed forward selects
+  the recorded experts for every recorded token, without replay it does not, and NO_ROUTING rows keep the live
+  choice; the gate weight still takes a gradient under replay;
+- the aux losses read the gates' logits (nemo-automodel's own aux loss is off: the trainer adds the recipe's once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from runtime import fsdp, moe
+from runtime.logprobs import token_logprobs
+from runtime.models import automodel, hf
+from runtime.tiny_model import build_tiny_model
+from schemas.plan import ModelPlan, OptimizerPlan
+
+
+@pytest.fixture(scope="module")
+def world():
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29800 + os.getpid() % 100))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("moe") / "model", seed=0, vocab_size=300, experts=4,
+                                experts_per_token=2, tie_word_embeddings=False))
+
+
+def _plan(path: str, backend: str) -> ModelPlan:
+    return ModelPlan(path=path, arch=None, backend=backend, dtype="float32", attn="sdpa", gradient_checkpoint="none",
+                     compile_layers=False, disable_fast_tokenizer=False, router_dtype="float32",
+                     moe_dispatcher="torch")
+
+
+def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(5, 290, (2, 12), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # a right-padded row
+    return ids, mask
+
+
+def test_builds_nemo_automodels_moe_with_transformers_logits(world, checkpoint):
+    model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    reference = hf.build(_plan(checkpoint, "hf"), checkpoint, world, torch.device("cpu"), trainable=False)
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    assert len(moe.routers(model)) == 2 and all(type(g).__name__ == "FSDPGate" for g in moe.routers(model))
+    assert moe.shape_of(model) == (2, 2)
+    ids, mask = _batch()
+    with torch.no_grad():
+        mine, theirs = token_logprobs(model, ids, mask, 1.0)[0], token_logprobs(reference, ids, mask, 1.0)[0]
+    real = mask[:, 1:].bool()
+    torch.testing.assert_close(mine[real], theirs[real], rtol=1e-4, atol=1e-4)
+
+
+def test_frozen_gates_stay_fp32_and_unchanged_while_experts_train(world, checkpoint):
+    model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"),
+                            freeze_router=True)
+    opt = OptimizerPlan(name="adam", lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,
+                        scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.1, muon=None)
+    optimizer, scheduler = fsdp.build_optimizer(opt, model)
+    before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    ids, mask = _batch()
+    for _ in range(3):
+        logprobs = token_logprobs(model, ids, mask, 1.0)[0]
+        (-logprobs[mask[:, 1:].bool()].mean()).backward()
+        fsdp.clipped_step(model, optimizer, scheduler, 1.0)
+    after = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    gates = [n for n in after if n.endswith("mlp.gate.weight")]
+    assert len(gates) == 2
+    for n in gates:
+        assert after[n].dtype == torch.float32 and torch.equal(after[n], before[n]), n
+    assert all(not torch.equal(after[n], before[n]) for n in after if "experts" in n)
+
+
+def test_replay_selects_the_recorded_experts_through_the_gate_seam(world, checkpoint):
+    model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    ids, mask = _batch(seed=3)
+    with moe.record(model) as captured, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    recorded = torch.stack([c.to(torch.int16) for c in captured], dim=1)  # (tokens, layers, k)
+    with torch.no_grad():  # perturb the trained copy: its own top-k now disagrees with the rollout's
+        g = torch.Generator().manual_seed(7)
+        for gate in moe.routers(model):
+            local = gate.weight.to_local()
+            local.add_(torch.randn(local.shape, generator=g) * 3.0)
+    targets = recorded.clone()
+    targets[:4] = moe.NO_ROUTING  # rows the engine did not capture keep the live choice
+    with moe.replay(model) as state:
+        state.targets = targets
+        out = model(input_ids=ids, attention_mask=mask)
+        logits = out.logits if hasattr(out, "logits") else out
+        logits.float().logsumexp(-1).mean().backward()
+    for layer, chosen in enumerate(state.selected):
+        assert torch.equal(chosen[4:].sort(-1).values, recorded[4:, layer].long().sort(-1).values)
+    assert state.known == 2 * (ids.numel() - 4) and state.agreed < state.known  # without replay they differ
+    assert all(g.weight.grad is not None and g.weight.grad.abs().sum() > 0 for g in moe.routers(model))
+    assert all(g.router_replay is None for g in moe.routers(model))  # nothing stays patched after the block
+
+
+def test_aux_losses_read_the_gate_logits(world, checkpoint):
+    model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    assert all(g.aux_loss_coeff == 0.0 for g in moe.routers(model))
+    ids, mask = _batch()
+    with moe.collect_logits(model) as sink, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert [tuple(lg.shape) for lg in sink.logits] == [(ids.numel(), 4)] * 2
+    real = mask.reshape(-1).bool()
+    balance = moe.load_balancing_loss(sink.logits, 2, real)
+    assert 1.0 <= balance.item() < 4.0  # E * sum f_e P_e: 1 when perfectly balanced, at most E
+    assert moe.z_loss(sink.logits, real).item() > 0
