@@ -14,6 +14,8 @@ that checkout runs in the same rounds, and the ratio to it is reported; both the
 
 Last measured 2026-12-02 on the 2-core machine (1-minute load 0.6), against main before the change in the same run:
 glm5_ep256 0.143 s wall (0.189 s before, 0.76x) against a floor of 0.132 s (1.08x); synthetic_1024 0.194 s (1.47x).
+After merging main (the automodel backend) a later run, when the whole machine was slower (bare interpreter 0.025 s
+against 0.021 s): 0.165 s against 0.220 s (0.75x), floor 0.155 s, synthetic_1024 0.225 s.
 What each part of the change saved (11 paired rounds, 0.200 s before): libyaml composing the six YAML layers 13 ms,
 the garbage collector off 12 ms, exiting without tearing the interpreter down 27 ms. The floor is fair since then: the
 lazy `import pydantic` it had skipped pydantic.main (0.097 s against 0.132 s). What is left above the bare interpreter
