@@ -218,6 +218,8 @@ def compile_cmd(
     from molt_compile.compile import compile_recipe
     from molt_compile.render import count_line, render_json, summary_dict
 
+    if smoke or submit:
+        _stays()  # a smoke run or a job submission goes on after the compile
     if smoke:
         if plan_out or slurm_out or submit:
             raise click.UsageError("--smoke runs the smoke recipe here; it takes no --plan-out, --slurm or --submit")
@@ -678,7 +680,44 @@ def main() -> None:
         sys.exit(1)
 
 
+_STAYS = False
+"""Set by a command that goes on working after its output (`--submit`, `--smoke`): `run` then ends the process the
+ordinary way, with the garbage collector back on."""
+
+
+def _stays() -> None:
+    global _STAYS
+    import gc
+
+    _STAYS = True
+    gc.enable()
+
+
+def run() -> None:
+    """The `molt-compile` program: `main` in a process that ends when it does. The garbage collector stays off (a
+    compile makes few cycles: `lint recipes/` peaks 1.4 MiB higher without it; it cost ~10 ms a cold compile), and
+    the process exits at once, without tearing down its modules (~20 ms) once its output is flushed; its files are
+    closed by then. `main` itself returns (or raises SystemExit) as any click program does, for in-process callers."""
+    import gc
+    import os
+
+    gc.disable()
+    try:
+        main()
+        code: str | int | None = 0
+    except SystemExit as e:
+        code = e.code
+    if _STAYS or isinstance(code, str):  # a message: Python prints it and exits 1
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # as in main: the reader went away
+        code = 1
+    os._exit(code or 0)
+
+
 from molt_compile import cli_more  # noqa: E402,F401  (registers `catalog` and `init` on the group)
 
 if __name__ == "__main__":
-    main()
+    run()

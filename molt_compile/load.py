@@ -1,8 +1,10 @@
 """Pass 1, load: a recipe file -> plain data + a SourceMap, with `extends` and `--set` resolved.
 
 Reading is defensive because a recipe is untrusted text: the size cap is checked before the file is read,
-bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's pure-Python safe parser, no constructors run), and
-plain Python data is then built here from the node tree. That is where the loader
+bytes must be UTF-8, the YAML is only *composed* (ruamel.yaml's safe composer, no constructors run), and plain
+Python data is then built here from the node tree. The pure-Python parser is the reference; libyaml (ruamel.yaml.clib)
+composes only text in a subset where the two agree (`_libyaml_agrees`: argued there, fuzzed in tests/test_load.py),
+and anything libyaml refuses goes to the pure parser, so every diagnostic is the pure parser's. That is where the loader
 - keeps `file:line:col` of every key and value (the SourceMap, dotted YAML paths like `train.async.queue_size`,
   list items as `algo.reward_clip.0`);
 - rejects what plain data cannot hold: duplicate keys, non-string keys, `!!python/...` and other tags;
@@ -20,6 +22,7 @@ Every problem is a Diagnostic (codes in `codes.py`), never an exception.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,7 +228,7 @@ class _Builder:
         # Block collections start on the next line, and an empty value (`eval:`) has no text of its own: point
         # at the key for those.
         if isinstance(value_node, ScalarNode):
-            inline = value_node.value != "" or value_node.style is not None
+            inline = value_node.value != "" or bool(value_node.style)  # plain: None (pure parser) or "" (libyaml)
         else:
             inline = bool(getattr(value_node, "flow_style", False))
         self.values[path] = self.pos(value_node if inline else key_node)
@@ -401,11 +404,100 @@ def _flow_too_deep(text: str) -> tuple[int, int] | None:
     return None
 
 
+_PLAIN_LINE = frozenset(map(chr, range(0x20, 0x7F))) | {"\n"}
+"""Printable ASCII and the newline: text made of these (and the non-ASCII letters of `_libyaml_agrees`) reads the
+same to libyaml as to ruamel's pure parser, outside the constructs that `_libyaml_agrees` sends to the pure parser."""
+_NESTING = "-?:[{"
+_DEEPEST_FOR_LIBYAML = 300
+"""Bound on nesting below which both parsers compose (ruamel's pure composer recurses, about 450 levels deep before a
+RecursionError at about 500 levels from the top of the stack: YAML008 without a position; libyaml goes deeper
+there; the builder stops at MAX_DEPTH either way)."""
+
+
+def _libyaml_agrees(text: str) -> bool:
+    """True when `text` lies in the subset of YAML where libyaml's composer (ruamel.yaml.clib) and ruamel's
+    pure-Python one give the same node tree (tags, values, styles, positions, aliases). A cheap scan that errs towards
+    False: anything else is composed by the pure parser, whose result and errors are the loader's reference
+    (tests/test_load.py fuzzes the two against each other). Outside the subset: tabs, CR, BOM, NEL, LS/PS and other
+    non-printables; backslashes (escapes differ); directives (`%YAML 1.1` changes the resolver); anchors, aliases and
+    tags (their character sets differ); block scalar headers with indentation or a glued comment (`|2`, `|#c`); and
+    documents whose nesting might come near the pure composer's recursion limit."""
+    if not _PLAIN_LINE.issuperset(text):
+        for ch in set(text) - _PLAIN_LINE:
+            # non-ASCII letters and symbols (§, —, é): libyaml counts columns in characters like Python does
+            if ch < "\xa0" or ch in "\u2028\u2029\ufeff" or "\ud800" <= ch or ch == "\u1680" or ch.isspace():
+                return False
+    if "\\" in text:
+        return False
+    flow = text.count("[") + text.count("{")
+    indent = per_line = 0
+    code = []
+    for line in text.split("\n"):
+        if len(line) > 1000:
+            return False  # simple keys are limited to 1,024 characters: leave the limit to the pure parser
+        indent = max(indent, len(line) - len(line.lstrip(" ")))
+        if "#" in line and "'" not in line and '"' not in line:
+            # A comment holds no token: with no quote on the line, ` #` (or `#` first) starts one. (A line with a
+            # quote is scanned whole: it may close a quoted scalar that holds the `#`.)
+            comment = _COMMENT.search(line)
+            if comment:
+                line = line[: comment.start()]
+        per_line = max(per_line, sum(line.count(c) for c in _NESTING))
+        code.append(line)
+    if _LIBYAML_DIFFERS.search("\n".join(code)):
+        return False
+    return (2 * indent + 2) * (per_line + 1) + flow <= _DEEPEST_FOR_LIBYAML
+
+
+def _compose_libyaml(text: str) -> Any:
+    """The node tree from libyaml, or None when ruamel.yaml.clib is missing or libyaml refuses the text (the pure
+    parser then composes it, and its diagnostics are the ones reported)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.main import CParser
+
+    if CParser is None:
+        return None
+    try:
+        node = YAML(typ="safe", pure=False).compose(text)
+    except Exception:  # noqa: BLE001 (any refusal: the pure parser says why)
+        return None
+    if node is None:
+        return _NO_DOCUMENT
+    # An empty value (`key:`, `- `) has no text of its own, and the two parsers place it differently (libyaml at
+    # the next token, the pure parser after the indicator): leave such documents to the pure parser.
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n.value, str):
+            if n.value == "" and not n.style:
+                return None
+        elif n.value and isinstance(n.value[0], tuple):
+            todo.extend(x for pair in n.value for x in pair)
+        else:
+            todo.extend(n.value)
+    return node
+
+
+_NO_DOCUMENT = object()
+_COMMENT = re.compile(r"(?:^|\s)#")
+_LIBYAML_DIFFERS = re.compile(r"(?:^|[\s\[\]{},:])[&*!]|^%|[|>](?![ \n]|[-+](?:[ \n]|$)|$)", re.M)
+
+
 def _compose(text: str, file: str | None, diags: list[Diagnostic]) -> tuple[bool, Any]:
-    """Parse YAML text into a node tree (no construction). Returns (ok, root node or None for an empty doc)."""
+    """Parse YAML text into a node tree (no construction). Returns (ok, root node or None for an empty doc).
+
+    libyaml composes what `_libyaml_agrees` admits (about 5x faster); the pure parser everything else, and anything
+    libyaml refuses, so every error is the pure parser's."""
     from ruamel.yaml import YAML
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+    if _libyaml_agrees(text):
+        node = _compose_libyaml(text)
+        if node is not None:
+            return True, None if node is _NO_DOCUMENT else node
     try:
         return True, YAML(typ="safe", pure=True).compose(text)  # composing only: no comments, no constructors
     except MarkedYAMLError as e:

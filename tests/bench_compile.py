@@ -2,21 +2,25 @@
 target < 0.2 s on our 2-core machines; Molt's own CLI needs about 2.1 s to reach its first check).
 
 Runs `molt-compile RECIPE --plan-out F` in fresh processes, interleaved with the import floor (a process that only
-imports pydantic, ruamel.yaml, click, rich and jinja2: what any CLI on these libraries pays) and a bare interpreter,
-so that all three share the machine's load. Reports wall time (what the user sees; noisy on a shared machine, so the
-load average is reported with it), the process's CPU time (user + sys; much less sensitive to other tenants), their
-ratios to the floor, and where the time goes: the cumulative import time of each top-level module the CLI loads
-(`python -X importtime`) and the passes, in process. Every check runs (the capability pass included).
+imports pydantic with its model machinery, ruamel.yaml, click, rich and jinja2: what any CLI on these libraries pays)
+and a bare interpreter, so that all three share the machine's load. Reports wall time (what the user sees; noisy on a
+shared machine, so the load average is reported with it), the process's CPU time (user + sys; much less sensitive to
+other tenants), their ratios to the floor, and where the time goes: the cumulative import time of each top-level
+module the CLI loads (`python -X importtime`) and the passes, in process. Every check runs (the capability pass
+included). With MOLT_BENCH_BASELINE=DIR (another checkout, e.g. `git worktree add /tmp/base main`) the glm5 compile of
+that checkout runs in the same rounds, and the ratio to it is reported; both then run as `python -m molt_compile.cli`.
 
     python -m tests.bench compile
 
-Last measured 2026-12-01 on the 2-core machine, shared (1-minute load 2.5): glm5_ep256 0.234 s wall / 0.221 s CPU
-against a floor of 0.119 s / 0.113 s (1.97x / 1.96x); synthetic_1024 0.334 s (2.82x). Before (same run, main):
-glm5_ep256 0.263 s (2.21x), synthetic_1024 0.343 s. Paired whole-process timing at a quieter moment: 0.212 s against
-0.244 s before and a 0.109 s floor. Valgrind instruction counts (load-independent): 1,160 M against 1,293 M before,
-floor 489 M, bare interpreter 91 M. Where the rest goes: pydantic's own import ~400 M (the floor's lazy
-`import pydantic` skips pydantic.main), creating the ~75 recipe and plan model classes ~145 M, composing the six
-YAML layers of glm5_ep256 with ruamel.yaml's pure-Python parser ~190 M, building the recipe's validator ~40 M.
+Last measured 2026-12-02 on the 2-core machine (1-minute load 0.6), against main before the change in the same run:
+glm5_ep256 0.143 s wall (0.189 s before, 0.76x) against a floor of 0.132 s (1.08x); synthetic_1024 0.194 s (1.47x).
+After merging main (the automodel backend) a later run, when the whole machine was slower (bare interpreter 0.025 s
+against 0.021 s): 0.165 s against 0.220 s (0.75x), floor 0.155 s, synthetic_1024 0.225 s.
+What each part of the change saved (11 paired rounds, 0.200 s before): libyaml composing the six YAML layers 13 ms,
+the garbage collector off 12 ms, exiting without tearing the interpreter down 27 ms. The floor is fair since then: the
+lazy `import pydantic` it had skipped pydantic.main (0.097 s against 0.132 s). What is left above the bare interpreter
+(0.021 s): pydantic's import ~50 ms, creating the 75 recipe and plan model classes ~18 ms (~0.03 ms a field, 611
+fields), click ~15 ms, building the recipe's validator ~7 ms, ruamel.yaml's import ~7 ms.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = 7
-FLOOR = "import pydantic, ruamel.yaml, click, rich, jinja2"
+FLOOR = "from pydantic import BaseModel, ConfigDict, Field; import ruamel.yaml, click, rich, jinja2"
+"""What a CLI on these libraries pays before its own code: pydantic with its model machinery (a bare `import pydantic`
+is lazy and skips pydantic.main, about a third of the cost), ruamel.yaml (with libyaml when installed), click, rich,
+jinja2."""
 RECIPES = ("recipes/glm5_ep256.yaml", "tests/data/plan/synthetic_1024.yaml")
 
 
@@ -47,24 +54,28 @@ def _cpu_of_children() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _one(cmd: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one fresh process."""
+def _one(cmd: list[str], cwd: Path = ROOT) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one fresh process, run in `cwd` with `cwd` on the import path."""
     env = {**os.environ, "COLUMNS": "120"}
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # cold means a fresh process, with the bytecode cache a user's install has
+    if cwd != ROOT:
+        env["PYTHONPATH"] = str(cwd)
     cpu0, t0 = _cpu_of_children(), time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, env=env)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1) or b"Traceback" in proc.stderr:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.decode()[-500:]}")
     return wall, _cpu_of_children() - cpu0
 
 
-def _interleaved(cmds: dict[str, list[str]], runs: int = RUNS) -> dict[str, tuple[list[float], list[float]]]:
+def _interleaved(
+    cmds: dict[str, list[str]], runs: int = RUNS, where: dict[str, Path] | None = None
+) -> dict[str, tuple[list[float], list[float]]]:
     """`runs` rounds of every command in turn (after one warm-up round), so that they see the same load."""
     out: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in cmds}
     for round_ in range(runs + 1):
         for name, cmd in cmds.items():
-            wall, cpu = _one(cmd)
+            wall, cpu = _one(cmd, (where or {}).get(name, ROOT))
             if round_:
                 out[name][0].append(wall)
                 out[name][1].append(cpu)
@@ -94,10 +105,17 @@ def run() -> dict:
     cli = [str(script)] if script.exists() else [sys.executable, "-m", "molt_compile.cli"]
     plan_out = str(Path(tempfile.mkdtemp()) / "p.json")
     cmds = {"floor": [sys.executable, "-c", FLOOR], "python": [sys.executable, "-c", "pass"]}
+    where: dict[str, Path] = {}
+    baseline = os.environ.get("MOLT_BENCH_BASELINE")  # another checkout (`git worktree add /tmp/base main`): before
+    if baseline:
+        cli = [sys.executable, "-m", "molt_compile.cli"]  # both from source, so that they start alike
+        where["baseline." + Path(RECIPES[0]).stem] = Path(baseline).resolve()
     for path in RECIPES:
         if (ROOT / path).exists():
             cmds[Path(path).stem] = cli + [path, "--plan-out", plan_out]
-    measured = _interleaved(cmds)
+    if baseline:
+        cmds["baseline." + Path(RECIPES[0]).stem] = cli + [RECIPES[0], "--plan-out", plan_out]
+    measured = _interleaved(cmds, where=where)
     floor_wall, floor_cpu = (statistics.median(v) for v in measured["floor"])
     out: dict = {"recipe": recipe, "runs": RUNS}
     for name, (walls, cpus) in measured.items():
@@ -108,6 +126,11 @@ def run() -> dict:
         if name not in ("floor", "python"):
             out[f"{name}.wall_over_floor"] = round(wall / floor_wall, 2)
             out[f"{name}.cpu_over_floor"] = round(cpu / floor_cpu, 2)
+    base = "baseline." + Path(RECIPES[0]).stem
+    if base in measured:
+        for i, kind in ((0, "wall"), (1, "cpu")):
+            ratio = statistics.median(measured[Path(RECIPES[0]).stem][i]) / statistics.median(measured[base][i])
+            out[f"{Path(RECIPES[0]).stem}.{kind}_over_baseline"] = round(ratio, 2)
     help_walls = [_one(cli + ["--help"])[0] for _ in range(5)]
 
     os.chdir(ROOT)

@@ -44,6 +44,36 @@ def test_real_process_prints_no_traceback(in_root):
         assert f"{BAD}/{name}" in proc.stdout
 
 
+def _program(*args: str, **kw) -> subprocess.CompletedProcess:
+    """`molt-compile ARGS` as the installed program runs it (`molt_compile.cli:run`), in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "molt_compile.cli", *args], capture_output=True, cwd=ROOT, **kw)
+
+
+def test_the_program_flushes_all_its_output_and_keeps_each_exit_status(in_root, tmp_path):
+    """`run` ends the process without tearing it down: every byte written must still arrive, and the status is
+    the command's (0, 1 for errors, 2 for unusable input or usage)."""
+    whole = _program("schema", text=True)
+    assert whole.returncode == 0 and whole.stderr == ""
+    assert json.loads(whole.stdout) == recipe_json_schema()  # ~100 KB through a pipe, none of it lost
+    plan = tmp_path / "p.json"
+    ok = _program(f"{GOOD}/rl_min.yaml", "--plan-out", str(plan), text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert plan.read_text() == compile_recipe(ROOT / GOOD / "rl_min.yaml").plan.to_json()
+    assert ok.stdout.endswith(f"rl_min.yaml: 0 errors, 0 warnings\nplan written to {plan}\n"), ok.stdout
+    assert _program("recipes/glm5_ep256.yaml").returncode == 1  # CAP001 errors
+    assert _program(f"{BAD}/typo_nested.yaml").returncode == 2
+    usage = _program("lint", text=True)
+    assert usage.returncode == 2 and "Missing argument" in usage.stderr
+
+
+def test_the_program_leaves_a_closed_pipe_quietly(in_root):
+    proc = subprocess.Popen([sys.executable, "-m", "molt_compile.cli", "schema"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader went away before the first byte (`molt-compile schema | true`)
+    assert proc.wait(timeout=60) == 1
+    assert proc.stderr.read() == b""
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / BAD).glob("*.yaml")))
 def test_every_bad_file_exits_2_with_a_diagnostic(in_root, name):
     result = run(f"{BAD}/{name}")

@@ -417,3 +417,132 @@ def test_extends_never_reads_outside_the_roots(tmp_path, targets, monkeypatch):
     read = [Path(os.path.realpath(f)) for f in loaded.files]
     assert all(p.is_relative_to(repo) and p.suffix == ".yaml" for p in read), read
     assert set(loaded.source.lines) <= set(loaded.files)
+
+
+# ----------------------------------------------------------------------------------------- libyaml against the pure parser
+def _layer_both_ways(text: str, monkeypatch) -> tuple[str, str, bool]:
+    """(repr of the loader's layer and diagnostics via the guarded composer, the same via the pure parser only,
+    whether libyaml composed it). The layer holds the data, every value and key position, and the diagnostics."""
+    from molt_compile import load
+
+    used = []
+    real = load._compose_libyaml
+
+    def spy(text: str):
+        node = real(text)
+        used.append(node is not None)
+        return node
+
+    def both() -> str:
+        diags: list = []
+        layer = load._build_layer(text, "f.yaml", diags)
+        return repr((layer, diags))
+
+    with monkeypatch.context() as m:
+        m.setattr(load, "_compose_libyaml", spy)
+        guarded = both()
+    with monkeypatch.context() as m:
+        m.setattr(load, "_libyaml_agrees", lambda text: False)
+        pure = both()
+    return guarded, pure, any(used)
+
+
+_YAML_CHARS = list("ab:-[]{}&*!#|>'\"\t\n\r ,?%@`19.~\\") + ["\x85", "\u2028", "\ufeff", "\xa0", "§", "—", "é", "\x00"]
+
+
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(st.text(alphabet=st.sampled_from(_YAML_CHARS), max_size=60),
+                      st.text(alphabet=st.sampled_from(list("ab: -\n#'\"[]{},?|>1§")), max_size=40)))
+def test_libyaml_gives_the_pure_parsers_result_on_any_text(text, monkeypatch):
+    guarded, pure, _ = _layer_both_ways(text, monkeypatch)
+    assert guarded == pure
+
+
+def _scalar():
+    plain = st.sampled_from(["a", "b c", "1", "-1", "0x10", "1e-6", "1.5", ".inf", "yes", "true", "~", "null", "",
+                             "2026-01-01", "a:b", "a #c", "a#c", "-", "--", "?", "a-b", ":a", "-a", "§", "x—y", "é:"])
+    quoted = st.sampled_from(["'a'", "'it''s'", '"a"', '"a:b"', "''", '""', "'# x'", '"[x"', "'a\n  b'", '"a\n\n b"'])
+    return st.one_of(plain, quoted)
+
+
+def _flow(depth: int):
+    if depth == 0:
+        return _scalar()
+    inner = _flow(depth - 1)
+    return st.one_of(
+        _scalar(),
+        st.lists(inner, max_size=3).map(lambda xs: "[" + ", ".join(xs) + "]"),
+        st.lists(st.tuples(_scalar(), inner), max_size=3).map(
+            lambda kvs: "{" + ", ".join(f"{k}: {v}" for k, v in kvs) + "}"
+        ),
+        st.lists(inner, max_size=3).map(lambda xs: "[" + ",".join(xs) + "]"),
+        st.lists(st.tuples(_scalar(), inner), max_size=3).map(  # `"a":b`, adjacent values (YAML 1.2)
+            lambda kvs: "{" + ",".join(f"{k}:{v}" for k, v in kvs) + "}"
+        ),
+    )
+
+
+def _block(indent: int, depth: int):
+    pad = " " * indent
+    leaf = st.one_of(_flow(2).map(lambda v: " " + v), st.just(""), st.sampled_from([" |\n", " >-\n", " |+\n"]).map(
+        lambda h: h + pad + "  line one\n" + pad + "  line two"),
+        st.sampled_from([" a\n", " 'a\n", ' "a\n']).map(lambda v: v + pad + " b c" + v.strip(" a\n")))  # 2 lines
+    comment = st.sampled_from(["", "  # note", " #: -", "#x"])
+    if depth == 0:
+        value = leaf
+    else:
+        value = st.one_of(leaf, st.deferred(lambda: _block(indent + 2, depth - 1)).map(lambda b: "\n" + b),
+                          st.deferred(lambda: _block(indent, depth - 1)).map(lambda b: "\n" + b))
+    key = st.sampled_from(["a", "b", "a", "k-1", "'q'", "x y", "1", "? c", "- a", "-", "- - b", "<<"])
+    entry = st.tuples(key, value, comment).map(
+        lambda e: pad + (e[0] if e[0].startswith(("-", "?")) else e[0] + ":") + e[1] + e[2]
+    )
+    return st.lists(entry, min_size=1, max_size=4).map("\n".join)
+
+
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.tuples(_block(0, 3), st.sampled_from(["", "\n", "\n---\n", "\n...\n", "\n# end\n"])).map("".join))
+def test_libyaml_gives_the_pure_parsers_result_on_recipe_like_yaml(text, monkeypatch):
+    guarded, pure, _ = _layer_both_ways(text, monkeypatch)
+    assert guarded == pure
+
+
+def _shipped_yaml() -> list[Path]:
+    root = Path(__file__).parents[1]
+    return sorted([*root.glob("recipes/**/*.yaml"), *root.glob("tests/data/**/*.yaml")])
+
+
+@pytest.mark.parametrize("path", _shipped_yaml(), ids=lambda p: str(p.relative_to(Path(__file__).parents[1])))
+def test_libyaml_gives_the_pure_parsers_result_on_every_shipped_file(path, monkeypatch):
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    guarded, pure, _ = _layer_both_ways(text, monkeypatch)
+    assert guarded == pure
+
+
+def test_the_largest_recipe_is_composed_by_libyaml(monkeypatch):
+    """The fast path is taken where it matters (the cold compile of the largest recipe): ruamel.yaml.clib is one of
+    the project's dependencies, and the guard admits all six files."""
+    import _ruamel_yaml  # noqa: F401  (ruamel.yaml.clib)
+
+    from molt_compile import load
+
+    root = Path(__file__).parents[1]
+    files = load_recipe(root / "recipes" / "glm5_ep256.yaml").files
+    assert len(files) == 6
+    for f in files:
+        assert load._libyaml_agrees((root / f).read_text()), f
+        assert _layer_both_ways((root / f).read_text(), monkeypatch)[2], f
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a: 1\tb\n", "a: \"\\/\"\n", "%YAML 1.1\n---\na: yes\n", "a: &x 1\nb: *x\n", "a: !!str 1\n", "a: |#c\n  x\n",
+        "a: |2\n   x\n", "a:\r b\n", "\ufeffa: 1\n", "a: \x85\n", "a: " + "[" * 150 + "]" * 150 + "\n",
+        "- " * 200 + "a\n", "a: " + "x" * 1001 + "\n",
+    ],
+)
+def test_what_libyaml_might_read_otherwise_goes_to_the_pure_parser(text):
+    from molt_compile import load
+
+    assert not load._libyaml_agrees(text)
