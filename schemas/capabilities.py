@@ -167,6 +167,15 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "compiled layers are tested on transformers' layers only",
         ),
         row(
+            "rl-automodel-selective",
+            "model.gradient_checkpoint",
+            "selective (per-op) activation checkpointing on the automodel backend",
+            lambda p: p.rl.model.gradient_checkpoint == "selective",
+            "model.gradient_checkpoint: full (or none)",
+            "per-op checkpointing fails in nemo-automodel's layers: their profiler record_function ops do not "
+            "replay in the recompute",
+        ),
+        row(
             "rl-automodel-dispatcher",
             "env.MOLT_MOE_DISPATCHER",
             "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",

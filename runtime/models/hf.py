@@ -45,18 +45,24 @@ def _keep_expensive(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def enable_checkpointing(model, mode: str) -> None:
+def enable_checkpointing(model, mode: str, layers=None) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant): `full` keeps each layer's input and
     recomputes the whole layer in the backward; `selective` also keeps its matmul and attention outputs and
-    recomputes only the cheap ops (Molt's per-op mode)."""
+    recomputes only the cheap ops (Molt's per-op mode). A model without transformers' switch for it
+    (nemo-automodel's own implementations) gets each of `layers`' forwards run under `torch.utils.checkpoint`
+    itself, which is what the switch does (module names, hence parameter names, stay as they are)."""
     import functools
 
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     kwargs: dict = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    for layer in layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
 
 
 def compile_layers(layers) -> None:
@@ -108,7 +114,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
 
         lora_adapters.apply(model, lora)
     if trainable and model_plan.gradient_checkpoint != "none":
-        enable_checkpointing(model, model_plan.gradient_checkpoint)
+        enable_checkpointing(model, model_plan.gradient_checkpoint, layers)
         if lora is not None:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if not trainable:

@@ -151,3 +151,24 @@ def test_weight_sync_and_export_see_transformers_names_and_layouts(world, checkp
     ids, _ = _batch()
     with torch.no_grad():
         torch.testing.assert_close(exported(input_ids=ids).logits, original(input_ids=ids).logits)
+
+
+def test_full_checkpointing_leaves_gradients_unchanged(world, checkpoint):
+    """nemo-automodel's layers have no transformers checkpointing switch: each layer's forward runs under
+    torch.utils.checkpoint (full mode), and the gradients are those of the plain run."""
+    grads, recomputed = {}, {}
+    for mode in ("none", "full"):
+        plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": mode})
+        model = automodel.build(plan, checkpoint, world, torch.device("cpu"))
+        calls = []
+        automodel.decoder_layers(model)[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        ids, mask = _batch()
+        loss = token_logprobs(model, ids, mask, 1.0)[0].mean()
+        forward_calls = len(calls)
+        loss.backward()
+        recomputed[mode] = len(calls) - forward_calls  # attention forwards run again in the backward
+        grads[mode] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert recomputed == {"none": 0, "full": 1}
+    assert grads["full"].keys() == grads["none"].keys() and grads["none"]
+    for name, g in grads["full"].items():
+        torch.testing.assert_close(g, grads["none"][name], rtol=1e-5, atol=1e-6, msg=name)
