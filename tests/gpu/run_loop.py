@@ -8,7 +8,11 @@
    vocabulary: ~1.4 B parameters), longer generations, a few steps: the step time split into generation, trainer,
    weight sync and idle waits, and the overlap efficiency max(generation, train + sync) / step time.
 3. The same throughput run with compiled decoder layers and no activation checkpointing (`model.compile_layers`).
-`--runs` picks some of demo, throughput, throughput-compiled (default: all).
+4. `moe`: the demo on the MoE demo's tiny Qwen3-MoE (recipes/demo_moe.yaml's settings) on the automodel backend:
+   nemo-automodel's own Qwen3-MoE in the trainer (bf16 compute, fp32 frozen gates), routing replay from the hf
+   engine (CUDA graphs), the aux losses; router agreement and the sync's log-prob check reported.
+5. `moe-hf`: the same on the hf backend (transformers' Qwen3-MoE in the trainer): the baseline of `moe`.
+`--runs` picks some of demo, throughput, throughput-compiled, moe, moe-hf (default: all).
 Writes OUT_DIR/run_loop.json (and copies each run's metrics.jsonl there) and prints the summary.
 """
 
@@ -67,6 +71,9 @@ def _run(name: str, out: Path, sets: list[str], timeout_s: float) -> dict:
                                              "timing/weight_sync_transfer", "timing/weight_sync_load")}
         result["timing_mean_warm"] = split
         result["policy_train_per_step"] = [r.get("timing/policy_train") for r in steps]
+        result["router_agreement_mean"] = mean("train/moe/router_agreement")
+        diffs = [r["weight_sync/logprob_diff_max"] for r in steps if "weight_sync/logprob_diff_max" in r]
+        result["weight_sync_logprob_diff_max"] = max(diffs) if diffs else None
         gen, train = split["timing/generation"], split["timing/policy_train"]
         sync, total = split["timing/weight_sync_total"], split["timing/step_total"]
         if None not in (gen, train, total) and total:
@@ -103,10 +110,21 @@ def main() -> int:
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 60
     runs = args[args.index("--runs") + 1].split(",") if "--runs" in args else \
-        ["demo", "throughput", "throughput-compiled"]
+        ["demo", "throughput", "throughput-compiled", "moe", "moe-hf"]
     report: dict = {}
     if "demo" in runs:
         report["demo"] = _run("demo", out, [f"data.max_samples={steps * 8}"], 900)
+    moe = [f"data.max_samples={steps * 8}", f"model.path={ROOT / 'recipes/data/demo_moe/model'}",
+           "model.router_dtype=fp32", "actor.freeze.moe_router=true", "actor.loss.aux_loss_coef=0.001",
+           "actor.loss.router_z_loss_coef=0.0001", "train.routing_replay=true"]
+    if "moe" in runs:
+        report["moe"] = _run("moe", out, [
+            *moe, "model.backend=automodel", "env.MOLT_MOE_DISPATCHER=torch", "name=gpu-demo-moe",
+            'ignore.MOE001="one GPU: nemo-automodel runs its MoE layers at ep 1"'], 900)
+    if "moe-hf" in runs:
+        report["moe-hf"] = _run("moe-hf", out, [
+            *moe, "model.backend=hf", "name=gpu-demo-moe-hf",
+            'ignore.MOE005="one GPU: no expert parallelism to lose"'], 900)
     big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
     if not (big / "config.json").exists():
         _big_model(big)
