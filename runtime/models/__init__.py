@@ -4,8 +4,9 @@ Each backend module has `device_mesh(device, world)` and `build(model_plan, path
 freeze_router=False)`; the trainer and the SFT job call only these two and know nothing else of the model's make.
 
 - `hf` (`runtime/models/hf.py`): transformers models under FSDP2 (dense and MoE: routers in their own fp32 unit).
-- `automodel` (nemo-automodel's `NeMoAutoModelForCausalLM` with its parallelizers and MoE layers) is not in this
-  build: the capability table keeps `model.backend: automodel` a compile error (rows rl-automodel, sft-automodel).
+- `automodel` (`runtime/models/automodel.py`): nemo-automodel's `NeMoAutoModelForCausalLM` builds the model (its own
+  MoE layers) and the same FSDP2 wrapping shards it; what it does not do yet is in the capability table
+  (rows rl-automodel-*, and sft-automodel for SFT).
 """
 
 from __future__ import annotations
