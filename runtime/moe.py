@@ -137,10 +137,9 @@ class Replay:
     def hook_for(self, layer: int):
         def hook(module, args, output):
             logits, _, live = output
-            if self.targets is None:
-                self.selected[layer] = live
-                return output
             chosen = self.choose(layer, live)
+            if self.targets is None:
+                return output
             weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, chosen)
             if getattr(module, "norm_topk_prob", False):
                 weights = weights / weights.sum(dim=-1, keepdim=True)

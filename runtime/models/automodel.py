@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import moe
 from runtime.models import hf
 
 if TYPE_CHECKING:
@@ -133,9 +134,9 @@ def load(model_plan: ModelPlan, path: str, device: torch.device):
     for module in model.modules():
         if isinstance(getattr(module, "device", None), torch.device) and module.device != device:
             module.device = device  # the rotary embedding's lazily built buffers
-        if type(module).__name__ == "Gate":
-            module.aux_loss_coeff = 0.0  # the trainer adds the recipe's aux losses itself, from the logits that
-            module.use_routing_core = True  # its routing_core child receives (the same routing: runtime/moe.py)
+    for gate in moe.routers(model):
+        gate.aux_loss_coeff = 0.0  # the trainer adds the recipe's aux losses itself, from the logits that
+        gate.use_routing_core = True  # its routing_core child receives (the same routing: runtime/moe.py)
     return model
 
 

@@ -161,7 +161,7 @@ def test_full_checkpointing_leaves_gradients_unchanged(world, checkpoint):
         plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": mode})
         model = automodel.build(plan, checkpoint, world, torch.device("cpu"))
         calls = []
-        automodel.decoder_layers(model)[0].self_attn.register_forward_hook(lambda *_: calls.append(1))
+        automodel.decoder_layers(model)[0].self_attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         ids, mask = _batch()
         loss = token_logprobs(model, ids, mask, 1.0)[0].mean()
         forward_calls = len(calls)
