@@ -30,6 +30,10 @@ part is the recipe format version (`version: 1`); `SCHEMA_IDS` names the per-kin
 SCHEMA_IDS = {None: SCHEMA_ID, "sft": "urn:molt-recipes:schema:recipe-sft:v1"}
 SCHEMA_FILES = {None: "recipe.schema.json", "sft": "recipe_sft.schema.json"}
 _FORMATS = click.Choice(["text", "json", "github"])
+_SET_HELP = (
+    "Override a recipe key (dotted path; the value is read as YAML; a relative path is relative to the project root, "
+    "not the working directory). Repeatable."
+)
 _ROOTS = click.option(
     "--recipe-root",
     "roots",
@@ -165,9 +169,10 @@ def cli() -> None:
     \b
     Exit status:
       0  no errors (warnings and infos allowed)
-      1  the recipe has errors: a rule or the schema rejects it (all are reported, none stops early)
-      2  unusable input or usage: a missing or unparsable file, a bad option, a blocking loader error
-         (YAML syntax, an `extends` that cannot be read) after which no rule can run
+      1  the recipe has errors: a rule or the schema rejects it (all are reported: an unknown or
+         mistyped key is reported and dropped, and the rules run on the rest)
+      2  unusable input or usage: a missing or unparsable file, a bad option or `--set`, a loader
+         error (YAML syntax, an `extends` that cannot be read) after which no rule can run
 
     \b
     Shell completion (click): add to ~/.bashrc (zsh, fish: replace `bash`)
@@ -182,7 +187,7 @@ def cli() -> None:
     "sets",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Override a recipe key (dotted path; the value is read as YAML). Repeatable.",
+    help=_SET_HELP,
 )
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
 @click.option("--plan-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan JSON here.")
@@ -436,7 +441,7 @@ def _show(value: Any) -> str:
 @cli.command()
 @click.argument("recipe")
 @click.argument("keys", nargs=-1)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a recipe key. Repeatable.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
@@ -581,16 +586,18 @@ def _explain_smoke(result: Any) -> int:
 @cli.command()
 @click.argument("a")
 @click.argument("b")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP + " Applies to both A and B.")
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
 )
 @_ROOTS
-def diff(a: str, b: str, fmt: str = "text", roots: tuple[Path, ...] = ()) -> None:
-    """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ)."""
+def diff(a: str, b: str, sets: tuple[str, ...] = (), fmt: str = "text", roots: tuple[Path, ...] = ()) -> None:
+    """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ).
+    `--set` overrides apply to both."""
     from molt_compile.compile import compile_recipe
     from molt_compile.diff import diff_results
 
-    results = [compile_recipe(Path(a), roots=roots), compile_recipe(Path(b), roots=roots)]
+    results = [compile_recipe(Path(a), sets, roots=roots), compile_recipe(Path(b), sets, roots=roots)]
     for r in results:
         if r.exit_status == 2:
             _print_diagnostics(r.diagnostics, r, "text")

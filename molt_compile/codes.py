@@ -7,7 +7,8 @@ Codes are never reused.
 
     YAML...    the file could not be read as plain YAML data              (blockers: exit status 2)
     LOAD...    files, `extends` and `--set`                               (blockers)
-    SCHEMA...  the merged data does not match Recipe v1 (`schemas/recipe.py`) (blockers)
+    SCHEMA...  the merged data does not match Recipe v1 (`schemas/recipe.py`) (errors: the key is dropped and the
+               other passes run on the rest; exit status 1)
     INTERNAL.. a pass of the compiler itself failed                       (blocker)
     rules      ASYNC, BATCH, EST, ... (molt_compile/rules/)               (error | warning | info)
     PLACE1xx   per-node placement in lowering (molt_compile/lower/)
@@ -52,6 +53,11 @@ class Code:
         """A loader, schema or internal code: always an error that stops the compile."""
         return cls(code, name, "error", blocker=True, text=text)
 
+    @classmethod
+    def schema(cls, code: str, name: str, text: str) -> Code:
+        """A schema code: an error in the recipe (exit 1) that the compile recovers from (see validate.py)."""
+        return cls(code, name, "error", text=text)
+
     def findings(self, *args: Any, **kwargs: Any) -> Iterable[Diagnostic]:
         """What a rule's check finds (only the rows of the rule catalog have a check)."""
         if self.check is None:
@@ -71,7 +77,7 @@ class Code:
         """Which pass emits it: loader (and schema and internal), rule, placement or capability."""
         if self.check is not None:
             return "rule"
-        if self.blocker:
+        if self.blocker or self.code.startswith("SCHEMA"):
             return "loader"
         return "capability" if self.code.startswith("CAP") else "placement"
 
@@ -246,29 +252,29 @@ read it, so a recipe from an untrusted pull request cannot make the compiler pri
 roots are the root recipe's repository (its nearest ancestor directory holding `.git` or `pyproject.toml`, else its
 own directory) and every directory named with `--recipe-root DIR` or in `MOLT_RECIPE_ROOTS` (separated by `:`).""",
     ),
-    Code.blocking(
+    Code.schema(
         "SCHEMA001",
         "unknown-key",
         """A key that this section does not have (usually a typo). The help suggests the
 closest key in the section, or the section where a key of that name lives.""",
     ),
-    Code.blocking(
+    Code.schema(
         "SCHEMA002", "wrong-type", """A value of the wrong type (`nodes: eight`, a mapping where a list is expected)."""
     ),
-    Code.blocking(
+    Code.schema(
         "SCHEMA003",
         "out-of-range",
         """A number outside its allowed range (`nodes: 0`, `gpu_memory_utilization: 1.5`),
 or a list of the wrong length (`clip: [0.2]`).""",
     ),
-    Code.blocking("SCHEMA004", "missing-key", """A required key is missing (`model.path`, `data.prompts`, `kind`)."""),
-    Code.blocking(
+    Code.schema("SCHEMA004", "missing-key", """A required key is missing (`model.path`, `data.prompts`, `kind`)."""),
+    Code.schema(
         "SCHEMA005",
         "bad-enum-value",
         """A value that is not one of the allowed choices (`estimator: grpo2`). The help
 lists the choices and suggests the closest one.""",
     ),
-    Code.blocking(
+    Code.schema(
         "SCHEMA006",
         "bad-version",
         """`version` is missing or is not a version this compiler reads (1). Add
@@ -281,7 +287,7 @@ lists the choices and suggests the closest one.""",
 the schema. That is a bug in molt-compile, not in the recipe; the message names the pass and the exception.
 Set `MOLT_COMPILE_DEBUG=1` to get the traceback instead of this diagnostic.""",
     ),
-    Code.blocking(
+    Code.schema(
         "SCHEMA007",
         "invalid-value",
         """A value of the right type that is still not allowed (a job name with capitals or

@@ -1,14 +1,16 @@
 """The compiler's passes, in order. Each is a pure function in its own module.
 
     load      (load.py)      YAML -> plain data + SourceMap; `extends` and `--set` resolved with provenance
-    validate  (validate.py)  pydantic Recipe v1; schema errors become positioned diagnostics (blockers)
+    validate  (validate.py)  pydantic Recipe v1; schema errors become positioned diagnostics, their keys dropped
     derive    (derive.py)    every derived number with its inputs and a one-line reason
     rules     (rules/)       the catalog: every illegal combination, as diagnostics
     lower     (lower/)       the Plan: placement groups, actors, GPU map, fingerprint
     capability (capability.py) the plan against what this runtime implements on its device (CAP001)
 
-Load and validate errors are blockers (exit 2): nothing after them can run. Rule errors (exit 1) still let
-`explain` show the derived values, but no plan is produced.
+Load errors are blockers (exit 2): nothing after them can run. Schema errors are recipe errors (exit 1): validate
+drops the offending keys and the derive and rules passes run on the rest, so that one round reports every mistake
+(a rule finding on a dropped key is left out: it would judge the default, not what was written). Any error means
+no plan is produced; `explain` still shows the derived values.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def compile_recipe(
     capabilities: bool = True,
     roots: Sequence[Path | str] = (),
 ) -> CompileResult:
-    """Run the passes in order; stop after a blocker (load, validate) and skip lowering after any error.
+    """Run the passes in order; stop after a blocker (load) or a schema error that leaves no recipe, and skip
+    lowering after any error.
 
     `capabilities=False` skips the capability pass: the plan of a recipe this runtime cannot run (golden plans of
     the launch recipes, lowering tests). Everything a user runs keeps it on. `roots`: extra recipe roots that
@@ -86,8 +89,13 @@ def compile_recipe(
     except Exception as e:  # reported as INTERNAL001, see _internal_error
         diags.add(_internal_error("derive", e, root))
         return _finish(result, diags)
+    dropped = tuple(d.path for d in diags.items if d.code.startswith("SCHEMA") and d.path)
     try:
-        diags.extend(run_rules(result.recipe, result.derived, loaded.source))
+        diags.extend(
+            d
+            for d in run_rules(result.recipe, result.derived, loaded.source)
+            if not any(d.path == p or d.path.startswith(p + ".") for p in dropped)
+        )
     except Exception as e:
         diags.add(_internal_error("rules", e, root))
     if not lower or diags.has_errors:

@@ -31,7 +31,7 @@ class Diagnostic:
 
     `path` is the dotted recipe key that is wrong (`actor.mesh.ep`); `file:line:col` is where its value was
     written (1-based), or None when the value is a default or came from `--set`. `help` is the smallest fix.
-    `blocker` marks input the compiler cannot go on with (unreadable file, YAML syntax, schema errors):
+    `blocker` marks input the compiler cannot go on with (unreadable file, YAML syntax, `extends`, `--set`):
     exit status 2 instead of 1.
     """
 

@@ -4,7 +4,11 @@
 model). The rest is pydantic; each of its errors is mapped back to the YAML path it concerns (union member tags
 in pydantic's `loc` are dropped), then to where that key or value was written (`Loaded.source`), with a plain
 message and a fix: the closest key for a typo (difflib, within the section, else the section that has such a key)
-and the closest choice for an enum value. Schema errors are blockers (exit 2).
+and the closest choice for an enum value.
+
+Schema errors are recipe errors (exit 1), and the pass recovers from them as a compiler does: the offending key or
+value is reported, dropped (its default applies) and the rest validated again, so that the rules still run and one
+round shows every mistake. Only a missing required key, a bad `kind` or an unsupported `version` leaves no recipe.
 """
 
 from __future__ import annotations
@@ -367,20 +371,68 @@ def _with_overridden(d: Diagnostic, loaded: Loaded) -> Diagnostic:
     return replace(d, related=d.related + notes) if notes else d
 
 
+_ROUNDS = 8
+"""At most this many validate-and-drop rounds: each drops at least one key, and pydantic reports all errors of a
+round at once, so a recipe needs two or three."""
+
+
+def _drop(data: Any, segments: list[Any]) -> bool:
+    """Remove the value at `segments` (a list item's error drops the whole list's key). False when there is none."""
+    while segments and not isinstance(segments[-1], str):
+        segments = segments[:-1]
+    if not segments:
+        return False
+    cur = data
+    for s in segments[:-1]:
+        if isinstance(cur, dict) and s in cur:
+            cur = cur[s]
+        elif isinstance(cur, list) and isinstance(s, int) and 0 <= s < len(cur):
+            cur = cur[s]
+        else:
+            return False
+    if isinstance(cur, dict) and segments[-1] in cur:
+        del cur[segments[-1]]
+        return True
+    return False
+
+
 def validate(loaded: Loaded) -> tuple[Any, list[Diagnostic]]:
-    """Validate loaded data into `RlRecipe | SftRecipe`. Returns (recipe or None, new diagnostics)."""
+    """Validate loaded data into `RlRecipe | SftRecipe`. Returns (recipe or None, new diagnostics).
+
+    With schema errors, the recipe (when one can be had) is the one validated without the offending keys: the
+    caller runs the rules on it to report their findings too, and makes no plan of it."""
     if loaded.data is None or not loaded.ok:
         return None, []
+    import copy
+
     from pydantic import ValidationError
 
     where = _Where(loaded)
     diags, model = _check_version_kind(loaded.data, where)
-    if model is None:
+    if model is None or any(d.path == "version" and "unsupported" in d.message for d in diags):
         return None, diags
-    try:
-        recipe = model.model_validate(loaded.data)
-    except ValidationError as e:
-        mapped = _map_errors(model, e.errors(include_url=False), loaded.data, where)
-        diags.extend(_with_overridden(d, loaded) for d in mapped)
-        return None, diags
-    return (None if diags else recipe), diags
+    data = copy.deepcopy(loaded.data)
+    if "version" not in data:  # reported above; the rest is read as this compiler's version
+        from schemas.recipe import RECIPE_VERSION
+
+        data["version"] = RECIPE_VERSION
+    reported: set[str] = set()
+    for _ in range(_ROUNDS):
+        try:
+            return model.model_validate(data), diags
+        except ValidationError as e:
+            errors = [
+                err for err in e.errors(include_url=False) if not (err["loc"] and err["loc"][0] in ("version", "kind"))
+            ]
+            mapped = [m for m in _map_errors(model, errors, data, where) if m.path not in reported]
+            reported.update(m.path for m in mapped)
+            diags.extend(_with_overridden(d, loaded) for d in mapped)
+            if any(err["type"] == "missing" for err in errors):
+                return None, diags  # a required key: nothing to fall back to
+            dropped = False
+            for err in errors:
+                keep_last = err["type"] == "extra_forbidden"
+                dropped |= _drop(data, _loc_to_segments(tuple(err["loc"]), data, keep_last))
+            if not dropped:
+                return None, diags
+    return None, diags

@@ -145,7 +145,7 @@ def local_data_file_missing(recipe: RlRecipe | SftRecipe, derived: Derived, sour
                     source,
                     key,
                     f"{key}: {src} does not exist (relative to {base})",
-                    "fix the path; a relative path is resolved against the file that sets it (the working directory for --set)",
+                    "fix the path; a relative path is resolved against the file that sets it (the project root for --set)",
                 )
 
 
@@ -282,7 +282,8 @@ def missing_agent(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iter
 
 def agent_file_not_found(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
-    `agent.path` names an existing file (relative to the file that sets it; to the working directory for `--set`).
+    `agent.path` names an existing file (relative to the file that sets it; to the project root for `--set`: the
+    recipe's repository, as the job runs there, so the plan is the same from any working directory).
 
     ## Why it matters
     The agent ships with the recipe; every runner process imports it at start-up and the run dies there.
@@ -306,7 +307,7 @@ def agent_file_not_found(recipe: RlRecipe, derived: Derived, source: SourceMap) 
             source,
             "agent.path",
             f"agent.path {_agent_path(recipe)}: no such file ({f})",
-            "fix the path; it is relative to the file that sets it (the working directory for --set)",
+            "fix the path; it is relative to the file that sets it (the project root for --set)",
         )
 
 
