@@ -11,6 +11,8 @@ Quoting: every string from the plan reaches the shell through `shell_quote` (POS
 when it holds control characters, so no value ever spans lines); integers are formatted by Python. `#SBATCH` lines
 are read by sbatch, not bash: their values are quoted the same way and must not hold control characters.
 `${env:NAME}` references in the job env become run-time expansions of `$NAME`: secrets stay out of the script.
+`launch.slurm.mounts` are paths on the nodes: `$NAME`, `${NAME}`, `${env:NAME}` and a leading `~` in them expand at
+run time (`mount_words`); LAUNCH003 refuses `$` in the values that nothing expands (#SBATCH lines, srun flags).
 `launch.slurm.setup` lines are shell code by definition ("module load ...", "source .venv/bin/activate"): they run
 as written, each through `eval` of its quoted text, so one line can never break the script around it.
 """
@@ -111,6 +113,29 @@ def env_value(value: str) -> str:
     return "".join(parts)
 
 
+MOUNT_VAR = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+"""A variable in a mount: `${env:NAME}`, `${NAME}` or `$NAME` (the same run-time expansion)."""
+
+
+def mount_words(mounts: list[str]) -> str:
+    """Container mounts as one shell word, comma-joined: literal text quoted, variables expanded on the node at run
+    time (a `~` that starts a mount's source is `$HOME`), an unset variable stopping the job with its name."""
+    parts: list[str] = []
+    for mount in mounts:
+        if mount == "~" or mount.startswith(("~/", "~:")):
+            parts.append('"${HOME:?must be set on the node}"')
+            mount = mount[1:]
+        pos = 0
+        for m in MOUNT_VAR.finditer(mount):
+            if m.start() > pos:
+                parts.append(shell_quote(mount[pos : m.start()]))
+            name = m.group(1) or m.group(2) or m.group(3)
+            parts.append(f'"${{{name}:?must be set on the node (launch.slurm.mounts)}}"')
+            pos = m.end()
+        parts.append(shell_quote(mount[pos:] + ","))
+    return "".join(parts)
+
+
 def command_words(argv: list[str], variables: dict[str, str]) -> str:
     """A command line from the plan: every argument quoted; `{placeholder}`s become "$VARIABLE" expansions."""
     pattern = re.compile("|".join(re.escape(p) for p in variables)) if variables else None
@@ -197,13 +222,13 @@ def _container_args(slurm: dict[str, Any]) -> list[str]:
         return []
     mounts = [str(m) for m in slurm.get("mounts") or []]
     # The project is mounted at the same path, so every path of the plan means the same inside the container.
-    mount_words = shell_quote(",".join(mounts) + ",") if mounts else ""
+    words = mount_words(mounts) if mounts else ""
     # A named container is created by the first step on a node and reused by the later ones (pyxis), so the image
     # is unpacked once per node for the whole job, not once per step; pyxis's default job scope removes it at the end.
     return [
         f"--container-image={shell_quote(image)}",
         '--container-name="molt-$SLURM_JOB_ID"',
-        f'--container-mounts={mount_words}"$MOLT_ROOT:$MOLT_ROOT"',
+        f'--container-mounts={words}"$MOLT_ROOT:$MOLT_ROOT"',
         '--container-workdir="$MOLT_ROOT"',
         "--no-container-mount-home",
     ]

@@ -444,3 +444,26 @@ def test_diff_takes_set_for_both_recipes(in_root):
     changed = run("diff", a, b, "--set", "train.batch_size=256", "--format", "json")
     plain = run("diff", a, b, "--format", "json")
     assert changed.output != plain.output and "256" not in plain.output
+
+
+def test_slurm_values_are_expanded_or_refused(in_root, tmp_path):
+    """Issue 30.7: `$HOME` in `mounts` reached pyxis single-quoted; a bare `--mpi` took the next srun word;
+    `partition: gpu batch` was accepted; a missing `output:` directory failed the job with no output."""
+    recipe = tmp_path / "r.yaml"
+    base = f"extends: {ROOT / GOOD / 'rl_min.yaml'}\nname: s\n"
+    recipe.write_text(base + "launch: {slurm: {container_image: img, mounts: ['$HOME/data:/data', '~/x:/x'],"
+                      " output: no_such_dir/%j.out}}\n")
+    out = tmp_path / "job.sbatch"
+    ok = run(str(recipe), "--recipe-root", str(ROOT), "--slurm", str(out))
+    assert ok.exit_code == 0 and "warning[LAUNCH005]" in ok.output, ok.output
+    line = next(ln for ln in out.read_text().splitlines() if "--container-mounts=" in ln)
+    mounts = line.split("--container-mounts=")[1].split(" --container-workdir")[0]
+    shown = subprocess.run(["bash", "-c", f"MOLT_ROOT=/p; printf %s {mounts}"], capture_output=True, text=True,
+                           env={"HOME": "/home/u", "PATH": "/usr/bin:/bin"}).stdout
+    assert shown == "/home/u/data:/data,/home/u/x:/x,/p:/p"
+    recipe.write_text(base + "launch: {slurm: {partition: gpu batch, srun_options: [--mpi], account: $ACCT}}\n")
+    bad = run(str(recipe), "--recipe-root", str(ROOT), "--format", "json")
+    found = {(d["code"], d["path"]) for d in json.loads(bad.output)["diagnostics"] if d["severity"] == "error"}
+    assert bad.exit_code == 1 and found == {("LAUNCH003", "launch.slurm.partition"),
+                                            ("LAUNCH003", "launch.slurm.srun_options.0"),
+                                            ("LAUNCH003", "launch.slurm.account")}

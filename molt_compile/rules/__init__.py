@@ -158,6 +158,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("LAUNCH002", "ray-runtime-env-shape", "error", launch.ray_runtime_env_shape, BOTH),
     Code("LAUNCH003", "slurm-option-shape", "error", launch.slurm_option_shape, BOTH),
     Code("LAUNCH004", "slurm-requeue-needs-resume", "error", launch.slurm_requeue_needs_resume, BOTH),
+    Code("LAUNCH005", "slurm-output-dir-missing", "warning", launch.slurm_output_dir_missing, BOTH),
     Code("LORA001", "lora-negative-rank", "error", lora.lora_negative_rank, BOTH),
     Code("LORA002", "lora-target-matches-nothing", "error", lora.lora_target_matches_nothing, BOTH),
     Code("LORA003", "lora-on-moe-without-targets", "error", lora.lora_on_moe_without_targets, BOTH),

@@ -160,7 +160,18 @@ SCRIPT_SRUN = (
 _SBATCH_OPTION = re.compile(r"--([a-z][a-z0-9-]*)(=.*)?")
 _SRUN_FLAG = re.compile(r"--?([A-Za-z][A-Za-z0-9-]*)(=.*)?")
 _MEM = re.compile(r"\d+[KMGT]?")
+NEEDS_VALUE = frozenset(
+    "account begin chdir cluster comment constraint cpu-bind cpus-per-gpu cpus-per-task dependency distribution "
+    "error export gpu-bind gpus gpus-per-task gres hint input job-name licenses mail-type mail-user mem mem-bind "
+    "mem-per-cpu mem-per-gpu mpi network ntasks-per-gpu output partition qos reservation signal time wckey "
+    "A C D J c d e i m o p q t".split()
+)
+"""sbatch/srun options that take a value (sbatch(1), srun(1)): alone, such an item takes the next word of the
+command line as its value (`--mpi` followed by the script's own flags)."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+_NO_VARIABLES = "write the value itself, or set it in `launch.slurm.setup` / `env`; only `mounts` expand variables"
 
 
 def _bad_script_options(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnostic]:
@@ -175,6 +186,10 @@ def _bad_script_options(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnosti
                 f"`{option!r}` is not one sbatch option (`--name` or `--name=value`)",
                 'write one option per item, e.g. "--requeue" or "--comment=nightly"',
             )
+        elif "$" in option:
+            yield diag(source, key, f"`{option}`: sbatch does not expand variables in #SBATCH lines", _NO_VARIABLES)
+        elif m.group(1) in NEEDS_VALUE and not m.group(2):
+            yield diag(source, key, f"sbatch --{m.group(1)} needs a value", f'write "--{m.group(1)}=VALUE" as one item')
         elif m.group(1) in SCRIPT_SBATCH:
             owner = SCRIPT_SBATCH[m.group(1)]
             yield diag(
@@ -188,6 +203,16 @@ def _bad_script_options(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnosti
         key = f"launch.slurm.srun_options.{i}"
         if _CONTROL.search(flag) or not m:
             yield diag(source, key, f"`{flag!r}` is not one srun flag", 'e.g. "--mpi=none"')
+        elif "$" in flag:
+            yield diag(source, key, f"`{flag}`: the script passes srun flags quoted, unexpanded", _NO_VARIABLES)
+        elif m.group(1) in NEEDS_VALUE and not m.group(2):
+            dashes = "--" if len(m.group(1)) > 1 else "-"
+            yield diag(
+                source,
+                key,
+                f"srun {dashes}{m.group(1)} needs a value: alone, it would take the next word of every srun step",
+                f'write "{dashes}{m.group(1)}=VALUE" as one item, e.g. "--mpi=none"',
+            )
         elif m.group(1) in SCRIPT_SRUN:
             yield diag(
                 source,
@@ -197,26 +222,61 @@ def _bad_script_options(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnosti
             )
 
 
+def _bad_values(s: SlurmLaunch, source: SourceMap) -> Iterator[Diagnostic]:
+    """LAUNCH003's findings in the values of the `#SBATCH` lines the script writes from `launch.slurm` keys."""
+    for name in ("qos", "constraint", "output", "error", "account", "partition"):
+        value = getattr(s, name)
+        if value is not None and _CONTROL.search(value):
+            yield diag(
+                source,
+                f"launch.slurm.{name}",
+                f"launch.slurm.{name} holds a control character",
+                "write it on one line of printable text",
+            )
+        elif value is not None and "$" in value:
+            yield diag(
+                source,
+                f"launch.slurm.{name}",
+                f"launch.slurm.{name} `{value}`: sbatch does not expand variables in #SBATCH lines",
+                _NO_VARIABLES
+                if name not in ("output", "error")
+                else "use sbatch's own patterns: %j job id, %x name, %u user",
+            )
+        elif name in ("qos", "account", "partition") and value is not None and re.search(r"\s", value):
+            yield diag(
+                source,
+                f"launch.slurm.{name}",
+                f"launch.slurm.{name} `{value}` holds whitespace: Slurm reads it as one name",
+                f"several are comma-separated: `{','.join(value.split())}`"
+                if name == "partition"
+                else "write one name",
+            )
+
+
 def slurm_option_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `launch.slurm.sbatch_options` items are one `--name` or `--name=value` each, not an option the script
     already writes (use its key: `qos`, `mem`, ...); `launch.slurm.srun_options` items are one flag each, not one
-    that places the script's steps; `launch.slurm.mem` is a Slurm size (`500G`, `0`); no value holds a control
-    character.
+    that places the script's steps, and an option that takes a value has it (`--mpi=none`, not `--mpi`);
+    `launch.slurm.mem` is a Slurm size (`500G`, `0`); `account`, `partition` and `qos` are one name each (no
+    whitespace: several partitions are `gpu,batch`); no value holds a control character, and no value that nothing
+    expands holds `$` (only `mounts` expand `$NAME`, `${NAME}` and `~` on the node).
 
     ## Why it matters
     sbatch reads `#SBATCH` lines itself: a second value of `--nodes` or `--time` silently overrides the plan's, a
     newline would turn the rest of the line into shell code, and a malformed option fails only at submission. The
-    script's srun steps pin the Ray head and workers to nodes; a flag that changes that breaks the cluster.
+    script's srun steps pin the Ray head and workers to nodes; a flag that changes that breaks the cluster. A bare
+    `--mpi` takes the script's next srun word as its value; `partition: gpu batch` is one partition named
+    `gpu batch` to sbatch; `$HOME` in an `#SBATCH` line or an srun flag reaches Slurm as the five characters.
 
     ## Example
     ```yaml
-    launch: {slurm: {mem: 500GB, sbatch_options: ["--time=1-00:00:00", "qos high"], srun_options: ["--nodes=2"]}}
+    launch: {slurm: {mem: 500GB, partition: gpu batch, sbatch_options: ["--time=1-00:00:00", "qos high"], srun_options: ["--nodes=2", "--mpi"]}}
     ```
 
     ## Use instead
     ```yaml
-    launch: {slurm: {mem: 500G, time: "1-00:00:00", qos: high, sbatch_options: ["--requeue"], srun_options: ["--mpi=none"]}}
+    launch: {slurm: {mem: 500G, partition: "gpu,batch", time: "1-00:00:00", qos: high, sbatch_options: ["--requeue"], srun_options: ["--mpi=none"]}}
     ```
 
     ## References
@@ -231,14 +291,50 @@ def slurm_option_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: S
             f"launch.slurm.mem `{s.mem}` is not a Slurm size",
             'a number with an optional unit K, M, G or T, e.g. "500G"; "0" asks for all the memory',
         )
-    for name in ("qos", "constraint", "output", "error", "account", "partition"):
-        value = getattr(s, name)
-        if value is not None and _CONTROL.search(value):
+    yield from _bad_values(s, source)
+
+
+def slurm_output_dir_missing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    The directory of `launch.slurm.output` and `launch.slurm.error` exists, relative to the project root (where
+    the script is submitted from; an absolute path as written). Directories with a `%` pattern are not checked.
+
+    ## Why it matters
+    Slurm opens the job's output file before the script runs and does not create its directory: the job fails
+    at once and leaves no output to say why. (Compiled on another machine than the cluster's, the directory may
+    exist there only: hence a warning.)
+
+    ## Example
+    ```yaml
+    launch: {slurm: {output: /no/such/dir/%x-%j.out}}
+    ```
+
+    ## Use instead
+    ```yaml
+    launch: {slurm: {output: "%x-%j.out"}}
+    ```
+
+    ## References
+    Slurm sbatch(1) `--output`; DESIGN.md (Slurm); issue 30
+    """
+    import os
+
+    root = None
+    if source is not None and source.root_file:  # the project root; outside a project, the recipe's directory
+        root = source.job_root or os.path.dirname(os.path.abspath(source.root_file))
+    for name in ("output", "error"):
+        value = getattr(recipe.launch.slurm, name)
+        folder = os.path.dirname(value or "")
+        if not folder or "%" in folder or "$" in folder or not (root or os.path.isabs(folder)):
+            continue
+        where = folder if os.path.isabs(folder) else os.path.join(root, folder)
+        if not os.path.isdir(where):
             yield diag(
                 source,
                 f"launch.slurm.{name}",
-                f"launch.slurm.{name} holds a control character",
-                "write it on one line of printable text",
+                f"launch.slurm.{name}: the directory {folder}/ does not exist ({where}); Slurm does not create it, "
+                "and the job would fail before its first line with no output",
+                f"create it (`mkdir -p {folder}`) before sbatch, or write the file in the submit directory",
             )
 
 

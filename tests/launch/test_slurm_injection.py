@@ -58,8 +58,9 @@ def _recipe(tmp: Path, mark: Path, port: int, dash_port: int) -> Path:
                 "EVIL_EMPTY": "", "EVIL_UNICODE": "ünï ✓ \u2028 end", "EVIL_BACKSLASH": "\\\\n \\x41 \\'"},
         "launch": {"slurm": {
             "ray_port": port, "dashboard_port": dash_port, "ready_timeout_s": 20,
-            "account": f"a$(touch {mark}-4)`touch {mark}-4`'\"", "partition": f"p;touch {mark}-5",
-            "time": "00:10:00",  # a hostile time is refused by LAUNCH001; the renderer's quoting is tested below
+            # A hostile time, account or partition is refused by LAUNCH001/LAUNCH003; the renderer's quoting of
+            # them is tested below, on the plan.
+            "account": "a", "partition": "p", "time": "00:10:00",
             "container_image": f"img'$(touch {mark}-7)'`touch {mark}-7`",
             "mounts": [f"/a:/b$(touch {mark}-8)", "/c:/d';touch " + f"{mark}-8"],
             # Setup lines are shell code the recipe asks to run: they must run exactly as written (once per step,
@@ -114,7 +115,9 @@ def test_hostile_recipe_runs_nothing_and_every_value_arrives_verbatim(tmp_path: 
     # Plan names are schema-checked ([a-z0-9-]) and times rule-checked (LAUNCH001); the renderer quotes them anyway.
     recipe = dict(result.plan.recipe)
     recipe["launch"] = {**recipe["launch"], "slurm": {**recipe["launch"]["slurm"],
-                                                      "time": f"00:10:00$(touch {mark}-6)"}}
+                                                      "time": f"00:10:00$(touch {mark}-6)",
+                                                      "account": f"a$(touch {mark}-4)`touch {mark}-4`'\"",
+                                                      "partition": f"p;touch {mark}-5"}}
     plan = result.plan.model_copy(update={"name": f"n$(touch {mark}-10)`touch {mark}-10`",
                                           "recipe": recipe}).with_fingerprint()
     script = render_sbatch(plan)
