@@ -181,7 +181,11 @@ def _unknown_key(model: Any, segments: list[Any], where: _Where) -> Diagnostic:
     else:
         elsewhere = sw.sections_with_key(model, key)
         if elsewhere:
-            help = f"`{key}` is a key of " + " and ".join(f"`{s}`" for s in elsewhere[:3]) + "; move it there"
+            help = (
+                f"{section} has: {', '.join(candidates)}; `{key}` is a key of "
+                + " and ".join(f"`{s}`" for s in elsewhere[:3])
+                + " (move it there if that is what you meant)"
+            )
         else:
             help = f"{section} has: " + ", ".join(candidates)
     where_msg = f"in {section}" if parent else "at the top level"

@@ -213,15 +213,16 @@ class WandbRun:
     """One W&B run through the real `wandb` client, its files under `<out_dir>/wandb/`.
 
     The API key is only ever a `${env:NAME}` reference in the plan, resolved here from this process's environment.
-    Online with a key; offline (`wandb sync <run dir>` uploads it later) without one, or whenever `WANDB_MODE` says
-    so. A resumed run continues the same run id (kept in `<out_dir>/wandb-run-id`).
+    `logging.wandb.mode` decides; its `auto`: online with a key, offline (`wandb sync <run dir>` uploads it later)
+    without one, or whatever `WANDB_MODE` says. A resumed run continues the same run id (kept in `<out_dir>/wandb-run-id`).
     """
 
     def __init__(self, settings: dict, out_dir: Path, config: dict, resume: bool):
         import wandb
 
         key = resolve_env_ref(settings["key"])
-        mode = os.environ.get("WANDB_MODE") or ("online" if key else "offline")
+        mode = settings["mode"] if settings["mode"] != "auto" else os.environ.get("WANDB_MODE") or (
+            "online" if key else "offline")
         id_file = out_dir / "wandb-run-id"
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else secrets.token_hex(4)
         id_file.write_text(run_id)

@@ -671,6 +671,9 @@ class Wandb(Section):
     """Run name. None: the recipe name."""
     key: str = "${env:WANDB_API_KEY}"
     """API key, only as a reference to an environment variable: `${env:NAME}` (never the key itself)."""
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+    """`offline` writes the run under `<output>/wandb/` for a later `wandb sync` (no network, no key needed);
+    `online` needs the key; `auto`: online when the key's variable is set, else offline (`WANDB_MODE` wins)."""
 
     @field_validator("key")
     @classmethod

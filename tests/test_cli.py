@@ -467,3 +467,15 @@ def test_slurm_values_are_expanded_or_refused(in_root, tmp_path):
     assert bad.exit_code == 1 and found == {("LAUNCH003", "launch.slurm.partition"),
                                             ("LAUNCH003", "launch.slurm.srun_options.0"),
                                             ("LAUNCH003", "launch.slurm.account")}
+
+
+def test_wandb_has_an_offline_mode_and_a_misplaced_key_names_its_section(in_root, tmp_path):
+    """Issue 30.8: `logging.wandb` had no mode key, and SCHEMA001's hint for it pointed at `actor.loss`."""
+    ok = run(f"{GOOD}/rl_min.yaml", "--set", "logging.wandb={project: p, mode: offline}", "--format", "json")
+    assert json.loads(ok.output)["plan"]["recipe"]["logging"]["wandb"]["mode"] == "offline"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"extends: {ROOT / GOOD / 'rl_min.yaml'}\nname: w\nlogging: {{wandb: {{project: p, "
+                      "estimator: grpo}}\n")
+    (d,) = [d for d in json.loads(run(str(recipe), "--recipe-root", str(ROOT), "--format", "json").output)[
+        "diagnostics"] if d["code"] == "SCHEMA001"]
+    assert d["help"].startswith("`logging.wandb` has: project, entity, group, run_name, key, mode;"), d["help"]
