@@ -68,6 +68,11 @@ def _largest_divisor(n: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if n % d == 0)
 
 
+def _ep(spec: Any, per_node: int) -> str:
+    """` mesh: {ep: N},` for an MoE model: the largest expert count divisor that fits one node's actor GPUs."""
+    return f" mesh: {{ep: {_largest_divisor(spec.experts, per_node)}}}," if spec.is_moe else ""
+
+
 def starter_recipe(
     name: str,
     kind: str,
@@ -92,13 +97,19 @@ def starter_recipe(
         f"name: {name}",
         f"kind: {kind}",
         f"cluster: {{nodes: {nodes}, gpus_per_node: {gpus_per_node}, gpu: {gpu}}}",
-        f"model: {{path: {model_path}, arch: {arch}, backend: hf, attn: sdpa, param_dtype: bf16}}",
+        f"model: {{path: {model_path}, arch: {arch}, backend: {'automodel' if spec.is_moe else 'hf'}, attn: sdpa,"
+        " param_dtype: bf16}",
     ]
+    # MoE needs expert parallelism, which only the AutoModel backend has (MOE001, MOE005): EP within a node, through
+    # the all-to-all dispatcher that this runtime has (DeepEP is not in this build).
+    if spec.is_moe:
+        head.append("env: {MOLT_MOE_DISPATCHER: torch}")
     if kind == "sft":
         return "\n".join(
             [
                 *head,
-                f"actor: {{nodes: {nodes}, gpus_per_node: {gpus_per_node}, optimizer: {{lr: 1.0e-5}}}}",
+                f"actor: {{nodes: {nodes}, gpus_per_node: {gpus_per_node},{_ep(spec, gpus_per_node)} optimizer: "
+                "{lr: 1.0e-5}}",
                 f"data: {{dataset: {data}, input_key: prompt, output_key: response, max_len: 4096}}",
                 f"train: {{batch_size: {8 * nodes * gpus_per_node}, micro_batch_size: 1, max_epochs: 1}}",
                 f"ckpt: {{dir: ckpt/{name}/state, hf_dir: ckpt/{name}/hf, every: 100}}",
@@ -109,13 +120,18 @@ def starter_recipe(
     actor_gpus = max(total // 2, 1) if total > 1 else 1
     actor_nodes, actor_per_node = (nodes // 2, gpus_per_node) if nodes > 1 else (1, actor_gpus)
     rollout_gpus = total - actor_nodes * actor_per_node
-    tp = _largest_divisor(spec.kv_heads, min(rollout_gpus, gpus_per_node, 8)) if rollout_gpus else 1
-    tp = tp if rollout_gpus % tp == 0 and spec.heads % tp == 0 else 1
+    limit = min(rollout_gpus, gpus_per_node, 8)
+    # vLLM splits the attention heads; KV heads are split or, below tp, replicated (tp a multiple of them).
+    fits = [
+        d for d in range(1, limit + 1) if spec.heads % d == 0 and (spec.kv_heads % d == 0 or d % spec.kv_heads == 0)
+    ]
+    tp = max((d for d in fits if rollout_gpus % d == 0), default=1)
     engines = max(rollout_gpus // tp, 1)
     return "\n".join(
         [
             *head,
-            f"actor: {{nodes: {actor_nodes}, gpus_per_node: {actor_per_node}, optimizer: {{lr: 1.0e-6}}}}",
+            f"actor: {{nodes: {actor_nodes}, gpus_per_node: {actor_per_node},{_ep(spec, actor_per_node)} optimizer: "
+            "{lr: 1.0e-6}}",
             f"rollout: {{engine: vllm, engines: {engines}, mesh: {{tp: {tp}}}, batch_size: 16, n_samples_per_prompt: 8,"
             " max_new_tokens: 1024}",
             f"agent: {{path: {agent}}}",
@@ -135,7 +151,9 @@ def starter_recipe(
 @click.option("--arch", help="Model catalog key (`molt-compile catalog models`).")
 @click.option("--model-path", help="Checkpoint directory (default: /path/to/<checkpoint>).")
 @click.option("--gpu", help="GPU catalog key or `cpu` (`molt-compile catalog gpus`).")
-@click.option("--nodes", type=click.IntRange(1), help="Nodes of the job.")
+@click.option(
+    "--nodes", type=click.IntRange(1), help="Nodes of the job (default: the fewest that pass the memory checks)."
+)
 @click.option("--gpus-per-node", type=click.IntRange(1), help="Default: the catalog's GPUs per node.")
 @click.option("--data", help="Prompts (rl) or dataset (sft): a JSONL file or a save_to_disk directory.")
 @click.option("--force", is_flag=True, help="Overwrite OUTPUT if it exists.")
@@ -178,9 +196,10 @@ def init(
     gpu = pick(gpu, "GPU (catalog key or cpu)", "h100-80gb", [*sorted(GPUS), "cpu"])
     if gpu != "cpu" and gpu not in GPUS:
         raise click.BadParameter(f"unknown GPU `{gpu}`; `molt-compile catalog gpus` lists them", param_hint="--gpu")
-    nodes = pick(nodes, "nodes", 1, type_=click.IntRange(1))
-    per_node_default = GPUS[gpu].gpus_per_node if gpu in GPUS else 2
+    # cpu: device slots, two (an actor and an engine), four for MoE (an actor of two: expert parallelism)
+    per_node_default = GPUS[gpu].gpus_per_node or (4 if MODELS[arch].is_moe else 2)
     gpus_per_node = pick(gpus_per_node, "GPUs per node", per_node_default, type_=click.IntRange(1))
+    nodes = pick(nodes, "nodes", _nodes_that_fit(kind, arch, gpu, gpus_per_node), type_=click.IntRange(1))
     data = pick(
         data, "data (JSONL file or save_to_disk dir)", "data/sft_train.jsonl" if kind == "sft" else "data/train.jsonl"
     )
@@ -217,6 +236,32 @@ def init(
     errors = sum(d.severity == "error" for d in result.diagnostics)
     click.echo(f"{output}: {errors} errors; next: edit model.path and data, then `molt-compile {output} --smoke`")
     sys.exit(1 if errors else 0)
+
+
+def _nodes_that_fit(kind: str, arch: str, gpu: str, gpus_per_node: int) -> int:
+    """The fewest nodes on which the starter recipe passes the memory checks (MEM001, MEM003): from an estimate
+    (16 bytes a parameter for weights, gradients and Adam), the first of the next few that compiles without them."""
+    import math
+    import tempfile
+
+    from molt_compile.compile import compile_recipe
+    from schemas.catalog import GPUS, MODELS
+
+    if gpu not in GPUS or not GPUS[gpu].memory_gib:
+        return 1
+    needed = math.ceil(MODELS[arch].params_total * 16 / (GPUS[gpu].memory_gib * 2**30 * 0.8))
+    actor_nodes = math.ceil(needed / gpus_per_node)
+    first = 1 if kind == "rl" and needed <= gpus_per_node // 2 or kind == "sft" and actor_nodes == 1 else actor_nodes
+    first = 2 * first if kind == "rl" and first > 1 else first
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = Path(tmp) / "fit.yaml"
+        for nodes in range(first, first + 12):
+            text = starter_recipe("fit", kind, arch, "/m", gpu, nodes, gpus_per_node, "d.jsonl", "a.py", "x")
+            recipe.write_text(text)
+            codes = {d.code for d in compile_recipe(recipe, lower=False).diagnostics if d.severity == "error"}
+            if not codes & {"MEM001", "MEM003"}:
+                return nodes
+    return first
 
 
 def _sample_rows(kind: str) -> str:
