@@ -326,7 +326,8 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 @_ROOTS
 def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
-    files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs."""
+    files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs. No recipe
+    under PATHS is a usage error (exit 2)."""
     import os
 
     from molt_compile.compile import compile_recipe
@@ -335,6 +336,8 @@ def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tup
     files, missing = _recipe_files(paths)
     if missing:
         raise click.UsageError(f"no such file or directory: {', '.join(missing)}")
+    if not files:  # an empty or mistyped directory would otherwise pass CI having checked nothing
+        raise click.UsageError(f"no *.yaml or *.yml recipe under {', '.join(paths)}")
     results = [compile_recipe(f, roots=roots, capabilities=capabilities) for f in files]
     extended = {t for r in results if r.loaded for t in r.loaded.extends_targets}
     seen: set[tuple] = set()
@@ -459,6 +462,7 @@ def explain(
     means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`;
     also `molt-compile catalog`). KEY... shows only those keys and what lies under them (globs: `*.lr`), and the
     derived values they name."""
+    from rich.markup import escape
     from rich.table import Table
 
     from molt_compile import schema_walk as sw
@@ -489,7 +493,7 @@ def explain(
         doc = sw.field_doc(model, segments) or sw.field_doc(model, segments[:-1])
         if matches(path, keys):
             rows.append((path, value, _where(result, path), doc))
-            table.add_row(path, _show(value), _where(result, path), doc)
+            table.add_row(*map(escape, (path, _show(value), _where(result, path), doc or "")))
     derived_rows = [
         dv
         for dv in (result.derived.values() if result.derived is not None else [])
@@ -510,7 +514,7 @@ def explain(
             derived.add_column(column, overflow="fold")
         for dv in derived_rows:
             inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
-            derived.add_row(dv.name, _show(dv.value), dv.reason, inputs)
+            derived.add_row(*map(escape, (dv.name, _show(dv.value), dv.reason, inputs)))
         console.print(derived)
     for table in _catalog_tables() if not keys else ():
         console.print(table)
@@ -562,6 +566,7 @@ def _catalog_tables() -> list[Any]:
 
 
 def _explain_smoke(result: Any) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from molt_compile.smoke import smoke_plan
@@ -572,7 +577,9 @@ def _explain_smoke(result: Any) -> int:
         table.add_column(column, overflow="fold")
     for phase, changes in ((0, sp.changes), (1, sp.phase_changes[1]), (2, sp.phase_changes[2])):
         for c in changes:
-            table.add_row(c.key + (f" (phase {phase})" if phase else ""), _show(c.old), _show(c.new), c.why)
+            table.add_row(
+                *map(escape, (c.key + (f" (phase {phase})" if phase else ""), _show(c.old), _show(c.new), c.why))
+            )
     console = _console(pipe_width=200)
     console.print(table)
     for note in sp.notes:
@@ -647,13 +654,14 @@ def rules(code: str | None, fmt: str = "text") -> None:
         if row.appendix is not None:
             click.echo(f"\n{row.appendix()}")
         return
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="diagnostic codes", title_justify="left")
     for column in ("code", "name", "severity", "checks"):
         table.add_column(column, overflow="fold")
     for row in codes.values():
-        table.add_row(row.code, row.name, row.severity, row.summary)
+        table.add_row(row.code, row.name, row.severity, escape(row.summary))  # `[low, high]` is text, not markup
     _console().print(table)
 
 

@@ -83,11 +83,19 @@ class Code:
 
     @property
     def summary(self) -> str:
-        """The first line of a rule's documentation, the first sentence of other codes' (the `rules` table)."""
-        lines = [ln for ln in self.doc.splitlines() if not ln.startswith("#")]
-        if self.check is not None:
-            return next((ln for ln in lines if ln.strip()), "")
-        return " ".join(lines).strip().split(". ")[0]
+        """The first sentence of what a code checks (a rule's "What it checks", another code's text): the `rules`
+        table's column, a whole sentence, never a line cut where the docstring wrapped."""
+        import re
+
+        paragraph: list[str] = []
+        for ln in self.doc.splitlines():
+            if ln.startswith("#") or not ln.strip():
+                if paragraph:
+                    break
+                continue
+            paragraph.append(ln.strip())
+        text = " ".join(paragraph)
+        return re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", text, maxsplit=1)[0]
 
     def diagnostic(
         self,

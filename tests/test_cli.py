@@ -479,3 +479,20 @@ def test_wandb_has_an_offline_mode_and_a_misplaced_key_names_its_section(in_root
     (d,) = [d for d in json.loads(run(str(recipe), "--recipe-root", str(ROOT), "--format", "json").output)[
         "diagnostics"] if d["code"] == "SCHEMA001"]
     assert d["help"].startswith("`logging.wandb` has: project, entity, group, run_name, key, mode;"), d["help"]
+
+
+def test_rules_and_explain_print_brackets_and_whole_sentences(in_root):
+    """Issue 30.8: rich markup ate `[low, high]` in `explain` and `rules`, and the `rules` table cut sentences
+    where the docstring wrapped."""
+    from molt_compile.codes import catalog
+
+    assert "[low, high]" in run("rules").output
+    assert "[low, high]" in run("explain", "recipes/demo_math.yaml", "algo.is_correction").output
+    cut = [c.code for c in catalog().values() if not c.summary.rstrip("`)").endswith((".", "?", "!"))]
+    assert cut == []
+
+
+def test_lint_of_no_recipe_is_a_usage_error(tmp_path):
+    """Issue 30.8: `lint` of an empty directory exited 0, so a CI job with a mistyped path passed."""
+    result = run("lint", str(tmp_path))
+    assert result.exit_code == 2 and "no *.yaml or *.yml recipe" in result.output
