@@ -148,6 +148,12 @@ class _RecipeOrCommand(click.Group):
             args = ["compile", *args]
         return super().parse_args(ctx, args)
 
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[Any]:
+        """The first word is a subcommand or a recipe: offer both (a `file` item lets the shell complete paths)."""
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(incomplete, type="file"), *super().shell_complete(ctx, incomplete)]
+
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         formatter.write_usage("molt-compile", "RECIPE [OPTIONS]  |  COMMAND [ARGS]...")
 
@@ -180,8 +186,13 @@ def cli() -> None:
     """
 
 
+_RECIPE = click.Path()
+"""A recipe argument: typed as a path so that shell completion offers file names (no existence check here: the
+loader reports a missing file as a diagnostic)."""
+
+
 @cli.command("compile")
-@click.argument("recipe")
+@click.argument("recipe", type=_RECIPE)
 @click.option(
     "--set",
     "sets",
@@ -314,7 +325,7 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 
 
 @cli.command()
-@click.argument("paths", nargs=-1, required=True)
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
 @click.option(
     "--capabilities/--no-capabilities",
@@ -442,7 +453,7 @@ def _show(value: Any) -> str:
 
 
 @cli.command()
-@click.argument("recipe")
+@click.argument("recipe", type=_RECIPE)
 @click.argument("keys", nargs=-1)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
@@ -591,8 +602,8 @@ def _explain_smoke(result: Any) -> int:
 
 # ------------------------------------------------------------------------------------------------ diff
 @cli.command()
-@click.argument("a")
-@click.argument("b")
+@click.argument("a", type=_RECIPE)
+@click.argument("b", type=_RECIPE)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP + " Applies to both A and B.")
 @click.option(
     "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."

@@ -496,3 +496,19 @@ def test_lint_of_no_recipe_is_a_usage_error(tmp_path):
     """Issue 30.8: `lint` of an empty directory exited 0, so a CI job with a mistyped path passed."""
     result = run("lint", str(tmp_path))
     assert result.exit_code == 2 and "no *.yaml or *.yml recipe" in result.output
+
+
+def test_shell_completion_offers_file_names(in_root):
+    """Issue 30.8: the completion line in the README and `--help` disabled file-name completion: click offered only
+    subcommands, and bash's `complete -F` without `-o default` then completes nothing else."""
+    import os
+
+    def complete(words: str) -> list[str]:
+        env = {**os.environ, "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1),
+               "_MOLT_COMPILE_COMPLETE": "bash_complete"}
+        return _program(env=env, text=True).stdout.split()
+
+    assert complete("molt-compile reci") == ["file,reci"]  # a recipe as the first word: bash completes paths
+    assert complete("molt-compile li") == ["file,li", "plain,lint"]
+    for command in ("lint", "explain", "diff", "compile"):
+        assert complete(f"molt-compile {command} rec") == ["file,rec"], command
