@@ -31,7 +31,7 @@ def unknown_code_in_ignore(
     ```
 
     ## References
-    DESIGN.md §3 (`ignore:`); style_anchors.md rule 13
+    DESIGN.md §3 (`ignore:`)
     """
     if not known:
         from molt_compile.rules import ALL_RULES  # the catalog imports this module
@@ -70,7 +70,7 @@ def ignore_without_reason(recipe: RlRecipe | SftRecipe, derived: Derived, source
     ```
 
     ## References
-    style_anchors.md rule 13
+    DESIGN.md §3 (`ignore:`)
     """
     for code, reason in recipe.ignore.items():
         if not str(reason).strip():
@@ -101,7 +101,7 @@ def unused_ignore(
     ```
 
     ## References
-    DESIGN.md §3; style_anchors.md rule 13
+    DESIGN.md §3
     """
     from molt_compile.rules import ALL_RULES
 
