@@ -130,3 +130,20 @@ def test_init_of_every_catalog_arch_and_gpu_compiles_clean(tmp_path):
                 # this runtime's gaps (CAP001): trainer EP, and nemo-automodel under SFT
                 expected = {("CAP001", "actor.mesh.ep"), ("CAP001", "model.backend")} if spec.is_moe else set()
                 assert errors <= expected and result.exit_code == (1 if errors else 0), (arch, gpu, kind, result.output)
+
+
+def test_qwen3_4b_math_comment_matches_its_gpu_map(in_root):
+    """Issue 30.8: the recipe's comment put the actor on node 0 and the engines on node 1; the plan does the
+    opposite (engines are placed first)."""
+    from molt_compile.cli import _console
+    from molt_compile.compile import compile_recipe
+    from molt_compile.render_plan import render_summary
+
+    result = compile_recipe(Path("recipes/qwen3_4b_math.yaml"), capabilities=False)
+    console = _console(pipe_width=140)
+    with console.capture() as captured:
+        console.print(render_summary(result.plan, None))
+    rows = {ln.split("│")[1].strip(): ln.split("│")[2] for ln in captured.get().splitlines() if "│ node " in ln}
+    assert "rollout.engine ×8" in rows["node 0"] and "actor.rank+ref.rank ×8" in rows["node 1"], rows
+    comment = " ".join(Path("recipes/qwen3_4b_math.yaml").read_text().split("\nversion:")[0].split())
+    assert "vLLM engines on node 0" in comment and "reference on node 1" in comment
