@@ -39,7 +39,10 @@ Colocated roles (ref/critic with `placement: colocate`) stay resident on the sam
 their static memory adds up, activations and temporaries count once (the largest). A reference model / teacher
 whose architecture cannot be resolved here (a hub name or cluster path) is estimated with the policy's facts.
 
-vLLM engine GPU (`rollout.engine: vllm` only; the HF engine has no memory share): vLLM may use `gpu_memory_utilization × GPU memory`. Weights in the engine dtype are split by
+HF engine GPU (`rollout.engine: hf`): the whole model in the engine dtype (no memory share, no sharding); its KV
+cache is not estimated.
+
+vLLM engine GPU (`rollout.engine: vllm`): vLLM may use `gpu_memory_utilization × GPU memory`. Weights in the engine dtype are split by
 tp × pp (experts also by dp with expert_parallel); about 1.5 GiB goes to activations and CUDA graphs (estimate); the
 rest is KV cache, which must hold at least one `max_len` sequence (KV bytes/token from the catalog, KV heads split
 over tp), else vLLM refuses to start.
@@ -133,6 +136,9 @@ class EngineMemory:
 class MemoryReport:
     fsdp_groups: tuple[GpuGroupMemory, ...]
     engine: EngineMemory | None
+    hf_engine_weights: float | None = None
+    """`rollout.engine: hf`: the whole model's weights in the engine dtype on each engine GPU (transformers
+    generate shards nothing); its KV cache comes on top and is not estimated."""
 
 
 def gib(n: float) -> str:
@@ -171,7 +177,9 @@ def estimate(recipe: Any, derived: Any, facts: Any, gpu: Any, ref_facts: Any = N
             groups.append(GpuGroupMemory((mem,), capacity))
     vllm = recipe.kind == "rl" and recipe.rollout.engine == "vllm"
     engine = _engine_memory(recipe, facts, gpu) if vllm else None
-    return MemoryReport(tuple(groups), engine)
+    hf = recipe.kind == "rl" and recipe.rollout.engine == "hf"
+    hf_weights = ENGINE_DTYPE_BYTES.get(recipe.rollout.dtype, 2) * facts.params_total if hf else None
+    return MemoryReport(tuple(groups), engine, hf_weights)
 
 
 def _value(derived: Any, name: str, default: Any = None) -> Any:

@@ -154,7 +154,7 @@ def render_summary(plan: Plan, memory: Any = None) -> Group:
         if name in by_name:
             derived.add_row(name, _fmt(by_name[name].value), by_name[name].reason)
     parts: list[ConsoleRenderable] = [header, roles, devmap, derived]
-    if memory is not None and (memory.fsdp_groups or memory.engine is not None):
+    if memory is not None and (memory.fsdp_groups or memory.engine is not None or memory.hf_engine_weights):
         parts.append(_memory_table(memory))
     return Group(*parts)
 
@@ -175,5 +175,13 @@ def _memory_table(memory: Any) -> Table:
             gib(e.share),
             gib(e.capacity),
             f"weights {gib(e.weights)}, KV cache {gib(max(e.kv_room, 0))}",
+        )
+    if memory.hf_engine_weights is not None:
+        capacity = memory.fsdp_groups[0].capacity if memory.fsdp_groups else None
+        table.add_row(
+            "rollout.engine (HF)",
+            gib(memory.hf_engine_weights) + " + KV",
+            gib(capacity) if capacity else "-",
+            f"weights {gib(memory.hf_engine_weights)} (the whole model on each engine GPU); KV cache not estimated",
         )
     return table

@@ -512,3 +512,18 @@ def test_shell_completion_offers_file_names(in_root):
     assert complete("molt-compile li") == ["file,li", "plain,lint"]
     for command in ("lint", "explain", "diff", "compile"):
         assert complete(f"molt-compile {command} rec") == ["file,rec"], command
+
+
+def test_the_memory_table_has_a_row_for_hf_engines(in_root, tmp_path):
+    """Issue 30.8: `rollout.engine: hf` had no row: a 30B model's bf16 weights (~57 GiB) sit whole on each engine GPU."""
+    from molt_compile.memory import GIB, memory_report
+
+    out = run(f"{GOOD}/rl_min.yaml", "--set", "rollout.engine=hf").output
+    (row,) = [ln for ln in out.splitlines() if "rollout.engine (HF)" in ln]
+    assert "weights 7.5 GiB" in row and "KV cache not estimated" in row
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(f"extends: {ROOT / GOOD / 'rl_min.yaml'}\nname: hf30\nmodel: {{path: /m, arch: qwen3-30b-a3b}}\n"
+                      "rollout: {engine: hf}\n")
+    result = compile_recipe(recipe, lower=False, roots=[ROOT])
+    weights = memory_report(result.recipe, result.derived, result.source).hf_engine_weights / GIB
+    assert 56 < weights < 58
