@@ -527,3 +527,10 @@ def test_the_memory_table_has_a_row_for_hf_engines(in_root, tmp_path):
     result = compile_recipe(recipe, lower=False, roots=[ROOT])
     weights = memory_report(result.recipe, result.derived, result.source).hf_engine_weights / GIB
     assert 56 < weights < 58
+
+
+def test_a_large_job_without_checkpoints_gets_a_note(in_root):
+    """Issue 30.8: a 32-GPU job with `ckpt.every: -1` saved nothing before its end, silently."""
+    out = run("tests/rules/CKPT005_1.yaml").output
+    assert "info[CKPT005] large-job-without-checkpoints: a 32-GPU job with ckpt.every -1" in out
+    assert "[CKPT005]" not in run("tests/rules/CKPT005_ok.yaml").output

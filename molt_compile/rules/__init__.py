@@ -92,6 +92,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("CKPT002", "run-saves-nothing", "warning", eval_ckpt.run_saves_nothing, BOTH),
     Code("CKPT003", "best-metric-without-eval", "error", eval_ckpt.best_metric_without_eval),
     Code("CKPT004", "best-metric-unknown", "error", eval_ckpt.best_metric_unknown),
+    Code("CKPT005", "large-job-without-checkpoints", "info", eval_ckpt.large_job_without_checkpoints, BOTH),
     Code("DATA001", "prompt-probs-count-mismatch", "error", data_agent.prompt_probs_count_mismatch, BOTH),
     Code("DATA002", "packing-with-vlm", "error", data_agent.packing_with_vlm, BOTH),
     Code("DATA003", "local-data-file-missing", "warning", data_agent.local_data_file_missing, BOTH),

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, is_set
+from molt_compile.rules._base import diag, dv, is_set
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
 
@@ -191,6 +191,51 @@ def run_saves_nothing(recipe: RlRecipe | SftRecipe, derived: Derived, source: So
             "ckpt.final_save false and ckpt.every -1: the trained weights are never saved",
             "set ckpt.final_save: true or a ckpt.every cadence",
             ["ckpt.every"],
+        )
+
+
+LARGE_JOB_GPUS = 32
+"""From this many GPUs a job without mid-run checkpoints earns a note (CKPT005)."""
+
+
+def large_job_without_checkpoints(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    A job of 32 GPUs or more with `ckpt.every: -1` (no checkpoint before the end; not eval-only).
+
+    ## Why it matters
+    Legal, and right for a short run; but on many GPUs a node failure or a time limit is likely, and without a
+    checkpoint every GPU-hour up to it is lost (a Slurm requeue resumes from a checkpoint: none is there).
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 4, gpus_per_node: 8}
+    actor: {nodes: 2, gpus_per_node: 8}
+    rollout: {engines: 16}
+    ckpt: {every: -1}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 4, gpus_per_node: 8}
+    actor: {nodes: 2, gpus_per_node: 8}
+    rollout: {engines: 16}
+    ckpt: {every: 50, resume: true}
+    ```
+
+    ## References
+    molt_rules.md M4, M5; DESIGN.md (Slurm requeue)
+    """
+    used = dv(derived, "cluster.used_gpus", 0) or 0
+    if recipe.ckpt.every == -1 and used >= LARGE_JOB_GPUS and not getattr(recipe.eval, "only", False):
+        yield diag(
+            source,
+            "ckpt.every",
+            f"a {used}-GPU job with ckpt.every -1 saves no checkpoint before it ends: a failure or a time limit "
+            "loses the whole run",
+            "set ckpt.every to a cadence (and ckpt.resume: true to continue after a requeue)",
+            ["cluster.nodes"],
         )
 
 
