@@ -12,7 +12,7 @@ from wandb_files import read_run
 from runtime.metrics import MetricsSink, read_jsonl, resolve_env_ref
 
 SETTINGS = {"project": "molt_train_rl", "entity": None, "group": "g1", "run_name": "demo-math",
-            "key": "${env:MOLT_TEST_WANDB_KEY}"}
+            "key": "${env:MOLT_TEST_WANDB_KEY}", "mode": "auto"}
 
 
 def _runs(out: Path) -> list[Path]:
