@@ -81,3 +81,17 @@ def test_every_launch_recipe_compiles_without_its_data_with_a_deferral_warning()
     sft = subprocess.run([sys.executable, "-m", "molt_compile.cli", "recipes/sft_qwen3_4b.yaml"],
                          capture_output=True, cwd=ROOT, text=True)
     assert sft.returncode == 0, sft.stdout[-2000:]
+
+
+def test_a_catalog_hub_id_without_arch_keeps_the_shape_checks_and_an_unknown_one_says_which_are_off():
+    """Issue 30.2, through the real program: `Qwen/Qwen3-8B` is the catalog's qwen3-8b row (TP 3 cannot split its
+    32 heads: VLLM009); a model whose shape cannot be read at all is a MODEL005 warning naming the checks that are off."""
+    def program(recipe: str):
+        proc = subprocess.run([sys.executable, "-m", "molt_compile.cli", recipe, "--format", "json"],
+                              capture_output=True, cwd=ROOT, text=True)
+        return proc.returncode, {d["code"]: d for d in json.loads(proc.stdout)["diagnostics"]}
+
+    status, found = program("tests/rules/VLLM009_3.yaml")
+    assert status == 1 and "VLLM009" in found and "MODEL005" not in found
+    status, found = program("tests/rules/MODEL005_1.yaml")
+    assert found["MODEL005"]["severity"] == "warning" and "VLLM009" in found["MODEL005"]["message"] and "MEM001" in found["MODEL005"]["message"]

@@ -191,6 +191,7 @@ ALL_RULES: tuple[Code, ...] = (
         BOTH,
     ),
     Code("MODEL004", "unknown-model-arch", "error", packing.unknown_model_arch, BOTH),
+    Code("MODEL005", "model-shape-unknown", "warning", packing.model_shape_unknown, BOTH),
     Code("MOE001", "moe-without-expert-parallel", "error", moe.moe_without_expert_parallel, BOTH),
     Code("MOE002", "moe-with-tensor-parallel", "error", moe.moe_with_tensor_parallel, BOTH),
     Code("MOE003", "experts-not-divisible-by-ep", "error", moe.experts_not_divisible_by_ep, BOTH),
