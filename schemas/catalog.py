@@ -288,6 +288,7 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
+"""Model catalog: `model.arch` keys."""
 
 
 def model_for_hub_id(name: str) -> ModelSpec | None:
@@ -297,7 +298,6 @@ def model_for_hub_id(name: str) -> ModelSpec | None:
     if wanted.count("/") != 1:
         return None
     return next((m for m in MODELS.values() if m.hf_name.casefold() == wanted), None)
-"""Model catalog: `model.arch` keys."""
 
 
 @dataclass(frozen=True)

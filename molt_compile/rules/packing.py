@@ -385,4 +385,3 @@ def model_shape_unknown(recipe: RlRecipe | SftRecipe, derived: Derived, source: 
             "the checkpoint is",
             ["model.arch"],
         )
-
