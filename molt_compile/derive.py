@@ -5,7 +5,7 @@
 names; `explain` resolves them to `file:line` through the SourceMap. A value that cannot be computed (a
 non-integral division, a dataset that cannot be counted) is `None` and its reason says why; the rules turn
 that into a diagnostic, derive itself never reports errors. Pure: no I/O except counting rows of a local
-dataset (molt_compile/datafiles.py). Never imports torch, ray, vllm or transformers.
+dataset (schemas/datafiles.py). Never imports torch, ray, vllm or transformers.
 
 Access: `derived["actor.dp"].value`, `derived.value("actor.dp")`, `for dv in derived.values(): ...`.
 
@@ -90,19 +90,19 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `ckpt.dcp_keep` * | ckpt.dcp_keep or ckpt.keep | B7 |
 | `sft.nnodes`, `sft.nproc_per_node`, `sft.master_port` | torchrun layout (SFT only) | §5.1 |
 | `data.sample_count`, `train.steps_per_epoch` | SFT rows (counted as above) and optimizer steps per epoch | M6 |
+| `data.count_at_start` | when the rows cannot be counted here (DATA010): the inputs the job derives the values above from at start (`schemas/schedule.py`) | issue 30 |
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from molt_compile.datafiles import source_facts
 from schemas.catalog import GPUS
+from schemas.plan import RlCountInputs, SftCountInputs
+from schemas.schedule import count_rows, rl_schedule, sft_schedule
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -932,110 +932,69 @@ def _old_logprob_pass(b: _Builder, r: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- schedule
+DEFERRED = "counted at job start (DATA010)"
+"""Reason of a value that follows from rows the compiler could not count."""
+
+
 def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
     ro, t, d = r.rollout, r.train, r.data
     count, why = count_rows(
-        resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs, d.split, source
+        resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs, d.split, _job_root(source)
     )
     b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
-    if count is None:
-        for name in ("train.steps_per_episode", "train.total_steps", "train.optimizer_steps"):
-            b.add(name, None, "dataset size unknown", ("data.prompt_count",))
-    else:
-        spe = count // ro.batch_size
-        refill = (
-            "; fewer when dynamic filtering drops groups (backfilled with new prompts)"
-            if r.algo.dynamic_filtering
-            else ""
-        )
-        b.add(
-            "train.steps_per_episode",
-            spe,
-            f"{count} prompts // rollout.batch_size {ro.batch_size} (B11){refill}",
-            ("data.prompt_count", "rollout.batch_size", "algo.dynamic_filtering"),
-        )
-        b.add(
-            "train.total_steps",
-            spe * t.episodes,
-            f"{spe} steps × episodes {t.episodes}",
-            ("train.steps_per_episode", "train.episodes"),
-        )
-        if t.force_on_policy:
-            opt = count // ro.batch_size * t.episodes * t.max_epochs
-            why = (
-                f"force_on_policy: {count} // batch {ro.batch_size} × episodes {t.episodes} × max_epochs "
-                f"{t.max_epochs} (B11)"
-            )
-        else:
-            opt = count * ro.n_samples_per_prompt // t.batch_size * t.episodes * t.max_epochs
-            why = (
-                f"{count} prompts × n {ro.n_samples_per_prompt} // train.batch_size {t.batch_size} × episodes "
-                f"{t.episodes} × max_epochs {t.max_epochs} (B11)"
-            )
-        b.add(
-            "train.optimizer_steps",
-            opt,
-            why,
-            (
-                "data.prompt_count",
-                "rollout.n_samples_per_prompt",
-                "train.batch_size",
-                "train.episodes",
-                "train.max_epochs",
-            ),
-        )
+    critic = (r.critic if r.critic is not None else _default_critic()) if b.v("critic.exists") else None
+    inputs = RlCountInputs(
+        rollout_batch_size=ro.batch_size,
+        n_samples_per_prompt=ro.n_samples_per_prompt,
+        train_batch_size=t.batch_size,
+        episodes=t.episodes,
+        max_epochs=t.max_epochs,
+        force_on_policy=t.force_on_policy,
+        dynamic_filtering=bool(r.algo.dynamic_filtering),
+        freezing_steps=r.actor.freezing_steps if critic is not None else 0,
+        actor_warmup_ratio=r.actor.optimizer.warmup_ratio,
+        critic_warmup_ratio=critic.optimizer.warmup_ratio if critic is not None else None,
+    )
     if t.force_on_policy:
-        b.add(
-            "train.optimizer_steps_per_step",
-            1,
-            "force_on_policy: one optimizer step per rollout batch (G10)",
-            ("train.force_on_policy",),
-        )
+        per_step = (1, "force_on_policy: one optimizer step per rollout batch (G10)", ("train.force_on_policy",))
     else:
         sps = b.v("rollout.samples_per_step")
-        b.add(
-            "train.optimizer_steps_per_step",
+        per_step = (
             sps // t.batch_size * t.max_epochs,
             f"samples {sps} // train.batch_size {t.batch_size} × max_epochs {t.max_epochs}; a partial window is "
             "dropped (G8)",
             ("rollout.samples_per_step", "train.batch_size", "train.max_epochs"),
         )
-    opt = b.v("train.optimizer_steps")
-    freeze = r.actor.freezing_steps if b.v("critic.exists") else 0
-    if opt is None:
-        b.add("actor.scheduler_steps", None, "dataset size unknown", ("train.optimizer_steps",))
+    if count is not None:
+        values = rl_schedule(count, inputs)
     else:
-        b.add(
-            "actor.scheduler_steps",
-            max(1, opt - freeze),
-            f"max(1, optimizer steps {opt} - freezing_steps {freeze}) (B10)"
-            if freeze
-            else f"max(1, optimizer steps {opt}) (B10)",
-            ("train.optimizer_steps", "actor.freezing_steps"),
-        )
-    _warmup(b, "actor", r.actor.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
-    if b.v("critic.exists"):
-        b.add(
-            "critic.scheduler_steps",
-            opt,
-            "the critic schedules over every optimizer step (B10)",
-            ("train.optimizer_steps",),
-        )
-        critic = r.critic if r.critic is not None else _default_critic()
-        _warmup(b, "critic", critic.optimizer.warmup_ratio, "critic.optimizer.warmup_ratio")
+        names = _RL_COUNTED + (_CRITIC_COUNTED if critic is not None else ())
+        values = [(name, None, DEFERRED, ("data.prompt_count",)) for name in names]
+        if not d.prompt_probs:  # interleaving by probability has no length at all (capability rl-data-format)
+            b.add(
+                "data.count_at_start",
+                inputs.model_dump(),
+                "the job counts the prompts at start and derives the values marked DATA010 with schemas/schedule.py",
+                ("data.prompts",),
+            )
+    for name, value, why, keys in values:
+        b.add(name, value, why, keys)
+        if name == "train.optimizer_steps":
+            b.add("train.optimizer_steps_per_step", *per_step)
 
 
-def _warmup(b: _Builder, role: str, ratio: float, ratio_key: str) -> None:
-    steps = b.v(f"{role}.scheduler_steps")
-    if steps is None:
-        b.add(f"{role}.warmup_steps", None, "scheduler length unknown", (f"{role}.scheduler_steps", ratio_key))
-    else:
-        b.add(
-            f"{role}.warmup_steps",
-            math.ceil(steps * ratio),
-            f"ceil({steps} × warmup_ratio {ratio})",
-            (f"{role}.scheduler_steps", ratio_key),
-        )
+_RL_COUNTED = (
+    "train.steps_per_episode",
+    "train.total_steps",
+    "train.optimizer_steps",
+    "actor.scheduler_steps",
+    "actor.warmup_steps",
+)
+_CRITIC_COUNTED = ("critic.scheduler_steps", "critic.warmup_steps")
+
+
+def _job_root(source: Any) -> str | None:
+    return source.job_root if source is not None else None
 
 
 def _rl_eval_ckpt(b: _Builder, r: Any) -> None:
@@ -1121,86 +1080,44 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
         ("cluster.total_gpus", "cluster.used_gpus"),
     )
     count, why = count_rows(
-        resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs, d.split, source
+        resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs, d.split, _job_root(source)
     )
     b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
-    if count is None:
-        b.add("train.steps_per_epoch", None, "dataset size unknown", ("data.sample_count",))
-        b.add("train.total_steps", None, "dataset size unknown", ("data.sample_count",))
-    else:
-        spe = count // t.batch_size
-        b.add(
-            "train.steps_per_epoch",
-            spe,
-            f"{count} samples // batch_size {t.batch_size} (M6)",
-            ("data.sample_count", "train.batch_size"),
-        )
-        b.add(
-            "train.total_steps",
-            spe * t.max_epochs,
-            f"{spe} steps × max_epochs {t.max_epochs}",
-            ("train.steps_per_epoch", "train.max_epochs"),
-        )
-    steps = b.v("train.total_steps")
-    b.add(
-        "actor.scheduler_steps",
-        None if steps is None else max(1, steps),
-        "dataset size unknown" if steps is None else "every optimizer step",
-        ("train.total_steps",),
+    e = r.eval
+    enabled = e.dataset is not None
+    inputs = SftCountInputs(
+        batch_size=t.batch_size,
+        max_epochs=t.max_epochs,
+        warmup_ratio=a.optimizer.warmup_ratio,
+        eval_every_epoch=enabled and e.every == -1,
     )
-    _warmup(b, "actor", a.optimizer.warmup_ratio, "actor.optimizer.warmup_ratio")
+    if count is not None:
+        values = {name: (value, why, keys) for name, value, why, keys in sft_schedule(count, inputs)}
+    else:
+        names = ("train.steps_per_epoch", "train.total_steps", "actor.scheduler_steps", "actor.warmup_steps")
+        values = {name: (None, DEFERRED, ("data.sample_count",)) for name in names}
+        if inputs.eval_every_epoch:
+            values["eval.every"] = (None, DEFERRED, ("eval.every", "train.steps_per_epoch"))
+        if not d.dataset_probs:  # interleaving by probability: capability sft-interleave
+            b.add(
+                "data.count_at_start",
+                inputs.model_dump(),
+                "the job counts the rows at start and derives the values marked DATA010 with schemas/schedule.py",
+                ("data.dataset",),
+            )
+    for name in ("train.steps_per_epoch", "train.total_steps", "actor.scheduler_steps", "actor.warmup_steps"):
+        b.add(name, *values[name])
     b.add(
         "actor.lora",
         a.lora.dim > 0,
         f"actor.lora.dim {a.lora.dim}" + ("" if a.lora.dim > 0 else ": full fine-tuning"),
         ("actor.lora.dim",),
     )
-    e = r.eval
-    enabled = e.dataset is not None
     b.add("eval.enabled", enabled, "eval.dataset set" if enabled else "no eval.dataset", ("eval.dataset",))
     if not enabled:
         b.add("eval.every", None, "no eval", ("eval.dataset",))
     elif e.every == -1:
-        b.add(
-            "eval.every",
-            b.v("train.steps_per_epoch"),
-            "SFT eval.every -1: once per epoch (B12)",
-            ("eval.every", "train.steps_per_epoch"),
-        )
+        b.add("eval.every", *values["eval.every"])
     else:
         b.add("eval.every", e.every, f"every {e.every} steps", ("eval.every",))
     _ckpt(b, r)
-
-
-# ---------------------------------------------------------------------------------------------- data counting
-def count_rows(
-    sources: list[str], max_samples: int, probs: Any, split: str, source: Any = None
-) -> tuple[int | None, str]:
-    """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
-
-    Counts local json/jsonl/parquet/arrow files and save_to_disk / DatasetDict directories from their headers
-    (`molt_compile/datafiles.py`: no datasets/pyarrow import). Anything else (hub names, paths not visible here) is
-    None with the reason.
-    """
-    if probs:
-        return None, "interleaved with probabilities: the length depends on sampling"
-    total = 0
-    parts = []
-    for src in sources:
-        path_str = src.split("@", 1)[0]
-        n, why = _count_file(Path(local_path(path_str, source)), split)
-        if n is None:
-            return None, f"{path_str}: {why}"
-        capped = min(n, max_samples)
-        parts.append(f"{path_str} {n}" + (f" (capped {capped})" if capped != n else ""))
-        total += capped
-    if not sources:
-        return None, "no dataset source"
-    blended = min(total, max_samples)
-    cap = f", capped at max_samples {max_samples}" if blended != total else ""
-    return blended, "counted: " + " + ".join(parts) + cap
-
-
-def _count_file(path: Path, split: str) -> tuple[int | None, str]:
-    facts = source_facts(str(path), split)
-    return facts.rows, facts.how

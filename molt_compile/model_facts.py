@@ -9,11 +9,12 @@ head is `num_nextn_predict_layers` (DeepSeek/GLM) or `mtp_num_hidden_layers` / `
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from schemas.catalog import MODELS, ModelSpec, gqa_kv_bytes
+from schemas.catalog import MODELS, ModelSpec, gqa_kv_bytes, model_for_hub_id
 
 ModelFacts = ModelSpec
 """Facts about one model: a catalog row, or a row built from a config.json (its `source` says which)."""
@@ -50,12 +51,13 @@ THD_ARCHITECTURES = frozenset(
 
 
 def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFacts | None:
-    """Facts for a recipe's `model` (or `ref`/`critic`) section: `arch` from the catalog, else `path/config.json`.
+    """Facts for a recipe's `model` (or `ref`/`critic`) section: `arch` from the catalog, else `path/config.json`,
+    else the catalog row whose hub id `path` is (`Qwen/Qwen3-8B`).
 
     An `arch` that is not a catalog key falls back to config.json too (rule MODEL004 reports the unknown key).
 
-    `model_section` needs `path` and optionally `arch` (a pydantic section or a dict). None when neither works:
-    the path is a hub name or a cluster path not visible here, or config.json is unreadable.
+    `model_section` needs `path` and optionally `arch` (a pydantic section or a dict). None when none works: a hub
+    id the catalog does not hold, a cluster path not visible here, or an unreadable config.json (MODEL005).
     """
     arch = _get(model_section, "arch")
     path = _get(model_section, "path")
@@ -69,8 +71,13 @@ def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFac
     try:
         stamp = (p / "config.json").stat().st_mtime_ns
     except OSError:
-        return None
-    return _from_config_dir(str(p), stamp)
+        stamp = None
+    found = _from_config_dir(str(p), stamp) if stamp is not None else None
+    if found is None:  # a hub id the catalog describes (issue 30: `Qwen/Qwen3-8B` turned the shape checks off)
+        row = model_for_hub_id(str(path))
+        if row is not None:
+            return replace(row, source=f"catalog row {row.key} (hub id {path})")
+    return found
 
 
 def _get(section: Any, key: str) -> Any:

@@ -174,3 +174,16 @@ def read_prompts(source: str, split: str, input_key: str, label_key: str | None,
         out.append((row[input_key], row.get(label_key) if label_key else None,
                     row.get(tools_key) if tools_key else None))
     return out
+
+
+def derive_at_start(plan, *, quiet: bool = False):
+    """The plan with the values its compiler deferred to the job's start (DATA010: the data was not on the compiling
+    machine) filled in by the compiler's own function (`schemas/schedule.py`), each printed with its reason; the plan
+    itself when the compiler counted the rows. A source the header reader cannot count (a hub name) is counted by
+    loading it, as the generator and the SFT trainer will."""
+    from schemas.schedule import at_job_start
+
+    plan, lines = at_job_start(plan, count_other=lambda source, split, limit: len(open_rows(source, split, limit)))
+    for line in [] if quiet else lines:
+        print(line, flush=True)
+    return plan

@@ -46,6 +46,7 @@ from ray.util.queue import Queue
 from runtime import algo, ckpt
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
+from runtime.datasource import derive_at_start
 from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
@@ -89,7 +90,9 @@ class RunResult:
 
 
 def run(plan: Plan, *, live: bool = True) -> RunResult:
-    """Run the plan; raises `RunAborted` (actor, phase, likely key, accounting) when an actor dies or a phase stalls."""
+    """Run the plan; raises `RunAborted` (actor, phase, likely key, accounting) when an actor dies or a phase stalls.
+    Values the compiler deferred to the job's start (DATA010: it could not count the prompts) are derived first."""
+    plan = derive_at_start(plan)
     rl = plan.rl
     stop = StopFlag()
     sup = Supervisor(rl.supervisor, stop)

@@ -373,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(plan.env)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
-        result = run_sft(plan)
+        from runtime.datasource import derive_at_start
+
+        result = run_sft(derive_at_start(plan, quiet=not rank0))
     except SftError as exc:
         if rank0:
             print(f"sft failed: {exc}", file=sys.stderr)

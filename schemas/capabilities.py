@@ -305,11 +305,10 @@ CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "rl-data-format",
         "rl",
-        "data.prompts",
-        "prompt data whose rows the compiler could not count (a hub "
-        "name, or a path not on this machine): the run needs its step count",
-        lambda p: p.rl.schedule.total_steps is None,
-        "a local jsonl/json/parquet/arrow file or save_to_disk directory",
+        "data.prompt_probs",
+        "a step count for prompts interleaved by probability (data.prompt_probs: the length depends on sampling)",
+        lambda p: p.rl.schedule.total_steps is None and p.rl.data.count_at_start is None,
+        "one prompt source, or several without data.prompt_probs (they are concatenated)",
         tracked="issue 14",
     ),
     Capability(
@@ -377,16 +376,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda p: p.sft.model.backend == "automodel",
         "model.backend: hf",
         tracked="issue 16",
-    ),
-    Capability(
-        "sft-data-format",
-        "sft",
-        "data.dataset",
-        "SFT data whose rows the compiler could not count (a hub name, or a path not on this machine)",
-        lambda p: p.sft.schedule.total_steps is None,
-        "a local jsonl/json/parquet/arrow file or save_to_disk directory (the step count and the LR schedule "
-        "come from its row count)",
-        tracked="issue 14",
     ),
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""

@@ -291,6 +291,15 @@ MODELS: dict[str, ModelSpec] = {
 """Model catalog: `model.arch` keys."""
 
 
+def model_for_hub_id(name: str) -> ModelSpec | None:
+    """The catalog row whose checkpoint is the hub id `name` (`Qwen/Qwen3-8B`), or None. Hub ids are compared
+    case-insensitively, as the hub resolves them; a trailing slash is ignored."""
+    wanted = name.strip().rstrip("/").casefold()
+    if wanted.count("/") != 1:
+        return None
+    return next((m for m in MODELS.values() if m.hf_name.casefold() == wanted), None)
+
+
 @dataclass(frozen=True)
 class GpuSpec:
     """One accelerator type and the node it usually comes in."""

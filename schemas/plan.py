@@ -286,6 +286,32 @@ class AgentPlan(PlanModel):
     """A prompt whose runner died under it is sent at most this many times, then dropped as `agent_crash`."""
 
 
+class RlCountInputs(PlanModel):
+    """What the job derives its step count and LR schedule from when the compiler could not count the prompts
+    (DATA010): `schemas/schedule.py` maps a row count and these to the values `derive` would have written."""
+
+    rollout_batch_size: int
+    """Prompt groups per trainer step (rollout.batch_size)."""
+    n_samples_per_prompt: int
+    """Rollouts per prompt."""
+    train_batch_size: int
+    """Samples per optimizer step (train.batch_size)."""
+    episodes: int
+    """Passes over the prompts."""
+    max_epochs: int
+    """Training passes per rollout batch."""
+    force_on_policy: bool
+    """One optimizer step per rollout batch."""
+    dynamic_filtering: bool
+    """Dropped groups are backfilled (only the reason's text)."""
+    freezing_steps: int
+    """Optimizer steps the actor waits for the critic (0 without a critic)."""
+    actor_warmup_ratio: float
+    """actor.optimizer.warmup_ratio."""
+    critic_warmup_ratio: float | None
+    """critic.optimizer.warmup_ratio (None: no critic)."""
+
+
 class RlDataPlan(PlanModel):
     prompts: list[str]
     """Prompt sources (relative to the project root; `path@data_dir` kept)."""
@@ -313,6 +339,10 @@ class RlDataPlan(PlanModel):
     """Dataloader workers."""
     prompt_count: int | None
     """Prompts after caps, counted at compile time (None: unknown)."""
+    count_at_start: RlCountInputs | None = None
+    """Set when the compiler could not count the prompts (not on the compiling machine, a hub name): the job counts
+    them at start and fills in `prompt_count`, the step count and the LR schedule's length (`schemas/schedule.py`).
+    None: counted at compile time."""
 
 
 class SamplingPlan(PlanModel):
@@ -716,6 +746,20 @@ class RlRuntime(PlanModel):
 
 
 # ---------------------------------------------------------------------------------------------- SFT slice
+class SftCountInputs(PlanModel):
+    """What an SFT job derives its step count and LR schedule from when the compiler could not count the dataset
+    (DATA010; `schemas/schedule.py`)."""
+
+    batch_size: int
+    """Global batch (rows per optimizer step)."""
+    max_epochs: int
+    """Epochs."""
+    warmup_ratio: float
+    """actor.optimizer.warmup_ratio."""
+    eval_every_epoch: bool
+    """eval.every -1 with an eval set: evaluate once per epoch (steps_per_epoch)."""
+
+
 class SftDataPlan(PlanModel):
     dataset: list[str]
     """Training sources (relative to the project root)."""
@@ -743,6 +787,9 @@ class SftDataPlan(PlanModel):
     """Dataloader workers."""
     sample_count: int | None
     """Rows counted at compile time (None: unknown)."""
+    count_at_start: SftCountInputs | None = None
+    """Set when the compiler could not count the rows: the job counts them at start and fills in `sample_count`, the
+    step counts, a per-epoch eval cadence and the LR schedule's length (`schemas/schedule.py`). None: counted here."""
 
 
 class SftTrainerPlan(PlanModel):

@@ -133,7 +133,8 @@ class Model(Section):
     path: str
     """Policy checkpoint: a local directory or a hub name. Also the default for the reference model and critic."""
     arch: str | None = None
-    """Architecture key of the model catalog. None: read `<path>/config.json` when the path is a local directory."""
+    """Architecture key of the model catalog. None: read `<path>/config.json` when the path is a local directory, else
+    the catalog row whose hub id the path is (`Qwen/Qwen3-8B`); neither: MODEL005 names the checks that are off."""
     backend: Literal["automodel", "hf"] = "automodel"
     """Training backend: NVIDIA AutoModel custom implementation, or plain HF transformers (the fallback)."""
     attn: AttnImpl = "flash_attention_2"

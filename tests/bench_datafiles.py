@@ -1,4 +1,4 @@
-"""Counting rows at compile time (molt_compile/datafiles.py: file headers only, no datasets/pyarrow) against the
+"""Counting rows at compile time (schemas/datafiles.py: file headers only, no datasets/pyarrow) against the
 libraries a user would otherwise call, on the same files: a 200k-row parquet file (many row groups), a 200k-row
 save_to_disk directory (several shards) and a 200k-line JSONL file; plus the bounded row scan of that JSONL.
 
@@ -31,7 +31,7 @@ def run() -> dict:
     import pyarrow.parquet as pq
     import_s = time.perf_counter() - t
 
-    from molt_compile import datafiles
+    from schemas import datafiles
 
     rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}? Think step by step."}],
              "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(ROWS)]

@@ -97,7 +97,9 @@ def test_vlm_and_mtp_detected():
 
 def test_resolve_model_prefers_arch_then_local_config(tmp_path):
     assert resolve_model({"path": "anything", "arch": "qwen3-8b"}, None) is MODELS["qwen3-8b"]
-    assert resolve_model({"path": "Qwen/Qwen3-8B", "arch": None}, tmp_path) is None  # hub name: unknown here
+    hub = resolve_model({"path": "Qwen/Qwen3-8B", "arch": None}, tmp_path)  # a catalog hub id: its row (issue 30)
+    assert hub is not None and hub.key == "qwen3-8b" and "hub id" in hub.source
+    assert resolve_model({"path": "someone/Unknown-7B", "arch": None}, tmp_path) is None  # a hub id it does not hold
     d = tmp_path / "m"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8,

@@ -1,4 +1,4 @@
-"""molt_compile/datafiles.py: row counts and columns from file headers (no datasets/pyarrow in the compiler), checked
+"""schemas/datafiles.py: row counts and columns from file headers (no datasets/pyarrow in the compiler), checked
 against what `datasets` itself loads, and the bounded row scan of JSON/JSONL files."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from molt_compile import datafiles
-from molt_compile.datafiles import scan_json_rows, source_facts
+from schemas import datafiles
+from schemas.datafiles import scan_json_rows, source_facts
 
 ROWS = [{"prompt": [{"role": "user", "content": f"q{i}"}], "reward_model": {"ground_truth": str(i), "style": "rule"},
          "n": i, "flags": [True, False, i % 2 == 0], "meta": {"tags": ["a"] * (i % 3)}} for i in range(500)]
@@ -75,7 +75,7 @@ def test_broken_and_unknown_sources_say_why(tmp_path):
     (tmp_path / "plain").mkdir()
     assert source_facts(str(tmp_path / "plain"), "train").rows is None
     (tmp_path / "x.csv").write_text("a\n1\n")
-    assert "counted at run time" in source_facts(str(tmp_path / "x.csv"), "train").how
+    assert "not a local json" in source_facts(str(tmp_path / "x.csv"), "train").how
 
 
 def test_json_scan_finds_bad_rows_missing_columns_and_empty_prompts(tmp_path):

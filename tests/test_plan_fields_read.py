@@ -1,7 +1,8 @@
 """Every field of the plan is read by the runtime, refused by a capability row, or on the justified list below
 (issue 13.7: keys that were accepted and read nowhere).
 
-"Read by the runtime": the field's name is accessed as an attribute somewhere under runtime/ (an AST walk; a
+"Read by the runtime": the field's name is accessed as an attribute somewhere under runtime/ or in schemas/schedule.py
+(which the job runs at its start) (an AST walk; a
 coarse test by name, which is what makes a field that nothing reads stand out). "Refused": a row of
 schemas/capabilities.py whose `asks` reads it (a plan asking for it does not compile: CAP001).
 """
@@ -89,7 +90,8 @@ NOT_FOR_THE_RUNTIME = {
 
 def _runtime_attribute_names() -> set[str]:
     names: set[str] = set()
-    for path in (ROOT / "runtime").rglob("*.py"):
+    # schemas/schedule.py runs in the job (runtime/datasource.derive_at_start): the values the compiler deferred
+    for path in [*(ROOT / "runtime").rglob("*.py"), ROOT / "schemas" / "schedule.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):
                 names.add(node.attr)

@@ -77,7 +77,7 @@ def test_explain_smoke_shows_each_change_and_why():
 
 
 def test_unreadable_data_names_the_key_and_the_fix():
-    # The eval set: unreadable training prompts cannot be counted, which the capability table refuses (rl-data-format).
+    # The eval set (unreadable training prompts get the same verdict: a smoke run needs rows here, not at job start).
     verdict, _, _ = prepare(Path("recipes/demo_math.yaml"), ("eval.dataset=/nonexistent/eval.jsonl",), ROOT)
     assert verdict.status == "failed" and verdict.phase == "data"
     assert "`eval.dataset` (/nonexistent/eval.jsonl) is not readable" in verdict.detail

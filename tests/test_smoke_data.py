@@ -44,7 +44,7 @@ def test_the_recipe_compiles_on_its_smoke_dataset(path, monkeypatch):
     if (recipe.kind == "sft" and d.image_key) or (recipe.kind == "rl" and d.max_images_per_prompt > 0):
         row_keys.add(d.image_key)
     dataset = d.dataset if recipe.kind == "sft" else d.prompts
-    from molt_compile.datafiles import source_facts
+    from schemas.datafiles import source_facts
 
     assert row_keys - {None} <= set(source_facts(dataset, d.split).columns)
 

@@ -280,3 +280,9 @@ def agent_env(r: RlRecipe, d: Derived) -> dict[str, str]:
     env = dict(r.agent.env) if r.agent is not None else {}
     env["MAX_AGENT_TURNS"] = str(d.value("agent.max_turns"))
     return env
+
+
+def count_at_start(model, derived):
+    """What the job derives its schedule from when the compiler could not count the rows (DATA010), else None."""
+    inputs = derived.value("data.count_at_start", None)
+    return None if inputs is None else model(**inputs)

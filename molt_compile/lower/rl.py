@@ -15,6 +15,7 @@ from molt_compile.lower.common import (
     batching_fields,
     ckpt_plan,
     cluster_plan,
+    count_at_start,
     derived_entries,
     diag,
     logging_plan,
@@ -42,6 +43,7 @@ from schemas.plan import (
     Plan,
     QueuePlan,
     RefPlan,
+    RlCountInputs,
     RlDataPlan,
     RlRuntime,
     SamplingPlan,
@@ -241,6 +243,7 @@ def _data(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlDataPlan:
         max_samples=dt.max_samples,
         dataloader_num_workers=dt.dataloader_num_workers,
         prompt_count=d.value("data.prompt_count"),
+        count_at_start=count_at_start(RlCountInputs, d),
     )
 
 

@@ -8,6 +8,7 @@ from molt_compile.lower.common import (
     batching_fields,
     ckpt_plan,
     cluster_plan,
+    count_at_start,
     derived_entries,
     diag,
     instance,
@@ -26,6 +27,7 @@ from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,
     Plan,
     RolePlan,
+    SftCountInputs,
     SftDataPlan,
     SftRuntime,
     SftSchedulePlan,
@@ -175,6 +177,7 @@ def _data(r: SftRecipe, d: Derived, source: SourceMap | None) -> SftDataPlan:
         max_samples=dt.max_samples,
         dataloader_num_workers=dt.dataloader_num_workers,
         sample_count=d.value("data.sample_count"),
+        count_at_start=count_at_start(SftCountInputs, d),
     )
 
 

@@ -1,7 +1,7 @@
 """The rows of local data files (molt_rules.md L2, A4; issue 13): they parse, hold the recipe's columns, and have
 prompts.
 
-Files are read with `molt_compile/datafiles.py` (no datasets/pyarrow): JSON/JSONL rows are parsed within a budget of
+Files are read with `schemas/datafiles.py` (no datasets/pyarrow): JSON/JSONL rows are parsed within a budget of
 `SCAN_BYTES` per file (the message says when a check stopped early); parquet, arrow and save_to_disk sources give
 their columns from their headers. Files that are not visible here (cluster paths, hub datasets) are not read.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from molt_compile.datafiles import SCAN_BYTES, scan_json_rows, source_facts
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, path_base
+from molt_compile.rules._base import diag, dv, path_base
 from molt_compile.source import SourceMap
+from schemas.datafiles import SCAN_BYTES, scan_json_rows, source_facts
 from schemas.recipe import RlRecipe, SftData, SftRecipe
 
 
@@ -212,3 +212,49 @@ def data_prompt_empty(recipe: RlRecipe | SftRecipe, derived: Derived, source: So
                 "drop or fill those rows",
                 ["data.input_key"],
             )
+
+
+def data_counted_at_job_start(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    The training data (RL `data.prompts`, SFT `data.dataset`) cannot be counted on the compiling machine: a path
+    that exists only on the cluster, or a hub dataset name. The recipe compiles; this warning names what is
+    deferred to the job's start.
+
+    ## Why it matters
+    The run's step count and its LR schedule's length (warmup and decay steps) follow from the number of rows
+    (Molt B10, B11, M6), and the checks DATA006-DATA009 and BATCH009 read the rows. The plan carries what the job
+    needs (`data.count_at_start`): at start the job counts the rows and derives those values with the compiler's own
+    function (`schemas/schedule.py`), prints them, and refuses 0 steps (BATCH009); a bad row is reported, with its
+    line, when the job reads it.
+    Compiling where the data is (for example `--submit` from a machine that holds it) derives them here instead.
+
+    ## Example
+    ```yaml
+    data: {prompts: /lustre/datasets/math/train.jsonl}   # only on the cluster
+    ```
+
+    ## Use instead
+    ```yaml
+    data: {prompts: data/prompts.jsonl}   # or compile where the data is: counted and checked now
+    ```
+
+    ## References
+    molt_rules.md B10, B11, M6; issue 30
+    """
+    if dv(derived, "data.count_at_start") is None:
+        return
+    key, count = (
+        ("data.dataset", "data.sample_count") if recipe.kind == "sft" else ("data.prompts", "data.prompt_count")
+    )
+    why = derived[count].reason
+    yield diag(
+        source,
+        key,
+        f"{why}: the job counts the rows at its start; deferred until then: the step count (train.total_steps), "
+        "the LR schedule's length (warmup and scheduler steps) and the checks that read the rows "
+        "(DATA006-DATA009, BATCH009)",
+        "nothing to do when the data is on the cluster (the job derives and prints these values at start); to check "
+        "them now, compile where the data is",
+    )

@@ -341,3 +341,47 @@ def unknown_model_arch(recipe: RlRecipe | SftRecipe, derived: Derived, source: S
             (f"did you mean {close[0]!r}? " if close else "") + "or remove model.arch to read "
             "<model.path>/config.json; `molt-compile explain` lists the catalog",
         )
+
+
+SHAPE_CHECKS = (
+    "tensor-parallel head splits (PAR006, VLLM009), MoE and expert checks (MOE006, MOE007, MOE011, MOE012, MOE014, "
+    "DEAD005, LORA003), the memory estimate (MEM001-MEM005), and the backend, packing and VLM checks (PAR004, "
+    "PACK002-PACK004, MODEL001-MODEL003, DATA004, DEAD009, LORA004)"
+)
+"""The rules that read the model's shape (`model_facts`): silent when it is unknown."""
+
+
+def model_shape_unknown(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `model.arch` is not set and the model's shape cannot be read at all: `model.path` has no readable config.json
+    here (a cluster path) and is not the hub id of a catalog row (`molt-compile catalog models`; `Qwen/Qwen3-8B` is
+    the `qwen3-8b` row).
+
+    ## Why it matters
+    Every check that needs the model's heads, experts, parameters or architecture is off then, and a recipe that
+    would fail on the cluster (a TP size that does not split the heads, expert parallelism on a dense model, a
+    model that does not fit) compiles clean. The warning names those checks instead of implying they passed.
+
+    ## Example
+    ```yaml
+    model: {path: /lustre/models/my-qwen3-8b-sft, arch: null}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: /lustre/models/my-qwen3-8b-sft, arch: qwen3-8b}
+    ```
+
+    ## References
+    schemas/catalog.py, molt_compile/model_facts.py; issue 30
+    """
+    if recipe.model.arch is None and model_facts(recipe, source) is None:
+        yield diag(
+            source,
+            "model.path",
+            f"model.path {recipe.model.path}: no config.json is readable here and it is not a catalog hub id, and "
+            f"model.arch is not set: these checks are off: {SHAPE_CHECKS}",
+            "set model.arch to the catalog key of its architecture (`molt-compile catalog models`), or compile where "
+            "the checkpoint is",
+            ["model.arch"],
+        )

@@ -48,7 +48,7 @@ def source_facts(path: str, split: str) -> SourceFacts:
     try:
         st = p.stat()
     except FileNotFoundError:
-        return SourceFacts(None, "not on this machine (counted at run time)")
+        return SourceFacts(None, "not on this machine (a hub name, or a path elsewhere)")
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         return SourceFacts(None, f"not readable at compile time ({getattr(exc, 'strerror', None) or exc})")
     return _facts(str(p.resolve()), split, st.st_size, st.st_mtime_ns, p.is_dir())
@@ -80,7 +80,7 @@ def _facts(path: str, split: str, size: int, mtime: int, is_dir: bool) -> Source
             return SourceFacts(n, "arrow record batches", arrow_cols)
     except (OSError, ValueError, struct.error, IndexError, KeyError, TypeError) as exc:
         return SourceFacts(None, f"cannot be read at compile time ({exc})")
-    return SourceFacts(None, "not a local json/jsonl/parquet/arrow file or save_to_disk dir (counted at run time)")
+    return SourceFacts(None, "not a local json/jsonl/parquet/arrow file or save_to_disk dir")
 
 
 def _dir_facts(p: Path, split: str) -> SourceFacts:
