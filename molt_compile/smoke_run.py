@@ -309,13 +309,12 @@ def run_smokes(
                 for key, amount in plan.cluster.node_resources.items():
                     resources[key] = max(resources.get(key, 0.0), amount)
             root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
-            cluster = submit.LocalCluster(rl_plans[0], {}, resources, cwd=root)
             say(
                 f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
                 f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})"
             )
-            cluster.start()
-            cluster.wait_ready(root / submit.write_plan_file(rl_plans[0], root), root, 600)
+            plan_file = root / submit.write_plan_file(rl_plans[0], root)
+            cluster = submit.start_local_cluster(rl_plans[0], {}, root, plan_file, 600, resources)
         for verdict, sp, phases in runnable:
             say(f"smoke {verdict.recipe}: running 2 phases ({sp.kind}) ...")
             run_phases(verdict, sp, phases, cluster)
