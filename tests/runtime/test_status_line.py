@@ -75,16 +75,17 @@ def test_plain_line_per_step_when_not_a_terminal(tmp_path, capsys):
     assert out[2].startswith("summary: 2 of 2 steps")
 
 
-def test_vllm_info_goes_to_the_file_warnings_to_the_terminal(tmp_path, capsys):
+def test_vllm_info_and_warnings_go_to_the_file_errors_also_to_the_terminal(tmp_path, capsys):
     env = vllm_logging_env(tmp_path / "logs", "engine-0")
     logging.config.dictConfig(json.loads(open(env["VLLM_LOGGING_CONFIG_PATH"]).read()))
     log = logging.getLogger("vllm.engine")
     log.info("reloading weights")
-    log.warning("Failed to load weights")
+    log.warning("The CPU backend does not support chunked prefill; it is disabled")
+    log.error("Failed to load weights")
     text = (tmp_path / "logs" / "engine-0.log").read_text()
-    assert "reloading weights" in text and "Failed to load weights" in text
+    assert "reloading weights" in text and "chunked prefill" in text and "Failed to load weights" in text
     err = capsys.readouterr().err
-    assert "Failed to load weights" in err and "reloading weights" not in err
+    assert "Failed to load weights" in err and "reloading weights" not in err and "chunked prefill" not in err
     logging.getLogger("vllm").handlers.clear()
 
 
