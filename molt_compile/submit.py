@@ -8,7 +8,7 @@ submitting, the cluster is checked against the plan (`/api/v0/nodes`: alive node
 Without one (the default for a new user): a local Ray cluster sized from the plan (`ray start --head` with the
 plan's node resources, free ports, its own temp dir and auth token), the same readiness barrier as the Slurm script
 (`python -m runtime.preflight`), then the entrypoint as a child process connected to it; the cluster is stopped
-at the end. A child process rather than a local Jobs API submission: no dashboard or job supervisor to start
+at the end. A head that dies or is not ready while starting is started again (START_ATTEMPTS, fresh ports). A child process rather than a local Jobs API submission: no dashboard or job supervisor to start
 (~0.7 GB and ~7 s on a small machine), no upload of the project (the job runs in place and writes its outputs
 where the recipe says), the terminal shows the runtime's own progress display, Ctrl-C reaches the job directly,
 and its exit status is the job's.
