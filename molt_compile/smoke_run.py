@@ -85,8 +85,7 @@ class Verdict:
             return ""
         budget = f"{self.max_new_tokens} new tokens" if self.max_new_tokens else "the smoke's new-token budget"
         return (f"rewards 0 with every rollout truncated: {budget} (rollout.max_new_tokens) cannot reach the "
-                "answer format, and the model is random; the smoke checks that the pipeline runs, the real run "
-                "checks the rewards")
+                "answer format; a smoke checks the pipeline, not the rewards")
 
 
 # ---------------------------------------------------------------------------------------------------- compile
@@ -175,12 +174,15 @@ LINE_WIDTH = 120
 
 def progress_line(line: str, prefix: str) -> str | None:
     """`prefix` + the job's line when it is one to show (a finished step, an eval round, the resume, the end),
-    clipped to LINE_WIDTH; else None."""
+    clipped in its middle to LINE_WIDTH (a path's start and end say the most); else None."""
     line = line.strip()
     if not PROGRESS.match(line):
         return None
     room = LINE_WIDTH - len(prefix)
-    return prefix + (line if len(line) <= room else line[: room - 3] + "...")
+    if len(line) > room:
+        head = (room - 5) // 2
+        line = f"{line[:head]} ... {line[len(line) - (room - 5 - head):]}"
+    return prefix + line
 
 
 def run_logged(argv: list[str], env: dict[str, str], cwd: Path, log: Path, prefix: str, say) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,10 +132,11 @@ def test_a_smoke_phase_shows_its_steps_as_the_job_logs_them(tmp_path, monkeypatc
     assert status == 0 and log.read_text() == PHASE2_OUTPUT
     assert said[0].startswith("smoke demo_math.yaml phase 2: starting the roles")  # the heartbeat before output
     shown = [line.removeprefix("smoke demo_math.yaml phase 2: ") for line in said[1:]]
-    assert [line.split("  ")[0] for line in shown] == [
-        "resumed from runs/demo-math-smoke/ckpt/state/step_000001 at step 1", "step 2/2", "eval at step 2/2",
-        "finished at step 2: prompts consumed 4 (trained 4, dropped 0: {}) in the 2 steps of the..."]
-    assert all(len(line) <= 120 for line in said)
+    assert [line.split("  ")[0] for line in shown[:3]] == [
+        "resumed from runs/demo-math-smoke/ckpt/state/step_000001 at step 1", "step 2/2", "eval at step 2/2"]
+    assert len(shown) == 4 and shown[3].startswith("finished at step 2: prompts consumed 4 (")
+    assert " ... " in shown[3] and shown[3].endswith("clipped at the terminal's 120 columns")  # start and end
+    assert all(len(line) <= 120 for line in said) and len(said[-1]) == 120
 
 
 # ---------------------------------------------------------------------------------------------------- slow
@@ -178,5 +180,14 @@ def test_a_recipe_outside_the_repository_smoke_runs_from_another_directory(tmp_p
                           capture_output=True, text=True, cwd=elsewhere, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "smoke math.yaml: PASSED" in proc.stdout and "resumed yes" in proc.stdout
-    assert (elsewhere / "runs" / "smoke" / "outside-math-smoke" / "phase2.log").is_file()
-    assert not (ROOT / "runs" / "smoke" / "outside-math-smoke").exists()
+    out = elsewhere / "runs" / "outside-math-smoke"  # every output of it, in one directory
+    assert {"phase1.log", "phase2.log", "metrics.jsonl", "metrics.png", "ckpt"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in (elsewhere / "runs").iterdir()] == ["outside-math-smoke"]
+    assert not (ROOT / "runs" / "outside-math-smoke").exists()
+    # While it ran: each phase, its steps (the hf engine's KL named as such), then the verdict.
+    err = proc.stderr
+    assert "smoke math.yaml phase 1: train step 1 and checkpoint (log: " in err
+    assert re.search(r"smoke math\.yaml phase 1: step 1/\d+  reward .*  hf kl ", err), err[-3000:]
+    assert "smoke math.yaml phase 2: resumed from " in err and "phase 2: step 2/2  reward " in err, err[-3000:]
+    progress = [line for line in err.splitlines() if line.startswith("smoke math.yaml phase") and "(log: " not in line]
+    assert len(progress) >= 6 and all(len(line) <= 120 for line in progress), err
