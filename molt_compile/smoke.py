@@ -89,7 +89,7 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     name = f"{recipe.name}-smoke"[:63]
     job_root = getattr(source, "job_root", None)
     root = (work_root or (Path(job_root) if job_root else Path.cwd())).resolve()
-    work = root / "runs" / "smoke" / name
+    work = root / "runs" / name  # = the plan's logging.out_dir: every output of the smoke run in one directory
     out: list[Change] = []
 
     def change(key: str, old: Any, new: Any, why: str) -> None:
@@ -102,7 +102,7 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
         spec = {"architecture": "own", "path": str(own)}
         notes = [f"model: the recipe's own VLM ({own}) is already CPU-sized: it runs as it is"]
     model_dir = own if own is not None else cache_dir() / "smoke-models" / _digest(spec)
-    change("name", recipe.name, name, "its own name: own fingerprint, outputs under runs/smoke/")
+    change("name", recipe.name, name, "its own name: own fingerprint, outputs under runs/<name>/")
     world = 2 if _world(recipe) >= 2 else 1
     _model(change, recipe, str(model_dir), own is not None)
     if recipe.kind == "sft":

@@ -40,6 +40,10 @@ class Verdict:
     drops: dict[str, int] = field(default_factory=dict)
     resumed: bool = False
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    truncated: list[float] = field(default_factory=list)
+    """rollout/truncated_rate per step (RL)."""
+    max_new_tokens: int | None = None
+    """The smoke's new-token budget per rollout (RL)."""
     seconds: float = 0.0
     log: str = ""
     compile_result: CompileResult | None = None
@@ -63,12 +67,25 @@ class Verdict:
                 f"{'yes' if self.resumed else 'NO'})",
                 f"  tokens trained: {self.tokens:.0f}; {self.per_step} per step: {rewards}",
                 f"  dropped: {self.drops or 'none'}; eval: {ev}",
+                *(f"  note: {n}" for n in [self.reward_note()] if n),
                 f"  logs: {self.log}",
             ]
         out = [f"{head} at {self.phase}: {self.detail}", *(f"  note: {n}" for n in self.notes)]
         if self.log:
             out.append(f"  log: {self.log}")
         return out
+
+
+    def reward_note(self) -> str:
+        """Why every reward is 0 when every rollout was cut by the smoke's short new-token budget: the random
+        model's text cannot reach the answer format in that many tokens, so the rewards say nothing here."""
+        if self.per_step != "rewards" or not self.rewards or any(r != 0 for r in self.rewards):
+            return ""
+        if not self.truncated or min(self.truncated) < 1.0:
+            return ""
+        budget = f"{self.max_new_tokens} new tokens" if self.max_new_tokens else "the smoke's new-token budget"
+        return (f"rewards 0 with every rollout truncated: {budget} (rollout.max_new_tokens) cannot reach the "
+                "answer format; a smoke checks the pipeline, not the rewards")
 
 
 # ---------------------------------------------------------------------------------------------------- compile
@@ -147,8 +164,62 @@ def build_model(sp: SmokePlan) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- run
-def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult], cluster: Any | None) -> Verdict:
-    """Run phase 1 then phase 2 of one smoke recipe (on `cluster`, a running LocalCluster, for RL plans)."""
+PHASES = {1: "train step 1 and checkpoint", 2: "resume, step 2, eval"}
+PROGRESS = re.compile(r"^(step \d+/\d+ |eval at step \d+/\d+ |resumed from |checkpointed step |(sft )?\w+ at step \d+: |"
+                      r"run (failed|aborted)|sft failed)")
+"""The job's lines that a smoke run repeats on the terminal while it runs (its whole output goes to the log)."""
+HEARTBEAT_S = 30.0
+LINE_WIDTH = 120
+
+
+def progress_line(line: str, prefix: str) -> str | None:
+    """`prefix` + the job's line when it is one to show (a finished step, an eval round, the resume, the end),
+    clipped in its middle to LINE_WIDTH (a path's start and end say the most); else None."""
+    line = line.strip()
+    if not PROGRESS.match(line):
+        return None
+    room = LINE_WIDTH - len(prefix)
+    if len(line) > room:
+        head = (room - 5) // 2
+        line = f"{line[:head]} ... {line[len(line) - (room - 5 - head):]}"
+    return prefix + line
+
+
+def run_logged(argv: list[str], env: dict[str, str], cwd: Path, log: Path, prefix: str, say) -> int:
+    """Run `argv` with its output into `log`; say its progress lines as they come, and how long it has run after
+    HEARTBEAT_S without one (the roles' start-up takes minutes on a small machine). Its exit status."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    t0 = last = time.monotonic()
+    pending, stepped = "", False
+    try:
+        with log.open(errors="replace") as reader:
+            while True:
+                done = proc.poll() is not None
+                *lines, pending = (pending + reader.read()).split("\n")
+                for line in lines + ([pending] if done else []):
+                    shown = progress_line(line, prefix)
+                    if shown:
+                        say(shown)
+                        last, stepped = time.monotonic(), True
+                if done:
+                    return proc.returncode
+                if time.monotonic() - last >= HEARTBEAT_S:
+                    what = "training" if stepped else "starting the roles (engines, trainer ranks, runners)"
+                    say(f"{prefix}{what}, {time.monotonic() - t0:.0f} s so far")
+                    last = time.monotonic()
+                time.sleep(1.0)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def run_phases(
+    verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult], cluster: Any | None, say=None
+) -> Verdict:
+    """Run phase 1 then phase 2 of one smoke recipe (on `cluster`, a running LocalCluster, for RL plans), saying
+    their progress through `say`."""
     import shutil
 
     from molt_compile import submit
@@ -173,14 +244,14 @@ def run_phases(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]
         else:
             assert cluster is not None, "RL smoke runs share the local Ray cluster run_smokes starts"
             argv, env = submit.entrypoint_command(plan, plan_file, local=True), cluster.env
-        with log.open("w") as f:
-            status = subprocess.run(
-                argv, env=env, cwd=root, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            ).returncode
+        prefix = f"smoke {verdict.recipe} phase {k}: "
+        if say is not None:
+            say(f"{prefix}{PHASES[k]} (log: {log})")
+        status = run_logged(argv, env, root, log, prefix, say or (lambda line: None))
         text = log.read_text(errors="replace")
         if status != 0:
             actor, key = blame(text)
-            verdict.phase = f"phase {k} ({'train step 1 and checkpoint' if k == 1 else 'resume, step 2, eval'})"
+            verdict.phase = f"phase {k} ({PHASES[k]})"
             verdict.detail = f"the job exited {status}: {_failure_line(text)} — likely {actor} ({key})"
             verdict.log = str(log)
             return verdict
@@ -210,6 +281,9 @@ def _read_metrics(verdict: Verdict, sp: SmokePlan, plan: Any) -> Verdict:
     metric = "rollout/reward_mean" if plan.kind == "rl" else "train/loss"
     verdict.per_step = "rewards" if plan.kind == "rl" else "train loss"
     verdict.rewards = [float(r[metric]) for r in train if metric in r]
+    verdict.truncated = [float(r["rollout/truncated_rate"]) for r in train if "rollout/truncated_rate" in r]
+    if plan.kind == "rl":
+        verdict.max_new_tokens = plan.rl.sampling.max_new_tokens
     verdict.eval_metrics = {
         k: float(v) for r in rows for k, v in r.items() if k.startswith("eval/") and isinstance(v, (int, float))
     }
@@ -309,22 +383,21 @@ def run_smokes(
                 for key, amount in plan.cluster.node_resources.items():
                     resources[key] = max(resources.get(key, 0.0), amount)
             root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
-            cluster = submit.LocalCluster(rl_plans[0], {}, resources, cwd=root)
             say(
                 f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
                 f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})"
             )
-            cluster.start()
-            cluster.wait_ready(root / submit.write_plan_file(rl_plans[0], root), root, 600)
+            plan_file = root / submit.write_plan_file(rl_plans[0], root)
+            cluster = submit.start_local_cluster(rl_plans[0], {}, root, plan_file, 600, resources)
         for verdict, sp, phases in runnable:
             say(f"smoke {verdict.recipe}: running 2 phases ({sp.kind}) ...")
-            run_phases(verdict, sp, phases, cluster)
+            run_phases(verdict, sp, phases, cluster, say)
             if announce:
                 say("\n".join(verdict.lines()))
     except submit.LaunchError as err:
         for verdict, _, _ in runnable:
             if not verdict.phase:
-                verdict.phase, verdict.detail = "cluster", err.message
+                verdict.phase, verdict.detail = "cluster", err.message + (f"; {err.help}" if err.help else "")
     finally:
         if cluster is not None:
             cluster.stop(keep_logs=not all(v.ok for v, _, _ in runnable))

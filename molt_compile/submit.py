@@ -8,7 +8,7 @@ submitting, the cluster is checked against the plan (`/api/v0/nodes`: alive node
 Without one (the default for a new user): a local Ray cluster sized from the plan (`ray start --head` with the
 plan's node resources, free ports, its own temp dir and auth token), the same readiness barrier as the Slurm script
 (`python -m runtime.preflight`), then the entrypoint as a child process connected to it; the cluster is stopped
-at the end. A child process rather than a local Jobs API submission: no dashboard or job supervisor to start
+at the end. A head that dies or is not ready while starting is started again (START_ATTEMPTS, fresh ports). A child process rather than a local Jobs API submission: no dashboard or job supervisor to start
 (~0.7 GB and ~7 s on a small machine), no upload of the project (the job runs in place and writes its outputs
 where the recipe says), the terminal shows the runtime's own progress display, Ctrl-C reaches the job directly,
 and its exit status is the job's.
@@ -51,6 +51,8 @@ from schemas.plan import PLAN_FILE_PLACEHOLDER, Plan
 ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)\}")
 PLANS_DIR = Path(".molt") / "plans"
 LAUNCH_FAILED = 2
+START_ATTEMPTS = 3
+"""Starts of a local Ray head before giving up (the Slurm script's `ray start` tries as often)."""
 EPS = 1e-9
 
 
@@ -489,22 +491,19 @@ class LocalCluster:
                 pre.terminate()
                 pre.wait()
                 raise LaunchError(
-                    f"the local Ray head exited with status {self.proc.returncode} while starting; "
-                    f"its log ends with:\n{self._log_tail()}"
+                    f"the head exited with status {self.proc.returncode} while starting: {head_failure(self._log())}"
                 )
             time.sleep(0.5)
         if pre.returncode != 0:
-            raise LaunchError(
-                f"the local Ray cluster did not get ready (preflight exited {pre.returncode}); head log {self.log}"
-            )
+            raise LaunchError(f"it was not ready within {timeout_s:g} s (preflight exited {pre.returncode})")
 
-    def _log_tail(self, n: int = 15) -> str:
+    def _log(self) -> str:
         try:
-            return "\n".join("    " + line for line in self.log.read_text().splitlines()[-n:])
+            return self.log.read_text(errors="replace")
         except OSError:
-            return "    (no log)"
+            return ""
 
-    def stop(self, keep_logs: bool) -> None:
+    def stop(self, keep_logs: bool, quiet: bool = False) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -513,9 +512,56 @@ class LocalCluster:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         if keep_logs:
-            _say(f"Ray logs kept in {self.temp_dir}")
+            if not quiet:
+                _say(f"Ray logs kept in {self.temp_dir}")
         else:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def head_failure(log: str) -> str:
+    """One line for why `ray start --head` failed, from its output: the exception of its traceback (its last
+    `...Error: ...` / `...Exception: ...` line), else its last line; never the traceback."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b:?", line)]
+    line = (errors or lines or ["(no output)"])[-1]
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def start_local_cluster(
+    plan: Plan,
+    env: dict[str, str],
+    root: Path,
+    plan_file: Path,
+    timeout_s: float,
+    resources: dict[str, float] | None = None,
+    attempts: int = START_ATTEMPTS,
+) -> LocalCluster:
+    """A ready local cluster for `plan`, started up to `attempts` times: on a loaded machine `ray start --head` may
+    die in its own start-up deadline (the raylet's registration with the GCS has 30 s, Ray's constant) or not get
+    ready in time; each retry takes fresh ports and a fresh temp dir (as the Slurm script's retries of `ray start`).
+    A start that still fails is a LaunchError saying what to do, with the head's logs kept."""
+    for attempt in range(1, attempts + 1):
+        cluster = LocalCluster(plan, env, resources, cwd=root)
+        try:
+            cluster.start()
+            cluster.wait_ready(plan_file, root, timeout_s)
+            return cluster
+        except LaunchError as err:
+            last = attempt == attempts
+            cluster.stop(keep_logs=last, quiet=True)
+            if last:
+                raise LaunchError(
+                    f"the local Ray cluster did not start in {attempts} attempts; the last one: {err.message}",
+                    "Ray's start-up deadlines are too short for this machine's load now: wait until it is less busy "
+                    "(`uptime`) and submit again; a head that was not ready in time also waits longer with "
+                    f"--set launch.slurm.ready_timeout_s=SECONDS. The head's logs: {cluster.temp_dir}",
+                ) from None
+            _say(f"the local Ray head did not start ({err.message}); retrying with fresh ports "
+                 f"(attempt {attempt + 1} of {attempts}) ...")
+        except BaseException:
+            cluster.stop(keep_logs=False, quiet=True)
+            raise
+    raise AssertionError("unreachable")
 
 
 def run_local(plan: Plan, root: Path | None = None) -> int:
@@ -525,15 +571,14 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
     plan_file = write_plan_file(plan, root)
     if plan.kind == "sft":
         return _run_local_torchrun(plan, plan_file, root, env)
-    cluster = LocalCluster(plan, env, cwd=root)
     res = ", ".join(f"{k} {v:g}" for k, v in sorted(plan.cluster.node_resources.items()))
     status = LAUNCH_FAILED
     t0 = time.monotonic()
+    cluster: LocalCluster | None = None
     try:
         _say(f"starting a local Ray cluster for {plan.name} ({res}) ...")
-        cluster.start()
         timeout = float(((plan.recipe.get("launch") or {}).get("slurm") or {}).get("ready_timeout_s", 600))
-        cluster.wait_ready(plan_file, root, timeout)
+        cluster = start_local_cluster(plan, env, root, plan_file, timeout)
         argv = entrypoint_command(plan, plan_file, local=True)
         _say(f"cluster ready in {time.monotonic() - t0:.1f} s; running {shlex.join(argv)}")
         # Its own session, and SIGTERM when we die: a signal reaches it once, from us, and a killed launcher never
@@ -558,8 +603,9 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
         status = 130
         return status
     finally:
-        _say("stopping the local Ray cluster")
-        cluster.stop(keep_logs=status != 0)
+        if cluster is not None:
+            _say("stopping the local Ray cluster")
+            cluster.stop(keep_logs=status != 0)
 
 
 def torchrun_argv(plan: Plan, plan_file: Path) -> list[str]:

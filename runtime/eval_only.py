@@ -32,7 +32,7 @@ def run_eval_only(plan: Plan, sup: Supervisor, started: Started, *, live: bool =
     rl = plan.rl
     out_dir = Path(rl.logging.out_dir)
     sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir else None, 1, live,
-                       append=False, wandb=rl.logging.wandb, config=plan.recipe)
+                       append=False, wandb=rl.logging.wandb, config=plan.recipe, engine=rl.engines.kind)
     started.sink = sink
     with sup.phase("placement groups", "the Ray cluster", "cluster"):
         pgs = create_placement_groups(plan, sup)

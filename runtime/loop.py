@@ -122,7 +122,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
             drop_records_after(out_dir / name, resume_from[1]["step"])
     sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
                        else None, rl.schedule.total_steps, live, append=resume_from is not None,
-                       wandb=rl.logging.wandb, config=plan.recipe)
+                       wandb=rl.logging.wandb, config=plan.recipe, engine=rl.engines.kind)
     started.sink = sink
     prompts_log = (out_dir / PROMPTS_LOG).open("a" if resume_from is not None else "w")
     started.files.append(prompts_log)

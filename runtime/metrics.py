@@ -151,12 +151,19 @@ def is_documented(key: str) -> bool:
     return any(p.match(key) for p in _PATTERNS)
 
 
+LINE_WIDTH = 120
+"""The widest line a run prints per step (a 120-column terminal shows each on one line)."""
+LIVE_STATUS_WIDTH = 60
+"""The live bar's status text: with `step N/T`, the bar and the elapsed time it stays under LINE_WIDTH."""
+
+
 class MetricsSink:
-    """metrics.jsonl (one JSON object per record, always), TensorBoard and W&B (when configured), and a rich live
-    line."""
+    """metrics.jsonl (one JSON object per record, always), TensorBoard and W&B (when configured), and what the
+    terminal shows: one line per finished step or eval round (a history that stays on screen and in any log), and
+    on a terminal (`live`) a short progress bar under them with the run's current status."""
 
     def __init__(self, out_dir: Path, tensorboard_dir: Path | None, total_steps: int, live: bool, append: bool,
-                 wandb: dict | None, config: dict):
+                 wandb: dict | None, config: dict, engine: str | None = None, console=None):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
         self._file = open(self.path, "a" if append else "w")  # a resumed run continues its record
@@ -170,11 +177,12 @@ class MetricsSink:
         if live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[line]}"))
+            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(bar_width=20),
+                                      TimeElapsedColumn(), TextColumn("{task.fields[line]}", markup=False),
+                                      console=console)
             self._task = self._progress.add_task("train", total=total_steps, line="starting engines and trainer...")
             self._progress.start()
-        self._status = StatusLine(total_steps)
+        self._status = StatusLine(total_steps, engine)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
@@ -186,15 +194,21 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.log(step, metrics)
         line = self._status.update(step, metrics)
+        if line:  # one line per record that has something to say, above the live bar (or plain: a Ray job's log)
+            self._print(f"{'step' if 'timing/step_total' in metrics else 'eval at step'} {step}/{self._status.total}"
+                        f"  {line}")
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, line=line)
-        elif line:  # not a terminal (a Ray job's log, a file, CI): one plain line per record that has something to say
-            print(f"{'step' if 'timing/step_total' in metrics else 'eval at step'} {step}/{self._status.total}  "
-                  f"{line}", flush=True)
+            self._progress.update(self._task, completed=self._status.step, line=self._status.eta_text)
+
+    def _print(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(text, flush=True)
 
     def status(self, line: str) -> None:
         if self._progress is not None:
-            self._progress.update(self._task, line=line)
+            self._progress.update(self._task, line=clip(line, LIVE_STATUS_WIDTH))
 
     def close(self) -> None:
         if self._progress is not None:
@@ -207,6 +221,10 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.close()
         self._file.close()
+
+
+def clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 class WandbRun:
@@ -260,8 +278,11 @@ class StatusLine:
     """The one line per step a run shows: reward, pass@1, eval pass@1 (last round), KL, step time, ETA, and which side
     of the pipeline waited (rollout = the engines idled for a queue slot, trainer = it idled for a batch)."""
 
-    def __init__(self, total_steps: int):
+    def __init__(self, total_steps: int, engine: str | None = None):
         self.total = total_steps
+        self.engine = engine
+        """The rollout engine's kind (vllm, hf): names the engine/trainer KL (train/vllm_kl, whatever the engine)."""
+        self.eta_text = ""
         self.started = time.time()
         self.first_step: int | None = None
         self.step = 0
@@ -279,16 +300,18 @@ class StatusLine:
             self.first_step, self.started = step, time.time() - m["timing/step_total"]
         self.step = max(self.step, step)
         # KL to the reference; without one (train/kl stays 0) the engine/trainer mismatch on the trained tokens
-        kl = ("train/kl", "kl") if self.last.get("train/kl") else ("train/vllm_kl", "vllm kl")
-        parts = [f"{label} {fmt.format(self.last[key])}" for key, label, fmt in (
-            ("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/pass1", "pass@1", "{:.2f}"),
-            ("eval/pass1", "eval pass@1", "{:.2f}"), (*kl, "{:.1e}"))
-            if key in self.last]
+        # KL to the reference; without one (train/kl stays 0) the engine/trainer mismatch on the trained tokens.
+        # The last eval round is on its own line ("eval at step ..."), so that this one fits LINE_WIDTH.
+        kl = ("train/kl", "kl") if self.last.get("train/kl") else ("train/vllm_kl", f"{self.engine or 'engine'} kl")
+        parts = [f"{label} {fmt.format(m[key])}" for key, label, fmt in (
+            ("rollout/reward_mean", "reward", "{:.3f}"), ("rollout/pass1", "pass@1", "{:.2f}"), (*kl, "{:.1e}"))
+            if key in m]
         done = step - self.first_step + 1
         eta = (time.time() - self.started) / max(done, 1) * max(self.total - step, 0)
+        self.eta_text = f"eta {_duration(eta)}"
         rollout_idle, trainer_idle = m.get("timing/vllm_idle_wait", 0.0), m.get("timing/actor_idle_wait", 0.0)
         side, idle = ("rollout", rollout_idle) if rollout_idle >= trainer_idle else ("trainer", trainer_idle)
-        parts += [f"step {m['timing/step_total']:.2f}s", f"eta {_duration(eta)}", f"idle: {side} {idle:.2f}s"]
+        parts += [f"time {_secs(m['timing/step_total'])}", self.eta_text, f"idle: {side} {_secs(idle)}"]
         return "  ".join(parts)
 
     def summary(self) -> str:
@@ -300,6 +323,11 @@ class StatusLine:
             if key in self.first:
                 lines.append(f"  {key}: {self.first[key]:.3f} -> {self.last[key]:.3f}")
         return "\n".join(lines)
+
+
+def _secs(seconds: float) -> str:
+    """`2.05s`, `42.1s`, `812s`: at most 6 characters below 100000 s."""
+    return f"{seconds:.2f}s" if seconds < 10 else f"{seconds:.1f}s" if seconds < 100 else f"{seconds:.0f}s"
 
 
 def _duration(seconds: float) -> str:

@@ -9,6 +9,8 @@ the capability rule; and a recipe outside the repository, run from another worki
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import pytest
 
 from molt_compile.compile import compile_recipe
 from molt_compile.smoke import SMOKE_STEPS, smoke_plan
-from molt_compile.smoke_run import build_model, prepare
+from molt_compile.smoke_run import Verdict, build_model, prepare, run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -45,7 +47,7 @@ def test_the_pass_changes_sizes_and_devices_never_features(path):
     touched = [k for k in keys if any(k == f or (f.endswith(".") and k.startswith(f)) for f in FEATURES)]
     assert touched == [], touched
     assert all(c.why and c.old != c.new for c in sp.changes), "every change says why, and changes something"
-    assert sp.name == f"{real.recipe.name}-smoke" and "smoke" in sp.work_dir.parts
+    assert sp.name == f"{real.recipe.name}-smoke" and sp.work_dir == ROOT / "runs" / sp.name
     one, two = ({c.key: c.new for c in sp.phase_changes[k]} for k in (1, 2))
     assert two["data.max_samples"] == SMOKE_STEPS * one["data.max_samples"] and two["ckpt.resume"] is True
     assert one.get("ckpt.resume", False) is False
@@ -64,6 +66,10 @@ def test_the_smoke_recipe_compiles_with_the_ordinary_passes(path):
         if result.plan is not None:
             assert result.plan.cluster.device == "cpu" and result.plan.name == sp.name
             assert result.plan.fingerprint != compile_recipe(path, capabilities=False).plan.fingerprint
+            section = result.plan.rl or result.plan.sft  # every output of the smoke run in one directory
+            assert (ROOT / section.logging.out_dir).resolve() == sp.work_dir
+            for out in (section.ckpt.dir, section.ckpt.hf_dir, section.logging.tensorboard_dir):
+                assert out is None or Path(out).is_relative_to(sp.work_dir), out
 
 
 def test_explain_smoke_shows_each_change_and_why():
@@ -88,6 +94,49 @@ def test_a_capability_refusal_is_reported_at_compile_time_before_anything_runs()
     verdict, _, _ = prepare(Path("recipes/sft_qwen3_6_35b.yaml"), (), ROOT)
     assert verdict.status == "refused" and verdict.phase == "compile"
     assert "actor.mesh.ep" in verdict.detail and "CAP001" in verdict.detail
+
+
+def test_a_verdict_of_zero_rewards_from_truncated_rollouts_says_why():
+    passed = dict(status="passed", phase="done", steps=2, tokens=128.0, resumed=True, max_new_tokens=16)
+    lines = "\n".join(Verdict("demo_math.yaml", rewards=[0.0, 0.0], truncated=[1.0, 1.0], **passed).lines())
+    assert ("note: rewards 0 with every rollout truncated: 16 new tokens (rollout.max_new_tokens) cannot reach the "
+            "answer format") in lines
+    for rewards, truncated in (([0.0, 0.25], [1.0, 1.0]), ([0.0, 0.0], [1.0, 0.5])):  # a reward, or a finished one
+        assert "note: rewards 0" not in "\n".join(
+            Verdict("demo_math.yaml", rewards=rewards, truncated=truncated, **passed).lines())
+
+
+# What a phase-2 job writes (its lines as the runtime prints them when its output is not a terminal).
+PHASE2_OUTPUT = """\
+2026-12-02 20:01:02,123 INFO worker.py:1821 -- Connecting to existing Ray cluster at address: 127.0.0.1:40123...
+(PolicyWorker pid=4242) /venv/lib/python3.11/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_init.py:82: \
+UserWarning: FSDP on CPU with gloo: no overlap of communication and computation
+resumed from runs/demo-math-smoke/ckpt/state/step_000001 at step 1
+step 2/2  reward 0.000  pass@1 0.00  hf kl 1.2e-04  time 41.3s  eta 0m00s  idle: rollout 0.10s
+eval at step 2/2  eval reward 0.000  eval pass@1 0.000
+finished at step 2: prompts consumed 4 (trained 4, dropped 0: {}) in the 2 steps of the schedule, with an \
+accounting line long enough to be clipped at the terminal's 120 columns
+last checkpoint: runs/demo-math-smoke/ckpt/state/step_000002
+"""
+
+
+def test_a_smoke_phase_shows_its_steps_as_the_job_logs_them(tmp_path, monkeypatch):
+    """A real child process writing what a phase's job writes (engine chatter, the plain per-step lines): the
+    terminal gets the steps, the resume and the end, each within 120 columns; the log gets everything."""
+    monkeypatch.setattr("molt_compile.smoke_run.HEARTBEAT_S", 0.5)
+    said: list[str] = []
+    log = tmp_path / "phase2.log"
+    script = f"import time, sys; time.sleep(1.2); sys.stdout.write({PHASE2_OUTPUT!r}); sys.stdout.flush()"
+    status = run_logged([sys.executable, "-c", script], dict(os.environ), tmp_path, log,
+                        "smoke demo_math.yaml phase 2: ", said.append)
+    assert status == 0 and log.read_text() == PHASE2_OUTPUT
+    assert said[0].startswith("smoke demo_math.yaml phase 2: starting the roles")  # the heartbeat before output
+    shown = [line.removeprefix("smoke demo_math.yaml phase 2: ") for line in said[1:]]
+    assert [line.split("  ")[0] for line in shown[:3]] == [
+        "resumed from runs/demo-math-smoke/ckpt/state/step_000001 at step 1", "step 2/2", "eval at step 2/2"]
+    assert len(shown) == 4 and shown[3].startswith("finished at step 2: prompts consumed 4 (")
+    assert " ... " in shown[3] and shown[3].endswith("clipped at the terminal's 120 columns")  # start and end
+    assert all(len(line) <= 120 for line in said) and len(said[-1]) == 120
 
 
 # ---------------------------------------------------------------------------------------------------- slow
@@ -131,5 +180,14 @@ def test_a_recipe_outside_the_repository_smoke_runs_from_another_directory(tmp_p
                           capture_output=True, text=True, cwd=elsewhere, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "smoke math.yaml: PASSED" in proc.stdout and "resumed yes" in proc.stdout
-    assert (elsewhere / "runs" / "smoke" / "outside-math-smoke" / "phase2.log").is_file()
-    assert not (ROOT / "runs" / "smoke" / "outside-math-smoke").exists()
+    out = elsewhere / "runs" / "outside-math-smoke"  # every output of it, in one directory
+    assert {"phase1.log", "phase2.log", "metrics.jsonl", "metrics.png", "ckpt"} <= {p.name for p in out.iterdir()}
+    assert [p.name for p in (elsewhere / "runs").iterdir()] == ["outside-math-smoke"]
+    assert not (ROOT / "runs" / "outside-math-smoke").exists()
+    # While it ran: each phase, its steps (the hf engine's KL named as such), then the verdict.
+    err = proc.stderr
+    assert "smoke math.yaml phase 1: train step 1 and checkpoint (log: " in err
+    assert re.search(r"smoke math\.yaml phase 1: step 1/\d+  reward .*  hf kl ", err), err[-3000:]
+    assert "smoke math.yaml phase 2: resumed from " in err and "phase 2: step 2/2  reward " in err, err[-3000:]
+    progress = [line for line in err.splitlines() if line.startswith("smoke math.yaml phase") and "(log: " not in line]
+    assert len(progress) >= 6 and all(len(line) <= 120 for line in progress), err

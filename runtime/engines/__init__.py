@@ -134,7 +134,7 @@ def create_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placem
                    log_dir: Any = None, names: list[str] | None = None) -> list[Any]:
     """Create one engine actor per `role.instances` entry (named `names[i]` when given, so that operators and the
     fault tests can find it), without waiting: they load the model while the caller goes on (`engines_ready`).
-    With `log_dir`, engine i's vLLM INFO lines go to `<log_dir>/engine-<i>.log` (warnings stay on the terminal)."""
+    With `log_dir`, engine i's vLLM INFO and WARNING lines go to `<log_dir>/engine-<i>.log` (errors also to the terminal)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -124,17 +124,76 @@ def test_local_submit_runs_the_job_on_a_cluster_it_starts_and_stops(demo_plan: P
         started.append(self)
 
     monkeypatch.setattr(submit_mod.LocalCluster, "__init__", spy)
+    real_start = submit_mod.LocalCluster.start
+
+    def head_dies_once(self):  # the first head dies while starting (as one that misses Ray's start-up deadline)
+        real_start(self)
+        if len(started) == 1:
+            self.proc.kill()
+
+    monkeypatch.setattr(submit_mod.LocalCluster, "start", head_dies_once)
     plan = _job_plan(demo_plan, exit_code=5)
     assert submit(plan, address=None, follow=False) == 5
     out, err = capfd.readouterr()
     assert f"MOLT-JOB {plan.name} {plan.fingerprint[:12]} turns=1" in out
     assert "starting a local Ray cluster for demo-math (CPU 5, device_slot 3)" in err
+    assert ("the local Ray head did not start (the head exited with status -9 while starting: (no output)); "
+            "retrying with fresh ports (attempt 2 of 3)") in err
     assert "preflight: ready" in out and "1/1 nodes, CPU 5/5, device_slot 3/3" in out
     assert "exited with status 5" in err and "stopping the local Ray cluster" in err
-    (cluster,) = started
+    first, cluster = started
+    assert not first.temp_dir.exists() and first.port != cluster.port  # a fresh start, the failed one cleaned up
     assert cluster.proc is not None and cluster.proc.poll() is not None  # the head was stopped ...
     assert _ray_processes_in(str(cluster.temp_dir)) == []  # ... and every process of it is gone
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # kept for a failed job (status 5); ours to remove
+
+
+def test_a_local_head_that_keeps_dying_is_retried_then_a_clear_error(demo_plan: Plan, monkeypatch, capfd) -> None:
+    """Every `ray start --head` dies while starting: 3 attempts, one line each, then what to do; no traceback."""
+    monkeypatch.chdir(ROOT)
+    heads: list[submit_mod.LocalCluster] = []
+    real_start = submit_mod.LocalCluster.start
+
+    def head_dies(self):
+        real_start(self)
+        heads.append(self)
+        self.proc.kill()
+
+    monkeypatch.setattr(submit_mod.LocalCluster, "start", head_dies)
+    assert submit(_job_plan(demo_plan), address=None, follow=False) == 2
+    err = capfd.readouterr().err
+    assert len(heads) == submit_mod.START_ATTEMPTS == 3
+    assert err.count("the local Ray head did not start") == 2 and "(attempt 3 of 3)" in err
+    assert ("error: the local Ray cluster did not start in 3 attempts; the last one: the head exited with "
+            "status -9 while starting") in err
+    assert "help: Ray's start-up deadlines are too short for this machine's load now" in err
+    assert f"The head's logs: {heads[-1].temp_dir}" in err and "Traceback" not in err and "MOLT-JOB" not in err
+    assert [h.temp_dir.exists() for h in heads] == [False, False, True]  # only the last head's logs are kept
+    shutil.rmtree(heads[-1].temp_dir)
+
+
+# The end of what `ray start --head` printed when the raylet missed its start-up deadline on a loaded machine.
+HEAD_TRACEBACK = """\
+2026-11-30 10:01:02,345	INFO scripts.py:1043 -- Local node IP: 127.0.0.1
+Traceback (most recent call last):
+  File "/venv/bin/ray", line 8, in <module>
+    sys.exit(main())
+  File "/venv/lib/python3.11/site-packages/ray/scripts/scripts.py", line 1074, in start
+    node = ray._private.node.Node(
+  File "/venv/lib/python3.11/site-packages/ray/_private/node.py", line 438, in __init__
+    raise Exception(
+Exception: The current node timed out during startup. This could happen because some of the raylet failed to \
+startup or the GCS has become overloaded.
+"""
+
+
+def test_a_head_failure_is_one_line_not_its_traceback() -> None:
+    assert submit_mod.head_failure(HEAD_TRACEBACK) == (
+        "Exception: The current node timed out during startup. This could happen because some of the raylet "
+        "failed to startup or the GCS has become overloaded.")
+    assert submit_mod.head_failure("RuntimeError: Failed to start GCS.  Last 1 lines of error files:\n[...] "
+                                   "Check failed\n") == "RuntimeError: Failed to start GCS.  Last 1 lines of error files:"
+    assert submit_mod.head_failure("") == "(no output)"
 
 
 def test_local_submit_refuses_plans_this_machine_cannot_run(cpu_plan: Plan, monkeypatch, capsys) -> None:
