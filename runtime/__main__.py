@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"{path}: this plan cannot run on this build of the runtime: {'; '.join(problems)}", file=sys.stderr)
         return 2
+    from runtime.env_refs import UnsetReference, driver_env
+
+    try:  # `${env:NAME}` references: resolved here, never written back into the plan
+        env = driver_env(plan, os.environ)
+    except UnsetReference as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
     if plan.kind == "sft" and plan.sft is not None and "WORLD_SIZE" in os.environ:  # a torchrun rank
         from runtime.sft import main as sft_main
 
@@ -43,18 +50,18 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.loop import run
 
-    os.environ.update(plan.env)
+    os.environ.update(env)
     started_here = not os.environ.get("RAY_ADDRESS")
     if started_here:
         node = plan.cluster.node_resources
         ray.init(address="local", num_cpus=int(node.get("CPU", 1)), num_gpus=int(node.get("GPU", 0)),
                  resources={k: v for k, v in node.items() if k not in ("CPU", "GPU")}, include_dashboard=False,
-                 runtime_env={"env_vars": dict(plan.env)}, log_to_driver=True)
+                 runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        # A Ray Job (the Jobs API, the Slurm script) brings the plan's env in its runtime_env; a plain driver on a
-        # cluster it did not start (smoke runs share one) gives it to its actors itself.
+        # A Ray Job (the Jobs API) brings the resolved env in its runtime_env; a plain driver on a cluster it did
+        # not start (the Slurm script, smoke runs) gives it to its actors itself.
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-        ray.init(runtime_env=None if in_job else {"env_vars": dict(plan.env)})
+        ray.init(runtime_env=None if in_job else {"env_vars": env})
     try:
         result = run(plan, live=sys.stdout.isatty())
     except Exception as exc:  # one clear line (Ray errors carry the remote traceback in their text)
