@@ -34,6 +34,7 @@ starts, and with which options, is runtime/roles.py.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -112,7 +113,11 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
 
         return run_eval_only(plan, sup, started, live=live)
     # ------------------------------------------------------------------------------------------------ setup
-    resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
+    ckpt.check_dir(rl.ckpt.dir)  # unwritable or full: now, not at the first save hours in
+    skipped: list[str] = []
+    resume_from = ckpt.latest(rl.ckpt.dir, skipped) if rl.ckpt.resume else None
+    for line in skipped:
+        print(f"resume: skipped checkpoint {line}", flush=True)
     out_dir = Path(rl.logging.out_dir)
     if resume_from is not None:  # the steps logged after the save are trained again: their records go
         for name in ("metrics.jsonl", PROMPTS_LOG):
@@ -466,10 +471,19 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
     """Atomic: the ranks write into a temporary directory, the state goes in last, then one rename publishes it (a
     kill at any point leaves the previous checkpoint the newest complete one)."""
     tmp = ckpt.begin_save(rl.ckpt.dir, step)
-    trainer.save_checkpoint(str(tmp))
-    if critic is not None:
-        critic.save_checkpoint(str(tmp / ckpt.CRITIC_DIR))
-    ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
+    try:
+        trainer.save_checkpoint(str(tmp))
+        if critic is not None:
+            critic.save_checkpoint(str(tmp / ckpt.CRITIC_DIR))
+        ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
+    except BaseException as exc:  # name the directory's trouble (a full disk reads as a torch enforce; DCP's
+        # CheckpointException is a BaseException)
+        trouble = None if isinstance(exc, KeyboardInterrupt | SystemExit) else ckpt.disk_trouble(
+            rl.ckpt.dir, exc if isinstance(exc, OSError) else None)
+        if trouble is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: its room goes back
+        raise RunAborted("actor", f"checkpoint save of step {step}", "ckpt.dir", f"could not save: {trouble}") from exc
     path = ckpt.publish(tmp)
     if rl.ckpt.save_hf:
         snapshots = Path(rl.ckpt.dir) / ckpt.HF_SNAPSHOTS

@@ -178,7 +178,10 @@ class SftRecipe:
         s = self.s
         if not s.ckpt.resume:
             return
-        found = ck.latest(s.ckpt.dir)
+        skipped: list[str] = []
+        found = ck.latest(s.ckpt.dir, skipped)
+        for line in skipped:
+            self.log(f"resume: skipped checkpoint {line}")
         if found is None:
             self.log(f"no checkpoint under {s.ckpt.dir}; starting fresh")
             return
