@@ -3,7 +3,7 @@
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
 Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
-it resumes), 2 unusable plan file.
+it resumes), 2 unusable plan file (or an unset `${env:NAME}`, or run/checkpoint directories another run holds).
 """
 
 from __future__ import annotations
@@ -46,6 +46,20 @@ def main(argv: list[str] | None = None) -> int:
               "entrypoint", file=sys.stderr)
         return 2
 
+    from runtime.run_lock import DirectoryInUse, RunLock
+
+    try:  # one run per directory: a second submission of the recipe must not write over this one
+        lock = RunLock([plan.rl.logging.out_dir, plan.rl.ckpt.dir]).acquire()
+    except DirectoryInUse as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_rl(plan, env)
+    finally:
+        lock.release()
+
+
+def _run_rl(plan, env: dict[str, str]) -> int:
     import ray
 
     from runtime.loop import run
