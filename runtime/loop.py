@@ -194,6 +194,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     last_eval_step = -1
     best = (ckpt.best_record(rl.ckpt.dir) or {}).get("best_metric") if resume_from is not None else None
     last_ckpt_step = step  # the step last saved (a requeue saves the current one unless it is saved)
+    last_save_s: float | None = None  # how long this run's last save took (does one fit after SIGTERM?)
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
     started.books = books
@@ -206,15 +207,17 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 msg = sup.next_message(rollout_queue)
             actor_idle_wait = time.time() - wait_start
             match msg:
-                case None:  # stop requested (SIGINT/SIGTERM; SIGUSR1: checkpoint first, for a requeue)
+                case None:  # stop requested (SIGUSR1: checkpoint, for a requeue; SIGINT/SIGTERM: when it fits)
                     status = "requeue" if sup.stop.requeue else "stopped"
                     with sup.phase("stopping the generator", "generator", "agent"):
                         sup.unwatch("generator")
                         accounting = sup.get(generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
-                    if sup.stop.requeue and step > 0 and step != last_ckpt_step:
+                    if step > 0 and step != last_ckpt_step and (
+                            sup.stop.requeue or save_fits(rl, last_save_s, time.monotonic() - sup.stop.at)):
                         with sup.phase("checkpoint save", "actor", "ckpt.dir"):
                             last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
-                        print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
+                        why = "for the requeue" if sup.stop.requeue else "before stopping"
+                        print(f"checkpointed step {step} {why}: {last_ckpt}", flush=True)
                     break
                 case EndOfStream():
                     accounting = msg.accounting
@@ -322,7 +325,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 with sup.phase("checkpoint save", "actor", "ckpt.dir"):
                     last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
                 last_ckpt_step = step
-                metrics["timing/ckpt"] = time.time() - t0
+                metrics["timing/ckpt"] = last_save_s = time.time() - t0
             metrics["timing/step_total"] = time.time() - step_start
             step_start = time.time()
             if step % rl.schedule.log_every == 0:
@@ -491,6 +494,15 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
         ckpt.prune_snapshots(snapshots, rl.ckpt.keep)
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep, rl.ckpt.max_disk_gb)
     return str(path)
+
+
+def save_fits(rl, last_save_s: float | None, since_signal_s: float) -> bool:
+    """After SIGINT/SIGTERM: save the current step when the plan checkpoints and a save fits in what is left of the
+    stop bound (`train.stop_timeout_s`), judged by this run's last save (none yet: try; a save cut short by the
+    bound leaves the previous checkpoint the newest complete one)."""
+    if not rl.schedule.ckpt_every:
+        return False
+    return last_save_s is None or last_save_s < rl.supervisor.stop_timeout_s - since_signal_s
 
 
 def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int) -> dict[str, int]:

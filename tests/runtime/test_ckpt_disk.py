@@ -90,3 +90,16 @@ def test_a_full_disk_is_named_at_start_and_at_a_save(tmp_path):
             save_checkpoint(OneRank(), None, rl, 4, 0.0, Books())
         assert "inline_container" not in str(err.value)
         assert not (small / "step_000004.tmp").exists() and os.listdir(small) == ["step_000002"]
+
+
+def test_a_stop_signal_saves_when_a_save_fits_in_the_stop_bound():
+    from runtime.loop import save_fits
+
+    def rl(every):
+        return type("Rl", (), {"schedule": type("S", (), {"ckpt_every": every})(),
+                               "supervisor": type("B", (), {"stop_timeout_s": 60.0})()})()
+
+    assert save_fits(rl(5), None, 1.0)             # no save measured yet: try (an interrupted save is harmless)
+    assert save_fits(rl(5), 20.0, 30.0)            # 20 s of the 30 s left
+    assert not save_fits(rl(5), 40.0, 30.0)        # would outlast the bound
+    assert not save_fits(rl(None), None, 0.0)      # the plan never checkpoints
