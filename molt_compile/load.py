@@ -723,7 +723,8 @@ class _Tree:
     def load(self, path: Path, stack: tuple[tuple[Path, str], ...], at: Diagnostic | None) -> _Layer | None:
         real = Path(os.path.realpath(path))
         file = display_path(path)
-        if at is None and real.exists() and not _inside(real, self.roots):
+        # os.path's checks answer False, not OSError, for a name over NAME_MAX (an `extends` of 300 characters).
+        if at is None and os.path.exists(real) and not _inside(real, self.roots):
             # The recipe itself is a symbolic link out of its repository (a planted recipes/x.yaml -> /etc/shadow).
             self.diags.append(
                 _diag(
@@ -797,7 +798,7 @@ class _Tree:
                 continue  # a diamond: the base was applied already, at its first position
             outside = not _inside(target_real, self.roots)
             # Checked before the file is opened; outside the roots not even its existence reaches the output.
-            if outside or (target_real.suffix not in RECIPE_SUFFIXES and target_real.is_file()):
+            if outside or (target_real.suffix not in RECIPE_SUFFIXES and os.path.isfile(target_real)):
                 why = (
                     "is outside the recipe roots (" + ", ".join(f"`{r}`" for r in self.roots) + ")"
                     if outside

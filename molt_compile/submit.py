@@ -334,10 +334,17 @@ def _follow(client: Any, job_id: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ local cluster
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _free_port(_given: set[int] = set()) -> int:  # noqa: B006 (the set is the memory of this process's picks)
+    """A port free now and never handed out before by this process: the kernel may give the same ephemeral port
+    to two bind-and-close probes in a row, and one `ray start` takes seven (two components on one port: once in
+    34 starts)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def _local_gpus() -> int:

@@ -3,7 +3,7 @@
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
 Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
-it resumes), 2 unusable plan file.
+it resumes), 2 unusable plan file (or an unset `${env:NAME}`, or run/checkpoint directories another run holds).
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"{path}: this plan cannot run on this build of the runtime: {'; '.join(problems)}", file=sys.stderr)
         return 2
+    from runtime.env_refs import UnsetReference, driver_env
+
+    try:  # `${env:NAME}` references: resolved here, never written back into the plan
+        env = driver_env(plan, os.environ)
+    except UnsetReference as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
     if plan.kind == "sft" and plan.sft is not None and "WORLD_SIZE" in os.environ:  # a torchrun rank
         from runtime.sft import main as sft_main
 
@@ -39,22 +46,36 @@ def main(argv: list[str] | None = None) -> int:
               "entrypoint", file=sys.stderr)
         return 2
 
+    from runtime.run_lock import DirectoryInUse, RunLock
+
+    try:  # one run per directory: a second submission of the recipe must not write over this one
+        lock = RunLock([plan.rl.logging.out_dir, plan.rl.ckpt.dir]).acquire()
+    except DirectoryInUse as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run_rl(plan, env)
+    finally:
+        lock.release()
+
+
+def _run_rl(plan, env: dict[str, str]) -> int:
     import ray
 
     from runtime.loop import run
 
-    os.environ.update(plan.env)
+    os.environ.update(env)
     started_here = not os.environ.get("RAY_ADDRESS")
     if started_here:
         node = plan.cluster.node_resources
         ray.init(address="local", num_cpus=int(node.get("CPU", 1)), num_gpus=int(node.get("GPU", 0)),
                  resources={k: v for k, v in node.items() if k not in ("CPU", "GPU")}, include_dashboard=False,
-                 runtime_env={"env_vars": dict(plan.env)}, log_to_driver=True)
+                 runtime_env={"env_vars": env}, log_to_driver=True)
     else:
-        # A Ray Job (the Jobs API, the Slurm script) brings the plan's env in its runtime_env; a plain driver on a
-        # cluster it did not start (smoke runs share one) gives it to its actors itself.
+        # A Ray Job (the Jobs API) brings the resolved env in its runtime_env; a plain driver on a cluster it did
+        # not start (the Slurm script, smoke runs) gives it to its actors itself.
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
-        ray.init(runtime_env=None if in_job else {"env_vars": dict(plan.env)})
+        ray.init(runtime_env=None if in_job else {"env_vars": env})
     try:
         result = run(plan, live=sys.stdout.isatty())
     except Exception as exc:  # one clear line (Ray errors carry the remote traceback in their text)

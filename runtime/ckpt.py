@@ -11,16 +11,21 @@ Layout under the plan's `ckpt.dir`:
                             value of that metric so far; its trainer_state.json adds `best_metric_key`, `best_metric`.
                             Never pruned (Molt protects `best_*`, M5); replaced when an eval improves on it.
 
-A save is written into `step_000010.tmp/` and renamed into place once its state file is in: a kill at any point
-of a save leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save
-(else a complete `best/`);
-`prune` removes leftovers of interrupted saves.
+A save is written into `step_000010.tmp/` and renamed into place once its state file and, last, its completion
+marker `complete.json` (every file of the save with its size, flushed to disk) are in: a kill at any point of a save
+leaves the previous checkpoint the newest complete one. `latest(root)` returns the newest complete save (else a
+complete `best/`), skipping with a reason any whose state file is not JSON or whose files do not match the marker
+(a truncated or missing shard); `prune` removes leftovers of interrupted saves. `check_dir` runs at start: a
+checkpoint directory that cannot be written, or has less room than the last save took, stops the run before it
+trains; `disk_trouble` turns a failed save into "no space left on <dir>" / "<dir> is read-only".
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -36,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 STATE_FILE = "trainer_state.json"
+COMPLETE_FILE = "complete.json"
+"""Written last into a save: `{"files": {relative path: bytes}}`; a save whose files differ is not resumed from."""
 HF_SNAPSHOTS = "_hf"
 """With `ckpt.save_hf`, each save also writes an HF snapshot to `<ckpt.dir>/_hf/step_NNNNNN` (Molt's
 `ckpt.path/_hf/<tag>`), pruned to `ckpt.keep`."""
@@ -121,19 +128,107 @@ def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
 
 # --------------------------------------------------------------------------------------------------- on the driver
 def write_state(path: Path, state: dict) -> None:
-    tmp = path / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
-    tmp.rename(path / STATE_FILE)
+    """The state file, then the completion marker (the save's files and sizes), each flushed before its rename."""
+    _write_durably(path / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
+    files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(Path(path).rglob("*"))
+             if f.is_file() and f.name != COMPLETE_FILE}
+    _write_durably(path / COMPLETE_FILE, json.dumps({"files": files}, indent=1, sort_keys=True))
 
 
-def latest(root: str | Path) -> tuple[Path, dict] | None:
-    """Newest complete save under `root` (one whose trainer_state.json exists), with its state; without one, the
-    best checkpoint when it is complete (Molt's load order, M4: the newest regular checkpoint, then best)."""
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+
+
+def problem(path: Path) -> str | None:
+    """Why the save at `path` cannot be resumed from (None: it can). A save written before completion markers
+    existed counts when its state file reads."""
+    state = path / STATE_FILE
+    if not state.is_file():
+        return f"no {STATE_FILE} (an interrupted save)"
+    try:
+        json.loads(state.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{state} is truncated or not JSON ({exc})"
+    marker = path / COMPLETE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{marker} is truncated or not JSON ({exc})"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} is {f.stat().st_size} bytes, the save wrote {size} (truncated)"
+    return None
+
+
+def latest(root: str | Path, skipped: list[str] | None = None) -> tuple[Path, dict] | None:
+    """Newest complete save under `root` (`problem` finds none), with its state; without one, the best checkpoint
+    when it is complete (Molt's load order, M4: the newest regular checkpoint, then best). Each newer save passed
+    over is appended to `skipped` as "<dir>: <why>"."""
+    for p in [*reversed(_saves(root)), Path(root) / BEST_DIR]:
+        if not p.is_dir():
+            continue
+        why = problem(p)
+        if why is None:
+            return p, json.loads((p / STATE_FILE).read_text())
+        if skipped is not None:
+            skipped.append(f"{p}: {why}")
+    return None
+
+
+def check_dir(root: str | Path) -> None:
+    """At start: `root` exists (created), can be written and has room for a save as large as the newest one in
+    it; raises OSError naming the directory otherwise (hours before the first save would find out)."""
+    root = Path(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"\0" * 4096)
+        probe.unlink()
+    except OSError as exc:
+        raise disk_trouble(root, exc) or OSError(exc.errno, f"cannot write the checkpoint directory {root}: "
+                                                            f"{exc.strerror or exc}") from None
     saves = [p for p in _saves(root) if (p / STATE_FILE).is_file()]
-    if not saves:
-        best = Path(root) / BEST_DIR
-        return (best, json.loads((best / STATE_FILE).read_text())) if (best / STATE_FILE).is_file() else None
-    return saves[-1], json.loads((saves[-1] / STATE_FILE).read_text())
+    need = dir_bytes(saves[-1]) if saves else 0
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise OSError(errno.ENOSPC, f"no space left on {root}: {free / 1e9:.3g} GB free, the last save "
+                                    f"({saves[-1].name}) took {need / 1e9:.3g} GB")
+
+
+def disk_trouble(root: str | Path, exc: BaseException | None = None) -> OSError | None:
+    """After a failed write under `root`: an OSError that says what is wrong with the directory (no space left,
+    read-only, not writable), or None when the directory looks fine (the failure is something else). Torch's own
+    text for a full disk is "enforce fail at inline_container.cc"; this probes the directory itself."""
+    root = Path(root)
+    code = getattr(exc, "errno", None)
+    if code is None:
+        try:
+            probe = root / f".write-probe-{os.getpid()}"
+            with open(probe, "wb") as f:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+                os.fsync(f.fileno())
+            probe.unlink()
+        except OSError as probe_exc:
+            code = probe_exc.errno
+            (root / f".write-probe-{os.getpid()}").unlink(missing_ok=True)
+    if code == errno.ENOSPC or (code is None and shutil.disk_usage(root).free < (1 << 20)):
+        return OSError(errno.ENOSPC, f"no space left on {root} ({shutil.disk_usage(root).free} bytes free)")
+    if code == errno.EROFS:
+        return OSError(errno.EROFS, f"the checkpoint directory {root} is on a read-only file system")
+    if code in (errno.EACCES, errno.EPERM):
+        return OSError(code, f"the checkpoint directory {root} cannot be written (permission denied)")
+    return None
 
 
 def prune(root: str | Path, keep: int, max_disk_gb: float | None = None) -> None:
@@ -169,8 +264,8 @@ def prune_snapshots(root: str | Path, keep: int) -> None:
 
 def best_record(root: str | Path) -> dict | None:
     """The state of the best checkpoint under `root` (step, metric key and value), None when there is none."""
-    state = Path(root) / BEST_DIR / STATE_FILE
-    return json.loads(state.read_text()) if state.is_file() else None
+    best = Path(root) / BEST_DIR
+    return json.loads((best / STATE_FILE).read_text()) if best.is_dir() and problem(best) is None else None
 
 
 def improves(metrics: dict[str, float], key: str, best: float | None) -> bool:

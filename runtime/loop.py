@@ -34,6 +34,7 @@ starts, and with which options, is runtime/roles.py.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -115,7 +116,11 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
 
         return run_eval_only(plan, sup, started, live=live)
     # ------------------------------------------------------------------------------------------------ setup
-    resume_from = ckpt.latest(rl.ckpt.dir) if rl.ckpt.resume else None
+    ckpt.check_dir(rl.ckpt.dir)  # unwritable or full: now, not at the first save hours in
+    skipped: list[str] = []
+    resume_from = ckpt.latest(rl.ckpt.dir, skipped) if rl.ckpt.resume else None
+    for line in skipped:
+        print(f"resume: skipped checkpoint {line}", flush=True)
     out_dir = Path(rl.logging.out_dir)
     if resume_from is not None:  # the steps logged after the save are trained again: their records go
         for name in ("metrics.jsonl", PROMPTS_LOG):
@@ -192,6 +197,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
     last_eval_step = -1
     best = (ckpt.best_record(rl.ckpt.dir) or {}).get("best_metric") if resume_from is not None else None
     last_ckpt_step = step  # the step last saved (a requeue saves the current one unless it is saved)
+    last_save_s: float | None = None  # how long this run's last save took (does one fit after SIGTERM?)
     step_start = time.time()
     sink.status(f"step {step}: waiting for the first rollout batch")
     started.books = books
@@ -204,15 +210,17 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 msg = sup.next_message(rollout_queue)
             actor_idle_wait = time.time() - wait_start
             match msg:
-                case None:  # stop requested (SIGINT/SIGTERM; SIGUSR1: checkpoint first, for a requeue)
+                case None:  # stop requested (SIGUSR1: checkpoint, for a requeue; SIGINT/SIGTERM: when it fits)
                     status = "requeue" if sup.stop.requeue else "stopped"
                     with sup.phase("stopping the generator", "generator", "agent"):
                         sup.unwatch("generator")
                         accounting = sup.get(generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
-                    if sup.stop.requeue and step > 0 and step != last_ckpt_step:
+                    if step > 0 and step != last_ckpt_step and (
+                            sup.stop.requeue or save_fits(rl, last_save_s, time.monotonic() - sup.stop.at)):
                         with sup.phase("checkpoint save", "actor", "ckpt.dir"):
                             last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
-                        print(f"checkpointed step {step} for the requeue: {last_ckpt}", flush=True)
+                        why = "for the requeue" if sup.stop.requeue else "before stopping"
+                        print(f"checkpointed step {step} {why}: {last_ckpt}", flush=True)
                     break
                 case EndOfStream():
                     accounting = msg.accounting
@@ -320,7 +328,7 @@ def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult
                 with sup.phase("checkpoint save", "actor", "ckpt.dir"):
                     last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
                 last_ckpt_step = step
-                metrics["timing/ckpt"] = time.time() - t0
+                metrics["timing/ckpt"] = last_save_s = time.time() - t0
             metrics["timing/step_total"] = time.time() - step_start
             step_start = time.time()
             if step % rl.schedule.log_every == 0:
@@ -469,10 +477,19 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
     """Atomic: the ranks write into a temporary directory, the state goes in last, then one rename publishes it (a
     kill at any point leaves the previous checkpoint the newest complete one)."""
     tmp = ckpt.begin_save(rl.ckpt.dir, step)
-    trainer.save_checkpoint(str(tmp))
-    if critic is not None:
-        critic.save_checkpoint(str(tmp / ckpt.CRITIC_DIR))
-    ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
+    try:
+        trainer.save_checkpoint(str(tmp))
+        if critic is not None:
+            critic.save_checkpoint(str(tmp / ckpt.CRITIC_DIR))
+        ckpt.write_state(tmp, {"step": step, "kl_coef": kl_coef, "prompts": books.state()})
+    except BaseException as exc:  # name the directory's trouble (a full disk reads as a torch enforce; DCP's
+        # CheckpointException is a BaseException)
+        trouble = None if isinstance(exc, KeyboardInterrupt | SystemExit) else ckpt.disk_trouble(
+            rl.ckpt.dir, exc if isinstance(exc, OSError) else None)
+        if trouble is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial save: its room goes back
+        raise RunAborted("actor", f"checkpoint save of step {step}", "ckpt.dir", f"could not save: {trouble}") from exc
     path = ckpt.publish(tmp)
     if rl.ckpt.save_hf:
         snapshots = Path(rl.ckpt.dir) / ckpt.HF_SNAPSHOTS
@@ -480,6 +497,15 @@ def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books
         ckpt.prune_snapshots(snapshots, rl.ckpt.keep)
     ckpt.prune(rl.ckpt.dir, rl.ckpt.dcp_keep, rl.ckpt.max_disk_gb)
     return str(path)
+
+
+def save_fits(rl, last_save_s: float | None, since_signal_s: float) -> bool:
+    """After SIGINT/SIGTERM: save the current step when the plan checkpoints and a save fits in what is left of the
+    stop bound (`train.stop_timeout_s`), judged by this run's last save (none yet: try; a save cut short by the
+    bound leaves the previous checkpoint the newest complete one)."""
+    if not rl.schedule.ckpt_every:
+        return False
+    return last_save_s is None or last_save_s < rl.supervisor.stop_timeout_s - since_signal_s
 
 
 def settle_accounting(generator_accounting: dict[str, int], prompts_trained: int) -> dict[str, int]:

@@ -336,11 +336,21 @@ def _duration(seconds: float) -> str:
 
 
 def drop_records_after(path: Path, step: int) -> None:
-    """Keep the records of `path` (JSON lines with a `step`) up to `step`: a resumed run logs the later ones again."""
+    """Keep the records of `path` (JSON lines with a `step`) up to `step`: a resumed run logs the later ones again.
+    A line that is not JSON (the torn last write of a killed run) is dropped, with a line that names it."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            print(f"resume: {path} line {number} is not a whole JSON record (a torn write); dropped", flush=True)
+            continue
+        if not isinstance(record, dict) or record.get("step", 0) <= step:
+            kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)

@@ -10,6 +10,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from runtime import env_refs
 from runtime.runners import AgentRunnerActor
 from runtime.supervisor import RunAborted, Supervisor
 from schemas.plan import Plan
@@ -33,7 +34,7 @@ def role_options(plan: Plan, role_name: str) -> dict:
     if role.ray_options.resources:
         opts["resources"] = dict(role.ray_options.resources)
     if role.env:
-        opts["runtime_env"] = {"env_vars": dict(role.env)}
+        opts["runtime_env"] = {"env_vars": env_refs.for_actors(role.env)}
     if role.scheduling == "SPREAD":
         opts["scheduling_strategy"] = "SPREAD"
     return opts
@@ -95,7 +96,7 @@ def start_runners(plan: Plan, router) -> list:
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
     return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
                         name=runner_name(plan, i)).remote(
-        rl.agent.path, rl.model.path, router, rl.data.max_len, dict(rl.agent.env), rl.data.apply_chat_template,
+        rl.agent.path, rl.model.path, router, rl.data.max_len, env_refs.for_actors(rl.agent.env), rl.data.apply_chat_template,
         rl.data.max_images_per_prompt, step_timeout_s=rl.agent.step_timeout_s, episode_timeout_s=rl.agent.episode_timeout_s)
         for i in range(rl.agent.runners)]
 

@@ -178,7 +178,10 @@ class SftRecipe:
         s = self.s
         if not s.ckpt.resume:
             return
-        found = ck.latest(s.ckpt.dir)
+        skipped: list[str] = []
+        found = ck.latest(s.ckpt.dir, skipped)
+        for line in skipped:
+            self.log(f"resume: skipped checkpoint {line}")
         if found is None:
             self.log(f"no checkpoint under {s.ckpt.dir}; starting fresh")
             return
@@ -370,7 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     if plan.kind != "sft" or plan.sft is None:
         print(f"{path}: a kind {plan.kind!r} plan; runtime.sft runs kind 'sft' plans", file=sys.stderr)
         return 2
-    os.environ.update(plan.env)
+    from runtime.env_refs import UnsetReference, driver_env
+
+    try:  # `${env:NAME}`: the launcher (the Slurm script, --submit) resolved them; never the plan's literal text
+        os.environ.update(driver_env(plan, os.environ))
+    except UnsetReference as exc:
+        print(f"{path}: {exc}", file=sys.stderr)
+        return 2
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         from runtime.datasource import derive_at_start

@@ -19,7 +19,7 @@ import sys
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, field_validator
 
 RECIPE_VERSION = 1
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
@@ -108,6 +108,17 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 EnvName = Annotated[str, Field(pattern=ENV_NAME_PATTERN)]
 """An environment variable name as POSIX shells accept it: `export A=B` and Ray's env_vars need no more, and a
 key holding `=` or a space cannot be exported (it used to compile and then fail at `--submit`)."""
+
+
+def _no_nul(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("an environment variable cannot hold a NUL byte (\\0): the process that starts the job "
+                         "could not pass it on")
+    return value
+
+
+EnvValue = Annotated[str, AfterValidator(_no_nul)]
+"""An environment variable value: any text but a NUL byte (it used to compile and then fail at `--submit`)."""
 """A step cadence: N > 0 means every N steps, -1 means never. 0 is caught by rule CKPT001/EVAL001."""
 
 
@@ -389,7 +400,7 @@ class Agent(Section):
     """Python file that defines `AgentRunner` (relative to the recipe file)."""
     max_turns: PositiveInt = 1
     """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
-    env: dict[EnvName, str] = {}
+    env: dict[EnvName, EnvValue] = {}
     """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
     step_timeout_s: PositiveFloat = 300.0
     """Longest one `Env.step` may take; a step past it drops its rollout (reason `step_timeout`)."""
@@ -773,7 +784,7 @@ class _Common(Section):
     """Checkpoints."""
     logging: Logging = section(Logging)
     """Metrics and logs."""
-    env: dict[EnvName, str] = {}
+    env: dict[EnvName, EnvValue] = {}
     """Job-wide environment variables. Secrets only by reference: `${env:NAME}`."""
     launch: Launch = section(Launch)
     """How the job is launched."""

@@ -176,6 +176,8 @@ def _example_result(rule, block: str, tmp_path: Path):
     for sub in ("agents", "data", "models"):
         if not (tmp_path / sub).exists():
             shutil.copytree(RULES_DIR / sub, tmp_path / sub)
+    if not (tmp_path / "big").exists():  # a data file over the 4 MiB row-scan budget (DATA011): linked, not copied
+        (tmp_path / "big").symlink_to(RULES_DIR / "big")
     recipe = tmp_path / "example.yaml"
     with recipe.open("w") as f:
         YAML().dump(_merge(base, fragment), f)

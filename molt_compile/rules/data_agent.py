@@ -7,6 +7,7 @@ recipe, so problems with it are errors.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,12 +195,14 @@ def images_on_text_model(recipe: RlRecipe | SftRecipe, derived: Derived, source:
 
 def local_model_path_missing(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
-    A relative `model.path` (or `ref.path` / `critic.path`) that starts with `./` or `../`, or has more than two
-    path parts, exists.
+    A local `model.path` (or `ref.path` / `critic.path`) exists and holds weights (`*.safetensors`, `*.bin`,
+    `*.pt`/`*.pth`, or their index files). Local: relative and starting with `./` or `../` or with more than two
+    path parts, or absolute on a file system visible here (its first directory exists on this machine).
 
     ## Why it matters
-    Such a path cannot be a hub name (`org/name`), so a missing directory is a typo that fails when every actor
-    loads the checkpoint. Absolute paths are not checked (cluster file systems are not visible here).
+    Such a path cannot be a hub name (`org/name`), so a missing directory, or one without weights (a tokenizer or
+    config copied alone), fails when every actor loads the checkpoint, after the cluster is up. Absolute paths on
+    file systems this machine does not mount are not checked.
 
     ## Example
     ```yaml
@@ -224,14 +227,47 @@ def local_model_path_missing(recipe: RlRecipe | SftRecipe, derived: Derived, sou
         if not value:
             continue
         p = Path(value)
-        local = value.startswith(("./", "../")) or len(p.parts) > 2
-        if not p.is_absolute() and local and not (base / p).exists():
+        if p.is_absolute():
+            visible = len(p.parts) > 2 and _is_dir(Path(*p.parts[:2]))  # /lustre on a laptop: not checkable
+            if visible and not _exists(p):
+                yield diag(source, key, f"{key}: {value} does not exist", "fix the path (or use a hub name)")
+                continue
+            local, where = visible, p
+        else:
+            local, where = value.startswith(("./", "../")) or len(p.parts) > 2, base / p
+            if local and not _exists(where):
+                yield diag(
+                    source,
+                    key,
+                    f"{key}: {value} does not exist (relative to {base})",
+                    "fix the path, or use an absolute cluster path / a hub name",
+                )
+                continue
+        if local and _is_dir(where) and not _has_weights(where):
             yield diag(
                 source,
                 key,
-                f"{key}: {value} does not exist (relative to {base})",
-                "fix the path, or use an absolute cluster path / a hub name",
+                f"{key}: {value} holds no weights (no *.safetensors, *.bin or *.pt files)",
+                "point it at the checkpoint directory itself (config.json next to the weight files)",
             )
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def _has_weights(directory: Path) -> bool:
+    try:
+        return any(next(directory.glob(pattern), None) is not None for pattern in WEIGHT_PATTERNS)
+    except OSError:
+        return True  # unreadable here: nothing to say
+
+
+def _exists(path: Path) -> bool:
+    return os.path.exists(path)  # False, not OSError, for a name over NAME_MAX
+
+
+def _is_dir(path: Path) -> bool:
+    return os.path.isdir(path)
 
 
 # ---------------------------------------------------------------------------------------------- agent

@@ -258,3 +258,42 @@ def data_counted_at_job_start(
         "nothing to do when the data is on the cluster (the job derives and prints these values at start); to check "
         "them now, compile where the data is",
     )
+
+
+def data_rows_not_all_scanned(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    A local .jsonl/.json data file larger than the row checks' budget (its first 4 MiB): says that the rows past it
+    were not scanned.
+
+    ## Why it matters
+    DATA007, DATA008 and DATA009 read each file only up to 4 MiB, to keep compiling fast. Without this note a
+    malformed row past that point compiled as clean as a file that was read whole; it is found only when the
+    generator reaches it, on the cluster.
+
+    ## Example
+    ```yaml
+    data: {prompts: big/rows_past_scan.jsonl}   # 4 MiB and a few rows more
+    ```
+
+    ## Use instead
+    Validate a new large file once offline, or store it as parquet (its columns and types are read whole from
+    the file's header):
+    ```yaml
+    data: {prompts: data/prompts_40gb.parquet}
+    ```
+
+    ## References
+    DESIGN.md §4 (compiling stays fast); DATA008
+    """
+    for key, src, local, split in _row_sources(recipe, source):
+        scan = _scan(recipe, local, split) if source_facts(local, split).line_based else None
+        if scan is not None and not scan.complete:
+            yield diag(
+                source,
+                key,
+                f"{src}: only the first {SCAN_BYTES >> 20} MiB were scanned ({scan.checked} rows); the rows after "
+                "them were not checked",
+                "a malformed row there stops the generator when it reaches it: validate the file once offline",
+            )

@@ -70,7 +70,7 @@ def slurm_time_format(recipe: RlRecipe | SftRecipe, derived: Derived, source: So
 def ray_runtime_env_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     In `launch.ray.runtime_env`, `env_vars` is a mapping of environment variable names (letters, digits, `_`, not
-    starting with a digit) to strings, and `excludes` is a list of strings.
+    starting with a digit) to strings without a NUL byte, and `excludes` is a list of strings.
 
     ## Why it matters
     The compiler merges both into the job's Ray runtime_env. Ray refuses other shapes when the job is submitted
@@ -108,12 +108,14 @@ def ray_runtime_env_shape(recipe: RlRecipe | SftRecipe, derived: Derived, source
                 f"`{key}` in launch.ray.runtime_env.env_vars is not an environment variable name",
                 "use letters, digits and `_`, not starting with a digit",
             )
-        elif not isinstance(value, str):
+        elif not isinstance(value, str) or "\0" in value:  # a NUL byte: no environment can hold one
+            text = isinstance(value, str)
             yield diag(
                 source,
                 f"{path}.env_vars.{key}",
-                f"launch.ray.runtime_env.env_vars.{key} must be a string, got {type(value).__name__}",
-                f'quote it: {key}: "{value}"',
+                f"launch.ray.runtime_env.env_vars.{key} must be a string"
+                + (" without a NUL byte (\\0)" if text else f", got {type(value).__name__}"),
+                "remove the \\0 from the value" if text else f'quote it: {key}: "{value}"',
             )
     if excludes is not None and not (isinstance(excludes, list) and all(isinstance(x, str) for x in excludes)):
         yield diag(
