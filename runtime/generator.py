@@ -421,6 +421,7 @@ class _Window:
 
     def __init__(self):
         self.rollouts_dropped: Counter = Counter()
+        self.cuts: Counter = Counter()
         self.prompts_dropped: Counter = Counter()
         self.groups_seen = 0
         self.groups_passed = 0   # passed the filters in this window (a batch may also take groups of earlier ones)
@@ -432,6 +433,7 @@ class _Window:
     def add(self, r: GroupResult) -> None:
         self.groups_seen += 1
         self.rollouts_dropped.update(r.dropped)
+        self.cuts.update(r.cuts)
         self.scores.extend(r.scores)
         self.all_pass += bool(r.scores) and all(s > 0 for s in r.scores)
         self.all_fail += bool(r.scores) and all(s <= 0 for s in r.scores)
@@ -443,6 +445,7 @@ class _Window:
         groups = max(self.groups_seen, 1)
         m: dict[str, float] = {f"rollout/dropped/{k}": float(v) for k, v in self.rollouts_dropped.items()}
         m["rollout/dropped/total"] = float(sum(self.rollouts_dropped.values()))
+        m.update({f"rollout/cut/{k}": float(v) for k, v in self.cuts.items()})
         m.update({f"prompts/dropped/{k}": float(v) for k, v in gen.prompts_dropped.items()})
         m["rollout/pre_filter_mean_score"] = sum(self.scores) / max(len(self.scores), 1)
         m["rollout/group_all_pass_rate"] = self.all_pass / groups

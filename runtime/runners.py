@@ -28,6 +28,7 @@ import torch
 from runtime import vlm
 from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
 from runtime.agents.base import StepTimeout
+from runtime.agents.bounds import TooManyImages
 from runtime.experience import Experience, from_token_lists
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class GroupResult:
     dropped: Counter = field(default_factory=Counter)  # rollout drop reason -> count
     info: dict[str, float] = field(default_factory=dict)   # sums of the numeric Result.info values over survivors
     errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
+    cuts: Counter = field(default_factory=Counter)  # what the runner cut from the agents' outputs (rollout/cut/*)
 
 
 def render(tokenizer, prompt, apply_chat_template: bool, tools: list | None = None):
@@ -79,6 +81,7 @@ class AgentRunnerActor:
 
         self.runner = load_agent_runner(agent_path)
         self.runner.step_timeout_s = step_timeout_s  # step runners bound each Env.step with it
+        self.runner.max_images = max_images_per_prompt  # and the images an episode may gather
         self.episode_timeout_s = episode_timeout_s
         # A VLM run (max_images_per_prompt > 0) renders and encodes prompts with the model's processor.
         self.max_images = max_images_per_prompt
@@ -118,6 +121,8 @@ class AgentRunnerActor:
         if lost is not None:  # an engine died under the group: not the prompt's fault, it must not count as done
             raise EngineLost(f"group {req.group_id}: an engine died under it ({type(lost).__name__})")
         kept, dropped, errors = [], Counter(), []
+        cuts = sum((t.cuts for out in outcomes if not isinstance(out, BaseException)
+                    for t in (out if isinstance(out, list) else [out])), Counter())
         image_token = self.processor.image_token_id if self.processor is not None else None
         for out in outcomes:
             reason = _drop_reason(out)
@@ -130,7 +135,9 @@ class AgentRunnerActor:
             if reason == "agent_error":
                 errors.append(f"{type(out).__name__}: {out}")
                 logger.warning("group %d: rollout dropped (agent_error): %r", req.group_id, out)
-        return _group_result(req, kept, dropped, errors, self.pad_id)
+        result = _group_result(req, kept, dropped, errors, self.pad_id)
+        result.cuts.update(cuts)
+        return result
 
 
 def _drop_reason(out) -> str | None:
@@ -144,6 +151,8 @@ def _drop_reason(out) -> str | None:
         return "episode_timeout"
     if isinstance(out, vlm.VlmTruncation):
         return "vlm_truncation"
+    if isinstance(out, TooManyImages):
+        return "too_many_images"
     if isinstance(out, BaseException):
         return "agent_error"
     for sample in out if isinstance(out, list) else [out]:
