@@ -19,3 +19,20 @@ class Sleeper:
     def sleep(self, s: float) -> float:
         time.sleep(s)
         return s
+
+
+class CrashyRunner:
+    """An agent runner's interface (`run_group`, `pid`) whose process dies (`os._exit`) on "crash" prompts, as an
+    agent that crashes its runner does; other groups ("ok SECONDS") take that long and come back with every rollout
+    dropped."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run_group(self, req):
+        from runtime.runners import GroupResult
+
+        if "crash" in req.prompt:
+            os._exit(3)
+        time.sleep(float(req.prompt.split()[-1]))
+        return GroupResult(req.group_id, None, [], [])

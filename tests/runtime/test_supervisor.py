@@ -4,14 +4,20 @@ Each ends in a bounded time with the actor, the phase and the likely recipe key.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+from test_generator_dispatch import _generator
 
 from schemas.plan import SupervisorPlan
-from tests.runtime.supervised import Sleeper  # importable by the Ray workers (the project root is on their path)
+
+# importable by the Ray workers (the project root is on their path)
+from tests.runtime.supervised import CrashyRunner, Sleeper
 
 BOUNDS = SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=3.0, stop_timeout_s=1.0)
 
@@ -86,3 +92,43 @@ def test_a_stop_signal_gives_the_phase_its_bound_then_gives_up(supervisor):
     with pytest.raises(RunStopped):
         supervisor.get(ref)
     assert time.monotonic() - t0 < BOUNDS.stop_timeout_s + 2
+
+
+# ------------------------------------------------------------------------------- the generator's runner budget
+def _crashy_generator(prompts: list[str], *, max_restarts: int, window_s: float):
+    import ray
+
+    from runtime.generator import _Window
+
+    runner = ray.remote(CrashyRunner).options(max_restarts=-1, num_cpus=0).remote()
+    g = _generator([runner])
+    g.rl.agent.max_restarts, g.rl.agent.restart_window_s = max_restarts, window_s
+    g.rl.generator = SimpleNamespace(batch_size=len(prompts), generate_batch_size=1, dynamic_filtering=None)
+    g.rl.sampling = SimpleNamespace(n_samples_per_prompt=1)
+    g.sampling, g.inflight, g.ready, g.consumed, g.batched = None, {}, [], 0, 0
+    g.prompts_dropped, g.window, g.dropped_positions = Counter(), _Window(), {}
+    stream = iter([(i, ((p, "0", None), None)) for i, p in enumerate(prompts)])
+
+    async def produce():
+        try:
+            return await g._generate_batch(stream)
+        finally:
+            g._abandon_inflight()
+    return g, runner, produce
+
+
+def books_balance(g) -> bool:
+    acc = g.accounting()
+    return acc["prompts/consumed"] == acc["prompts/batched"] + sum(
+        v for k, v in acc.items() if k.startswith("prompts/dropped/"))
+
+
+def test_restarts_are_budgeted_per_window_and_the_books_close_when_every_runner_is_given_up(local_ray):
+    """32.6: a runner's death past its restart budget within the window gives it up (test_generator_faults.py has
+    deaths further apart); with no runner left the generator ends with every prompt it took in the books (the one
+    in flight was lost: 106 = 96 + 9)."""
+    alone, _, produce_alone = _crashy_generator(["crash", "ok 0", "ok 0"], max_restarts=0, window_s=60.0)
+    with pytest.raises(RuntimeError, match="every agent runner was given up"):
+        asyncio.run(asyncio.wait_for(produce_alone(), 60))
+    assert alone.runners_dead == {0} and alone.prompts_dropped == {"agent_crash": 1, "run_ended": 1}
+    assert alone.consumed == 2 and books_balance(alone), alone.accounting()
