@@ -17,7 +17,7 @@ from test_generator_dispatch import _generator
 from schemas.plan import SupervisorPlan
 
 # importable by the Ray workers (the project root is on their path)
-from tests.runtime.supervised import CrashyRunner, Sleeper
+from tests.runtime.supervised import CrashyRunner, Rank, Sleeper
 
 BOUNDS = SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=3.0, stop_timeout_s=1.0)
 
@@ -94,6 +94,27 @@ def test_a_stop_signal_gives_the_phase_its_bound_then_gives_up(supervisor):
     assert time.monotonic() - t0 < BOUNDS.stop_timeout_s + 2
 
 
+def test_a_dead_rank_is_named_not_the_peer_whose_collective_it_broke(supervisor):
+    """32.7: a killed trainer rank was reported as the other rank's gloo error, "likely recipe key:
+    actor.micro_batch_size". The actor that died is named, with the key of its role."""
+    import ray
+
+    from runtime.supervisor import RunAborted
+
+    r0, r1 = (ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2))
+    port, pid = ray.get([r1.listen.remote(), r1.ping.remote()])
+    refs = [r0.step.remote(port), r1.serve.remote()]
+    for r, handle in enumerate((r0, r1)):
+        supervisor.watch(f"actor[{r}] (trainer rank {r})", handle, "ping", "actor")
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RunAborted) as err, supervisor.phase("log-probs (π_old, π_ref)", "actor",
+                                                            "actor.micro_batch_size"):
+        supervisor.get(refs)
+    assert err.value.actor == "actor[1] (trainer rank 1)" and err.value.key == "actor", str(err.value)
+    assert "died" in err.value.what and "Connection closed by peer" in err.value.what
+
+
 # ------------------------------------------------------------------------------- the generator's runner budget
 def _crashy_generator(prompts: list[str], *, max_restarts: int, window_s: float):
     import ray
@@ -132,3 +153,27 @@ def test_restarts_are_budgeted_per_window_and_the_books_close_when_every_runner_
         asyncio.run(asyncio.wait_for(produce_alone(), 60))
     assert alone.runners_dead == {0} and alone.prompts_dropped == {"agent_crash": 1, "run_ended": 1}
     assert alone.consumed == 2 and books_balance(alone), alone.accounting()
+
+
+def test_a_dead_gcs_is_named_as_ray_itself_not_the_actor_waited_on():
+    """32.7: a GCS killed under a run was blamed on "trainer rank 0" (the actor the loop waited on). Ray's own
+    components are checked while waiting and on every error: the GCS is named, within seconds."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from loop_support import ROOT
+
+    short = tempfile.mkdtemp(prefix="rd", dir="/tmp")  # Ray's socket paths must stay under 108 characters
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.ray_down"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    for pid in next((ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("PIDS")), []):
+        try:  # what is left of that Ray instance, by pid
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ABORTED")), proc.stdout + proc.stderr)
+    assert "the Ray GCS (head node" in line and "is down" in line and "trainer rank 0" not in line, line
+    assert float(line.split()[2]) < 10, line
