@@ -7,8 +7,10 @@ only concatenates tensors. An exception inside one episode (an `Env.step` that r
 `agent_error`; its group survives. An episode past `agent.episode_timeout_s` is dropped as `episode_timeout`, one
 whose `Env.step` ran past `agent.step_timeout_s` as `step_timeout` (runtime/agents/base.py).
 
-Runners are Ray actors with `max_restarts` from the plan: a killed runner comes back, and the generator re-sends the
-groups it had in flight (see `runtime/generator.py`).
+Runners are Ray actors that Ray restarts without limit: a killed runner comes back, the generator re-sends the
+groups it had in flight and gives a runner up past `agent.max_restarts` deaths per `agent.restart_window_s` (see
+`runtime/generator.py`). An `Env` runs on its own thread (`runtime/agents/bounds.py`), so a blocking step is given up
+at `agent.step_timeout_s`; what a step hands back is cut to what fits before it is tokenized (`rollout/cut/*`).
 """
 
 from __future__ import annotations
