@@ -20,8 +20,10 @@ It ends with `EndOfStream` after `total_steps` batches or when the episodes run 
 
 Every dispatched prompt is accounted for: put into a batch (`prompts/batched`; the trainer loop turns that into
 trained or `run_ended`), or dropped with a reason (`prompts/dropped/<reason>`), including the groups still in
-flight when the run ends (`run_ended`). A group whose runner died or stopped answering is re-sent alone, up to
-`agent.max_prompt_attempts` times, then dropped as `agent_crash` or `episode_timeout` (see `_run_group`).
+flight when the run ends (`run_ended`), also when the generator itself fails. A group whose runner died or stopped
+answering is re-sent alone, up to `agent.max_prompt_attempts` times, then dropped as `agent_crash` or
+`episode_timeout`; a group that was alone on its runner then is dropped at once (see `_run_group`). A runner may die
+`agent.max_restarts` times per `agent.restart_window_s`; past that it is given up.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Generator:
         self.runners_dead: set[int] = set()       # runners Ray will not restart any more
         self.runner_load = [0] * len(runners)     # groups in flight per runner (dispatch favours the idlest)
         self.runners_alone: set[int] = set()      # runners running a suspect group alone
+        self.runner_deaths: list[list[float]] = [[] for _ in runners]  # per runner: its deaths in the window
+        self.load_at_death = [0] * len(runners)   # groups a runner had when it last died (1: the culprit is known)
         self.dropped_positions: dict[str, list[int]] = {}  # reason -> positions dropped since the last batch
         self._next_runner = 0
         self._task: asyncio.Task | None = None
@@ -205,6 +209,9 @@ class Generator:
             done, _ = await asyncio.wait(self.inflight, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 req = self.inflight.pop(task)
+                if task.exception() is not None:  # the run ends (every runner given up, ...): the books still close
+                    self._drop_prompt("run_ended")
+                    task.result()
                 self._accept(task.result(), req.group_id)
         batch, self.ready = self.ready[:gen.batch_size], self.ready[gen.batch_size:]
         return batch, exhausted and not self.inflight and not self.ready
@@ -218,22 +225,24 @@ class Generator:
         A runner that dies under a group (its process crashed or was killed), or that does not answer it within
         `group_timeout_s` (an agent blocking its event loop; the runner is then restarted), makes every group it had
         a suspect: a suspect is re-sent *alone* to an idle runner, so that a prompt that crashes or hangs the agent
-        is found out without taking other prompts with it. A suspect that fails alone on its last attempt is
-        dropped: `agent_crash` (the process died) or `episode_timeout` (it stopped answering)."""
+        is found out without taking other prompts with it. A group that fails alone (a suspect, or the only group
+        its runner had) is dropped at once, quarantined: `agent_crash` (the process died) or `episode_timeout` (it
+        stopped answering); so is any group on its last attempt."""
         agent = self.rl.agent
         suspect, reason = False, "agent_crash"
         for attempt in range(agent.max_prompt_attempts):
             index = await self._pick_runner(alone=suspect)
             self.runner_load[index] += 1
+            alone = suspect
             try:
-                return await asyncio.wait_for(_awaitable(self.runners[index].run_group.remote(req)),
-                                              agent.group_timeout_s)
+                return await self._send(req, index)
             except TimeoutError:
                 logger.warning("group %d: runner %d did not answer in %.0f s (attempt %d of %d); runner restarted",
                                req.group_id, index, agent.group_timeout_s, attempt + 1,
                                agent.max_prompt_attempts)
                 reason = "episode_timeout"
                 self._runner_failed(index)
+                alone = alone or self.load_at_death[index] == 1
                 ray.kill(self.runners[index], no_restart=False)
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, EngineLost):
@@ -244,18 +253,54 @@ class Generator:
                                type(exc).__name__, attempt + 1, agent.max_prompt_attempts)
                 reason = "agent_crash"
                 self._runner_failed(index)
+                alone = alone or self.load_at_death[index] == 1
             finally:
                 self.runner_load[index] -= 1
                 if suspect:  # only the suspect that reserved the runner frees it (a group that merely ran there
                     self.runners_alone.discard(index)  # would hand another suspect's reservation to new groups)
+            if alone:
+                print(f"group {req.group_id}: quarantined (dropped as {reason}): its runner {index} "
+                      f"{'died' if reason == 'agent_crash' else 'stopped answering'} while running it alone",
+                      flush=True)
+                return reason
             suspect = True
         return reason
 
+    async def _send(self, req: GroupRequest, index: int) -> GroupResult:
+        """The group's call to runner `index`, bounded by `agent.group_timeout_s` (TimeoutError past it), with a
+        line when it is late: past `agent.episode_timeout_s` every episode of it should have ended."""
+        agent = self.rl.agent
+        task = asyncio.ensure_future(_awaitable(self.runners[index].run_group.remote(req)))
+        try:
+            late_at = min(agent.episode_timeout_s, agent.group_timeout_s)
+            done, _ = await asyncio.wait({task}, timeout=late_at)
+            if not done:
+                print(f"group {req.group_id} is late: runner {index} has not answered in {late_at:.0f} s "
+                      f"(agent.episode_timeout_s); it is given up at {agent.group_timeout_s:.0f} s", flush=True)
+                done, _ = await asyncio.wait({task}, timeout=agent.group_timeout_s - late_at)
+            if not done:
+                raise TimeoutError
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+
     def _runner_failed(self, index: int) -> None:
         self.runner_failures += 1
-        if index not in self.runners_down:
-            self.runners_down.add(index)
-            asyncio.ensure_future(self._watch_restart(index))
+        if index in self.runners_down:
+            return
+        self.runners_down.add(index)
+        self.load_at_death[index] = self.runner_load[index]  # no group of it has left yet: the first one is here
+        agent, now = self.rl.agent, time.monotonic()
+        deaths = [t for t in self.runner_deaths[index] if t > now - agent.restart_window_s] + [now]
+        self.runner_deaths[index] = deaths
+        if len(deaths) > agent.max_restarts:
+            print(f"runner {index} died {len(deaths)} times within {agent.restart_window_s:.0f} s (at most "
+                  f"{agent.max_restarts} restarts per window): given up", flush=True)
+            self.runners_dead.add(index)
+            ray.kill(self.runners[index], no_restart=True)
+            return
+        asyncio.ensure_future(self._watch_restart(index))
 
     async def _pick_runner(self, alone: bool = False) -> int:
         """The up runner with the fewest groups in flight (round-robin among equals), never one reserved for a
@@ -264,8 +309,8 @@ class Generator:
         n = len(self.runners)
         while True:
             if len(self.runners_dead) == n:
-                raise RuntimeError("every agent runner died and Ray will not restart them any more; see the runner "
-                                   "logs")
+                raise RuntimeError("every agent runner was given up (each died more than agent.max_restarts times "
+                                   "within agent.restart_window_s, or did not come back); see the runner logs")
             free = [i for i in range(n) if i not in self.runners_down and i not in self.runners_alone]
             if not free:
                 await asyncio.sleep(0.2)
@@ -421,6 +466,7 @@ class _Window:
 
     def __init__(self):
         self.rollouts_dropped: Counter = Counter()
+        self.cuts: Counter = Counter()
         self.prompts_dropped: Counter = Counter()
         self.groups_seen = 0
         self.groups_passed = 0   # passed the filters in this window (a batch may also take groups of earlier ones)
@@ -432,6 +478,7 @@ class _Window:
     def add(self, r: GroupResult) -> None:
         self.groups_seen += 1
         self.rollouts_dropped.update(r.dropped)
+        self.cuts.update(r.cuts)
         self.scores.extend(r.scores)
         self.all_pass += bool(r.scores) and all(s > 0 for s in r.scores)
         self.all_fail += bool(r.scores) and all(s <= 0 for s in r.scores)
@@ -443,6 +490,7 @@ class _Window:
         groups = max(self.groups_seen, 1)
         m: dict[str, float] = {f"rollout/dropped/{k}": float(v) for k, v in self.rollouts_dropped.items()}
         m["rollout/dropped/total"] = float(sum(self.rollouts_dropped.values()))
+        m.update({f"rollout/cut/{k}": float(v) for k, v in self.cuts.items()})
         m.update({f"prompts/dropped/{k}": float(v) for k, v in gen.prompts_dropped.items()})
         m["rollout/pre_filter_mean_score"] = sum(self.scores) / max(len(self.scores), 1)
         m["rollout/group_all_pass_rate"] = self.all_pass / groups

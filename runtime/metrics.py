@@ -49,6 +49,9 @@ METRICS: dict[str, str] = {
                                 "step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "
                                 "logprob_misalign; VLM: vlm_truncation, too_many_images, image_token_generated)",
     "rollout/dropped/total": "sum of rollout/dropped/<reason>",
+    "rollout/cut/<what>": "agent outputs the runner cut since the previous batch: observation (a step's text past "
+                          "the context left, cut before tokenizing; the rollout is marked truncated), info "
+                          "(Result.info entries past 64, or neither numbers nor strings of at most 1024 chars)",
     "rollout/images": "VLM: images in the trained batch",
     "rollout/image_tokens": "VLM: image placeholder tokens in the trained batch (each row checked equal to its image features)",
     "rollout/image_features": "VLM: the features their images give (sum of prod(grid_thw) / merge²)",

@@ -94,7 +94,9 @@ def start_runners(plan: Plan, router) -> list:
     rl = plan.rl
     cls = ray.remote(AgentRunnerActor)
     # Named, so that operators (and the runner-kill test) can find a runner: `ray.get_actor("<job>.runner[i]")`.
-    return [cls.options(**role_options(plan, "runner"), max_restarts=rl.agent.max_restarts,
+    # Ray restarts a dead runner without limit: the generator budgets restarts per time window
+    # (agent.max_restarts per agent.restart_window_s) and gives up a runner past it (runtime/generator.py).
+    return [cls.options(**role_options(plan, "runner"), max_restarts=-1,
                         name=runner_name(plan, i)).remote(
         rl.agent.path, rl.model.path, router, rl.data.max_len, env_refs.for_actors(rl.agent.env), rl.data.apply_chat_template,
         rl.data.max_images_per_prompt, step_timeout_s=rl.agent.step_timeout_s, episode_timeout_s=rl.agent.episode_timeout_s)

@@ -7,8 +7,10 @@ only concatenates tensors. An exception inside one episode (an `Env.step` that r
 `agent_error`; its group survives. An episode past `agent.episode_timeout_s` is dropped as `episode_timeout`, one
 whose `Env.step` ran past `agent.step_timeout_s` as `step_timeout` (runtime/agents/base.py).
 
-Runners are Ray actors with `max_restarts` from the plan: a killed runner comes back, and the generator re-sends the
-groups it had in flight (see `runtime/generator.py`).
+Runners are Ray actors that Ray restarts without limit: a killed runner comes back, the generator re-sends the
+groups it had in flight and gives a runner up past `agent.max_restarts` deaths per `agent.restart_window_s` (see
+`runtime/generator.py`). An `Env` runs on its own thread (`runtime/agents/bounds.py`), so a blocking step is given up
+at `agent.step_timeout_s`; what a step hands back is cut to what fits before it is tokenized (`rollout/cut/*`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from runtime import vlm
 from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
 from runtime.agents.base import StepTimeout
+from runtime.agents.bounds import TooManyImages
 from runtime.experience import Experience, from_token_lists
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class GroupResult:
     dropped: Counter = field(default_factory=Counter)  # rollout drop reason -> count
     info: dict[str, float] = field(default_factory=dict)   # sums of the numeric Result.info values over survivors
     errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
+    cuts: Counter = field(default_factory=Counter)  # what the runner cut from the agents' outputs (rollout/cut/*)
 
 
 def render(tokenizer, prompt, apply_chat_template: bool, tools: list | None = None):
@@ -79,6 +83,7 @@ class AgentRunnerActor:
 
         self.runner = load_agent_runner(agent_path)
         self.runner.step_timeout_s = step_timeout_s  # step runners bound each Env.step with it
+        self.runner.max_images = max_images_per_prompt  # and the images an episode may gather
         self.episode_timeout_s = episode_timeout_s
         # A VLM run (max_images_per_prompt > 0) renders and encodes prompts with the model's processor.
         self.max_images = max_images_per_prompt
@@ -118,6 +123,8 @@ class AgentRunnerActor:
         if lost is not None:  # an engine died under the group: not the prompt's fault, it must not count as done
             raise EngineLost(f"group {req.group_id}: an engine died under it ({type(lost).__name__})")
         kept, dropped, errors = [], Counter(), []
+        cuts = sum((t.cuts for out in outcomes if not isinstance(out, BaseException)
+                    for t in (out if isinstance(out, list) else [out])), Counter())
         image_token = self.processor.image_token_id if self.processor is not None else None
         for out in outcomes:
             reason = _drop_reason(out)
@@ -130,7 +137,9 @@ class AgentRunnerActor:
             if reason == "agent_error":
                 errors.append(f"{type(out).__name__}: {out}")
                 logger.warning("group %d: rollout dropped (agent_error): %r", req.group_id, out)
-        return _group_result(req, kept, dropped, errors, self.pad_id)
+        result = _group_result(req, kept, dropped, errors, self.pad_id)
+        result.cuts.update(cuts)
+        return result
 
 
 def _drop_reason(out) -> str | None:
@@ -144,6 +153,8 @@ def _drop_reason(out) -> str | None:
         return "episode_timeout"
     if isinstance(out, vlm.VlmTruncation):
         return "vlm_truncation"
+    if isinstance(out, TooManyImages):
+        return "too_many_images"
     if isinstance(out, BaseException):
         return "agent_error"
     for sample in out if isinstance(out, list) else [out]:

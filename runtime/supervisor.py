@@ -15,6 +15,7 @@ loop adds its prompt accounting and tears everything down within a bound.
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -27,6 +28,9 @@ from runtime.books import Books
 from schemas.plan import SupervisorPlan
 
 PING_EVERY_S = 2.0  # a fresh ping per actor this often (an outstanding one that errors is noticed at the next poll)
+DEATH_GRACE_S = 3.0
+"""After an actor's error, how long to look for a watched actor that died: a dead rank's peers fail on the broken
+collective before Ray has told the driver of the death, and the one that died is the culprit."""
 
 
 class RunAborted(Exception):
@@ -99,6 +103,7 @@ class Supervisor:
         self.bounds, self.stop = bounds, stop
         self.watched: list[_Watched] = []
         self.phase_name, self.actor, self.key = "start-up", "the cluster", "cluster"
+        self.ray_checked_at = 0.0
 
     # ------------------------------------------------------------------------------------------------ watching
     def watch(self, name: str, handle, method: str, key: str) -> None:
@@ -136,6 +141,7 @@ class Supervisor:
             try:
                 ray.get(w.ref, timeout=0)
             except ray.exceptions.RayActorError as exc:  # also an error of its constructor
+                _raise_if_ray_is_down(self.phase_name, _last_line(exc))
                 raise RunAborted(w.name, self.phase_name, _key_of(str(exc), w.key),
                                  f"died ({_last_line(exc)})") from None
             except Exception as exc:  # the actor's own error, with its remote traceback in the text
@@ -162,17 +168,55 @@ class Supervisor:
             self._between_slices(start, bound)
         try:
             values = ray.get(pending, timeout=self.bounds.poll_s)
-        except ray.exceptions.RayActorError as exc:
-            failed = getattr(exc, "actor_id", None)
-            failed = failed.hex() if hasattr(failed, "hex") and not isinstance(failed, str) else failed
-            dead = next((w for w in self.watched if w.actor_id and w.actor_id == failed), None)
+        except ray.exceptions.RayError as exc:
+            _raise_if_ray_is_down(self.phase_name, _last_line(exc))
+            self._name_the_failure(exc, pending)
+            raise
+        return values[0] if single else values
+
+    def _name_the_failure(self, exc: BaseException, pending: list) -> None:
+        """Raise `RunAborted` for an error of `ray.get(pending)`: the actor that died first, else the one that
+        raised."""
+        if isinstance(exc, ray.exceptions.RayActorError):
+            dead = self._watched_of(exc) or self._first_dead(pending)
             actor, key = (dead.name, dead.key) if dead is not None else (self.actor, self.key)
             raise RunAborted(actor, self.phase_name, _key_of(str(exc), key), f"died ({_last_line(exc)})") from None
-        except ray.exceptions.RayTaskError as exc:  # the actor raised: its error, remote traceback in the text
+        if isinstance(exc, ray.exceptions.RayTaskError):  # the actor raised: its error, remote traceback in the text
             cause = getattr(exc, "cause", None) or exc
+            failed = f"{type(cause).__name__}: {_last_line(cause)}"
+            dead = self._first_dead(pending)
+            if dead is not None:  # it raised because a peer died (a collective broke): the peer is the culprit
+                raise RunAborted(dead.name, self.phase_name, dead.key,
+                                 f"died (then {self.actor} failed: {failed})") from None
             raise RunAborted(self.actor, self.phase_name, _key_of(f"{type(cause).__name__}: {cause}", self.key),
-                             f"failed: {type(cause).__name__}: {_last_line(cause)}") from None
-        return values[0] if single else values
+                             f"failed: {failed}") from None
+
+    def _watched_of(self, exc: BaseException) -> _Watched | None:
+        """The watched actor a `RayActorError` is about, if it is one."""
+        failed = getattr(exc, "actor_id", None)
+        failed = failed.hex() if hasattr(failed, "hex") and not isinstance(failed, str) else failed
+        return next((w for w in self.watched if w.actor_id and w.actor_id == failed), None) if failed else None
+
+    def _first_dead(self, refs: list) -> _Watched | None:
+        """A watched actor that died, found within `DEATH_GRACE_S`: from `refs` that failed with `RayActorError`,
+        or from a fresh ping of each watched actor."""
+        pings = [(w, w.ping()) for w in self.watched if w.ping is not None]
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            for ref in [*refs, *(p for _, p in pings)]:
+                if not ray.wait([ref], timeout=0)[0]:
+                    continue
+                try:
+                    ray.get(ref, timeout=0)
+                except ray.exceptions.RayActorError as exc:
+                    dead = self._watched_of(exc) or next((w for w, p in pings if p is ref), None)
+                    if dead is not None:
+                        return dead
+                except Exception:  # noqa: S112 - an error of a live actor: not a death
+                    continue
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.2)
 
     def next_message(self, queue):
         """The next message of the rollout queue, or None when a stop was requested."""
@@ -187,12 +231,42 @@ class Supervisor:
     def _between_slices(self, start: float, bound: float) -> None:
         self.check()
         now = time.monotonic()
+        if now - self.ray_checked_at >= PING_EVERY_S:  # a dead GCS or raylet answers no ping, raises nothing
+            self.ray_checked_at = now
+            _raise_if_ray_is_down(self.phase_name, f"waiting {now - start:.0f} s")
         if self.stop.requested and now - self.stop.at > self.bounds.stop_timeout_s:
             raise RunStopped(f"the phase {self.phase_name!r} did not finish within {self.bounds.stop_timeout_s:g} s "
                              "of the stop signal")
         if now - start > bound:
+            _raise_if_ray_is_down(self.phase_name, f"no result for {now - start:.0f} s")
             raise RunAborted(self.actor, self.phase_name, f"{self.key} (bound: train.stall_timeout_s)",
                              f"stalled: no result for {now - start:.0f} s")
+
+
+def ray_component_down() -> str | None:
+    """Ray itself, when one of its components this driver depends on no longer accepts connections: "the Ray GCS
+    (head node, ADDRESS)" or "the raylet of this node (ADDRESS)"; None when both answer (or Ray is not started)."""
+    try:
+        node = ray._private.worker.global_worker.node
+        gcs_host, _, gcs_port = node.gcs_address.rpartition(":")
+        parts = [("the Ray GCS (head node, {})", gcs_host, int(gcs_port)),
+                 ("the raylet of this node ({})", node.node_ip_address, int(node.node_manager_port))]
+    except Exception:  # noqa: BLE001 - not connected: nothing to name
+        return None
+    for name, host, port in parts:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+        except OSError:
+            return name.format(f"{host}:{port}")
+    return None
+
+
+def _raise_if_ray_is_down(phase: str, seen: str) -> None:
+    """A death, error or stall that Ray itself caused is Ray's, not the actor's that happened to be waited on."""
+    down = ray_component_down()
+    if down is not None:
+        raise RunAborted(down, phase, "the Ray cluster (no recipe key: see the Ray logs)",
+                         f"is down (what the driver saw: {seen})") from None
 
 
 def _actor_id(handle) -> str | None:

@@ -273,8 +273,10 @@ class AgentPlan(PlanModel):
     runners: int
     """Number of agent runner actors."""
     max_restarts: int
-    """Ray restarts of a killed runner actor (its in-flight groups are re-sent; a group is sent at most
-    max_restarts + 1 times, then dropped as `runner_lost`)."""
+    """Restarts of one runner actor within `restart_window_s` (its in-flight groups are re-sent); one more death in
+    the window and the generator gives that runner up (the run ends when every runner is given up)."""
+    restart_window_s: float
+    """The window of `max_restarts`: deaths longer ago no longer count."""
     step_timeout_s: float
     """Bound on one `Env.step` (rollout dropped as `step_timeout`)."""
     episode_timeout_s: float
@@ -283,7 +285,8 @@ class AgentPlan(PlanModel):
     """Bound on one group's call to its runner: past it the group is dropped (`episode_timeout`) and the runner,
     which stopped answering, is restarted."""
     max_prompt_attempts: int
-    """A prompt whose runner died under it is sent at most this many times, then dropped as `agent_crash`."""
+    """A prompt whose runner died under it is sent at most this many times, then dropped as `agent_crash`; a prompt
+    that was the only one on a runner when it died (or stopped answering) is dropped at once (quarantined)."""
 
 
 class RlCountInputs(PlanModel):

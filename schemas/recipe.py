@@ -402,12 +402,13 @@ class Agent(Section):
     """Turn limit of an episode (exported to runners as MAX_AGENT_TURNS)."""
     env: dict[EnvName, EnvValue] = {}
     """Environment variables of the agent runner processes (tool timeouts, model paths, ...)."""
-    step_timeout_s: PositiveFloat = 300.0
-    """Longest one `Env.step` may take; a step past it drops its rollout (reason `step_timeout`)."""
-    episode_timeout_s: PositiveFloat = 1800.0
+    step_timeout_s: PositiveFloat = 120.0
+    """Longest one `Env.step` may take; a step past it drops its rollout (reason `step_timeout`), also when the step
+    blocks (`time.sleep`, a synchronous call): steps run on their own thread, abandoned at the bound."""
+    episode_timeout_s: PositiveFloat = 600.0
     """Longest one episode (reset, every turn, every step) may take; past it the rollout is dropped (reason
-    `episode_timeout`). A group whose runner stops answering for this long (an agent that blocks its event loop) is
-    dropped as `episode_timeout` and the runner is restarted."""
+    `episode_timeout`). A group whose runner has not answered by then gets a "late" line; one more minute (or this
+    bound, when shorter) without an answer and the group is dropped as `episode_timeout`, the runner restarted."""
     max_prompt_attempts: PositiveInt = 2
     """Times a prompt is sent to a runner whose process then dies under it; then it is dropped (reason
     `agent_crash`), so one prompt that crashes the agent cannot use up every runner's restarts."""

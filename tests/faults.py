@@ -4,7 +4,9 @@ run of the demo recipe on one local Ray cluster and the table says what came of 
     python -m tests.faults [SCENARIO ...]
 
 Scenarios: kill -9 of a runner, of the engine, of a trainer rank; SIGTERM to the driver (also while an `Env.step`
-hangs); an agent that raises, hangs, blocks its event loop or crashes its process; a malformed data row. Each row
+hangs); an agent that raises, hangs, blocks its event loop or crashes its process; a malformed data row. Issue 32's
+run under the recipe's default agent and stall timeouts ("(defaults)"): a step that blocks in `time.sleep`, a 10 MB
+observation, three prompts that crash their runner. Each row
 shows the outcome (finished / stopped / aborted, with the supervisor's line), the seconds from the injection to
 the end of the run, and the prompt books (consumed = trained + dropped, per reason; "balanced" checks it).
 """
@@ -35,6 +37,7 @@ class Scenario:
     faults: tuple[str, ...] = ()        # prompts of misbehaving.py ("crash ", "hang ", "block ") placed early
     inject: str | None = None           # kill:runner | kill:engine | kill:trainer | sigterm | corrupt_data
     sets: tuple[str, ...] = ()
+    defaults: bool = False              # the recipe's default agent and stall timeouts, not the campaign's tight ones
 
 
 SCENARIOS = [
@@ -50,6 +53,10 @@ SCENARIOS = [
     Scenario("agent crashes its process", faults=("crash 1+2=",)),
     Scenario("malformed data row", inject="corrupt_data"),
     Scenario("SIGTERM to molt-compile --submit", inject="sigterm_submit"),
+    Scenario("Env.step blocks in time.sleep (defaults)", faults=("block 3+3=",), defaults=True),
+    Scenario("10 MB observation (defaults)", faults=("flood 2+2=",), defaults=True),
+    Scenario("three prompts crash their runner (defaults)", faults=("crash 1+2=", "crash 2+3=", "crash 0+1="),
+             defaults=True),
 ]
 
 
@@ -63,12 +70,13 @@ def write_data(path: Path, faults: tuple[str, ...]) -> None:
 
 
 def plan_sets(sc: Scenario, data: Path) -> list[str]:
+    tight = () if sc.defaults else ("agent.step_timeout_s=2", "agent.episode_timeout_s=4", "train.stall_timeout_s=300")
     return [f"name=faults-{sum(map(ord, sc.name)) % 10**6}", "rollout.engine=hf", f"data.prompts={data}",
-            f"data.max_samples={ROWS}", f"agent.path={AGENTS[sc.agent]}", "agent.step_timeout_s=2",
-            "agent.episode_timeout_s=4", "rollout.n_samples_per_prompt=4", "rollout.batch_size=4",
+            f"data.max_samples={ROWS}", f"agent.path={AGENTS[sc.agent]}", *tight,
+            "rollout.n_samples_per_prompt=4", "rollout.batch_size=4",
             "rollout.generate_batch_size=6", "train.batch_size=16", "train.micro_batch_size=4", f"train.seed={SEED}",
             "eval.dataset=null", "ckpt.every=-1", "ckpt.final_save=false", "logging.tensorboard_dir=null",
-            "train.stall_timeout_s=300", *sc.sets]
+            *sc.sets]
 
 
 def plan_for(sc: Scenario, data: Path):

@@ -56,8 +56,12 @@ from schemas.recipe import RlRecipe
 
 RL_ENTRYPOINT = ("python", "-m", "runtime", PLAN_FILE_PLACEHOLDER)
 RUNNER_MAX_RESTARTS = 3
-"""Agent runner actors are restarted by Ray this many times (Molt relies on Ray's default, 0: a dead runner loses
-its groups and the run hangs or ends short). Not a recipe knob; the plan carries it so the runtime never defaults."""
+"""An agent runner may die and be restarted this many times within `RUNNER_RESTART_WINDOW_S`; one more death in the
+window and the generator gives it up (Molt relies on Ray's default, 0: a dead runner loses its groups and the run
+hangs or ends short). A budget per window, not per run, so a days-long job survives a death now and then. Not a
+recipe knob; the plan carries it so the runtime never defaults."""
+RUNNER_RESTART_WINDOW_S = 3600.0
+"""The window of `RUNNER_MAX_RESTARTS`."""
 ENGINE_MAX_NUM_SEQS = 256
 """Cap on `engines.max_num_seqs` (vLLM's default max_num_seqs): bounds the hf engine's KV cache."""
 WEIGHT_SYNC_TIMEOUT_S = 600
@@ -213,6 +217,7 @@ def _agent(r: RlRecipe, d: Derived, source: SourceMap | None) -> AgentPlan:
         env=agent_env(r, d),
         runners=d.value("rollout.runners"),
         max_restarts=RUNNER_MAX_RESTARTS,
+        restart_window_s=RUNNER_RESTART_WINDOW_S,
         step_timeout_s=ag.step_timeout_s,
         episode_timeout_s=ag.episode_timeout_s,
         group_timeout_s=ag.episode_timeout_s + min(GROUP_TIMEOUT_GRACE_S, ag.episode_timeout_s),

@@ -16,8 +16,6 @@ so a trajectory is never without one.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import importlib.util
 import logging
@@ -25,6 +23,7 @@ import math
 import numbers
 import sys
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,18 +32,15 @@ from uuid import uuid4
 import numpy as np
 
 from runtime import vlm
+from runtime.agents.bounds import EnvThread, TooManyImages, bounded_info, tokenize, tokenize_within
 from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
 from runtime.vlm import VlmTruncation
 
 logger = logging.getLogger(__name__)
 
-# Tokenizing is CPU work that must not run on the event loop (a group's n rollouts share one loop) and must not share
-# asyncio's default executor with agent code: an agent that parks blocking work there can starve the tokenizer the
-# chat server awaits, and the whole actor deadlocks. Per-turn and small, so a small dedicated pool is enough.
-_TOKENIZE_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tokenize")
-
 # Initial-prompt reserve when the per-turn cap is unset: the first turn must have room to generate something.
 _MIN_GENERATION_RESERVE = 32
+
 
 
 class Tokenizer(Protocol):
@@ -119,6 +115,8 @@ class Trajectory:
     # (T,) aligned with token_ids: the weights version that sampled each action token (GenerateOutput.policy_versions),
     # UNKNOWN_VERSION (-1) off the action ranges; None: not recorded (the runner fills -1)
     policy_versions: list[int] | None = None
+    # what the runner cut from the agent's output, per kind ("observation", "info"): the rollout/cut/* metrics
+    cuts: Counter = field(default_factory=Counter)
 
     @property
     def num_action_tokens(self) -> int:
@@ -257,16 +255,13 @@ def scalar(value: Any, what: str) -> float:
     return out
 
 
-async def tokenize(tokenizer: Tokenizer, text: str) -> list[int]:
-    if not text:
-        return []
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_TOKENIZE_EXECUTOR, lambda: list(tokenizer.encode(text, add_special_tokens=False)))
-
-
 # --------------------------------------------------------------------------------------------------- step runner
 class StepTimeout(TimeoutError):
     """One `Env.step` ran past `agent.step_timeout_s` (its rollout is dropped as `step_timeout`)."""
+
+
+async def _construct(env_cls):
+    return env_cls()
 
 
 class StepEnvRunner(Runner):
@@ -274,6 +269,7 @@ class StepEnvRunner(Runner):
 
     PRERENDER_PROMPT = True
     step_timeout_s: float | None = None  # set by the runner actor from the plan (agent.step_timeout_s)
+    max_images: int | None = None  # images an episode may hold (data.max_images_per_prompt; set by the runner actor)
 
     def __init__(self, env_cls: type[Env]):
         if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
@@ -294,23 +290,24 @@ class StepEnvRunner(Runner):
         processor: Any = None,
     ) -> Trajectory:
         # `tools` are already rendered into the prompt by the dataset's chat template (parity with the chat path).
-        env = self.env_cls()
+        # The env runs on its own thread (`EnvThread`): its reset, steps and close may block without stalling the
+        # other episodes of the runner or defeating the step and episode timeouts.
+        worker = EnvThread()
         session_id = uuid4().hex  # every turn of this episode goes to the same engine (warm prefix cache)
+        env = None
         try:
-            first = await env.reset({"observation": prompt, "label": label})
+            env = await worker.call(_construct, self.env_cls, timeout=self.step_timeout_s)
+            first = await worker.call(env.reset, {"observation": prompt, "label": label})
             vision = _Vision(processor, list(images or [])) if processor is not None else None
             return await self._run_episode(env, first["observation"], prompt, label, sampling, max_length,
-                                           tokenizer, client, session_id, vision)
+                                           tokenizer, client, session_id, vision, worker)
         finally:
-            # The env may own a subprocess or a sandbox; close it on every path, and never let a close failure mask
-            # the episode's own outcome or exception.
-            try:
-                await env.close()
-            except Exception:
-                logger.warning("Env.close() failed; its resources may leak", exc_info=True)
+            # The env may own a subprocess or a sandbox: close it on every path (a close failure never masks the
+            # episode's own outcome or exception); behind a stuck call, once that call returns.
+            await worker.finish(env.close if env is not None else None, self.step_timeout_s)
 
     async def _run_episode(self, env, observation, prompt, label, sampling, max_length, tokenizer, client,
-                           session_id, vision: _Vision | None = None) -> Trajectory:
+                           session_id, vision: _Vision | None, worker: EnvThread) -> Trajectory:
         mm = None
         if vision is not None and vision.images:
             prompt_ids, mm = vision.encode(observation, vision.images)
@@ -365,10 +362,10 @@ class StepEnvRunner(Runner):
             action_text = tokenizer.decode(list(out.token_ids), skip_special_tokens=False) if out.token_ids else ""
 
             try:
-                result = await asyncio.wait_for(env.step({
+                result = await worker.call(env.step, {
                     "observation_text": traj.observation_text, "action_text": action_text, "label": label,
                     "sampling_params": turn_sampling, "turn": traj.turns - 1,
-                }), self.step_timeout_s)
+                }, timeout=self.step_timeout_s)
             except TimeoutError:
                 raise StepTimeout(f"{type(env).__name__}.step took longer than agent.step_timeout_s="
                                   f"{self.step_timeout_s:g} s (turn {traj.turns - 1})") from None
@@ -378,23 +375,37 @@ class StepEnvRunner(Runner):
             reward = scalar(result.reward, f"{type(env).__name__}.step reward")
             traj.reward += reward
             traj.score = reward if result.score is None else scalar(result.score, f"{type(env).__name__}.step score")
-            traj.info = dict(result.info or {})
+            traj.info, info_dropped = bounded_info(result.info)
+            if info_dropped:
+                traj.cuts["info"] += info_dropped
 
             traj.append_action(list(out.token_ids), list(out.logprobs) if want_logprobs else None,
                                list(out.policy_versions), top=(out.top_ids, out.top_logprobs))
             traj.absorb_routing(out.routed_experts)
             traj.observation_text += action_text
-            feedback_text, new_mm = result.observation, None
+            feedback_text, new_mm = result.observation or "", None
+            if not isinstance(feedback_text, str):
+                raise TypeError(f"{type(env).__name__}.step observation must be a str, "
+                                f"got {type(feedback_text).__name__}")
+            result.observation = ""  # the runner keeps only what fits (below), not the agent's whole output
+            room = max_length - len(traj.token_ids)
             if result.images and vision is None:
                 raise TypeError(f"{type(env).__name__}.step returned images, but this is not a VLM run "
                                 "(data.max_images_per_prompt: 0)")
+            if result.images and self.max_images is not None and \
+                    len(traj.images or []) + len(result.images) > self.max_images:
+                raise TooManyImages(f"turn {traj.turns}: {type(env).__name__}.step returned {len(result.images)} "
+                                    f"image(s), {len(traj.images or [])} already in the episode; "
+                                    f"data.max_images_per_prompt is {self.max_images}")
             if result.images:
                 new_images = [vision.load(x) for x in result.images]
                 feedback_text = vision.with_placeholders(feedback_text, len(new_images))
                 feedback_ids, new_mm = vision.encode(feedback_text, new_images)
             else:
-                feedback_ids = await tokenize(tokenizer, feedback_text)
-            room = max_length - len(traj.token_ids)
+                feedback_text, feedback_ids, cut = await tokenize_within(tokenizer, feedback_text, room)
+                if cut:
+                    traj.cuts["observation"] += 1
+                    traj.truncated = True
             if new_mm is not None and len(feedback_ids) > room:
                 raise VlmTruncation(f"turn {traj.turns}: feedback with {len(result.images)} image(s) needs "
                                     f"{len(feedback_ids)} tokens, {room} left; images cannot be cut")

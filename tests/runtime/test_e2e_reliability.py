@@ -1,7 +1,7 @@
 """Issue 13 on a real local Ray cluster (hf engine, 2 FSDP2 ranks), two runs of one misbehaving agent:
 
 1. a run whose agent crashes its process on one prompt, hangs in `Env.step` on another and blocks its runner's event
-   loop on a third (failures 2 and 6): each is dropped with its own reason, the runners are recycled, the other
+   loop on a third (failures 2 and 6; since issue 32.2 the blocking step is given up at the step bound): each is dropped with its own reason, the runners are recycled, the other
    prompts train; then the engine is killed with SIGKILL (failure 6): the run ends at once with the actor, the phase,
    the likely recipe key and the accounting;
 2. the same run resumed from its last checkpoint (failure 3): every prompt is trained or dropped exactly once over
@@ -59,8 +59,8 @@ def kill_engine_after_the_faults(plan, out: dict) -> None:
     deadline = time.time() + 400
     while time.time() < deadline:
         records = read_metrics(metrics) if metrics.is_file() else []
-        done = [r for r in records if r.get("prompts/dropped/agent_crash") and r.get("prompts/dropped/episode_timeout")
-                and r.get("prompts/dropped/all_rollouts_dropped")]
+        done = [r for r in records if r.get("prompts/dropped/agent_crash")
+                and r.get("prompts/dropped/all_rollouts_dropped", 0) >= 2]
         if done and any(r["step"] > done[0]["step"] and "timing/ckpt" in r for r in records):
             break
         time.sleep(0.3)
@@ -107,10 +107,12 @@ def test_engine_death_ends_the_run_naming_actor_phase_key_and_books(runs):
 def test_agent_faults_each_dropped_with_its_own_reason(runs):
     last = runs["first"]["metrics"][-1]
     assert last["prompts/dropped/agent_crash"] == 1          # the crashing prompt, after 2 attempts (not 4 lives)
-    assert last["prompts/dropped/episode_timeout"] == 1      # the event-loop blocker; its runner restarted
-    assert last["prompts/dropped/all_rollouts_dropped"] == 1  # the hung Env.step: every rollout step_timeout
-    assert sum(r.get("rollout/dropped/step_timeout", 0) for r in runs["first"]["metrics"]) == 4
-    assert last["rollout/runner_restarts"] >= 2
+    # the hung Env.step and the one blocking in time.sleep (its thread abandoned at the step bound, issue 32.2):
+    # every rollout step_timeout
+    assert last["prompts/dropped/all_rollouts_dropped"] == 2
+    assert "prompts/dropped/episode_timeout" not in last
+    assert sum(r.get("rollout/dropped/step_timeout", 0) for r in runs["first"]["metrics"]) == 8
+    assert last["rollout/runner_restarts"] >= 1
 
 
 def test_resume_trains_every_prompt_once_and_logs_each_step_once(runs):

@@ -32,8 +32,10 @@ class FakeRunner:
 
 def _generator(runners) -> Generator:
     g = Generator.__new__(Generator)
-    g.rl = SimpleNamespace(agent=SimpleNamespace(max_prompt_attempts=2, group_timeout_s=10.0))
+    g.rl = SimpleNamespace(agent=SimpleNamespace(max_prompt_attempts=2, group_timeout_s=10.0, episode_timeout_s=5.0,
+                                                 max_restarts=3, restart_window_s=3600.0))
     g.runners, g.runner_load = runners, [0] * len(runners)
+    g.runner_deaths, g.load_at_death = [[] for _ in runners], [0] * len(runners)
     g.runners_alone, g.runners_down, g.runners_dead = set(), set(), set()
     g._next_runner = g.runner_failures = g.runner_restarts = 0
     return g

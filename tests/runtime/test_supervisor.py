@@ -4,14 +4,20 @@ Each ends in a bounded time with the actor, the phase and the likely recipe key.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
+from test_generator_dispatch import _generator
 
 from schemas.plan import SupervisorPlan
-from tests.runtime.supervised import Sleeper  # importable by the Ray workers (the project root is on their path)
+
+# importable by the Ray workers (the project root is on their path)
+from tests.runtime.supervised import CrashyRunner, Rank, Sleeper
 
 BOUNDS = SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=3.0, stop_timeout_s=1.0)
 
@@ -86,3 +92,88 @@ def test_a_stop_signal_gives_the_phase_its_bound_then_gives_up(supervisor):
     with pytest.raises(RunStopped):
         supervisor.get(ref)
     assert time.monotonic() - t0 < BOUNDS.stop_timeout_s + 2
+
+
+def test_a_dead_rank_is_named_not_the_peer_whose_collective_it_broke(supervisor):
+    """32.7: a killed trainer rank was reported as the other rank's gloo error, "likely recipe key:
+    actor.micro_batch_size". The actor that died is named, with the key of its role."""
+    import ray
+
+    from runtime.supervisor import RunAborted
+
+    r0, r1 = (ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2))
+    port, pid = ray.get([r1.listen.remote(), r1.ping.remote()])
+    refs = [r0.step.remote(port), r1.serve.remote()]
+    for r, handle in enumerate((r0, r1)):
+        supervisor.watch(f"actor[{r}] (trainer rank {r})", handle, "ping", "actor")
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RunAborted) as err, supervisor.phase("log-probs (π_old, π_ref)", "actor",
+                                                            "actor.micro_batch_size"):
+        supervisor.get(refs)
+    assert err.value.actor == "actor[1] (trainer rank 1)" and err.value.key == "actor", str(err.value)
+    assert "died" in err.value.what and "Connection closed by peer" in err.value.what
+
+
+# ------------------------------------------------------------------------------- the generator's runner budget
+def _crashy_generator(prompts: list[str], *, max_restarts: int, window_s: float):
+    import ray
+
+    from runtime.generator import _Window
+
+    runner = ray.remote(CrashyRunner).options(max_restarts=-1, num_cpus=0).remote()
+    g = _generator([runner])
+    g.rl.agent.max_restarts, g.rl.agent.restart_window_s = max_restarts, window_s
+    g.rl.generator = SimpleNamespace(batch_size=len(prompts), generate_batch_size=1, dynamic_filtering=None)
+    g.rl.sampling = SimpleNamespace(n_samples_per_prompt=1)
+    g.sampling, g.inflight, g.ready, g.consumed, g.batched = None, {}, [], 0, 0
+    g.prompts_dropped, g.window, g.dropped_positions = Counter(), _Window(), {}
+    stream = iter([(i, ((p, "0", None), None)) for i, p in enumerate(prompts)])
+
+    async def produce():
+        try:
+            return await g._generate_batch(stream)
+        finally:
+            g._abandon_inflight()
+    return g, runner, produce
+
+
+def books_balance(g) -> bool:
+    acc = g.accounting()
+    return acc["prompts/consumed"] == acc["prompts/batched"] + sum(
+        v for k, v in acc.items() if k.startswith("prompts/dropped/"))
+
+
+def test_restarts_are_budgeted_per_window_and_the_books_close_when_every_runner_is_given_up(local_ray):
+    """32.6: a runner's death past its restart budget within the window gives it up (test_generator_faults.py has
+    deaths further apart); with no runner left the generator ends with every prompt it took in the books (the one
+    in flight was lost: 106 = 96 + 9)."""
+    alone, _, produce_alone = _crashy_generator(["crash", "ok 0", "ok 0"], max_restarts=0, window_s=60.0)
+    with pytest.raises(RuntimeError, match="every agent runner was given up"):
+        asyncio.run(asyncio.wait_for(produce_alone(), 60))
+    assert alone.runners_dead == {0} and alone.prompts_dropped == {"agent_crash": 1, "run_ended": 1}
+    assert alone.consumed == 2 and books_balance(alone), alone.accounting()
+
+
+def test_a_dead_gcs_is_named_as_ray_itself_not_the_actor_waited_on():
+    """32.7: a GCS killed under a run was blamed on "trainer rank 0" (the actor the loop waited on). Ray's own
+    components are checked while waiting and on every error: the GCS is named, within seconds."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from loop_support import ROOT
+
+    short = tempfile.mkdtemp(prefix="rd", dir="/tmp")  # Ray's socket paths must stay under 108 characters
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_TMPDIR": short}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.ray_down"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    for pid in next((ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith("PIDS")), []):
+        try:  # what is left of that Ray instance, by pid
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ABORTED")), proc.stdout + proc.stderr)
+    assert "the Ray GCS (head node" in line and "is down" in line and "trainer rank 0" not in line, line
+    assert float(line.split()[2]) < 10, line
