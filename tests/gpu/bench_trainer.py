@@ -11,7 +11,7 @@ Same random Qwen3-1.7B-shaped model (bf16 compute) and the same 4 x 4096 tokens:
    each `model.gradient_checkpoint` and with/without `model.compile_layers` (the compiler allows compiled layers only without checkpointing; the compiled+checkpointed variants are measured, not offered).
 Then a batch with skewed lengths (4 rows in 16 long, the rest short, the same 16 x 4096 padded shape): the baseline
 computes the padding, the packed trainer does not. Tokens/s count real tokens; MFU uses 790 TFLOP/s (bf16 dense).
-`--profile` also writes the 40 costliest ops of one uniform/padded-none-compiled step (profile_trainer.txt).
+`--profile NAME` also writes the 40 costliest ops of one step of run NAME (profile_trainer.txt).
 Variants whose attention is not what the compiler allows on GPUs for packing (sdpa, flex: Molt's rule H2 wants
 flash_attention_2, te or tilelang) are measured as what the kernels would give, not as runnable recipes.
 
@@ -180,14 +180,20 @@ def main() -> int:
         ("skewed/packed-flex-none-compiled", skewed, True, "none", "flex_attention", True),
         ("skewed/packed-selective", skewed, True, "selective", "sdpa", False),
         ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention", False),
+        # flash_attention_2 without the flash-attn package: torch's varlen kernel (runtime/packed_attention.py)
+        ("uniform/packed-varlen", uniform, True, "full", "flash_attention_2", False),
+        ("skewed/packed-varlen", skewed, True, "full", "flash_attention_2", False),
+        ("skewed/packed-varlen-selective", skewed, True, "selective", "flash_attention_2", False),
+        ("skewed/packed-varlen-none-compiled", skewed, True, "none", "flash_attention_2", True),
     ]
-    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]
+    profiled = args[args.index("--profile") + 1] if "--profile" in args else None
+    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]  # --profile NAME runs NAME
     for name, batch, packing, ckpt, attn, compiled in runs:
         if only and name not in only:
             continue
         try:
             run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg, n_params,
-                               seq, plain, port, "--profile" in args and name == "uniform/padded-none-compiled", out)
+                               seq, plain, port, name == profiled, out)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
             run = {"error": repr(exc)[:2000]}
         port += 1
