@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-NAME = "molt_varlen_flash"
+NAME = "molt_varlen"  # no "flash" in it: transformers 5.17 would look for such a name on the Hub
 _offsets_cache: list = [None, None]  # [the tensor the offsets were computed from, (cu_seqlens, max_len, index)]
 
 

@@ -203,7 +203,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     for name, run in report["runs"].items():  # each against the plain baseline on the same batch
         base = report["runs"].get(f"plain/{name.split('/')[0]}")
-        if base is not None:
+        if base is not None and "tokens_per_s" in run:
             run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
     text = json.dumps(report, indent=1)
     print(text)
