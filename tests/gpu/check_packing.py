@@ -10,7 +10,7 @@ flex: transformers' document block mask) and each layout (padded / packed / dyna
 1. correctness: old log-probs and the first optimizer step's gradients against sdpa's padded layout (max abs diff of
    log-probs on action tokens, max relative gradient difference; fails above 0.1 nats / 5 %); lr is 0, so every run
    sees the same weights;
-2. speed: best-of-3 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
+2. speed: best-of-2 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 
@@ -100,11 +100,13 @@ def main() -> int:
             return real_step()
 
         for name, layout in rls.items():
+            if attn == "flex" and name == "padded":  # flex recompiles per padded width; sdpa is the padded reference
+                continue
             worker.t = layout.trainer
             grads.clear()
             worker._optimizer_step = capture_then_step
             times, peak = [], 0.0
-            for i in range(4):
+            for i in range(3):
                 if not DRY_RUN:
                     torch.cuda.reset_peak_memory_stats()
                 sync()
@@ -127,11 +129,10 @@ def main() -> int:
                 run["grad_max_rel_diff_vs_padded"] = max(
                     float((a - b).norm() / b.norm().clamp(min=1e-12))
                     for a, b in zip(first_grads, reference["grads"], strict=True))
+            run["speedup_vs_sdpa_padded"] = report["runs"]["sdpa/padded"]["step_s_best"] / run["step_s_best"] \
+                if report["runs"] else 1.0
             report["runs"][f"{attn}/{name}"] = run
-        for name in ("padded", "packed", "dynamic"):
-            run = report["runs"][f"{attn}/{name}"]
-            run["speedup_vs_padded"] = report["runs"][f"{attn}/padded"]["step_s_best"] / run["step_s_best"]
-            run["speedup_vs_sdpa_padded"] = report["runs"]["sdpa/padded"]["step_s_best"] / run["step_s_best"]
+            print(f"{attn}/{name}", json.dumps(run), flush=True)
         worker.shutdown()
     # bf16 compute: log-probs within 0.1 nats on action tokens, gradients within 5 % (relative norm) of sdpa padded
     report["failed"] = [k for k, r in report["runs"].items() if "logprob_max_abs_diff_vs_padded" in r and not (
