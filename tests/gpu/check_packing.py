@@ -8,7 +8,8 @@ with skewed lengths (7 in 8 rows short, 1 in 8 long), for each attention impleme
 the flash-attn package when it imports, else torch's own varlen FlashAttention kernel, runtime/packed_attention.py;
 flex: transformers' document block mask) and each layout (padded / packed / dynamic = packed by token budget):
 1. correctness: old log-probs and the first optimizer step's gradients against sdpa's padded layout (max abs diff of
-   log-probs on action tokens, max relative gradient difference; fails above 0.1 nats / 5 %); lr is 0, so every run
+   log-probs on action tokens, max relative gradient difference; fails beyond 1.5x the bf16 floor that sdpa's own
+   packed-vs-padded difference measures, or 0.25 nats / 10 %); lr is 0, so every run
    sees the same weights;
 2. speed: best-of-2 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
 Writes OUT_DIR/packing_gpu.json and prints it.
@@ -134,10 +135,14 @@ def main() -> int:
             report["runs"][f"{attn}/{name}"] = run
             print(f"{attn}/{name}", json.dumps(run), flush=True)
         worker.shutdown()
-    # bf16 compute: log-probs within 0.1 nats on action tokens, gradients within 5 % (relative norm) of sdpa padded
-    report["failed"] = [k for k, r in report["runs"].items() if "logprob_max_abs_diff_vs_padded" in r and not (
-        r["logprob_max_abs_diff_vs_padded"] < (1e-4 if DRY_RUN else 0.1)
-        and r["grad_max_rel_diff_vs_padded"] < (1e-4 if DRY_RUN else 0.05))]
+    # bf16 tolerance: sdpa's own packed layout against its padded one is the rounding floor of this model in bf16
+    # (measured on the H200, 2026-12-02: 0.11 nats, 4.9 %); every layout must stay within 1.5x that floor and under
+    # 0.25 nats / 10 % (documents attending to each other move later documents' log-probs by nats). fp32 dry run: 1e-4.
+    floor = report["runs"]["sdpa/packed"]
+    caps = {"logprob_max_abs_diff_vs_padded": 0.25, "grad_max_rel_diff_vs_padded": 0.10}
+    report["tolerance"] = {k: 1e-4 if DRY_RUN else min(cap, 1.5 * floor[k]) for k, cap in caps.items()}
+    report["failed"] = [name for name, r in report["runs"].items() if any(
+        k in r and not r[k] <= limit for k, limit in report["tolerance"].items())]
     text = json.dumps(report, indent=1)
     print(text)
     (out / "packing_gpu.json").write_text(text)
