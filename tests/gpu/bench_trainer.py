@@ -24,6 +24,8 @@ Writes OUT_DIR/trainer_gpu.json and prints it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -95,6 +97,20 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     worker.shutdown()
     del worker
     return run
+
+
+@contextlib.contextmanager
+def _kept_after_forward(on: bool):
+    """While `on`: `fully_shard` with reshard_after_forward=False (the bench's `-keep` runs)."""
+    import torch.distributed.fsdp as fsdp_module
+
+    real = fsdp_module.fully_shard
+    if on:
+        fsdp_module.fully_shard = functools.partial(real, reshard_after_forward=False)
+    try:
+        yield
+    finally:
+        fsdp_module.fully_shard = real
 
 
 def _profiled(step, sync) -> str:
@@ -185,6 +201,11 @@ def main() -> int:
         ("skewed/packed-varlen", skewed, True, "full", "flash_attention_2", False),
         ("skewed/packed-varlen-selective", skewed, True, "selective", "flash_attention_2", False),
         ("skewed/packed-varlen-none-compiled", skewed, True, "none", "flash_attention_2", True),
+        # an experiment, not a runtime setting: FSDP2 units keep their gathered bf16 parameters between the forward
+        # and the backward (reshard_after_forward=False), so world 1 skips the cast-copies of the recomputation
+        ("uniform/padded-keep", uniform, False, "full", "sdpa", False),
+        ("uniform/padded-selective-keep", uniform, False, "selective", "sdpa", False),
+        ("skewed/packed-varlen-keep", skewed, True, "full", "flash_attention_2", False),
     ]
     profiled = args[args.index("--profile") + 1] if "--profile" in args else None
     only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]  # --profile NAME runs NAME
@@ -192,8 +213,9 @@ def main() -> int:
         if only and name not in only:
             continue
         try:
-            run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg, n_params,
-                               seq, plain, port, name == profiled, out)
+            with _kept_after_forward(name.endswith("-keep")):
+                run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg,
+                                   n_params, seq, plain, port, name == profiled, out)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
             run = {"error": repr(exc)[:2000]}
         port += 1
