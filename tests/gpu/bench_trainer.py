@@ -19,6 +19,10 @@ Measured 2026-12-01 on one H200 (tokens/s against the plain baseline measured in
 MFU 0.348): full checkpointing 0.83x (MFU 0.29), full + compiled layers 1.15x, no checkpointing 0.99x, no
 checkpointing + compiled layers 1.36x (MFU 0.47, peak 71 GiB), selective 0.88x; skewed batch packed: full 1.51x,
 full + compiled 2.02x, none + compiled 2.49x, none + compiled with flex attention 2.89x.
+Measured 2026-12-02 on one H200 (same runs' plain baseline 23.7k tokens/s, MFU 0.353): full 0.84x, selective 0.89x;
+skewed batch packed: sdpa full 1.68x, flash_attention_2 through torch's varlen kernel (no flash-attn package) full
+1.90x, selective 1.33x, none + compiled 2.66x; flex none + compiled 3.34x. `-keep` (no resharding between forward and
+backward): full 0.85x, selective 0.92x, varlen full 1.91x: resharding costs ~2 %, not the gap.
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 

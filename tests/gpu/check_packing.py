@@ -12,6 +12,10 @@ flex: transformers' document block mask) and each layout (padded / packed / dyna
    packed-vs-padded difference measures, or 0.25 nats / 10 %); lr is 0, so every run
    sees the same weights;
 2. speed: best-of-2 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
+Measured 2026-12-02 on one H200 (64 rows, 64.5k real of 252k padded tokens; the flash-attn package absent): against
+sdpa padded, sdpa packed 0.109 nats / 4.9 % (the bf16 floor), flash_attention_2 (torch varlen) padded / packed /
+dynamic 0.126 / 5.8 % each, flex packed / dynamic 0.117 / 5.6-6.1 %; step speed vs sdpa padded: varlen packed 1.73x,
+dynamic 2.50x, flex dynamic 2.60x, sdpa dynamic 1.62x.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 
