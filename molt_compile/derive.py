@@ -30,7 +30,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `actor.shuffle_microbatches` | microbatch shuffling (only tp×cp ≤ 1 and no dynamic batching) | G11 |
 | `actor.dynamic_batch_max_tokens` | token cap per microbatch = max_tokens_per_gpu × cp × tp, None when off | G9 |
 | `actor.local_batch_size` | samples per rank per step under dynamic batching = batch // dp, None when off | G9 |
-| `actor.old_logprob_pass` | π_old from a no-grad forward before the step; off under force_on_policy with KL coef 0 and no reference | B28 |
+| `actor.old_logprob_pass` | π_old from a no-grad forward before the step; off with KL coef 0 and no reference under force_on_policy or one optimizer step per rollout batch (one epoch, samples = train.batch_size) | B28 |
 | `actor.scheduler_steps` * | LR-scheduler length (optimizer steps), None when the dataset size is unknown | B10, B11 |
 | `actor.warmup_steps` * | ceil(scheduler_steps × warmup_ratio) | §1.1 |
 | `ref.exists` | a reference model / teacher is built (`ref:` present) | B8 |
@@ -909,25 +909,35 @@ def _algo(b: _Builder, r: Any) -> None:
 
 
 def _old_logprob_pass(b: _Builder, r: Any) -> None:
-    """B28: under force_on_policy with KL off, the training forward's detached log-probs are π_old (ratio 1)."""
+    """B28: when the training forward sees the weights π_old was sampled against (force_on_policy, or one epoch
+    whose rollout batch is exactly one train batch: one optimizer step, taken after every forward) and KL is off,
+    the training forward's detached log-probs are π_old (ratio 1) and the no-grad pass before the step is skipped."""
     coef, ref = b.v("algo.kl.coef"), b.v("ref.exists")
-    if not r.train.force_on_policy:
-        b.add("actor.old_logprob_pass", True, "π_old: a no-grad forward before the step", ("train.force_on_policy",))
-    elif coef != 0 or ref:
+    t, sps = r.train, b.v("rollout.samples_per_step")
+    one_step = not t.force_on_policy and t.max_epochs == 1 and sps == t.batch_size
+    inputs = ("train.force_on_policy", "train.max_epochs", "train.batch_size", "rollout.samples_per_step",
+              "algo.kl.coef", "ref")
+    if t.force_on_policy:
+        when = "force_on_policy"
+    elif one_step:
+        when = (f"one optimizer step per rollout batch (max_epochs 1, samples {sps} = train.batch_size "
+                f"{t.batch_size}), taken after every forward of the batch")
+    else:
+        b.add("actor.old_logprob_pass", True,
+              f"π_old: a no-grad forward before the step (samples {sps} vs train.batch_size {t.batch_size} × "
+              f"max_epochs {t.max_epochs}: the policy moves within the batch)", inputs)
+        return
+    if coef != 0 or ref:
         why = f"algo.kl.coef {coef} > 0" if coef != 0 else "a reference model (`ref:`) whose KL is taken against π_old"
-        b.add(
-            "actor.old_logprob_pass",
-            True,
-            f"force_on_policy, but {why}: π_old is computed before the step (B28)",
-            ("train.force_on_policy", "algo.kl.coef", "ref"),
-        )
+        b.add("actor.old_logprob_pass", True, f"{when}, but {why}: π_old is computed before the step (B28)",
+              inputs)
     else:
         b.add(
             "actor.old_logprob_pass",
             False,
-            "force_on_policy with algo.kl.coef 0: the training forward's detached log-probs are π_old, the PPO "
+            f"{when} with algo.kl.coef 0: the training forward's detached log-probs are π_old, the PPO "
             "ratio is 1; IS against the rollout log-probs still applies (B28)",
-            ("train.force_on_policy", "algo.kl.coef", "ref"),
+            inputs,
         )
 
 

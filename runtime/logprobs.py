@@ -87,6 +87,9 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
 
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
+    if position_ids is not None and attention_mask is not None:
+        # transformers builds the per-document mask only without one: with it, documents attend to each other
+        raise ValueError("a packed row never carries a 2-D attention mask")
     if vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              **vision).last_hidden_state

@@ -215,26 +215,6 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
     Capability(
-        "rl-packing",
-        "rl",
-        "actor.packing",
-        "sequence packing in the trainer",
-        lambda p: p.rl.trainer is not None and p.rl.trainer.packing,
-        "actor.packing: false",
-        devices=frozenset({"cpu"}),
-        tracked="issue 11 (cuda: flash_attention_2 varlen, tests/gpu/check_packing.py)",
-    ),
-    Capability(
-        "rl-dynamic-batch",
-        "rl",
-        "train.dynamic_batch",
-        "micro-batches by token budget",
-        lambda p: p.rl.trainer is not None and p.rl.trainer.dynamic_batch_max_tokens is not None,
-        "no `train.dynamic_batch` (fixed micro-batches of train.micro_batch_size)",
-        devices=frozenset({"cpu"}),
-        tracked="issue 11 (cuda: with packing, tests/gpu/check_packing.py)",
-    ),
-    Capability(
         "rl-routing-replay",
         "rl",
         "train.routing_replay",
@@ -322,16 +302,6 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
-    Capability(
-        "sft-packing",
-        "sft",
-        "actor.packing",
-        "sequence packing in the SFT trainer",
-        lambda p: p.sft.trainer.packing,
-        "actor.packing: false",
-        devices=frozenset({"cpu"}),
-        tracked="issue 11 (cuda: flash_attention_2 varlen, as for RL packing)",
-    ),
     Capability(
         "sft-offload",
         "sft",

@@ -23,14 +23,14 @@ FILES = sorted(CAP_DIR.glob("*.yaml"))
 
 LAUNCH_RECIPE_ROWS = {
     # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
-    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-packing", "rl-routing-replay", "rl-automodel-attn",
+    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-routing-replay", "rl-automodel-attn",
                         "rl-offload"},
     "omni3_30b_distill.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
                                "rl-automodel-images", "rl-routing-replay"},
     "omni3_30b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
                              "rl-automodel-images", "rl-routing-replay"},
-    "qwen3_4b_math.yaml": {"rl-packing"},
-    "qwen3_4b_math_quickstart.yaml": {"rl-packing"},
+    "qwen3_4b_math.yaml": set(),
+    "qwen3_4b_math_quickstart.yaml": set(),
     "qwen3_6_35b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
         "rl-automodel-images", "rl-routing-replay"},
     "qwen3_6_35b_geo3k_quickstart.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",

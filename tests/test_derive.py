@@ -286,6 +286,20 @@ def test_old_logprob_pass_is_skipped_only_under_force_on_policy_without_kl(force
     assert ("B28" in d["actor.old_logprob_pass"].reason) is force
 
 
+@pytest.mark.parametrize(("train", "kl", "expected"), [
+    ({"batch_size": 64, "max_epochs": 1}, 0.0, False),  # one optimizer step per rollout batch: π_old = π
+    ({"batch_size": 64, "max_epochs": 2}, 0.0, True),  # the second epoch sees moved weights
+    ({"batch_size": 32, "max_epochs": 1}, 0.0, True),  # two windows: the second sees moved weights
+    ({"batch_size": 64, "max_epochs": 1}, 0.01, True),  # KL in the reward is taken against π_old
+])
+def test_old_logprob_pass_is_skipped_when_a_rollout_batch_makes_one_optimizer_step(train, kl, expected) -> None:
+    d = derive(rl(rollout={"batch_size": 8, "n_samples_per_prompt": 8}, train=train, algo={"kl": {"coef": kl}}))
+    assert d.value("rollout.samples_per_step") == 64
+    assert d.value("actor.old_logprob_pass") is expected
+    assert ("one optimizer step per rollout batch" in d["actor.old_logprob_pass"].reason) is (train["batch_size"] == 64
+                                                                                         and train["max_epochs"] == 1)
+
+
 def test_gae_freezing_steps_shorten_actor_schedule(tmp_path) -> None:
     p = _prompts(tmp_path, 64)
     d = derive(rl(data={"prompts": p}, algo={"estimator": "gae"}, actor={"freezing_steps": 3},

@@ -89,7 +89,10 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     # Master weights in fp32; FSDP2 casts to the compute dtype on all-gather.
     vlm = is_vlm(path)
     auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation=model_plan.attn)
+    from runtime.packed_attention import implementation
+
+    model = auto.from_pretrained(path, dtype=torch.float32,
+                                 attn_implementation=implementation(model_plan.attn, torch.device(device)))
     model.to(device)
     if vlm and freeze_visual_encoder:
         model.model.visual.requires_grad_(False)

@@ -11,7 +11,7 @@ Same random Qwen3-1.7B-shaped model (bf16 compute) and the same 4 x 4096 tokens:
    each `model.gradient_checkpoint` and with/without `model.compile_layers` (the compiler allows compiled layers only without checkpointing; the compiled+checkpointed variants are measured, not offered).
 Then a batch with skewed lengths (4 rows in 16 long, the rest short, the same 16 x 4096 padded shape): the baseline
 computes the padding, the packed trainer does not. Tokens/s count real tokens; MFU uses 790 TFLOP/s (bf16 dense).
-`--profile` also writes the 40 costliest ops of one uniform/padded-none-compiled step (profile_trainer.txt).
+`--profile NAME` also writes the 40 costliest ops of one step of run NAME (profile_trainer.txt).
 Variants whose attention is not what the compiler allows on GPUs for packing (sdpa, flex: Molt's rule H2 wants
 flash_attention_2, te or tilelang) are measured as what the kernels would give, not as runnable recipes.
 
@@ -19,11 +19,17 @@ Measured 2026-12-01 on one H200 (tokens/s against the plain baseline measured in
 MFU 0.348): full checkpointing 0.83x (MFU 0.29), full + compiled layers 1.15x, no checkpointing 0.99x, no
 checkpointing + compiled layers 1.36x (MFU 0.47, peak 71 GiB), selective 0.88x; skewed batch packed: full 1.51x,
 full + compiled 2.02x, none + compiled 2.49x, none + compiled with flex attention 2.89x.
+Measured 2026-12-02 on one H200 (same runs' plain baseline 23.7k tokens/s, MFU 0.353): full 0.84x, selective 0.89x;
+skewed batch packed: sdpa full 1.68x, flash_attention_2 through torch's varlen kernel (no flash-attn package) full
+1.90x, selective 1.33x, none + compiled 2.66x; flex none + compiled 3.34x. `-keep` (no resharding between forward and
+backward): full 0.85x, selective 0.92x, varlen full 1.91x: resharding costs ~2 %, not the gap.
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -95,6 +101,20 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     worker.shutdown()
     del worker
     return run
+
+
+@contextlib.contextmanager
+def _kept_after_forward(on: bool):
+    """While `on`: `fully_shard` with reshard_after_forward=False (the bench's `-keep` runs)."""
+    import torch.distributed.fsdp as fsdp_module
+
+    real = fsdp_module.fully_shard
+    if on:
+        fsdp_module.fully_shard = functools.partial(real, reshard_after_forward=False)
+    try:
+        yield
+    finally:
+        fsdp_module.fully_shard = real
 
 
 def _profiled(step, sync) -> str:
@@ -180,14 +200,26 @@ def main() -> int:
         ("skewed/packed-flex-none-compiled", skewed, True, "none", "flex_attention", True),
         ("skewed/packed-selective", skewed, True, "selective", "sdpa", False),
         ("skewed/packed-flex-selective", skewed, True, "selective", "flex_attention", False),
+        # flash_attention_2 without the flash-attn package: torch's varlen kernel (runtime/packed_attention.py)
+        ("uniform/packed-varlen", uniform, True, "full", "flash_attention_2", False),
+        ("skewed/packed-varlen", skewed, True, "full", "flash_attention_2", False),
+        ("skewed/packed-varlen-selective", skewed, True, "selective", "flash_attention_2", False),
+        ("skewed/packed-varlen-none-compiled", skewed, True, "none", "flash_attention_2", True),
+        # an experiment, not a runtime setting: FSDP2 units keep their gathered bf16 parameters between the forward
+        # and the backward (reshard_after_forward=False), so world 1 skips the cast-copies of the recomputation
+        ("uniform/padded-keep", uniform, False, "full", "sdpa", False),
+        ("uniform/padded-selective-keep", uniform, False, "selective", "sdpa", False),
+        ("skewed/packed-varlen-keep", skewed, True, "full", "flash_attention_2", False),
     ]
-    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]
+    profiled = args[args.index("--profile") + 1] if "--profile" in args else None
+    only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]  # --profile NAME runs NAME
     for name, batch, packing, ckpt, attn, compiled in runs:
         if only and name not in only:
             continue
         try:
-            run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg, n_params,
-                               seq, plain, port, "--profile" in args and name == "uniform/padded-none-compiled", out)
+            with _kept_after_forward(name.endswith("-keep")):
+                run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg,
+                                   n_params, seq, plain, port, name == profiled, out)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
             run = {"error": repr(exc)[:2000]}
         port += 1
@@ -197,7 +229,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     for name, run in report["runs"].items():  # each against the plain baseline on the same batch
         base = report["runs"].get(f"plain/{name.split('/')[0]}")
-        if base is not None:
+        if base is not None and "tokens_per_s" in run:
             run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
     text = json.dumps(report, indent=1)
     print(text)

@@ -4,16 +4,24 @@
     MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/check_packing.py OUT_DIR     (CPU, gloo, fp32, small: checks the script)
 
 One `PolicyWorker` (FSDP2 world 1, NCCL, bf16 compute, fp32 master weights) on a random Qwen3-shaped model, a batch
-with skewed lengths (7 in 8 rows short, 1 in 8 long), for each attention implementation available (flash_attention_2
-when flash-attn imports, and sdpa) and each layout (padded / packed / dynamic = packed by token budget):
-1. correctness: old log-probs and the first optimizer step's gradients against the padded layout (max abs diff of
-   log-probs on action tokens, max relative gradient difference); lr is 0, so every run sees the same weights;
-2. speed: best-of-3 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
+with skewed lengths (7 in 8 rows short, 1 in 8 long), for each attention implementation (sdpa; flash_attention_2:
+the flash-attn package when it imports, else torch's own varlen FlashAttention kernel, runtime/packed_attention.py;
+flex: transformers' document block mask) and each layout (padded / packed / dynamic = packed by token budget):
+1. correctness: old log-probs and the first optimizer step's gradients against sdpa's padded layout (max abs diff of
+   log-probs on action tokens, max relative gradient difference; fails beyond 1.5x the bf16 floor that sdpa's own
+   packed-vs-padded difference measures, or 0.25 nats / 10 %); lr is 0, so every run
+   sees the same weights;
+2. speed: best-of-2 wall time of the step the loop runs (forward_logprobs + train), real tokens/s, peak memory.
+Measured 2026-12-02 on one H200 (64 rows, 64.5k real of 252k padded tokens; the flash-attn package absent): against
+sdpa padded, sdpa packed 0.109 nats / 4.9 % (the bf16 floor), flash_attention_2 (torch varlen) padded / packed /
+dynamic 0.126 / 5.8 % each, flex packed / dynamic 0.117 / 5.6-6.1 %; step speed vs sdpa padded: varlen packed 1.73x,
+dynamic 2.50x, flex dynamic 2.60x, sdpa dynamic 1.62x.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -62,15 +70,9 @@ def main() -> int:
     batch = skewed_batch(rows, short, long, vocab)
     mask = batch.action_mask
     tokens = int(batch.attention_mask.sum())
-    attns = ["sdpa"]
-    try:
-        import flash_attn  # noqa: F401
-
-        attns.insert(0, "flash_attention_2")
-    except ImportError:
-        pass
-    if DRY_RUN:
-        attns = ["sdpa"]
+    # flash_attention_2: the flash_attn package when it imports, else torch's varlen kernel (runtime/packed_attention);
+    # flex: transformers' document block mask. Every layout is held against sdpa's padded one.
+    attns = ["sdpa"] if DRY_RUN else ["sdpa", "flash_attention_2", "flex"]
     base = {"micro_batch_size": micro, "grad_accum": accum, "max_epochs": 1, "temperature": 1.0, "seed": 0,
             "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None}
     layouts = {"padded": base, "packed": {**base, "packing": True},
@@ -79,8 +81,9 @@ def main() -> int:
     sync = (lambda: None) if DRY_RUN else torch.cuda.synchronize
     report: dict = {"device": "cpu (dry run)" if DRY_RUN else torch.cuda.get_device_name(0), "rows": rows,
                     "real_tokens": tokens, "padded_tokens": int(batch.sequences.numel()), "model": shape,
-                    "flash_attn_available": "flash_attention_2" in attns, "runs": {}}
+                    "flash_attn_available": importlib.util.find_spec("flash_attn") is not None, "runs": {}}
     port = free_port()
+    reference: dict = {}
     for attn in attns:
         rls = {name: trainer_rl(
             1, ref=False, model={"path": str(model_dir), "attn": attn,
@@ -101,13 +104,14 @@ def main() -> int:
                 grads.append([p.grad.full_tensor().float().clone() for p in worker.model.parameters()])
             return real_step()
 
-        reference = {}
         for name, layout in rls.items():
+            if attn == "flex" and name == "padded":  # flex recompiles per padded width; sdpa is the padded reference
+                continue
             worker.t = layout.trainer
             grads.clear()
             worker._optimizer_step = capture_then_step
             times, peak = [], 0.0
-            for i in range(4):
+            for i in range(3):
                 if not DRY_RUN:
                     torch.cuda.reset_peak_memory_stats()
                 sync()
@@ -123,22 +127,30 @@ def main() -> int:
                 if i == 0:
                     first_old, first_grads = old, grads[0]
             run = {"step_s_best": min(times), "tokens_per_s": tokens / min(times), "peak_reserved_gib": peak}
-            if name == "padded":
+            if not reference:  # sdpa, padded
                 reference = {"old": first_old, "grads": first_grads}
             else:
                 run["logprob_max_abs_diff_vs_padded"] = float(((first_old - reference["old"]).abs() * mask).max())
                 run["grad_max_rel_diff_vs_padded"] = max(
                     float((a - b).norm() / b.norm().clamp(min=1e-12))
                     for a, b in zip(first_grads, reference["grads"], strict=True))
+            run["speedup_vs_sdpa_padded"] = report["runs"]["sdpa/padded"]["step_s_best"] / run["step_s_best"] \
+                if report["runs"] else 1.0
             report["runs"][f"{attn}/{name}"] = run
-        for name in ("packed", "dynamic"):
-            report["runs"][f"{attn}/{name}"]["speedup_vs_padded"] = (
-                report["runs"][f"{attn}/padded"]["step_s_best"] / report["runs"][f"{attn}/{name}"]["step_s_best"])
+            print(f"{attn}/{name}", json.dumps(run), flush=True)
         worker.shutdown()
+    # bf16 tolerance: sdpa's own packed layout against its padded one is the rounding floor of this model in bf16
+    # (measured on the H200, 2026-12-02: 0.11 nats, 4.9 %); every layout must stay within 1.5x that floor and under
+    # 0.25 nats / 10 % (documents attending to each other move later documents' log-probs by nats). fp32 dry run: 1e-4.
+    floor = report["runs"]["sdpa/packed"]
+    caps = {"logprob_max_abs_diff_vs_padded": 0.25, "grad_max_rel_diff_vs_padded": 0.10}
+    report["tolerance"] = {k: 1e-4 if DRY_RUN else min(cap, 1.5 * floor[k]) for k, cap in caps.items()}
+    report["failed"] = [name for name, r in report["runs"].items() if any(
+        k in r and not r[k] <= limit for k, limit in report["tolerance"].items())]
     text = json.dumps(report, indent=1)
     print(text)
     (out / "packing_gpu.json").write_text(text)
-    return 0
+    return len(report["failed"])
 
 
 if __name__ == "__main__":

@@ -72,5 +72,5 @@ def test_a_plan_from_another_build_is_refused_in_one_line_with_exit_2(tmp_path):
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     line = proc.stderr.strip()
-    assert line.startswith(f"{plan_file}: this plan cannot run on this build of the runtime: actor.packing")
-    assert "capability rl-packing" in line and "\n" not in line
+    assert line.startswith(f"{plan_file}: this plan cannot run on this build of the runtime: data.prompts")
+    assert "capability rl-data-format" in line and "\n" not in line

@@ -1,0 +1,94 @@
+"""The varlen attention `model.attn: flash_attention_2` runs on CUDA without the flash-attn package
+(`runtime/packed_attention.py`), and the rule that a packed row never carries a 2-D attention mask.
+
+The kernel (torch's `varlen_attn`) is CUDA-only, so here the registered attention runs over `reference_kernel`
+(per-sequence causal sdpa); what is tested is everything around it: offsets from packed position ids and from
+padding masks, the head layout, GQA, padding dropped and restored, and the transformers registration. The kernel
+itself is checked on the H200 (`tests/gpu/check_packing.py`: log-probs and gradients against the padded layout).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loop_support import ROOT
+from test_trainer_packing import skewed_batch
+
+from runtime import packed_attention
+from runtime.logprobs import _decoder_logprobs, pack, token_logprobs
+
+MODEL = str(ROOT / "recipes/data/demo_math/model")
+CPU_NAME = "molt_varlen_reference"
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import AutoModelForCausalLM
+
+    packed_attention.register(CPU_NAME, packed_attention.reference_kernel)
+    torch.manual_seed(0)
+    sdpa = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    varlen = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation=CPU_NAME)
+    assert varlen.config._attn_implementation == CPU_NAME
+    return sdpa, varlen
+
+
+def _grads(model) -> list[torch.Tensor]:
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_varlen_attention_matches_padded_sdpa_packed_and_padded(models):
+    sdpa, varlen = models
+    batch = skewed_batch()
+    mask = batch.action_mask
+    seqs, attn = batch.sequences, batch.attention_mask
+    want, _ = token_logprobs(sdpa, seqs, attn, 0.7)
+    (want * mask).sum().backward()
+    want_grads = _grads(sdpa)
+    for packed in (False, True):
+        got, _ = token_logprobs(varlen, seqs, attn, 0.7, packed=packed)
+        assert ((got - want).abs() * mask).max() < 1e-5, packed
+        (got * mask).sum().backward()
+        for a, b in zip(_grads(varlen), want_grads, strict=True):
+            assert (a - b).norm() <= 1e-5 * b.norm(), (packed, (a - b).norm() / b.norm())
+
+
+def test_a_packed_row_never_carries_a_2d_mask(models):
+    sdpa, varlen = models
+    batch = skewed_batch()
+    lengths = batch.attention_mask.sum(-1)
+    flat, positions = pack(batch.sequences, lengths)
+    ones = torch.ones_like(flat)
+    for model in (sdpa, varlen):
+        with pytest.raises(ValueError, match="never carries a 2-D attention mask"):
+            _decoder_logprobs(model, flat, ones, positions, 1.0, False, 1024)
+    # The attention's own guard (an all-ones mask reaches it as None, through transformers' flash mask function;
+    # one with padding reaches it).
+    padded = torch.cat([ones[:, :-1], torch.zeros_like(ones[:, :1])], 1)
+    with pytest.raises(ValueError, match="documents would attend to each other"):
+        varlen.model(input_ids=flat, attention_mask=padded, position_ids=positions, use_cache=False)
+    # Why: with the all-ones mask, sdpa attends across the documents (transformers builds the per-document mask only
+    # without one), so the second document's log-probs change.
+    with torch.no_grad():
+        right = sdpa.model(input_ids=flat, position_ids=positions, use_cache=False).last_hidden_state
+        wrong = sdpa.model(input_ids=flat, attention_mask=ones, position_ids=positions,
+                           use_cache=False).last_hidden_state
+    first = int(lengths[0])
+    assert torch.allclose(right[:, :first], wrong[:, :first], atol=1e-5)
+    assert (right[:, first:] - wrong[:, first:]).abs().max() > 1e-3
+
+
+def test_plan_names_map_to_transformers_names():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert packed_attention.implementation("flex", cpu) == "flex_attention"
+    assert packed_attention.implementation("sdpa", cuda) == "sdpa"
+    assert packed_attention.implementation("flash_attention_2", cpu) == "flash_attention_2"
+    try:
+        import flash_attn  # noqa: F401
+
+        expected = "flash_attention_2"
+    except ImportError:
+        expected = packed_attention.NAME
+    assert packed_attention.implementation("flash_attention_2", cuda) == expected
