@@ -13,6 +13,7 @@ Codes are never reused.
     rules      ASYNC, BATCH, EST, ... (molt_compile/rules/)               (error | warning | info)
     PLACE1xx   per-node placement in lowering (molt_compile/lower/)
     CAP001     the plan against the runtime's capability table (molt_compile/capability.py)
+    CAP002     a capability row written for the plan's device kind but not run there (warning)
 """
 
 from __future__ import annotations
@@ -360,10 +361,15 @@ def _capability_table() -> str:
 
     rows = ["| id | kind | recipe key | what | implemented on | write instead |", "|---|---|---|---|---|---|"]
     rows += [
-        f"| {c.id} | {c.kind} | `{c.key}` | {c.what} | {', '.join(sorted(c.devices)) or 'none'} | {c.instead} |"
+        f"| {c.id} | {c.kind} | `{c.key}` | {c.what} | {_on(c)} | {c.instead} |"
         for c in CAPABILITIES
     ]
     return "## The capability table\n\n" + "\n".join(rows)
+
+
+def _on(cap) -> str:
+    on = ", ".join(sorted(cap.devices)) or "none"
+    return on + "".join(f"; {d} written, not run (CAP002)" for d in sorted(cap.unverified))
 
 
 CAPABILITY = Code(
@@ -397,7 +403,37 @@ schemas/capabilities.py; DESIGN.md §6 (capability table)
 )
 
 
-BUILTIN: dict[str, Code] = {c.code: c for c in (*LOADER_CODES, *PLACE_CODES, CAPABILITY)}
+CAPABILITY_UNVERIFIED = Code(
+    "CAP002",
+    "written-not-run-on-device",
+    "warning",
+    kinds=("rl", "sft"),
+    text="""## What it checks
+A setting whose runtime code is written for the recipe's device kind but that no test of this project has run on
+it: a capability row's `unverified` device kinds (`schemas/capabilities.py`; the table of `molt-compile rules
+CAP001` marks them "written, not run"). The warning names what was not run. Typically a CUDA path that the CPU
+tests exercise with host and device one memory.
+
+## Why it matters
+The plan compiles and the runtime takes the path, but the first run on that device is its first test: read its
+first steps' logs and numbers with care.
+
+## Example
+```yaml
+cluster: {gpu: h200-141gb}
+actor: {offload: optimizer}
+```
+
+## Use instead
+The same recipe (the warning does not block), or what the row's `instead` says to stay on tested paths.
+
+## References
+schemas/capabilities.py; DESIGN.md §6 (capability table)
+""",
+)
+
+
+BUILTIN: dict[str, Code] = {c.code: c for c in (*LOADER_CODES, *PLACE_CODES, CAPABILITY, CAPABILITY_UNVERIFIED)}
 """The codes of every pass but the rules, by code (importable without the rule catalog)."""
 
 

@@ -12,6 +12,12 @@ the experts — together every parameter lives on exactly one rank of `world`, s
 - optimizer: AdamW keeps 2 fp32 states, 8 B/param; Muon keeps one momentum buffer, ~4 B/param (estimate).
   `offload: optimizer` moves them to CPU (0 on the GPU); `offload: full` moves parameters, gradients and optimizer
   states to CPU (only the gathered bf16 layers stay).
+- host memory (per rank, counted apart from the GPU's; `runtime/fsdp.py`): `offload: optimizer` keeps the
+  optimizer states and reused host copies of the parameter and gradient shards there (4 + 4 + 8 B/param for AdamW,
+  over world); `offload: full` keeps FSDP2's parameter and gradient shards and the optimizer states (the same
+  16 B/param). A node holds `gpus_per_node` ranks of each trained role (actor, critic: counted as if on one node,
+  an upper bound when a separate critic lands on other nodes), held against the node's RAM from the GPU catalog
+  (MEM008). Model loading, Ray and the engines' host memory are not counted.
 - the optimizer step adds nothing: the runtime's AdamW is fused on GPUs (the multi-tensor path would allocate an
   fp32 temporary of the parameters' size: 4 B/param more at the step, measured on the H200).
 - activations for one micro-batch of T = micro_batch_size × max_len / cp tokens (dynamic batching:
@@ -66,13 +72,17 @@ ENGINE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
 
 @dataclass(frozen=True)
 class RoleMemory:
-    """Bytes one GPU holds for one FSDP role."""
+    """Bytes one GPU holds for one FSDP role, and what its rank keeps in host memory (CPU offload)."""
 
     role: str
     params: float
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0
+    """Host bytes of one rank: what `actor.offload` keeps there (0 without offload)."""
+    ranks_per_node: int = 0
+    """Ranks of this role on one node (their host bytes add up in the node's RAM)."""
 
     @property
     def static(self) -> float:
@@ -139,6 +149,17 @@ class MemoryReport:
     hf_engine_weights: float | None = None
     """`rollout.engine: hf`: the whole model's weights in the engine dtype on each engine GPU (transformers
     generate shards nothing); its KV cache comes on top and is not estimated."""
+    host_capacity: float | None = None
+    """The node's RAM from the GPU catalog (None: not in the catalog)."""
+
+    @property
+    def host_per_node(self) -> float:
+        """Host bytes the FSDP roles' offload keeps on one node."""
+        return sum(r.host * r.ranks_per_node for g in self.fsdp_groups for r in g.roles)
+
+    def host_breakdown(self) -> str:
+        return "; ".join(f"{r.role}: {r.ranks_per_node} ranks x {gib(r.host)}"
+                         for g in self.fsdp_groups for r in g.roles if r.host)
 
 
 def gib(n: float) -> str:
@@ -179,7 +200,8 @@ def estimate(recipe: Any, derived: Any, facts: Any, gpu: Any, ref_facts: Any = N
     engine = _engine_memory(recipe, facts, gpu) if vllm else None
     hf = recipe.kind == "rl" and recipe.rollout.engine == "hf"
     hf_weights = ENGINE_DTYPE_BYTES.get(recipe.rollout.dtype, 2) * facts.params_total if hf else None
-    return MemoryReport(tuple(groups), engine, hf_weights)
+    host = getattr(gpu, "host_memory_gib", None)
+    return MemoryReport(tuple(groups), engine, hf_weights, None if host is None else host * GIB)
 
 
 def _value(derived: Any, name: str, default: Any = None) -> Any:
@@ -215,7 +237,10 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     grads = 4 * n / world if trains and offload != "full" else 0.0
     opt_bytes = 4 if a.optimizer.name == "muon" else 8
     optimizer = opt_bytes * n / world if trains and offload == "none" else 0.0
-    return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts))
+    # offloaded: the parameter and gradient shards (FSDP2's under full, the host step's copies under optimizer)
+    # and the optimizer states
+    host = (4 + 4 + opt_bytes) * n / world if trains and offload != "none" else 0.0
+    return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts), host, a.gpus_per_node)
 
 
 def _widths(facts: Any) -> tuple[int, int, int, int]:

@@ -168,6 +168,10 @@ def _memory_table(memory: Any) -> Table:
     for group in memory.fsdp_groups:
         biggest = max(group.roles, key=lambda r: r.static + r.activations)
         table.add_row(group.label, gib(group.total), gib(group.capacity), biggest.largest_term)
+    if memory.host_per_node:
+        capacity = gib(memory.host_capacity) if memory.host_capacity is not None else "unknown"
+        table.add_row("host RAM of a node (CPU offload)", gib(memory.host_per_node), capacity,
+                      memory.host_breakdown())
     if memory.engine is not None:
         e = memory.engine
         table.add_row(

@@ -60,8 +60,9 @@ class CriticWorker(FsdpRank):
         (dtype, attention, checkpointing)."""
         super().__init__(critic.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.c, self.t = critic, trainer
-        self.model = models.backend(model.backend).build_value_model(model, critic.path, self.mesh, self.device)
-        self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model)
+        self.model = models.backend(model.backend).build_value_model(model, critic.path, self.mesh, self.device,
+                                                                     offload=trainer.offload)
+        self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model, trainer.offload)
 
     def ready(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -97,8 +97,8 @@ class SftRecipe:
         self._load_data()
         backend = models.backend(s.model.backend)
         self.model = backend.build(s.model, s.model.path, backend.device_mesh(s.device, self.world), self.device,
-                                   lora=t.lora)
-        self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model)
+                                   lora=t.lora, offload=t.offload)
+        self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
                  f"{s.device}, {s.model.dtype}); micro-batch {t.micro_batch_size} x accumulation {t.grad_accum} x "

@@ -60,12 +60,12 @@ class PolicyWorker(FsdpRank):
         backend = models.backend(model.backend)
         self.model = backend.build(model, model.path, self.mesh, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
-                                   freeze_visual_encoder=trainer.freeze_visual_encoder)
+                                   freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload)
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         colocated_ref = ref is not None and ref.colocated
         self.ref = backend.build(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
-        self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model)
+        self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model, trainer.offload)
         # Aux losses whenever the model routes (reported as metrics; in the loss at the plan's coefficients).
         self.aux = moe.is_moe(self.model)
         self.top_k = moe.shape_of(self.model)[1]

@@ -362,11 +362,14 @@ class ShardGather:
         self._finish_sends()
         pieces = [(i, local, rows[self.rank] * row_bytes) for i, local, is_shard, rows, row_bytes
                   in self._pieces(bucket) if is_shard and rows[self.rank]]
-        cast = sum(k for _, local, k in pieces if local.dtype != self.dtype or not local.is_contiguous())
+        # a shard in the wire dtype on this device goes out as it is; others (cast, or on the host under
+        # actor.offload: full) are copied into a device buffer first
+        direct = lambda t: t.dtype == self.dtype and t.is_contiguous() and t.device == self.device  # noqa: E731
+        cast = sum(k for _, local, k in pieces if not direct(local))
         base = POOL.take(cast, self.device, at_least=self.bucket_bytes) if cast else None
         sends, off = [], 0
         for i, local, k in pieces:
-            if local.dtype == self.dtype and local.is_contiguous():
+            if direct(local):
                 out = local.reshape(-1)  # already in the wire dtype: the shard itself goes out
             else:
                 out = base[off:off + k].view(self.dtype)

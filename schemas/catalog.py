@@ -312,6 +312,8 @@ class GpuSpec:
     """GPUs of the reference node (DGX/HGX) — the default node profile."""
     cpus_per_node: int | None
     """Logical CPUs of the reference node (what Ray counts). None: unknown, sized from the recipe."""
+    host_memory_gib: float | None = None
+    """RAM of the reference node (what CPU offload's host memory is held against, MEM008). None: unknown."""
     source: str = ""
     estimated: tuple[str, ...] = field(default=())
 
@@ -319,31 +321,38 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {
     g.key: g
     for g in (
-        # H100 SXM 80GB (nvidia-smi 81559 MiB; torch 79.1 GiB); DGX H100: 8 GPUs, 2 × Xeon 8480C = 224 threads.
-        GpuSpec("h100-80gb", 79.1, True, 8, 224, source="H100 SXM 80GB; DGX H100"),
-        # H200 SXM 141GB: 139.8 GiB measured with torch on the lent H200; HGX H200 nodes: 8 GPUs, 224 threads (estimate).
+        # H100 SXM 80GB (nvidia-smi 81559 MiB; torch 79.1 GiB); DGX H100: 8 GPUs, 2 × Xeon 8480C = 224 threads,
+        # 2 TiB of RAM.
+        GpuSpec("h100-80gb", 79.1, True, 8, 224, 2048, source="H100 SXM 80GB; DGX H100"),
+        # H200 SXM 141GB: 139.8 GiB measured with torch on the lent H200; HGX H200 nodes: 8 GPUs, 224 threads, 2 TiB
+        # of RAM as a DGX H200 (estimates: OEM nodes vary).
         GpuSpec(
             "h200-141gb",
             139.8,
             True,
             8,
             224,
+            2048,
             source="H200 SXM 141GB (measured); HGX H200",
-            estimated=("cpus_per_node",),
+            estimated=("cpus_per_node", "host_memory_gib"),
         ),
-        # A100 SXM 80GB (nvidia-smi 81920 MiB; torch 79.15 GiB); DGX A100: 8 GPUs, 2 × EPYC 7742 = 256 threads.
-        GpuSpec("a100-80gb", 79.15, True, 8, 256, source="A100 SXM 80GB; DGX A100"),
-        # B200 180GB HBM3e; DGX B200: 8 GPUs, 2 × Xeon 8570 = 224 threads. Memory: nominal minus ~1 GiB (estimate).
-        GpuSpec("b200-180gb", 178.4, True, 8, 224, source="B200 180GB; DGX B200", estimated=("memory_gib",)),
-        # L40S 48GB (nvidia-smi 46068 MiB; torch 44.5 GiB); PCIe servers vary: 8 GPUs, 128 threads is common (estimate).
+        # A100 SXM 80GB (nvidia-smi 81920 MiB; torch 79.15 GiB); DGX A100 640GB: 8 GPUs, 2 × EPYC 7742 = 256
+        # threads, 2 TiB of RAM.
+        GpuSpec("a100-80gb", 79.15, True, 8, 256, 2048, source="A100 SXM 80GB; DGX A100"),
+        # B200 180GB HBM3e; DGX B200: 8 GPUs, 2 × Xeon 8570 = 224 threads, 2 TiB of RAM (up to 4). Memory: nominal
+        # minus ~1 GiB (estimate).
+        GpuSpec("b200-180gb", 178.4, True, 8, 224, 2048, source="B200 180GB; DGX B200", estimated=("memory_gib",)),
+        # L40S 48GB (nvidia-smi 46068 MiB; torch 44.5 GiB); PCIe servers vary: 8 GPUs, 128 threads, 1 TiB of RAM is
+        # common (estimate).
         GpuSpec(
             "l40s-48gb",
             44.5,
             True,
             8,
             128,
+            1024,
             source="L40S 48GB; OEM 8-GPU PCIe server",
-            estimated=("gpus_per_node", "cpus_per_node"),
+            estimated=("gpus_per_node", "cpus_per_node", "host_memory_gib"),
         ),
         # Every role on CPU "device slots" (tests, laptops): no device memory to check, node CPUs from the recipe.
         GpuSpec("cpu", 0.0, False, 0, None, source="CPU device slots; memory is host memory, not checked"),

@@ -1,8 +1,9 @@
-"""The capability pass (CAP001): every row of the runtime's capability table is a compile error at its line.
+"""The capability pass (CAP001): every row of the runtime's capability table is a compile error at its line, or a
+CAP002 warning where its code is written for the device kind but not run there.
 
 Data files live in tests/capability/: `<row id>.yaml` asks for that row (and marks each CAP001 line with
-`# E: CAP001`, other rows it needs included); `ok-*.yaml` asks for none. Every row has its file, so a row that is
-added without a test, or a predicate that stops firing, fails here.
+`# E: CAP001`, each CAP002 line with `# W: CAP002`, other rows it needs included); `ok-*.yaml` asks for none. Every
+row has its file, so a row that is added without a test, or a predicate that stops firing, fails here.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from schemas.capabilities import CAPABILITIES, DEVICES
 
 ROOT = Path(__file__).resolve().parents[1]
 CAP_DIR = Path(__file__).parent / "capability"
-MARK = re.compile(r"#\s*E:\s*(CAP001)")
+MARK = re.compile(r"#\s*[EW]:\s*(CAP00[12])")
 FILES = sorted(CAP_DIR.glob("*.yaml"))
 
 LAUNCH_RECIPE_ROWS = {
     # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
-    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-routing-replay", "rl-automodel-attn",
-                        "rl-offload"},
+    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-routing-replay", "rl-automodel-attn"},
     "omni3_30b_distill.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
                                "rl-automodel-images", "rl-routing-replay"},
     "omni3_30b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
@@ -45,8 +45,9 @@ LAUNCH_RECIPE_ROWS = {
 }
 
 
-def _expected(path: Path) -> set[int]:
-    return {n for n, line in enumerate(path.read_text().splitlines(), start=1) if MARK.search(line)}
+def _expected(path: Path, code: str = "CAP001") -> set[int]:
+    return {n for n, line in enumerate(path.read_text().splitlines(), start=1)
+            if (m := MARK.search(line)) and m.group(1) == code}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -60,6 +61,9 @@ def test_capability_file_reports_exactly_the_marked_lines(path: Path):
     assert (result.plan is None) == bool(errors), "a recipe with CAP001 errors has no plan"
     for d in errors:
         assert d.name == "not-implemented-by-runtime" and d.help.startswith("write ")
+    warned = [d for d in result.diagnostics if d.code == "CAP002"]
+    assert {d.line for d in warned} == _expected(path, "CAP002"), [(d.path, d.line, d.message) for d in warned]
+    assert all(d.severity == "warning" and "not run" in d.message for d in warned)
 
 
 def test_every_row_has_its_file_and_ids_are_unique():

@@ -105,3 +105,23 @@ def test_engine_share_weights_and_kv_by_hand():
     assert eng.weights == 2 * 8_190_735_360                               # bf16, tp 1
     assert abs(eng.share - 0.95 * 79.1 * GIB) < 1
     assert eng.kv_per_sequence == 2 * 36 * 8 * 128 * 2 * 2048             # K,V × layers × kv heads × dim × bf16
+
+
+def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
+    """GPU and host memory apart: offloaded shards and optimizer states leave the GPU sum and land on the host, 16 B
+    per parameter over the world for AdamW, times the ranks of a node (held against the node's RAM, MEM008)."""
+    n, world, layers = 8_190_735_360, 4, 36
+    totals = {}
+    for level in ("none", "optimizer", "full"):
+        (tmp_path / f"{level}.yaml").write_text(f"extends: {BASE}\nactor: {{offload: {level}}}\n")
+        r = compile_recipe(tmp_path / f"{level}.yaml", lower=False, roots=[BASE.parent])
+        report = memory.estimate(r.recipe, r.derived, MODELS["qwen3-8b"], GPUS["h100-80gb"])
+        (group,) = report.fsdp_groups
+        (actor,) = group.roles
+        totals[level] = group.total
+        assert report.host_capacity == 2048 * GIB                       # DGX H100's RAM, from the catalog
+        assert abs(actor.host - (0 if level == "none" else 16 * n / world)) < 1
+        assert abs(report.host_per_node - 4 * actor.host) < 1           # the actor's 4 ranks of the node
+        if level == "full":
+            assert abs(actor.params - 2 * 2 * n / layers) < 1 and actor.grads == 0 and actor.optimizer == 0
+    assert totals["none"] > totals["optimizer"] > totals["full"]

@@ -182,6 +182,7 @@ ALL_RULES: tuple[Code, ...] = (
         "error",
         memory.weight_sync_buckets_exceed_engine_headroom,
     ),
+    Code("MEM008", "fsdp-host-memory-exceeds-node", "error", memory.fsdp_host_memory_exceeds_node, BOTH),
     Code("MODEL001", "attention-replaced-by-sdpa", "info", packing.attention_replaced_by_sdpa, BOTH),
     Code(
         "MODEL002", "vlm-context-parallel-without-cp-hook", "error", packing.vlm_context_parallel_without_cp_hook, BOTH

@@ -305,3 +305,46 @@ def weight_sync_buckets_exceed_engine_headroom(
             "lower rollout.gpu_memory_utilization",
             ["cluster.gpu"],
         )
+
+
+def fsdp_host_memory_exceeds_node(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    With `actor.offload: optimizer | full`, the host memory the offload keeps on one node (optimizer states and
+    parameter and gradient shards, 16 B/param over the world for AdamW, times the ranks on the node, for each
+    trained role) fits the node's RAM from the GPU catalog.
+
+    ## Why it matters
+    Offload trades GPU memory for host memory: on a node short of RAM the kernel's out-of-memory killer ends a
+    rank at its first optimizer step, after the cluster is allocated and the first rollout generated. Formulas:
+    `molt_compile/memory.py`.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8, gpu: h200-141gb}
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2, backend: automodel, attn: sdpa}
+    actor: {nodes: 1, gpus_per_node: 8, mesh: {ep: 8}, offload: full}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 9, gpus_per_node: 8, gpu: h200-141gb}
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2, backend: automodel, attn: sdpa}
+    actor: {nodes: 8, gpus_per_node: 8, mesh: {ep: 64}, offload: full}
+    ```
+
+    ## References
+    molt_rules.md §2.K (`--fsdp.offload`), molt_compile/memory.py
+    """
+    report = _report(recipe, derived, source)
+    if report is None or report.host_capacity is None or report.host_per_node <= report.host_capacity:
+        return
+    yield diag(
+        source,
+        "actor.offload",
+        f"CPU offload keeps about {memory.gib(report.host_per_node)} of host memory per node > the "
+        f"{recipe.cluster.gpu} node's {memory.gib(report.host_capacity)} of RAM ({report.host_breakdown()})",
+        "spread the actor over more nodes (fewer ranks per node, smaller shards), or actor.offload: none",
+        ["actor.gpus_per_node", "actor.nodes", "cluster.gpu"],
+    )

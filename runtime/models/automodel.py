@@ -147,12 +147,14 @@ def decoder_layers(model) -> list:
 
 
 def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
-          freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
+          freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
+          offload: str = "none"):
     """`path` built by nemo-automodel, with `model_plan`'s checkpointing, FSDP2-sharded over `mesh` (`hf.shard`:
-    routers in their own unit in the router dtype, frozen with `freeze_router`, matched by type as Molt F11 does).
+    routers in their own unit in the router dtype, frozen with `freeze_router`, matched by type as Molt F11 does;
+    `offload: full` keeps the shards on the host).
     `lora` and `freeze_visual_encoder` are hf-backend settings (the capability table keeps them off this one)."""
     model = load(model_plan, path, device)
-    model = hf.shard(model, decoder_layers(model), model_plan, mesh, trainable, freeze_router, lora)
+    model = hf.shard(model, decoder_layers(model), model_plan, mesh, trainable, freeze_router, lora, offload)
     model.molt_hf_weights = lambda: hf_weights(model)  # the weight sync's and the HF export's view
     model.molt_hf_state_dict = hf_state_dict
     return model

@@ -76,7 +76,8 @@ def compile_layers(layers) -> None:
 
 
 def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
-          freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False):
+          freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
+          offload: str = "none"):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
 
     A VLM loads as an image-text-to-text model; its language-model layers are the FSDP units and the vision tower
@@ -97,20 +98,23 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     if vlm and freeze_visual_encoder:
         model.model.visual.requires_grad_(False)
     layers = model.model.language_model.layers if vlm else model.model.layers
-    return shard(model, layers, model_plan, mesh, trainable, freeze_router, lora)
+    return shard(model, layers, model_plan, mesh, trainable, freeze_router, lora, offload)
 
 
 def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_router: bool,
-          lora: LoraPlan | None):
+          lora: LoraPlan | None, offload: str = "none"):
     """An unsharded fp32 causal LM (on its device) -> the trained or reference model, FSDP2-sharded over `mesh`.
 
     A frozen model (a reference) is in eval mode without gradients and never checkpoints. MoE routers are their own
     FSDP2 unit computing in `model_plan.router_dtype` (fp32 by default, Molt's `MOLT_GATE_PRECISION`: the unit casts
     its input to that dtype, so top-k ties are decided in fp32), and with `freeze_router` they take no gradient.
     `lora`: peft adapters patched in before sharding (`runtime/lora.py`); only they train. `layers` (the decoder
-    layers) are the FSDP units between the routers and the root.
+    layers) are the FSDP units between the routers and the root. `offload: full` keeps every unit's shards on the
+    host (`runtime/fsdp.py`; a reference is never offloaded).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from runtime.fsdp import offload_policy
 
     if lora is not None:
         from runtime import lora as lora_adapters
@@ -127,31 +131,36 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
         moe.freeze_routers(model)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
     router_mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.router_dtype), reduce_dtype=torch.float32)
+    policy = offload_policy(offload if trainable else "none", next(model.parameters()).device)
     for router in moe.routers(model):
-        fully_shard(router, mesh=mesh, mp_policy=router_mp)
+        fully_shard(router, mesh=mesh, mp_policy=router_mp, offload_policy=policy)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     if model_plan.compile_layers:
         compile_layers(layers)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 
 
-def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device):
+def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, offload: str = "none"):
     """The critic: `path`'s architecture with its vocabulary head replaced by a scalar head (transformers'
     `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
-    `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4)."""
+    `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4),
+    offloaded like it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from runtime.fsdp import offload_policy
 
     model = load_value_model(path, model_plan.attn)
     model.to(device)
     if model_plan.gradient_checkpoint != "none":
         enable_checkpointing(model, model_plan.gradient_checkpoint)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
+    policy = offload_policy(offload, device)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     if model_plan.compile_layers:
         compile_layers(model.model.layers)
     return model
