@@ -56,6 +56,7 @@ def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
     ctx = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=mesh.ep), world_size=world)
     return Meshes(fsdp=ctx.device_mesh, moe=ctx.moe_mesh, dp=world)
 
+
 # nemo-automodel's grouped-experts parameters -> transformers' fused-experts names (both (experts, ., .), transposed)
 _EXPERTS = {".experts.gate_and_up_projs": ".experts.gate_up_proj", ".experts.down_projs": ".experts.down_proj"}
 
