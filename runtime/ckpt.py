@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,8 +96,9 @@ def load_sharded(path: str, model, optimizer, scheduler) -> None:
     scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=False))
 
 
-def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
-    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM.
+def export_hf(out_dir: str, model, to_hf: Callable[[dict], dict], model_path: str, rank: int) -> str | None:
+    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM;
+    `to_hf` (the model backend's `hf_state_dict`) puts them under transformers' names and layouts.
     Under LoRA: a PEFT adapter directory instead (Molt 0.2.1), loadable by `PeftModel.from_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -108,8 +110,7 @@ def export_hf(out_dir: str, model, model_path: str, rank: int) -> str | None:
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    if hasattr(model, "molt_hf_state_dict"):  # the automodel backend: transformers' names and layouts
-        sd = model.molt_hf_state_dict(sd)
+    sd = to_hf(sd)
     config = AutoConfig.from_pretrained(model_path)
     vlm = getattr(config, "vision_config", None) is not None
     with torch.device("meta"):

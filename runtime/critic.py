@@ -60,8 +60,10 @@ class CriticWorker(FsdpRank):
         (dtype, attention, checkpointing)."""
         super().__init__(critic.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.c, self.t = critic, trainer
-        self.model = models.backend(model.backend).build_value_model(model, critic.path, self.mesh, self.device,
-                                                                     offload=trainer.offload)
+        backend = models.backend(model)
+        # the plan gives the critic no mesh of its own: data parallelism over its ranks
+        self.model = backend.build_value_model(model, critic.path, backend.device_mesh(device, critic.world, None),
+                                               self.device, offload=trainer.offload)
         self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model, trainer.offload)
 
     def ready(self) -> int:

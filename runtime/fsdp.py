@@ -133,10 +133,41 @@ class HostStep:
 def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:
     """Clip the gradient norm to `max_norm` (<= 0: no clipping), step optimizer and scheduler, zero the gradients;
     returns the norm before clipping (a collective: every rank calls it)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else math.inf)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    params = [p for p in model.parameters() if p.grad is not None]
+    meshes = {getattr(p.grad, "device_mesh", None) for p in params}
+    if len(meshes) <= 1:  # one FSDP2 mesh: torch's clip (its DTensor norm reduces over that mesh)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+    else:  # several meshes (experts over ep, the rest over dp): one norm over the whole world
+        grad_norm = world_grad_norm(params)
+        if max_norm > 0 and grad_norm > max_norm:
+            coef = max_norm / (grad_norm + 1e-6)  # torch's clip coefficient
+            for p in params:
+                p.grad.mul_(coef)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm
+
+
+def world_grad_norm(params) -> float:
+    """The L2 norm of the gradients of DTensor parameters placed on different meshes of one world: each rank's
+    local pieces squared and summed, a piece replicated over mesh dims counted once (divided by their sizes), one
+    all-reduce over the world."""
+    import torch.distributed as dist
+
+    total = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
+    for p in params:
+        g = p.grad
+        copies = 1
+        for dim, placement in enumerate(getattr(g, "placements", ())):
+            if placement.is_replicate():
+                copies *= g.device_mesh.size(dim)
+        local = g.to_local() if hasattr(g, "to_local") else g
+        if not hasattr(g, "placements"):
+            copies = dist.get_world_size()  # a plain tensor is whole on every rank
+        total += local.detach().double().pow(2).sum() / copies
+    dist.all_reduce(total)
+    return float(total.sqrt())

@@ -37,7 +37,8 @@ def free_port() -> int:
 
 
 class FsdpRank:
-    """One rank of a model group: joins the group's world, builds its 1-D `dp` mesh, and cuts batches."""
+    """One rank of a model group: joins the group's world and cuts batches (its model's backend builds the device
+    meshes, `runtime/models/`)."""
 
     def __init__(self, world: int, seed: int, device: str, dist_backend: str, rank: int, master_addr: str,
                  master_port: int):
@@ -47,7 +48,6 @@ class FsdpRank:
         self.device = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         dist.init_process_group(dist_backend, rank=rank, world_size=world)
         torch.manual_seed(seed)
-        self.mesh = dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",))
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint; a
         # subclass sets it from its model's config once built).
         self.image_token_id: int | None = None

@@ -41,7 +41,10 @@ class ReferenceWorker(FsdpRank):
         packing, temperature, seed), `model` (dtype, attention)."""
         super().__init__(ref.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t = trainer
-        self.model = models.backend(model.backend).build(model, ref.path, self.mesh, self.device, trainable=False)
+        backend = models.backend(model)
+        # the plan gives a separate reference no mesh of its own: data parallelism over its ranks
+        self.model = backend.build(model, ref.path, backend.device_mesh(device, ref.world, None), self.device,
+                                   trainable=False)
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
 
     def ready(self) -> int:

@@ -95,9 +95,9 @@ class SftRecipe:
 
             enable_full_determinism(t.seed)
         self._load_data()
-        backend = models.backend(s.model.backend)
-        self.model = backend.build(s.model, s.model.path, backend.device_mesh(s.device, self.world), self.device,
-                                   lora=t.lora, offload=t.offload)
+        self.backend = models.backend(s.model)
+        self.model = self.backend.build(s.model, s.model.path, self.backend.device_mesh(s.device, self.world, t.mesh),
+                                        self.device, lora=t.lora, offload=t.offload)
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
@@ -298,7 +298,7 @@ class SftRecipe:
         s = self.s
         if self.status != "finished" or not s.ckpt.final_save:
             return
-        self.hf_dir = ck.export_hf(s.ckpt.hf_dir, self.model, s.model.path, self.rank)
+        self.hf_dir = ck.export_hf(s.ckpt.hf_dir, self.model, self.backend.hf_state_dict, s.model.path, self.rank)
         if self.rank == 0 and s.data.chat_template:
             self.tokenizer.save_pretrained(s.ckpt.hf_dir)
         dist.barrier()

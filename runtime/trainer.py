@@ -57,14 +57,15 @@ class PolicyWorker(FsdpRank):
         checkpointing), `ref` (None: no reference model), `algo` (KL estimator, IS correction)."""
         super().__init__(trainer.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.t, self.model_plan, self.algo = trainer, model, algo
-        backend = models.backend(model.backend)
-        self.model = backend.build(model, model.path, self.mesh, self.device, trainable=True,
+        self.backend = backend = models.backend(model)
+        self.meshes = backend.device_mesh(device, trainer.world, trainer.mesh)
+        self.model = backend.build(model, model.path, self.meshes, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
                                    freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload)
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         colocated_ref = ref is not None and ref.colocated
-        self.ref = backend.build(model, ref.path, self.mesh, self.device, trainable=False) if colocated_ref else None
+        self.ref = backend.build(model, ref.path, self.meshes, self.device, trainable=False) if colocated_ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model, trainer.offload)
         # Aux losses whenever the model routes (reported as metrics; in the loss at the plan's coefficients).
         self.aux = moe.is_moe(self.model)
@@ -246,7 +247,7 @@ class PolicyWorker(FsdpRank):
         """What `send_weights` streams (names, wire dtype, full shapes), read from the shards without a gather."""
         from runtime import weight_sync
 
-        return [(m.name, m.dtype, m.shape) for m in weight_sync.wire_metas(self.model, dtype)]
+        return [(m.name, m.dtype, m.shape) for m in weight_sync.wire_metas(self.backend.hf_weights(self.model), dtype)]
 
     def weight_sync_address(self) -> tuple[str, int]:
         """This node's IP and a free port for the weight-sync store (rank 0 hosts it)."""
@@ -262,9 +263,10 @@ class PolicyWorker(FsdpRank):
         """Every rank must call this (rank 0 gathers the shards bucket by bucket); rank 0 broadcasts the buckets."""
         from runtime import weight_sync
 
-        metas = weight_sync.wire_metas(self.model, dtype)
+        sources = self.backend.hf_weights(self.model)
+        metas = weight_sync.wire_metas(sources, dtype)
         group = getattr(self, "_sync_group", None) if self.rank == 0 else None
-        return weight_sync.send_model(self.model, metas, bucket_bytes, group, self.device, self.mesh.get_group(),
+        return weight_sync.send_model(sources, metas, bucket_bytes, group, self.device, dist.group.WORLD,
                                       self.rank, self.t.world).as_dict()
 
     def save_checkpoint(self, path: str) -> None:
@@ -280,7 +282,7 @@ class PolicyWorker(FsdpRank):
     def export_hf(self, out_dir: str) -> str | None:
         from runtime.ckpt import export_hf
 
-        return export_hf(out_dir, self.model, self.model_plan.path, self.rank)
+        return export_hf(out_dir, self.model, self.backend.hf_state_dict, self.model_plan.path, self.rank)
 
 
 

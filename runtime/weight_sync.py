@@ -66,22 +66,10 @@ class SyncStats:
                 "bytes": float(self.bytes), "buckets": float(self.buckets)}
 
 
-def sync_sources(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(engine name, parameter) of what a sync streams: the floating parameters in module order; under LoRA the
-    merged base weights W + scale·B@A under their HF names, without the adapters (`runtime/lora.py`); from the
-    automodel backend its parameters under transformers' names and layouts (`runtime/models/automodel.py`)."""
-    if hasattr(model, "molt_hf_weights"):
-        return model.molt_hf_weights()
-    if getattr(model, "molt_lora", None) is not None:
-        from runtime import lora
-
-        return lora.merged_weights(model)
-    return [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
-
-
-def wire_metas(model: torch.nn.Module, dtype: str) -> list[TensorMeta]:
-    """What the sender will stream, at the full (global) shapes."""
-    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in sync_sources(model)]
+def wire_metas(sources: list[tuple[str, torch.Tensor]], dtype: str) -> list[TensorMeta]:
+    """What the sender will stream, at the full (global) shapes: `sources` are the model backend's
+    (`ModelBackend.hf_weights`: the engine's names and layouts, in stream order)."""
+    return [TensorMeta(name, dtype, tuple(p.shape)) for name, p in sources]
 
 
 def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]:
@@ -287,9 +275,9 @@ class ShardGather:
     more on rank 0 (gloo's flat temporary, then rank-major to full tensors), which on CPU cost more than the
     broadcast. Every rank must call it for every bucket, in order."""
 
-    def __init__(self, model: torch.nn.Module, metas: list[TensorMeta], gather_group, rank: int, world: int,
-                 device: torch.device, bucket_bytes: int):
-        self.params = [p for _, p in sync_sources(model)]
+    def __init__(self, sources: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], gather_group, rank: int,
+                 world: int, device: torch.device, bucket_bytes: int):
+        self.params = [p for _, p in sources]
         if len(self.params) != len(metas):
             raise RuntimeError(f"weight sync: {len(self.params)} parameters, {len(metas)} declared")
         self.metas, self.group, self.rank, self.world, self.device = metas, gather_group, rank, world, device
@@ -298,15 +286,25 @@ class ShardGather:
         self._sends: list = []  # a non-zero rank's sends in flight: (works, cast buffer, sent tensors)
 
     def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here."""
+        """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here. A
+        sharded piece's mesh must span the gather group (FSDP2's dp, or expert parallelism's ep when ep is the
+        whole group): its rows are then the group's ranks' in order."""
         if hasattr(p, "base") and hasattr(p, "local"):  # a LoRA-merged or transposed view: sharded like its base
+            self._check_mesh(p.base)
             return p.local(), getattr(p.base, "placements", None) is not None and p.base.placements[0].is_shard(0)
         placements = getattr(p, "placements", None)
         if placements is None:
             return p.detach(), False
+        self._check_mesh(p)
         if len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
             raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
         return p.detach().to_local(), placements[0].is_shard(0)
+
+    def _check_mesh(self, p) -> None:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.size() != self.world:
+            raise NotImplementedError(f"weight sync: a parameter sharded over {mesh.size()} of {self.world} ranks "
+                                      f"({mesh.mesh_dim_names}); the gather reads shards spanning the group")
 
     def _pieces(self, bucket: list[int]):
         """(index, local piece, is Shard(0), rows per rank, bytes per row) of each parameter of the bucket."""
@@ -391,10 +389,11 @@ class ShardGather:
         self._sends = []
 
 
-def send_model(model: torch.nn.Module, metas: list[TensorMeta], bucket_bytes: int, group, device: torch.device,
-               gather_group, rank: int, world: int) -> SyncStats:
-    """Stream the model out of its shards; `group` is None on the ranks that only take part in the gather."""
-    return send(ShardGather(model, metas, gather_group, rank, world, device, bucket_bytes), metas, bucket_bytes,
+def send_model(sources: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], bucket_bytes: int, group,
+               device: torch.device, gather_group, rank: int, world: int) -> SyncStats:
+    """Stream a model out of its shards (`sources`: its backend's `hf_weights`); `group` is None on the ranks that
+    only take part in the gather."""
+    return send(ShardGather(sources, metas, gather_group, rank, world, device, bucket_bytes), metas, bucket_bytes,
                 group, device)
 
 

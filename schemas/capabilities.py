@@ -114,7 +114,44 @@ def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan
             f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
             tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)",
         )
-        for axis in ("tp", "cp", "ep")
+        for axis in (("tp", "cp") if kind == "rl" else ("tp", "cp", "ep"))
+    )
+
+
+def _ep_over_every_rank(plan: Plan) -> bool:
+    """The RL trainer's expert parallelism that runs: the automodel backend, ep = the trainer's ranks (every rank
+    holds experts/ep of each MoE layer; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py)."""
+    t = plan.rl.trainer
+    return t is not None and plan.rl.model.backend == "automodel" and t.mesh.ep == t.world
+
+
+def _rl_ep_rows() -> tuple[Capability, ...]:
+    def asks_ep(plan: Plan) -> bool:
+        return plan.rl.trainer is not None and plan.rl.trainer.mesh.ep > 1
+
+    return (
+        Capability(
+            "rl-trainer-ep-layout",
+            "rl",
+            "actor.mesh.ep",
+            "expert parallelism in the trainer other than the automodel backend's with ep = the trainer's ranks",
+            lambda p: asks_ep(p) and not _ep_over_every_rank(p),
+            "model.backend: automodel with actor.mesh.ep equal to the trainer's ranks (actor.nodes x "
+            "actor.gpus_per_node), or actor.mesh.ep: 1",
+            tracked="issue 27: the hf backend has no expert parallelism; ep below the ranks (ep_shard > 1) is "
+            "nemo-automodel's too, but the weight sync gathers only shards spanning the trainer's ranks",
+        ),
+        Capability(
+            "rl-trainer-ep-cuda",
+            "rl",
+            "actor.mesh.ep",
+            "expert parallelism in the trainer on GPUs (NCCL)",
+            lambda p: asks_ep(p) and _ep_over_every_rank(p),
+            "actor.mesh.ep: 1 on GPUs",
+            devices=frozenset({"cpu"}),
+            tracked="issue 27: run on 2 gloo ranks (tests/runtime/models/test_expert_parallel.py), not yet on "
+            "several GPUs",
+        ),
     )
 
 
@@ -250,6 +287,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 21 (multi-GPU)",
     ),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
+    *_rl_ep_rows(),
     Capability(
         "rl-routing-replay",
         "rl",

@@ -24,16 +24,16 @@ FILES = sorted(CAP_DIR.glob("*.yaml"))
 
 LAUNCH_RECIPE_ROWS = {
     # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
-    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-routing-replay", "rl-automodel-attn"},
-    "omni3_30b_distill.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
+    "glm5_ep256.yaml": {"rl-trainer-cp", "rl-trainer-ep-cuda", "rl-routing-replay", "rl-automodel-attn"},
+    "omni3_30b_distill.yaml": {"rl-trainer-cp", "rl-trainer-ep-layout", "rl-automodel-attn", "rl-automodel-dispatcher",
                                "rl-automodel-images", "rl-routing-replay"},
-    "omni3_30b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
+    "omni3_30b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep-layout", "rl-automodel-attn", "rl-automodel-dispatcher",
                              "rl-automodel-images", "rl-routing-replay"},
     "qwen3_4b_math.yaml": set(),
     "qwen3_4b_math_quickstart.yaml": set(),
-    "qwen3_6_35b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
+    "qwen3_6_35b_geo3k.yaml": {"rl-trainer-cp", "rl-trainer-ep-cuda", "rl-automodel-attn", "rl-automodel-dispatcher",
         "rl-automodel-images", "rl-routing-replay"},
-    "qwen3_6_35b_geo3k_quickstart.yaml": {"rl-trainer-cp", "rl-trainer-ep", "rl-automodel-attn", "rl-automodel-dispatcher",
+    "qwen3_6_35b_geo3k_quickstart.yaml": {"rl-trainer-cp", "rl-trainer-ep-cuda", "rl-automodel-attn", "rl-automodel-dispatcher",
         "rl-automodel-images", "rl-routing-replay"},
     "sft_omni3_30b.yaml": {"sft-trainer-cp", "sft-trainer-ep", "sft-automodel", "sft-images"},
     "sft_qwen3_4b.yaml": set(),

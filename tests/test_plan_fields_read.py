@@ -54,7 +54,7 @@ NOT_FOR_THE_RUNTIME = {
     # settings whose non-default values need a feature that a capability row refuses, or that a rule rejects
     "rl.eval.only": "eval.only lowers to trainer None, refused by rl-eval-only",
     "rl.trainer.mesh.cp": "refused by rl-trainer-cp (the row reads the axis by name)",
-    "rl.trainer.mesh.ep": "refused by rl-trainer-ep",
+    "rl.trainer.mesh.ep": "read by the automodel backend's device_mesh; refused by rl-trainer-ep-layout/-cuda",
     "sft.trainer.mesh.cp": "refused by sft-trainer-cp",
     "sft.trainer.mesh.ep": "refused by sft-trainer-ep",
     "rl.trainer.sequence_parallel": "needs tp > 1 (DEAD006 otherwise), refused by rl-trainer-tp",

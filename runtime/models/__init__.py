@@ -1,20 +1,78 @@
-"""Model backends: what builds the trained (and reference) models and their device mesh, per `ModelPlan.backend`.
+"""Model backends: what builds the trained (and reference) models and their device meshes, per `ModelPlan.backend`.
 
-Each backend module has `device_mesh(device, world)` and `build(model_plan, path, mesh, device, trainable=True,
-freeze_router=False)`; the trainer and the SFT job call only these two and know nothing else of the model's make.
+A backend is one module satisfying `ModelBackend`, listed in `BACKENDS` (selected by the plan's `model.backend`).
+The trainer, the reference, the critic and the SFT job build through it and know nothing else of the model's make;
+the weight sync and the HF export ask it for the engine's view of the weights (names and layouts), the optimizer
+step for the gradient norm over its mesh.
 
-- `hf` (`runtime/models/hf.py`): transformers models under FSDP2 (dense and MoE: routers in their own fp32 unit).
+- `hf` (`runtime/models/hf.py`): transformers models under FSDP2 over a 1-D `dp` mesh (dense and MoE: routers in
+  their own fp32 unit).
 - `automodel` (`runtime/models/automodel.py`): nemo-automodel's `NeMoAutoModelForCausalLM` builds the model (its own
-  MoE layers) and the same FSDP2 wrapping shards it; what it does not do yet is in the capability table
-  (rows rl-automodel-*, and sft-automodel for SFT).
+  MoE layers); at `mesh.ep` 1 the same FSDP2 wrapping as `hf` shards it, at `mesh.ep` > 1 nemo-automodel's own
+  device mesh and parallelizer (experts sharded over `ep`, FSDP2 over the data-parallel ranks). What it does not do
+  yet is in the capability table (rows rl-automodel-*, sft-automodel).
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
 
-def backend(name: str) -> ModuleType:
-    """The backend module named by the plan (`ModelPlan.backend`)."""
-    return importlib.import_module(f"runtime.models.{name}")
+@dataclass(frozen=True)
+class Meshes:
+    """A model group's device meshes, as its backend made them from the plan's mesh.
+
+    `fsdp`: the mesh the FSDP2 units shard over (the `hf` backend's 1-D `dp`; nemo-automodel's 5-D world mesh
+    (pp, dp_replicate, dp_shard, cp, tp) under expert parallelism); `moe`: nemo-automodel's (ep_shard, ep) mesh of
+    the experts, None without expert parallelism; `dp`: how many data-parallel ranks split each batch (the loss's
+    global token mean counts over them)."""
+
+    fsdp: DeviceMesh
+    moe: DeviceMesh | None
+    dp: int
+
+
+class ModelBackend(Protocol):
+    """What every backend module provides (`hf`, `automodel`)."""
+
+    def device_mesh(self, device: str, world: int, mesh: MeshPlan | None) -> Meshes:
+        """The group's meshes for the plan's `mesh` (None: a group the plan gives no mesh, the reference and the
+        critic: data parallelism over every rank). The process group must be initialised."""
+        ...
+
+    def build(self, model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
+              freeze_router: bool = False, lora: LoraPlan | None = None,
+              freeze_visual_encoder: bool = False) -> torch.nn.Module:
+        """`path` as this backend builds it, sharded over `meshes` (frozen and in eval mode unless `trainable`)."""
+        ...
+
+    def build_value_model(self, model_plan: ModelPlan, path: str, meshes: Meshes,
+                          device: torch.device) -> torch.nn.Module:
+        """The critic: `path`'s architecture with a scalar head, sharded like the policy."""
+        ...
+
+    def hf_weights(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
+        """(engine name, local parameter or view with `.local()`/`.base`) of every floating weight, in the order a
+        weight sync streams them: transformers' names and layouts, as the engines load them."""
+        ...
+
+    def hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A full state dict of the model under transformers' names and layouts (the HF export)."""
+        ...
+
+
+from runtime.models import automodel, hf  # noqa: E402  (after Meshes, which they use)
+
+BACKENDS: dict[str, ModelBackend] = {"hf": hf, "automodel": automodel}  # type: ignore[dict-item]
+
+
+def backend(model_plan: ModelPlan) -> ModelBackend:
+    """The backend the plan names (`ModelPlan.backend`)."""
+    return BACKENDS[model_plan.backend]

@@ -6,8 +6,10 @@ AutoModel class, Molt H9), its MoE layers (`Gate` routers, grouped experts) buil
 for custom models (B19): torch linear layers, `torch_mm` experts, fp32 RMSNorm, no rope fusion, the plan's router
 dtype as the gate precision and the plan's token dispatcher. The model then goes through the same FSDP2 wrapping as
 the `hf` backend (`hf.shard`: routers their own unit in the router dtype, one unit per decoder layer, the root), over
-this rank's 1-D `dp` mesh: nemo-automodel's own parallelizer is for the EP/CP/TP meshes, which the capability
-table refuses until multi-GPU runs land (issue 21), and its FSDP2 path is CUDA-only.
+this rank's 1-D `dp` mesh at `mesh.ep` 1. At `mesh.ep` > 1 nemo-automodel's own device mesh (`MeshContext`: ep
+carved out of the data-parallel ranks) and its MoE parallelizer (`parallelize_model`: each rank holds
+experts/ep of every MoE layer, the plan's token dispatcher moves the tokens, FSDP2 shards the rest over dp) place
+the model; tp and cp stay refused by the capability table (not wired here).
 
 On CPU nemo-automodel runs too, its MoE layers included (they match transformers' Qwen3-MoE logits to 3e-7 here),
 once three of its CUDA assumptions are answered for the build (`_built_on_cpu`): its build reads
@@ -33,12 +35,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime import moe
-from runtime.models import hf
+from runtime.logprobs import attach
+from runtime.models import Meshes, hf
 
 if TYPE_CHECKING:
-    from schemas.plan import LoraPlan, ModelPlan
+    from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
-device_mesh = hf.device_mesh
+build_value_model = hf.build_value_model  # the critic stays transformers' (row rl-automodel-critic refuses it here)
+
+
+def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
+    """`hf`'s 1-D `dp` mesh at ep 1 (or no mesh: the reference and critic groups); at ep > 1 nemo-automodel's
+    world mesh (pp, dp_replicate, dp_shard, cp, tp) and its (ep_shard, ep) expert mesh over the same ranks: every
+    rank is a data-parallel rank (ep is carved out of dp), so each takes its own rows of a batch."""
+    if mesh is None or mesh.ep == 1:
+        return hf.dp_meshes(device, world)
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+
+    ctx = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=mesh.ep), world_size=world)
+    return Meshes(fsdp=ctx.device_mesh, moe=ctx.moe_mesh, dp=world)
+
 
 # nemo-automodel's grouped-experts parameters -> transformers' fused-experts names (both (experts, ., .), transposed)
 _EXPERTS = {".experts.gate_and_up_projs": ".experts.gate_up_proj", ".experts.down_projs": ".experts.down_proj"}
@@ -74,7 +91,8 @@ class TransposedExperts:
 
 def hf_weights(model) -> list[tuple[str, torch.Tensor | TransposedExperts]]:
     """(transformers' name, parameter or transposed view) of every floating parameter, in module order: what a
-    weight sync streams to the engines."""
+    weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over `ep` (whole
+    experts per rank), which the sync gathers like an FSDP2 shard when ep spans the group."""
     out: list[tuple[str, torch.Tensor | TransposedExperts]] = []
     for name, p in model.named_parameters():
         if p.is_floating_point():
@@ -146,15 +164,59 @@ def decoder_layers(model) -> list:
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
-def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
+def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
           offload: str = "none"):
-    """`path` built by nemo-automodel, with `model_plan`'s checkpointing, FSDP2-sharded over `mesh` (`hf.shard`:
-    routers in their own unit in the router dtype, frozen with `freeze_router`, matched by type as Molt F11 does;
-    `offload: full` keeps the shards on the host).
+    """`path` built by nemo-automodel, with `model_plan`'s checkpointing; without an expert mesh FSDP2-sharded over
+    the `dp` mesh (`hf.shard`: routers in their own unit in the router dtype, frozen with `freeze_router`, matched
+    by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
+    parallelizer (`expert_parallel`).
     `lora` and `freeze_visual_encoder` are hf-backend settings (the capability table keeps them off this one)."""
     model = load(model_plan, path, device)
-    model = hf.shard(model, decoder_layers(model), model_plan, mesh, trainable, freeze_router, lora, offload)
-    model.molt_hf_weights = lambda: hf_weights(model)  # the weight sync's and the HF export's view
-    model.molt_hf_state_dict = hf_state_dict
+    if meshes.moe is None:
+        return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
+    from runtime.fsdp import offload_policy
+
+    return expert_parallel(model, model_plan, meshes, trainable, freeze_router, offload_policy(offload, device))
+
+
+def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, freeze_router: bool, policy):
+    """nemo-automodel's `parallelize_model` on its meshes: the experts of each MoE layer Shard(0) over `ep` (its
+    `ExpertParallel` style), everything else FSDP2 over the data-parallel ranks (its `apply_fsdp`: one unit per
+    decoder layer, the experts ignored when ep_shard is 1), in the plan's compute dtype with fp32 gradient
+    reduction. Its gates compute in the router dtype through the `BackendConfig` (`gate_precision`).
+
+    Gradients: FSDP2 averages the other parameters' gradients over dp; an expert's gradient arrives summed over the
+    ep group's tokens (the dispatcher's all-gather backward) and averaged over ep_shard only, so a hook divides it
+    by dp / ep_shard — the scaling nemo-automodel's own recipe applies before clipping
+    (`scale_grads_and_clip_grad_norm`) — and the trainer's global token mean holds for every parameter."""
+    from nemo_automodel.components.moe.parallelizer import parallelize_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if trainable and model_plan.gradient_checkpoint != "none":
+        hf.enable_checkpointing(model, model_plan.gradient_checkpoint, decoder_layers(model))
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    if freeze_router:
+        moe.freeze_routers(model)
+    names = meshes.moe.mesh_dim_names
+    parallelize_model(model, meshes.fsdp, meshes.moe, dp_axis_names=("dp_shard_cp",), cp_axis_name="cp",
+                      tp_axis_name="tp", ep_axis_name="ep",
+                      ep_shard_axis_names=("ep_shard",) if "ep_shard" in names else None,
+                      mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
+                                                     reduce_dtype=torch.float32),
+                      offload_policy=policy)
+    ep_shard = meshes.moe["ep_shard"].size() if "ep_shard" in names else 1
+    ratio = meshes.dp / ep_shard
+    if trainable and ratio != 1:
+        for p in model.parameters():
+            if p.requires_grad and _on_ep(p):
+                p.register_hook(lambda g: g / ratio)
+    attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
+
+
+def _on_ep(p: torch.Tensor) -> bool:
+    mesh = getattr(p, "device_mesh", None)
+    return mesh is not None and "ep" in (mesh.mesh_dim_names or ())

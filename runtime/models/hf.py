@@ -1,4 +1,5 @@
-"""The `hf` model backend: transformers' `AutoModelForCausalLM` under FSDP2 over a 1-D data-parallel mesh.
+"""The `hf` model backend (`runtime/models/__init__.py`): transformers' `AutoModelForCausalLM` under FSDP2 over a
+1-D data-parallel mesh.
 
 fp32 master weights, activation checkpointing, `fully_shard` per decoder layer and then the root, compute dtype from
 the plan (`reference/environment.md` §5), and the chunked log-prob method of `runtime/logprobs.py`.
@@ -12,16 +13,38 @@ import torch
 
 from runtime import moe
 from runtime.logprobs import attach
+from runtime.models import Meshes
 
 if TYPE_CHECKING:
-    from schemas.plan import LoraPlan, ModelPlan
+    from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
 
-def device_mesh(device: str, world: int):
+def dp_meshes(device: str, world: int) -> Meshes:
     """One `dp` axis over every rank (the process group must be initialised)."""
     import torch.distributed as dist
 
-    return dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",))
+    return Meshes(fsdp=dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",)), moe=None,
+                  dp=world)
+
+
+def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
+    """FSDP2 data parallelism over every rank: the capability table keeps tp/cp/ep at 1 on this backend."""
+    return dp_meshes(device, world)
+
+
+def hf_weights(model) -> list:
+    """The floating parameters under their own (transformers') names, in module order; under LoRA the merged base
+    weights W + scale·B@A under their HF names, without the adapters (`runtime/lora.py`)."""
+    if getattr(model, "molt_lora", None) is not None:
+        from runtime import lora
+
+        return lora.merged_weights(model)
+    return [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+
+
+def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' own names and layouts already."""
+    return state
 
 
 def is_vlm(path: str) -> bool:
@@ -75,10 +98,11 @@ def compile_layers(layers) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
-def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainable: bool = True,
+def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
           offload: str = "none"):
-    """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over `mesh`.
+    """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over the `dp`
+    mesh of `meshes`.
 
     A VLM loads as an image-text-to-text model; its language-model layers are the FSDP units and the vision tower
     stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the same
@@ -98,7 +122,7 @@ def build(model_plan: ModelPlan, path: str, mesh, device: torch.device, trainabl
     if vlm and freeze_visual_encoder:
         model.model.visual.requires_grad_(False)
     layers = model.model.language_model.layers if vlm else model.model.layers
-    return shard(model, layers, model_plan, mesh, trainable, freeze_router, lora, offload)
+    return shard(model, layers, model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
 
 
 def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_router: bool,
@@ -143,7 +167,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
     return model
 
 
-def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.device, offload: str = "none"):
+def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, offload: str = "none"):
     """The critic: `path`'s architecture with its vocabulary head replaced by a scalar head (transformers'
     `...ForTokenClassification` with one label: `score = Linear(hidden, 1)`, initialised with the model's
     `initializer_range`), no dropout on the head, sharded like the policy (`reference/molt_rules.md` §6.4),
@@ -159,8 +183,8 @@ def build_value_model(model_plan: ModelPlan, path: str, mesh, device: torch.devi
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
     policy = offload_policy(offload, device)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, offload_policy=policy)
     if model_plan.compile_layers:
         compile_layers(model.model.layers)
     return model

@@ -44,7 +44,7 @@ def main(out_dir: str, steps: int = 30) -> dict:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     device = torch.device("cuda", 0)
-    mesh = automodel.device_mesh("cuda", 1)
+    mesh = automodel.device_mesh("cuda", 1, None)
     path = str(build_tiny_model(Path(tempfile.mkdtemp()) / "moe", seed=0, vocab_size=300, experts=4,
                                 experts_per_token=2, tie_word_embeddings=False))
     plan = ModelPlan(path=path, arch=None, backend="automodel", dtype="bfloat16", attn="sdpa",

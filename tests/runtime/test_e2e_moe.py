@@ -1,7 +1,8 @@
 """The MoE demo (recipes/demo_moe.yaml: tiny Qwen3-MoE on the automodel backend, hf engine, routing replay, frozen
-fp32 router) trains on a real local Ray cluster with 2 FSDP2 ranks of nemo-automodel's own Qwen3-MoE: the routing
-reaches the trainer and is replayed, the aux losses are reported, and the engine (transformers' Qwen3-MoE) serves
-the trainer's weights after every sync (nemo-automodel's grouped experts mapped to transformers' layout)."""
+fp32 router) trains on a real local Ray cluster with 2 ranks of nemo-automodel's own Qwen3-MoE at expert parallelism
+2 (its mesh and parallelizer: 2 of the 4 experts per rank, the torch token dispatcher): the routing reaches the
+trainer and is replayed, the aux losses are reported, and the engine (transformers' Qwen3-MoE) serves the trainer's
+weights after every sync (gathered from the EP-sharded experts, mapped to transformers' layout)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ SETS = (  # a short run: 4 steps of 4 groups x 8 samples, one optimizer step eac
     "ckpt.final_save=false",
     "ckpt.dir=../ckpt/test-e2e-moe/state",
     "logging.tensorboard_dir=null",
+    "actor.mesh.ep=2",
 )
 
 
@@ -31,6 +33,7 @@ def test_moe_demo_trains_with_routing_replay(local_ray):
     plan, result, records = run_recipe("recipes/demo_moe.yaml", *SETS)
     t = plan.rl.trainer
     assert plan.rl.model.backend == "automodel" and plan.rl.model.moe_dispatcher == "torch"
+    assert t.mesh.ep == t.world == 2
     assert t.routing_replay and t.freeze_moe_router and plan.rl.engines.routed_experts
     steps = step_records(records)
     assert result.status == "finished" and len(steps) == STEPS

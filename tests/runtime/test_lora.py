@@ -7,7 +7,8 @@ import pytest
 import torch
 from loop_support import ROOT
 
-from runtime import lora, weight_sync
+from runtime import lora
+from runtime.models import hf
 from schemas.plan import LoraPlan
 
 MODEL = str(ROOT / "recipes/data/demo_math/model")
@@ -62,7 +63,7 @@ def test_merged_weights_are_what_the_engines_load():
     m = _model(LoraPlan(dim=4, alpha=8, scale=2.0, target_modules=None))  # every linear layer but lm_head
     _nudge_adapters(m)
     plain = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
-    sources = weight_sync.sync_sources(m)
+    sources = hf.hf_weights(m)
     names = [n for n, _ in sources]
     assert names == [n for n, p in plain.named_parameters()]  # same names and order as a full-FT sync
     with torch.no_grad():
@@ -100,11 +101,11 @@ def test_fsdp_lora_trains_adapters_and_dcp_resumes_them(tmp_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
         mp = ModelPlan(path=MODEL, arch=None, backend="hf", dtype="float32", attn="sdpa", gradient_checkpoint="full",
                        compile_layers=False, disable_fast_tokenizer=False, router_dtype="float32", moe_dispatcher=None)
+        meshes = models.backend(mp).device_mesh("cpu", 1, None)
         plan = LoraPlan(dim=4, alpha=8, scale=2.0, target_modules=["*.q_proj", "*.down_proj"])
-        model = models.backend("hf").build(mp, MODEL, mesh, torch.device("cpu"), lora=plan)
+        model = models.backend(mp).build(mp, MODEL, meshes, torch.device("cpu"), lora=plan)
         opt = OptimizerPlan(name="adam", lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,
                             scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.1, muon=None)
         optimizer, scheduler = fsdp.build_optimizer(opt, model)

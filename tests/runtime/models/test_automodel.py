@@ -29,7 +29,7 @@ def world():
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29800 + os.getpid() % 100))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    yield hf.dp_meshes("cpu", 1)
     dist.destroy_process_group()
 
 
@@ -135,17 +135,17 @@ def test_weight_sync_and_export_see_transformers_names_and_layouts(world, checkp
 
     model = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
     reference = hf.build(_plan(checkpoint, "hf"), checkpoint, world, torch.device("cpu"), trainable=False)
-    mine, theirs = dict(weight_sync.sync_sources(model)), dict(weight_sync.sync_sources(reference))
+    mine, theirs = dict(automodel.hf_weights(model)), dict(hf.hf_weights(reference))
     assert {n: tuple(p.shape) for n, p in mine.items()} == {n: tuple(p.shape) for n, p in theirs.items()}
     swapped = [n for n, p in mine.items() if isinstance(p, automodel.TransposedExperts)]
     assert len(swapped) == 4  # gate_up_proj and down_proj of both layers
     for name, p in mine.items():
         local = p.local() if isinstance(p, automodel.TransposedExperts) else p.detach().to_local()
         assert torch.equal(local, theirs[name].detach().to_local()), name
-    metas = weight_sync.wire_metas(model, "float32")
+    metas = weight_sync.wire_metas(automodel.hf_weights(model), "float32")
     assert sorted(m.name for m in metas) == sorted(theirs)
 
-    out = ckpt.export_hf(str(tmp_path / "hf"), model, checkpoint, rank=0)
+    out = ckpt.export_hf(str(tmp_path / "hf"), model, automodel.hf_state_dict, checkpoint, rank=0)
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids, _ = _batch()
