@@ -360,10 +360,7 @@ def _capability_table() -> str:
     from schemas.capabilities import CAPABILITIES  # only for documentation
 
     rows = ["| id | kind | recipe key | what | implemented on | write instead |", "|---|---|---|---|---|---|"]
-    rows += [
-        f"| {c.id} | {c.kind} | `{c.key}` | {c.what} | {_on(c)} | {c.instead} |"
-        for c in CAPABILITIES
-    ]
+    rows += [f"| {c.id} | {c.kind} | `{c.key}` | {c.what} | {_on(c)} | {c.instead} |" for c in CAPABILITIES]
     return "## The capability table\n\n" + "\n".join(rows)
 
 

@@ -915,22 +915,33 @@ def _old_logprob_pass(b: _Builder, r: Any) -> None:
     coef, ref = b.v("algo.kl.coef"), b.v("ref.exists")
     t, sps = r.train, b.v("rollout.samples_per_step")
     one_step = not t.force_on_policy and t.max_epochs == 1 and sps == t.batch_size
-    inputs = ("train.force_on_policy", "train.max_epochs", "train.batch_size", "rollout.samples_per_step",
-              "algo.kl.coef", "ref")
+    inputs = (
+        "train.force_on_policy",
+        "train.max_epochs",
+        "train.batch_size",
+        "rollout.samples_per_step",
+        "algo.kl.coef",
+        "ref",
+    )
     if t.force_on_policy:
         when = "force_on_policy"
     elif one_step:
-        when = (f"one optimizer step per rollout batch (max_epochs 1, samples {sps} = train.batch_size "
-                f"{t.batch_size}), taken after every forward of the batch")
+        when = (
+            f"one optimizer step per rollout batch (max_epochs 1, samples {sps} = train.batch_size "
+            f"{t.batch_size}), taken after every forward of the batch"
+        )
     else:
-        b.add("actor.old_logprob_pass", True,
-              f"π_old: a no-grad forward before the step (samples {sps} vs train.batch_size {t.batch_size} × "
-              f"max_epochs {t.max_epochs}: the policy moves within the batch)", inputs)
+        b.add(
+            "actor.old_logprob_pass",
+            True,
+            f"π_old: a no-grad forward before the step (samples {sps} vs train.batch_size {t.batch_size} × "
+            f"max_epochs {t.max_epochs}: the policy moves within the batch)",
+            inputs,
+        )
         return
     if coef != 0 or ref:
         why = f"algo.kl.coef {coef} > 0" if coef != 0 else "a reference model (`ref:`) whose KL is taken against π_old"
-        b.add("actor.old_logprob_pass", True, f"{when}, but {why}: π_old is computed before the step (B28)",
-              inputs)
+        b.add("actor.old_logprob_pass", True, f"{when}, but {why}: π_old is computed before the step (B28)", inputs)
     else:
         b.add(
             "actor.old_logprob_pass",
@@ -965,6 +976,7 @@ def _rl_schedule(b: _Builder, r: Any, source: Any) -> None:
         actor_warmup_ratio=r.actor.optimizer.warmup_ratio,
         critic_warmup_ratio=critic.optimizer.warmup_ratio if critic is not None else None,
     )
+    per_step: tuple[Any, str, tuple[str, ...]]
     if t.force_on_policy:
         per_step = (1, "force_on_policy: one optimizer step per rollout batch (G10)", ("train.force_on_policy",))
     else:

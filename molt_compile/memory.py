@@ -158,8 +158,9 @@ class MemoryReport:
         return sum(r.host * r.ranks_per_node for g in self.fsdp_groups for r in g.roles)
 
     def host_breakdown(self) -> str:
-        return "; ".join(f"{r.role}: {r.ranks_per_node} ranks x {gib(r.host)}"
-                         for g in self.fsdp_groups for r in g.roles if r.host)
+        return "; ".join(
+            f"{r.role}: {r.ranks_per_node} ranks x {gib(r.host)}" for g in self.fsdp_groups for r in g.roles if r.host
+        )
 
 
 def gib(n: float) -> str:

@@ -170,8 +170,7 @@ def _memory_table(memory: Any) -> Table:
         table.add_row(group.label, gib(group.total), gib(group.capacity), biggest.largest_term)
     if memory.host_per_node:
         capacity = gib(memory.host_capacity) if memory.host_capacity is not None else "unknown"
-        table.add_row("host RAM of a node (CPU offload)", gib(memory.host_per_node), capacity,
-                      memory.host_breakdown())
+        table.add_row("host RAM of a node (CPU offload)", gib(memory.host_per_node), capacity, memory.host_breakdown())
     if memory.engine is not None:
         e = memory.engine
         table.add_row(
@@ -181,11 +180,11 @@ def _memory_table(memory: Any) -> Table:
             f"weights {gib(e.weights)}, KV cache {gib(max(e.kv_room, 0))}",
         )
     if memory.hf_engine_weights is not None:
-        capacity = memory.fsdp_groups[0].capacity if memory.fsdp_groups else None
+        gpu_capacity = memory.fsdp_groups[0].capacity if memory.fsdp_groups else None
         table.add_row(
             "rollout.engine (HF)",
             gib(memory.hf_engine_weights) + " + KV",
-            gib(capacity) if capacity else "-",
+            gib(gpu_capacity) if gpu_capacity else "-",
             f"weights {gib(memory.hf_engine_weights)} (the whole model on each engine GPU); KV cache not estimated",
         )
     return table

@@ -75,7 +75,6 @@ class Verdict:
             out.append(f"  log: {self.log}")
         return out
 
-
     def reward_note(self) -> str:
         """Why every reward is 0 when every rollout was cut by the smoke's short new-token budget: the random
         model's text cannot reach the answer format in that many tokens, so the rewards say nothing here."""
@@ -84,8 +83,10 @@ class Verdict:
         if not self.truncated or min(self.truncated) < 1.0:
             return ""
         budget = f"{self.max_new_tokens} new tokens" if self.max_new_tokens else "the smoke's new-token budget"
-        return (f"rewards 0 with every rollout truncated: {budget} (rollout.max_new_tokens) cannot reach the "
-                "answer format; a smoke checks the pipeline, not the rewards")
+        return (
+            f"rewards 0 with every rollout truncated: {budget} (rollout.max_new_tokens) cannot reach the "
+            "answer format; a smoke checks the pipeline, not the rewards"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- compile
@@ -165,8 +166,10 @@ def build_model(sp: SmokePlan) -> str:
 
 # ---------------------------------------------------------------------------------------------------- run
 PHASES = {1: "train step 1 and checkpoint", 2: "resume, step 2, eval"}
-PROGRESS = re.compile(r"^(step \d+/\d+ |eval at step \d+/\d+ |resumed from |checkpointed step |(sft )?\w+ at step \d+: |"
-                      r"run (failed|aborted)|sft failed)")
+PROGRESS = re.compile(
+    r"^(step \d+/\d+ |eval at step \d+/\d+ |resumed from |checkpointed step |(sft )?\w+ at step \d+: |"
+    r"run (failed|aborted)|sft failed)"
+)
 """The job's lines that a smoke run repeats on the terminal while it runs (its whole output goes to the log)."""
 HEARTBEAT_S = 30.0
 LINE_WIDTH = 120
@@ -181,7 +184,7 @@ def progress_line(line: str, prefix: str) -> str | None:
     room = LINE_WIDTH - len(prefix)
     if len(line) > room:
         head = (room - 5) // 2
-        line = f"{line[:head]} ... {line[len(line) - (room - 5 - head):]}"
+        line = f"{line[:head]} ... {line[len(line) - (room - 5 - head) :]}"
     return prefix + line
 
 

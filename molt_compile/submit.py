@@ -563,8 +563,10 @@ def start_local_cluster(
                     "(`uptime`) and submit again; a head that was not ready in time also waits longer with "
                     f"--set launch.slurm.ready_timeout_s=SECONDS. The head's logs: {cluster.temp_dir}",
                 ) from None
-            _say(f"the local Ray head did not start ({err.message}); retrying with fresh ports "
-                 f"(attempt {attempt + 1} of {attempts}) ...")
+            _say(
+                f"the local Ray head did not start ({err.message}); retrying with fresh ports "
+                f"(attempt {attempt + 1} of {attempts}) ..."
+            )
         except BaseException:
             cluster.stop(keep_logs=False, quiet=True)
             raise

@@ -416,8 +416,7 @@ def device_of(plan: Plan) -> str:
 def unimplemented(plan: Plan) -> list[Capability]:
     """The rows `plan` asks for that this build does not implement on the plan's device kind."""
     device = device_of(plan)
-    return [c for c in CAPABILITIES if c.kind == plan.kind and device not in c.devices | c.unverified
-            and c.asks(plan)]
+    return [c for c in CAPABILITIES if c.kind == plan.kind and device not in c.devices | c.unverified and c.asks(plan)]
 
 
 def unverified(plan: Plan) -> list[Capability]:

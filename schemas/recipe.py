@@ -112,8 +112,9 @@ key holding `=` or a space cannot be exported (it used to compile and then fail 
 
 def _no_nul(value: str) -> str:
     if "\0" in value:
-        raise ValueError("an environment variable cannot hold a NUL byte (\\0): the process that starts the job "
-                         "could not pass it on")
+        raise ValueError(
+            "an environment variable cannot hold a NUL byte (\\0): the process that starts the job could not pass it on"
+        )
     return value
 
 

@@ -185,13 +185,15 @@ def at_job_start(plan: Plan, count_other: CountOther | None = None) -> tuple[Pla
     if plan.kind == "rl" and plan.rl is not None and plan.rl.data.count_at_start is not None:
         rl = plan.rl
         d = rl.data
+        rl_inputs = d.count_at_start
+        assert rl_inputs is not None  # checked above
         count, why = count_rows(d.prompts, d.max_samples, d.probs, d.split, count_other=count_other)
         if count is None:
             raise DataNotCounted(f"data.prompts: the job cannot count its prompts at start: {why}")
-        values = rl_schedule(count, d.count_at_start)
+        values = rl_schedule(count, rl_inputs)
         v = {name: value for name, value, _, _ in values}
         if rl.trainer is not None and v["train.total_steps"] == 0:
-            raise DataNotCounted(_zero_steps("rollout.batch_size", d.count_at_start.rollout_batch_size, count))
+            raise DataNotCounted(_zero_steps("rollout.batch_size", rl_inputs.rollout_batch_size, count))
         update: dict[str, Any] = {
             "data": d.model_copy(update={"prompt_count": count}),
             "schedule": rl.schedule.model_copy(
@@ -208,19 +210,21 @@ def at_job_start(plan: Plan, count_other: CountOther | None = None) -> tuple[Pla
         return plan, _lines("data.prompt_count", count, why, values)
     if plan.kind == "sft" and plan.sft is not None and plan.sft.data.count_at_start is not None:
         sft = plan.sft
-        d = sft.data
-        count, why = count_rows(d.dataset, d.max_samples, d.probs, d.split, count_other=count_other)
+        sd = sft.data
+        sft_inputs = sd.count_at_start
+        assert sft_inputs is not None  # checked above
+        count, why = count_rows(sd.dataset, sd.max_samples, sd.probs, sd.split, count_other=count_other)
         if count is None:
             raise DataNotCounted(f"data.dataset: the job cannot count its rows at start: {why}")
-        values = sft_schedule(count, d.count_at_start)
+        values = sft_schedule(count, sft_inputs)
         v = {name: value for name, value, _, _ in values}
         if v["train.total_steps"] == 0:
-            raise DataNotCounted(_zero_steps("train.batch_size", d.count_at_start.batch_size, count))
+            raise DataNotCounted(_zero_steps("train.batch_size", sft_inputs.batch_size, count))
         schedule = {"steps_per_epoch": v["train.steps_per_epoch"], "total_steps": v["train.total_steps"]}
         if "eval.every" in v:
             schedule["eval_every"] = v["eval.every"]
         update = {
-            "data": d.model_copy(update={"sample_count": count}),
+            "data": sd.model_copy(update={"sample_count": count}),
             "schedule": sft.schedule.model_copy(update=schedule),
             "trainer": sft.trainer.model_copy(update={"optimizer": _optimizer(sft.trainer.optimizer, v, "actor")}),
         }

@@ -329,7 +329,7 @@ def slurm_output_dir_missing(recipe: RlRecipe | SftRecipe, derived: Derived, sou
         folder = os.path.dirname(value or "")
         if not folder or "%" in folder or "$" in folder or not (root or os.path.isabs(folder)):
             continue
-        where = folder if os.path.isabs(folder) else os.path.join(root, folder)
+        where = folder if os.path.isabs(folder) else os.path.join(root or "", folder)
         if not os.path.isdir(where):
             yield diag(
                 source,
