@@ -29,6 +29,6 @@ def test_an_extends_name_over_255_characters_is_a_diagnostic(tmp_path, monkeypat
 def test_a_nul_byte_in_an_env_value_stops_submit_at_compile(monkeypatch):
     monkeypatch.chdir(ROOT)
     result = run("recipes/demo_math.yaml", "--set", 'env.TOKEN="a\\0b"', "--submit")
-    assert result.exit_code == 2 and "env.TOKEN" in result.output and "NUL byte" in result.output
+    assert result.exit_code == 1 and "env.TOKEN" in result.output and "NUL byte" in result.output
     result = run("recipes/demo_math.yaml", "--set", 'agent.env.TOKEN="a\\0b"', "--submit")
-    assert result.exit_code == 2 and "agent.env.TOKEN" in result.output and "NUL byte" in result.output
+    assert result.exit_code == 1 and "agent.env.TOKEN" in result.output and "NUL byte" in result.output
