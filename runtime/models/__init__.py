@@ -49,13 +49,14 @@ class ModelBackend(Protocol):
 
     def build(self, model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
               freeze_router: bool = False, lora: LoraPlan | None = None,
-              freeze_visual_encoder: bool = False) -> torch.nn.Module:
-        """`path` as this backend builds it, sharded over `meshes` (frozen and in eval mode unless `trainable`)."""
+              freeze_visual_encoder: bool = False, offload: str = "none") -> torch.nn.Module:
+        """`path` as this backend builds it, sharded over `meshes` (frozen and in eval mode unless `trainable`;
+        `offload: full` keeps the shards on the host)."""
         ...
 
     def build_value_model(self, model_plan: ModelPlan, path: str, meshes: Meshes,
-                          device: torch.device) -> torch.nn.Module:
-        """The critic: `path`'s architecture with a scalar head, sharded like the policy."""
+                          device: torch.device, offload: str = "none") -> torch.nn.Module:
+        """The critic: `path`'s architecture with a scalar head, sharded and offloaded like the policy."""
         ...
 
     def hf_weights(self, model: torch.nn.Module) -> list[tuple[str, Any]]:

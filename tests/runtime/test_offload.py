@@ -96,9 +96,9 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         from runtime import fsdp, models
 
         s = plan.sft
-        backend = models.backend(s.model.backend)
+        backend = models.backend(s.model)
         torch.manual_seed(0)
-        sft.model = backend.build(s.model, s.model.path, backend.device_mesh("cpu", 2), sft.device,
+        sft.model = backend.build(s.model, s.model.path, backend.device_mesh("cpu", 2, s.trainer.mesh), sft.device,
                                   offload=s.trainer.offload)
         sft.optimizer, sft.scheduler = fsdp.build_optimizer(s.trainer.optimizer, sft.model, s.trainer.offload)
         results.setdefault(("sft", "start"), _full(sft.model))
