@@ -50,5 +50,8 @@ def test_recorded_tokens_are_the_engines(chat_run):
     """The trainer's logprobs of the recorded tokens match the engine's at the same weights: the chat path trained
     on exactly what was generated (a re-tokenized trace would show a large mismatch on the first step)."""
     _, steps = chat_run
-    assert steps[0]["train/logprob_diff_max"] < 1e-3, steps[0]["train/logprob_diff_max"]
+    # One optimizer step per batch: no old-logprob pass (B28), so the training forward's own mismatch is logged.
+    first = steps[0]
+    diff = first.get("train/logprob_diff_max", first.get("train/mismatch/abs_diff_mean"))
+    assert diff is not None and diff < 1e-3, first
     assert max(r["weight_sync/logprob_diff_max"] for r in steps) < 1e-4
