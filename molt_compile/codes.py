@@ -387,11 +387,11 @@ is allocated, at the line that asks.
 
 ## Example
 ```yaml
-actor: {packing: true}
+actor: {mesh: {cp: 2}}
 ```
 
 ## Use instead
-What the row's `instead` says, here `actor.packing: false` — or a build of the runtime that implements it.
+What the row's `instead` says, here `actor.mesh.cp: 1` — or a build of the runtime that implements it.
 
 ## References
 schemas/capabilities.py; DESIGN.md §6 (capability table)
