@@ -24,6 +24,10 @@ from typing import Any
 
 import click
 
+from molt_compile.cli_output import catalog_tables as _catalog_tables
+from molt_compile.cli_output import console as _console
+from molt_compile.cli_output import print_diagnostics as _print_diagnostics
+
 SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
 """A URN, not a URL: nothing is served; editors find the schema through the relative `$schema=` comment. The last
 part is the recipe format version (`version: 1`); `SCHEMA_IDS` names the per-kind schemas."""
@@ -46,36 +50,6 @@ _ROOTS = click.option(
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _console(stderr: bool = False, pipe_width: int = 140) -> Any:
-    """A rich console: colour only on a TTY; a fixed width when piped, so that output does not depend on $COLUMNS."""
-    from rich.console import Console
-
-    stream = sys.stderr if stderr else sys.stdout
-    tty = stream.isatty()
-    return Console(
-        file=stream,
-        highlight=False,
-        soft_wrap=False,
-        width=None if tty else pipe_width,
-        force_terminal=tty,
-        no_color=not tty,
-    )
-
-
-def _print_diagnostics(diags: list[Any], result: Any, fmt: str) -> None:
-    from molt_compile import render
-
-    lines = result.source.lines if result.source else {}
-    root = result.source.root_file if result.source else None
-    if fmt == "github":
-        sys.stdout.write(render.render_github(diags))
-    elif sys.stdout.isatty():
-        render.print_rich(_console(), diags, lines, root)
-    else:
-        text = render.render_text(diags, lines, root)
-        sys.stdout.write(text + ("\n" if text else ""))
-
-
 def _short_summary(result: Any) -> str:
     r = result.recipe
     parts = [f"recipe `{r.name}` ({r.kind}) is valid"]
@@ -540,42 +514,6 @@ def explain(
     sys.exit(result.exit_status)
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def _catalog_tables() -> list[Any]:
-    """The model and GPU catalogs (schemas/catalog.py) as rich tables: the keys `model.arch` and `cluster.gpu` take."""
-    from rich.table import Table
-
-    from schemas.catalog import GPUS, MODELS
-
-    models = Table(
-        title="model catalog: keys for model.arch (else <model.path>/config.json is read)", title_justify="left"
-    )
-    for column in ("model.arch", "checkpoint", "params (active)", "heads / kv", "experts", "notes"):
-        models.add_column(column, overflow="fold")
-    for m in MODELS.values():
-        params = _count(m.params_total) + (f" ({_count(m.params_active)})" if m.is_moe else "")
-        notes = ", ".join(
-            n for n, on in (("VLM", m.is_vlm), ("MTP", m.has_mtp_head), ("AutoModel", m.native_automodel)) if on
-        )
-        models.add_row(
-            m.key,
-            m.hf_name,
-            params,
-            f"{m.heads} / {m.kv_heads}",
-            f"{m.experts} top-{m.experts_per_token}" if m.is_moe else "-",
-            notes,
-        )
-    gpus = Table(title="GPU catalog: keys for cluster.gpu", title_justify="left")
-    for column in ("cluster.gpu", "memory GiB", "GPUs per node", "CPUs per node"):
-        gpus.add_column(column)
-    for g in GPUS.values():
-        gpus.add_row(g.key, f"{g.memory_gib:g}", str(g.gpus_per_node), str(g.cpus_per_node or "-"))
-    return [models, gpus]
-
-
 def _explain_smoke(result: Any) -> int:
     from rich.markup import escape
     from rich.table import Table
@@ -647,7 +585,7 @@ def rules(code: str | None, fmt: str = "text") -> None:
         from molt_compile.cli_more import rules_json
 
         sys.exit(rules_json(code))
-    from molt_compile.codes import catalog
+    from molt_compile.rules import catalog
 
     codes = catalog()
     if code:
@@ -743,7 +681,10 @@ def run() -> None:
     os._exit(code or 0)
 
 
-from molt_compile import cli_more  # noqa: E402,F401  (registers `catalog` and `init` on the group)
+from molt_compile.cli_more import catalog, init  # noqa: E402  (commands kept apart from the compile plumbing)
+
+cli.add_command(catalog)
+cli.add_command(init)
 
 if __name__ == "__main__":
     run()

@@ -1,6 +1,6 @@
 """`molt-compile catalog` and `molt-compile init`, and the `--format json` views of `explain`, `diff` and `rules`.
 
-Registered on the group at the end of `molt_compile.cli` (kept apart from the compile plumbing there). Nothing here
+Added to the group at the end of `molt_compile.cli` (kept apart from the compile plumbing there). Nothing here
 imports torch, ray, vllm or transformers.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from molt_compile.cli import _console, cli
+from molt_compile.cli_output import catalog_tables, console, print_diagnostics
 
 _JSON_TEXT = click.Choice(["text", "json"])
 
@@ -24,12 +24,11 @@ def _dump(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ catalog
-@cli.command()
+@click.command()
 @click.argument("which", type=click.Choice(["models", "gpus"]), required=False)
 @click.option("--format", "fmt", type=_JSON_TEXT, default="text", show_default=True, help="Output format.")
 def catalog(which: str | None, fmt: str) -> None:
     """The model and GPU catalogs: the keys `model.arch` and `cluster.gpu` take (both when WHICH is omitted)."""
-    from molt_compile.cli import _catalog_tables
     from schemas.catalog import GPUS, MODELS
 
     wanted = ("models", "gpus") if which is None else (which,)
@@ -37,11 +36,11 @@ def catalog(which: str | None, fmt: str) -> None:
         rows: dict[str, dict[str, Any]] = {"models": MODELS, "gpus": GPUS}
         _dump({w: [dataclasses.asdict(v) for v in rows[w].values()] for w in wanted})
         return
-    models, gpus = _catalog_tables()
-    console = _console(pipe_width=100)
+    models, gpus = catalog_tables()
+    out = console(pipe_width=100)
     for name, table in (("models", models), ("gpus", gpus)):
         if name in wanted:
-            console.print(table)
+            out.print(table)
 
 
 # ------------------------------------------------------------------------------------------------ init
@@ -144,7 +143,7 @@ def starter_recipe(
     )
 
 
-@cli.command()
+@click.command()
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--name", help="Job name, [a-z0-9][a-z0-9-]* (default: the file's stem).")
 @click.option("--kind", type=click.Choice(["rl", "sft"]), default="rl", show_default=True)
@@ -228,11 +227,10 @@ def init(
         data_file.write_text(_sample_rows(kind))
         click.echo(f"sample data (replace it) written to {data_file}")
     result = compile_recipe(output)
-    from molt_compile.cli import _print_diagnostics
 
     shown = [d for d in result.diagnostics if d.severity != "info"]
     if shown:
-        _print_diagnostics(shown, result, "text")
+        print_diagnostics(shown, result, "text")
     errors = sum(d.severity == "error" for d in result.diagnostics)
     click.echo(f"{output}: {errors} errors; next: edit model.path and data, then `molt-compile {output} --smoke`")
     sys.exit(1 if errors else 0)
@@ -314,7 +312,7 @@ def diff_json(a: Any, b: Any) -> bool:
 def rules_json(code: str | None) -> int:
     """`rules --format json`: {"codes": [{code, name, severity, kind, doc}, ...]} (one entry with CODE); exit 2 when
     CODE is unknown."""
-    from molt_compile.codes import catalog
+    from molt_compile.rules import catalog
 
     rows = [
         {"code": c.code, "name": c.name, "severity": c.severity, "kind": c.area, "doc": c.doc}

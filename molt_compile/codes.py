@@ -2,7 +2,8 @@
 
 Every code the compiler emits has one row, written once: the loader's and the schema validator's (below), the
 rule catalog's (`molt_compile/rules/__init__.py`, `ALL_RULES`), the lowering's placement codes (PLACE1xx, below) and
-the capability pass's (CAP001, below). `catalog()` is all of them, sorted by code; `molt-compile rules` walks it.
+the capability pass's (CAP001, below). `molt_compile.rules.catalog()` is all of them, sorted by code (beside the rule
+table, which imports this module for `Code`); `molt-compile rules` walks it.
 Codes are never reused.
 
     YAML...    the file could not be read as plain YAML data              (blockers: exit status 2)
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from molt_compile.diagnostics import Diagnostic, Related, Severity
@@ -432,12 +432,3 @@ schemas/capabilities.py; DESIGN.md §6 (capability table)
 
 BUILTIN: dict[str, Code] = {c.code: c for c in (*LOADER_CODES, *PLACE_CODES, CAPABILITY, CAPABILITY_UNVERIFIED)}
 """The codes of every pass but the rules, by code (importable without the rule catalog)."""
-
-
-@cache
-def catalog() -> dict[str, Code]:
-    """Every code, sorted: the builtin ones and the rule catalog."""
-    from molt_compile.rules import ALL_RULES  # the rules import this module for `Code`
-
-    rows: list[Code] = [*BUILTIN.values(), *ALL_RULES]
-    return {c.code: c for c in sorted(rows, key=lambda c: c.code)}

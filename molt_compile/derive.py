@@ -95,11 +95,12 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from molt_compile.model_facts import hf_fallback, model_facts
+from molt_compile.paths import resolve_sources
 from schemas.catalog import GPUS
 from schemas.plan import RlCountInputs, SftCountInputs
 from schemas.schedule import count_rows, rl_schedule, sft_schedule
@@ -203,8 +204,6 @@ def derive(recipe: Any, source: Any = None) -> Derived:
 
 
 def _backend(b: _Builder, r: Any, source: Any) -> None:
-    from molt_compile.rules._base import hf_fallback, model_facts
-
     facts = model_facts(r, source)
     if r.model.backend == "hf":
         b.add("model.backend", "hf", "model.backend: hf", ("model.backend",))
@@ -217,56 +216,6 @@ def _backend(b: _Builder, r: Any, source: Any) -> None:
         )
     else:
         b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
-
-
-def resolve_path(value: str, key: str, source: Any = None) -> str:
-    """A path from the recipe as the plan writes it: relative to the job root (the recipe's project root, where the
-    job runs: `SourceMap.job_root`) when inside it, else absolute. The same from any working directory.
-
-    A value written in a file is relative to that file (a base in `recipes/base/` resolves against itself); a
-    value from `--set` or a schema default is relative to the job root (the recipe's directory when the recipe is
-    in no project). Absolute paths stay absolute. Without a source map (unit tests of bare recipes) the working
-    directory stands in for the job root. Never touches the file system.
-    """
-    if os.path.isabs(value):
-        return os.path.normpath(value)
-    if source is None:
-        return plan_path(os.path.join(os.getcwd(), value), os.getcwd())
-    pos = source.pos(key)
-    root = source.job_root
-    if pos.layer == "file" and pos.file:
-        base = os.path.dirname(os.path.abspath(pos.file))
-    else:
-        base = root or os.path.dirname(os.path.abspath(source.root_file or "."))
-    return plan_path(os.path.join(base, value), root)
-
-
-def plan_path(absolute: str, root: str | None) -> str:
-    """An absolute path as the plan writes it: relative to `root` when inside it (posix), else absolute."""
-    absolute = os.path.normpath(absolute)
-    if root:
-        rel = os.path.relpath(absolute, root)
-        if rel != ".." and not rel.startswith(".." + os.sep):
-            return rel.replace(os.sep, "/")
-    return absolute
-
-
-def local_path(plan_value: str, source: Any = None) -> str:
-    """Where the compiler finds a plan path on this machine (to count rows, or to tell a local checkpoint from a
-    hub name): joined to the job root, which need not be the working directory."""
-    root = source.job_root if source is not None else None
-    return os.path.join(root, plan_value) if root and not os.path.isabs(plan_value) else plan_value
-
-
-def resolve_sources(spec: str, key: str, source: Any = None) -> list[str]:
-    """A comma-separated dataset spec as a list of project-root-relative sources (`path@data_dir` kept)."""
-    out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        path, at, rest = item.partition("@")
-        out.append(resolve_path(path, key, source) + (at + rest if at else ""))
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- cluster

@@ -170,7 +170,7 @@ def gib(n: float) -> str:
 def memory_report(recipe: Any, derived: Any, source: Any) -> MemoryReport | None:
     """The estimate for a compiled recipe, as the MEM rules and the compile summary show it (None: the GPU has no
     catalog memory or the model's facts cannot be read)."""
-    from molt_compile.rules._base import model_facts, role_facts
+    from molt_compile.model_facts import model_facts, role_facts
     from schemas.catalog import GPUS
 
     gpu = GPUS.get(recipe.cluster.gpu)

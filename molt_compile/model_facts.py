@@ -12,9 +12,13 @@ import json
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from molt_compile.paths import path_base
 from schemas.catalog import MODELS, ModelSpec, gqa_kv_bytes, model_for_hub_id
+
+if TYPE_CHECKING:
+    from molt_compile.source import SourceMap
 
 ModelFacts = ModelSpec
 """Facts about one model: a catalog row, or a row built from a config.json (its `source` says which)."""
@@ -173,3 +177,40 @@ def _estimate_params(
     mlp = 3 * hidden * inter * max(1, mlp_copies)
     embed = vocab * hidden * (1 if tie else 2)
     return layers * (attn + mlp + 2 * hidden) + embed + hidden
+
+
+# ------------------------------------------------------------------ the recipe's models
+def _facts(path: str | None, arch: str | None, base: str | None):
+    return resolve_model({"path": path, "arch": arch}, base)
+
+
+def model_facts(recipe: Any, source: SourceMap | None):
+    """Facts of the trained model (`model.arch`, else `model.path/config.json`), or None."""
+    base = path_base(source, "model.path")
+    return _facts(recipe.model.path, recipe.model.arch, str(base) if base else None)
+
+
+def role_facts(recipe: Any, source: SourceMap | None, role: str):
+    """Facts of a role's checkpoint: ref/critic `path` when set and readable, else the policy's (B9)."""
+    section = getattr(recipe, role, None) if role != "actor" else None
+    own_path = getattr(section, "path", None) if section is not None else None
+    if own_path and own_path != recipe.model.path:
+        base = path_base(source, f"{role}.path")
+        found = _facts(own_path, None, str(base) if base else None)
+        if found is not None:
+            return found
+        if role == "ref":
+            return None  # a teacher of unknown architecture: nothing to check
+    return model_facts(recipe, source)
+
+
+def hf_fallback(recipe: Any, facts: Any) -> bool:
+    """True when the trained models run on HF transformers: `model.backend: hf`, or no AutoModel custom class (H9)."""
+    if recipe.model.backend == "hf":
+        return True
+    return facts is not None and not facts.native_automodel
+
+
+def moe_dispatcher(recipe: Any) -> str:
+    """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
+    return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from molt_compile.rules._base import model_facts, path_base
+from molt_compile.model_facts import model_facts
+from molt_compile.paths import path_base
 
 SMOKE_STEPS = 2
 PROMPTS_PER_STEP = 2

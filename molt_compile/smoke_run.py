@@ -132,7 +132,7 @@ def prepare(
 
 
 def _unreadable_data(real: CompileResult) -> tuple[str, str] | None:
-    from molt_compile.derive import resolve_sources
+    from molt_compile.paths import resolve_sources
 
     r = real.recipe
     keys = [("data.prompts", r.data.prompts)] if r.kind == "rl" else [("data.dataset", r.data.dataset)]

@@ -490,7 +490,7 @@ def test_wandb_has_an_offline_mode_and_a_misplaced_key_names_its_section(in_root
 def test_rules_and_explain_print_brackets_and_whole_sentences(in_root):
     """Issue 30.8: rich markup ate `[low, high]` in `explain` and `rules`, and the `rules` table cut sentences
     where the docstring wrapped."""
-    from molt_compile.codes import catalog
+    from molt_compile.rules import catalog
 
     assert "[low, high]" in run("rules").output
     assert "[low, high]" in run("explain", "recipes/demo_math.yaml", "algo.is_correction").output

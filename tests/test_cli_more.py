@@ -135,7 +135,7 @@ def test_init_of_every_catalog_arch_and_gpu_compiles_clean(tmp_path):
 def test_qwen3_4b_math_comment_matches_its_gpu_map(in_root):
     """Issue 30.8: the recipe's comment put the actor on node 0 and the engines on node 1; the plan does the
     opposite (engines are placed first)."""
-    from molt_compile.cli import _console
+    from molt_compile.cli_output import console as _console
     from molt_compile.compile import compile_recipe
     from molt_compile.render_plan import render_summary
 

@@ -7,9 +7,10 @@ import os
 from typing import Any, Literal
 
 from molt_compile.codes import BUILTIN
-from molt_compile.derive import Derived, local_path, plan_path, resolve_path
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import model_facts, moe_dispatcher
+from molt_compile.model_facts import model_facts, moe_dispatcher
+from molt_compile.paths import local_path, plan_path, resolve_path
 from molt_compile.source import SourceMap
 from schemas.plan import (
     DEVICE_SLOT_RESOURCE,

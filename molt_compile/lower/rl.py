@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from molt_compile.agent_check import inspect_agent
-from molt_compile.derive import DISTILL_AGENT_PATH, Derived, resolve_path, resolve_sources
+from molt_compile.derive import DISTILL_AGENT_PATH, Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError
 from molt_compile.lower.common import (
@@ -28,6 +28,7 @@ from molt_compile.lower.common import (
     source_path,
 )
 from molt_compile.lower.placement import place_rl
+from molt_compile.paths import resolve_path, resolve_sources
 from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from molt_compile.derive import Derived, resolve_path, resolve_sources
+from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.common import (
     batching_fields,
@@ -22,6 +22,7 @@ from molt_compile.lower.common import (
     runtime_env,
     source_path,
 )
+from molt_compile.paths import resolve_path, resolve_sources
 from molt_compile.source import SourceMap
 from schemas.plan import (
     PLAN_FILE_PLACEHOLDER,

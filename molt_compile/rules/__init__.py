@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
+from functools import cache
 
-from molt_compile.codes import Code
+from molt_compile.codes import BUILTIN, Code
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules import (
@@ -281,7 +282,18 @@ ALL_RULES: tuple[Code, ...] = (
 """Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 
 RULES_BY_CODE: dict[str, Code] = {r.code: r for r in ALL_RULES}
-UNUSED_IGNORE = "IGNORE002"
+
+
+@cache
+def catalog() -> dict[str, Code]:
+    """Every code, sorted: the builtin ones (`codes.BUILTIN`) and the rule table above."""
+    rows: list[Code] = [*BUILTIN.values(), *ALL_RULES]
+    return {c.code: c for c in sorted(rows, key=lambda c: c.code)}
+
+
+UNKNOWN_IGNORE, UNUSED_IGNORE = "IGNORE001", "IGNORE002"
+KNOWN_CODES = frozenset(RULES_BY_CODE)
+"""The rule codes an `ignore:` may name (the ignore checks take them from here: they cannot import this table)."""
 
 
 def run_rules(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap | None) -> list[Diagnostic]:
@@ -290,7 +302,8 @@ def run_rules(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap 
     found: list[Diagnostic] = []
     for rule in ALL_RULES:
         if recipe.kind in rule.kinds and rule.code != UNUSED_IGNORE:
-            found.extend(_run(rule, rule.findings(recipe, derived, source)))
+            codes = {"known": KNOWN_CODES} if rule.code == UNKNOWN_IGNORE else {}
+            found.extend(_run(rule, rule.findings(recipe, derived, source, **codes)))
     ignored = getattr(recipe, "ignore", {}) or {}
     kept, fired = [], set()
     for d in found:
@@ -299,7 +312,7 @@ def run_rules(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap 
         else:
             kept.append(d)
     unused = RULES_BY_CODE[UNUSED_IGNORE]
-    kept.extend(_run(unused, unused.findings(recipe, derived, source, fired=frozenset(fired))))
+    kept.extend(_run(unused, unused.findings(recipe, derived, source, known=KNOWN_CODES, fired=frozenset(fired))))
     return kept
 
 

@@ -8,9 +8,7 @@ code has one severity.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from molt_compile.codes import Code
@@ -43,58 +41,6 @@ def dv(derived: Any, name: str, default: Any = None) -> Any:
         return default
 
 
-def _resolved_parent(file: str) -> Path:
-    # abspath as derive.resolve_path does (no cache: a display path is relative to the working directory of the
-    # moment, and tests change it)
-    return Path(os.path.abspath(file)).parent
-
-
-def path_base(source: SourceMap | None, key: str) -> Path | None:
-    """Directory a relative path at `key` is resolved against, exactly as lowering does (`derive.resolve_path`): the
-    file that set it (a base resolves against itself), or the job root (the recipe's project root; its directory
-    outside a project) for `--set` and defaults. None without a source map (a bare recipe in tests): path checks
-    are skipped."""
-    if source is None or not source.root_file:
-        return None
-    pos = source.pos(key)
-    if pos.layer == "file" and pos.file:
-        return _resolved_parent(pos.file)
-    return Path(source.job_root) if source.job_root else _resolved_parent(source.root_file)
-
-
-def _facts(path: str | None, arch: str | None, base: str | None):
-    from molt_compile.model_facts import resolve_model
-
-    return resolve_model({"path": path, "arch": arch}, base)
-
-
-def model_facts(recipe: Any, source: SourceMap | None):
-    """Facts of the trained model (`model.arch`, else `model.path/config.json`), or None."""
-    base = path_base(source, "model.path")
-    return _facts(recipe.model.path, recipe.model.arch, str(base) if base else None)
-
-
-def role_facts(recipe: Any, source: SourceMap | None, role: str):
-    """Facts of a role's checkpoint: ref/critic `path` when set and readable, else the policy's (B9)."""
-    section = getattr(recipe, role, None) if role != "actor" else None
-    own_path = getattr(section, "path", None) if section is not None else None
-    if own_path and own_path != recipe.model.path:
-        base = path_base(source, f"{role}.path")
-        found = _facts(own_path, None, str(base) if base else None)
-        if found is not None:
-            return found
-        if role == "ref":
-            return None  # a teacher of unknown architecture: nothing to check
-    return model_facts(recipe, source)
-
-
-def hf_fallback(recipe: Any, facts: Any) -> bool:
-    """True when the trained models run on HF transformers: `model.backend: hf`, or no AutoModel custom class (H9)."""
-    if recipe.model.backend == "hf":
-        return True
-    return facts is not None and not facts.native_automodel
-
-
 def fsdp_roles(recipe: Any, derived: Any) -> list[str]:
     """FSDP roles that are built: actor, plus ref and critic when they exist (none under eval.only)."""
     if recipe.kind == "sft":
@@ -115,8 +61,3 @@ def role_size_keys(role: str) -> tuple[str, str]:
 
 def is_set(source: SourceMap | None, path: str) -> bool:
     return bool(source is not None and source.is_set(path))
-
-
-def moe_dispatcher(recipe: Any) -> str:
-    """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
-    return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")

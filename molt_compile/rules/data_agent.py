@@ -14,7 +14,9 @@ from pathlib import Path
 from molt_compile.agent_check import inspect_agent
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, model_facts, path_base
+from molt_compile.model_facts import model_facts
+from molt_compile.paths import path_base
+from molt_compile.rules._base import diag
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftData, SftRecipe
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, dv, path_base
+from molt_compile.paths import path_base
+from molt_compile.rules._base import diag, dv
 from molt_compile.source import SourceMap
 from schemas.datafiles import SCAN_BYTES, scan_json_rows, source_facts
 from schemas.recipe import RlRecipe, SftData, SftRecipe

@@ -12,7 +12,7 @@ from schemas.recipe import RlRecipe, SftRecipe
 
 
 def unknown_code_in_ignore(
-    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, known: frozenset[str] = frozenset()
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, known: frozenset[str]
 ) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` is a rule code of the catalog (`molt-compile rules` lists them).
@@ -33,10 +33,6 @@ def unknown_code_in_ignore(
     ## References
     DESIGN.md §3 (`ignore:`)
     """
-    if not known:
-        from molt_compile.rules import ALL_RULES  # the catalog imports this module
-
-        known = frozenset(r.code for r in ALL_RULES)
     for code in recipe.ignore:
         if code not in known:
             import difflib  # a did-you-mean only: not imported by every compile
@@ -80,7 +76,12 @@ def ignore_without_reason(recipe: RlRecipe | SftRecipe, derived: Derived, source
 
 
 def unused_ignore(
-    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap, *, fired: frozenset[str] = frozenset()
+    recipe: RlRecipe | SftRecipe,
+    derived: Derived,
+    source: SourceMap,
+    *,
+    known: frozenset[str],
+    fired: frozenset[str] = frozenset(),
 ) -> Iterator[Diagnostic]:
     """## What it checks
     Every code under `ignore:` suppressed at least one diagnostic of this recipe. `run_rules` calls this check last,
@@ -103,9 +104,6 @@ def unused_ignore(
     ## References
     DESIGN.md §3
     """
-    from molt_compile.rules import ALL_RULES
-
-    known = {r.code for r in ALL_RULES}
     for code in recipe.ignore:
         if code in known and code not in fired:
             yield diag(

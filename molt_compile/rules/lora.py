@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, model_facts
+from molt_compile.model_facts import model_facts
+from molt_compile.rules._base import diag
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
 

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from molt_compile import memory
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, dv, model_facts
+from molt_compile.model_facts import model_facts
+from molt_compile.rules._base import diag, dv
 from molt_compile.source import SourceMap
 from schemas.catalog import GPUS
 from schemas.recipe import RlRecipe, SftRecipe

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.rules._base import diag, dv, fsdp_roles, hf_fallback, model_facts, role_size_keys
+from molt_compile.model_facts import hf_fallback, model_facts
+from molt_compile.rules._base import diag, dv, fsdp_roles, role_size_keys
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
 
