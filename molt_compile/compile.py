@@ -2,7 +2,7 @@
 
     load      (load.py)      YAML -> plain data + SourceMap; `extends` and `--set` resolved with provenance
     validate  (validate.py)  pydantic Recipe v1; schema errors become positioned diagnostics, their keys dropped
-    derive    (derive.py)    every derived number with its inputs and a one-line reason
+    derive    (derive/)      every derived number with its inputs and a one-line reason
     rules     (rules/)       the catalog: every illegal combination, as diagnostics
     lower     (lower/)       the Plan: placement groups, actors, GPU map, fingerprint
     capability (capability.py) the plan against what this runtime implements on its device (CAP001)

@@ -1,7 +1,7 @@
 """The values that follow from a dataset's row count, derived by one function at compile time or at the job's start.
 
 The step count of a run and the length of its LR schedule come from the number of training rows (Molt B11, B10,
-M6). When the compiler can count them (a local file, `schemas/datafiles.py` reads its header), `molt_compile/derive.py`
+M6). When the compiler can count them (a local file, `schemas/datafiles.py` reads its header), `molt_compile/derive/`
 calls `rl_schedule` / `sft_schedule` and the plan carries the values. When it cannot (a path that exists only on the
 cluster, a hub dataset), the recipe compiles with DATA010, the values are None and the plan's data section carries
 `count_at_start` (the inputs): the job counts the rows at its start with `count_rows` and `at_job_start` fills in the

@@ -62,7 +62,7 @@ def test_gpu_rows():
 
 
 def test_derive_reads_cpus_per_node_from_the_gpu_catalog():
-    from molt_compile.derive import _gpu_catalog_cpus
+    from molt_compile.derive.cluster import gpu_catalog_cpus as _gpu_catalog_cpus
 
     assert _gpu_catalog_cpus("h100-80gb") == 224
     assert _gpu_catalog_cpus("cpu") is None

@@ -1,0 +1,83 @@
+"""Cluster section: device kind, GPU totals, CPUs per node, and the training backend that runs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from molt_compile.derive.values import Builder
+from molt_compile.model_facts import hf_fallback, model_facts
+from schemas.catalog import GPUS
+
+if TYPE_CHECKING:
+    from molt_compile.source import SourceMap
+    from schemas.recipe import RlRecipe, SftRecipe
+
+
+def derive_backend(b: Builder, r: RlRecipe | SftRecipe, source: SourceMap | None) -> None:
+    facts = model_facts(r, source)
+    if r.model.backend == "hf":
+        b.add("model.backend", "hf", "model.backend: hf", ("model.backend",))
+    elif hf_fallback(r, facts):
+        b.add(
+            "model.backend",
+            "hf",
+            f"{facts.key} has no AutoModel custom implementation: HF transformers (H9)",
+            ("model.backend", "model.arch", "model.path"),
+        )
+    else:
+        b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
+
+
+def derive_cluster(b: Builder, r: RlRecipe | SftRecipe) -> None:
+    c = r.cluster
+    on_cpu = c.gpu == "cpu"
+    b.add(
+        "cluster.device",
+        "cpu" if on_cpu else "cuda",
+        "cluster.gpu is cpu: every role runs on CPU device slots" if on_cpu else f"cluster.gpu is {c.gpu}",
+        ("cluster.gpu",),
+    )
+    b.add(
+        "cluster.device_resource",
+        "device_slot" if on_cpu else "GPU",
+        "CPU cluster: a device is the custom Ray resource device_slot" if on_cpu else "roles request Ray GPUs",
+        ("cluster.gpu",),
+    )
+    b.add(
+        "cluster.total_gpus",
+        c.nodes * c.gpus_per_node,
+        f"nodes {c.nodes} × gpus_per_node {c.gpus_per_node}",
+        ("cluster.nodes", "cluster.gpus_per_node"),
+    )
+    _cpus_per_node(b, c)
+    offload = r.actor.offload
+    if on_cpu:
+        b.add("dist.backend", "gloo", "CPU cluster: torch.distributed over gloo", ("cluster.gpu",))
+    elif offload == "full":
+        b.add(
+            "dist.backend", "cuda:nccl,cpu:gloo", "actor.offload full keeps parameters on CPU (B26)", ("actor.offload",)
+        )
+    else:
+        b.add("dist.backend", "nccl", "GPU cluster without full offload (B26)", ("cluster.gpu", "actor.offload"))
+
+
+def _cpus_per_node(b: Builder, c: Any) -> None:
+    if c.cpus_per_node is not None:
+        b.add("cluster.cpus_per_node", c.cpus_per_node, "set in the recipe", ("cluster.cpus_per_node",))
+        return
+    profile = gpu_catalog_cpus(c.gpu)
+    if profile is not None:
+        b.add("cluster.cpus_per_node", profile, f"node profile of GPU {c.gpu} in the GPU catalog", ("cluster.gpu",))
+    else:
+        b.add(
+            "cluster.cpus_per_node",
+            None,
+            "not set and not in the GPU catalog: sized from the plan's needs",
+            ("cluster.cpus_per_node", "cluster.gpu"),
+        )
+
+
+def gpu_catalog_cpus(gpu: str) -> int | None:
+    """CPUs per node from the GPU catalog's node profile, when the catalog has one."""
+    entry = GPUS.get(gpu)
+    return entry.cpus_per_node if entry is not None else None
