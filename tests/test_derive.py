@@ -219,9 +219,22 @@ def test_logprobs_follow_is_correction() -> None:
     assert off.value("rollout.logprobs_mode") == "raw_logprobs" and off.value("rollout.logprobs") is False
 
 
-def test_vlm_forces_packing_off() -> None:
-    d = derive(rl(actor={"packing": True}, data={"max_images_per_prompt": 1}))
-    assert d.value("actor.packing") is False and d["actor.packing"].forced is True
+def test_vlm_packing_is_one_truth_the_rule() -> None:
+    """Issue 31: derive no longer unpacks a VLM run behind the rule's back; the recipe is DATA002's error."""
+    from molt_compile.rules import run_rules
+
+    recipe = rl(actor={"packing": True}, data={"max_images_per_prompt": 1})
+    d = derive(recipe)
+    assert d.value("actor.packing") is True and d["actor.packing"].forced is False
+    assert "DATA002" in {x.code for x in run_rules(recipe, d, None) if x.severity == "error"}
+
+
+def test_lowering_reads_row_multiple_and_value_clip_from_derive() -> None:
+    """Issue 31: the lcm of the FSDP worlds and the critic's value clip are derived values with reasons."""
+    d = derive(rl(actor={"nodes": 1, "gpus_per_node": 4}, ref={"path": "/t", "nodes": 1, "gpus_per_node": 6},
+                  algo={"estimator": "gae"}))
+    assert d.value("fsdp.row_multiple") == 12 and "actor 4, ref 6, critic 4" in d["fsdp.row_multiple"].reason
+    assert d.value("critic.value_clip") == 0.2 and "default" in d["critic.value_clip"].reason
 
 
 # ------------------------------------------------------------------------------ KL (B2)

@@ -24,7 +24,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
 | `actor.dp` * | world / (tp × cp), None when not integral | G2, G3 |
 | `actor.grad_accum` * | batch / (micro × dp); 1 under dynamic batching; None when not integral | G4, B25 |
-| `actor.packing` * | effective packing (RL VLM forces it off) | B5 |
+| `actor.packing` * | actor.packing as written (packing on a VLM run is DATA002, never rewritten) | B5 |
 | `actor.num_gpus` | GPU fraction each policy worker requests: 0.2 when colocated, else 1 | B33 |
 | `actor.temperature` | logits temperature of actor/ref/critic = rollout.temperature | B17 |
 | `actor.shuffle_microbatches` | microbatch shuffling (only tp×cp ≤ 1 and no dynamic batching) | G11 |
@@ -40,9 +40,11 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `critic.exists` | a value model is built (estimator gae) | B8 |
 | `critic.path`, `critic.colocated`, `critic.world`, `critic.model_parallel`, `critic.dp`, `critic.grad_accum`, `critic.num_gpus` | as above (only when critic exists); world = actor's | J3 |
 | `critic.max_epochs` | critic.max_epochs or train.max_epochs | B9 |
+| `critic.value_clip` | critic.value_clip, the schema's default without a `critic:` section | |
 | `critic.freeze_moe_router` | critic.freeze_moe_router or actor.freeze.moe_router | B9 |
 | `critic.scheduler_steps`, `critic.warmup_steps` | critic LR schedule | B10 |
 | `fsdp.colocate` | any FSDP role is colocated with the actor (one shared PACK group) | B8 |
+| `fsdp.row_multiple` | lcm of the built FSDP worlds: every group of a step gets equal rows per rank | |
 | `fsdp.total_gpus` | GPUs of the FSDP groups (0 when eval.only) | §3.2, J4 |
 | `rollout.executor` | vLLM executor: set, or uni / mp / ray derived | B15 |
 | `rollout.gpus_per_engine` | tp × pp × dp | §3.2 |

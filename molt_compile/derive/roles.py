@@ -3,14 +3,15 @@ the actor's extras (packing, temperature, dynamic batching, shuffling, LoRA)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from molt_compile.derive.values import Builder
 
 if TYPE_CHECKING:
     from molt_compile.source import SourceMap
-    from schemas.recipe import FsdpMesh, RlRecipe
+    from schemas.recipe import Critic, FsdpMesh, RlRecipe
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -162,6 +163,12 @@ def derive_rl_roles(b: Builder, r: RlRecipe, source: SourceMap | None = None) ->
             ("critic.max_epochs", "train.max_epochs"),
         )
         b.add(
+            "critic.value_clip",
+            critic.value_clip,
+            "critic.value_clip" if r.critic is not None else "no `critic:` section: the schema's default",
+            ("critic.value_clip",),
+        )
+        b.add(
             "critic.freeze_moe_router",
             critic.freeze_moe_router or a.freeze.moe_router,
             "critic.freeze_moe_router or actor.freeze.moe_router (B9)",
@@ -197,9 +204,11 @@ def derive_rl_roles(b: Builder, r: RlRecipe, source: SourceMap | None = None) ->
                 (f"{role}.colocated",),
             )
     _fsdp_total(b, r, ref_col, critic_col)
+    _row_multiple(b)
 
 
-def default_critic() -> Any:
+def default_critic() -> Critic:
+    """The critic section a gae recipe without `critic:` gets (its schema defaults; lowering reads the optimizer)."""
     from schemas.recipe import Critic  # only for gae recipes without a critic section
 
     return Critic()
@@ -227,19 +236,23 @@ def _fsdp_total(b: Builder, r: RlRecipe, ref_col: bool, critic_col: bool) -> Non
     )
 
 
+def _row_multiple(b: Builder) -> None:
+    worlds = {"actor": b.v("actor.world")}
+    worlds |= {role: b.v(f"{role}.world") for role in ("ref", "critic") if b.v(f"{role}.exists")}
+    b.add(
+        "fsdp.row_multiple",
+        math.lcm(*worlds.values()),
+        "lcm of the FSDP worlds ("
+        + ", ".join(f"{role} {world}" for role, world in worlds.items())
+        + "): every group of a step gets equal rows per rank",
+        tuple(f"{role}.world" for role in worlds),
+    )
+
+
 def derive_actor_extras(b: Builder, r: RlRecipe) -> None:
     a, t = r.actor, r.train
-    vlm = r.data.max_images_per_prompt > 0
-    if vlm and a.packing:
-        b.add(
-            "actor.packing",
-            False,
-            "VLM run (data.max_images_per_prompt > 0): RL never packs images (B5)",
-            ("actor.packing", "data.max_images_per_prompt"),
-            forced=True,
-        )
-    else:
-        b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
+    # as written: a VLM run with packing is an error (DATA002), not silently unpacked as Molt's RL CLI does
+    b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
     b.add(
         "actor.temperature",
         r.rollout.temperature,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
 from molt_compile.agent_check import inspect_agent
 from molt_compile.derive import DISTILL_AGENT_PATH, Derived
+from molt_compile.derive.roles import default_critic
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.lower.binpack import PlaceError
 from molt_compile.lower.common import (
@@ -368,16 +368,9 @@ def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
         routing_replay=t.routing_replay,
         full_determinism=t.full_determinism,
         seed=t.seed,
-        row_multiple=_row_multiple(d),
+        row_multiple=d.value("fsdp.row_multiple"),
         lora=lora_plan(a.lora),
     )
-
-
-def _row_multiple(d: Derived) -> int:
-    """Every FSDP group of the step gets equal rows per rank: the policy's, a separate reference's, the critic's."""
-    worlds = [d.value("actor.world")]
-    worlds += [d.value(f"{role}.world") for role in ("ref", "critic") if d.value(f"{role}.exists")]
-    return math.lcm(*worlds)
 
 
 def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:
@@ -392,24 +385,18 @@ def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:
 
 def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
     cr = r.critic
-    optimizer = cr.optimizer if cr is not None else _default_critic_optimizer()
+    optimizer = (cr if cr is not None else default_critic()).optimizer
     return CriticPlan.model_construct(
         path=model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path", source),
         colocated=d.value("critic.colocated"),
         world=d.value("critic.world"),
         dp=d.value("critic.dp") or 1,
         grad_accum=d.value("critic.grad_accum") or 1,
-        value_clip=cr.value_clip if cr is not None else 0.2,
+        value_clip=d.value("critic.value_clip"),
         max_epochs=d.value("critic.max_epochs"),
         optimizer=optimizer_plan(optimizer, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),
         freeze_moe_router=d.value("critic.freeze_moe_router"),
     )
-
-
-def _default_critic_optimizer() -> Any:
-    from schemas.recipe import Critic  # gae recipe without a critic section
-
-    return Critic().optimizer
 
 
 def _algo(r: RlRecipe, d: Derived) -> AlgoPlan:

@@ -225,7 +225,7 @@ def force_on_policy_with_several_epochs(recipe: RlRecipe, derived: Derived, sour
 
 def dynamic_batch_without_packing(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
-    `train.dynamic_batch` while the effective packing is off (`actor.packing: false`, or a VLM run that never packs).
+    `train.dynamic_batch` while packing is off (`actor.packing: false`).
 
     ## Why it matters
     Dynamic batching packs sequences up to a token budget; Molt raises in its CLI without packed batches.
@@ -245,12 +245,11 @@ def dynamic_batch_without_packing(recipe: RlRecipe, derived: Derived, source: So
     ## References
     molt_rules.md G9, B5
     """
-    if recipe.train.dynamic_batch is not None and not dv(derived, "actor.packing", recipe.actor.packing):
+    if recipe.train.dynamic_batch is not None and not recipe.actor.packing:
         yield diag(
             source,
             "train.dynamic_batch",
-            "train.dynamic_batch needs packed batches, but packing is off"
-            + (" (VLM runs never pack)" if recipe.actor.packing else ""),
+            "train.dynamic_batch needs packed batches, but packing is off",
             "set actor.packing: true (text models), or remove train.dynamic_batch",
             ["actor.packing"],
         )

@@ -471,7 +471,7 @@ def expert_parallel_on_dense_model(
     facts = model_facts(recipe, source)
     if facts is None or facts.is_moe:
         return
-    if recipe.actor.mesh.ep > 1 and not hf_fallback(recipe, facts):  # on the HF path it is an error (PAR004)
+    if recipe.actor.mesh.ep > 1 and dv(derived, "model.backend") != "hf":  # on the HF path it is an error (PAR004)
         yield diag(
             source,
             "actor.mesh.ep",
@@ -558,7 +558,7 @@ def tied_embeddings_on_automodel(
     molt_rules.md H9
     """
     facts = model_facts(recipe, source)
-    if facts is not None and facts.tie_embeddings and not hf_fallback(recipe, facts):
+    if facts is not None and facts.tie_embeddings and dv(derived, "model.backend") != "hf":
         yield diag(
             source,
             "model.path",

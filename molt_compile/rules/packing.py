@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.model_facts import hf_fallback, model_facts
+from molt_compile.model_facts import model_facts
 from molt_compile.rules._base import diag, dv
 from molt_compile.source import SourceMap
 from schemas.catalog import MODELS
@@ -105,7 +105,7 @@ def packing_custom_model_with_flash_attention(
         _packing(recipe, derived)
         and recipe.model.attn == "flash_attention_2"
         and facts is not None
-        and not hf_fallback(recipe, facts)
+        and dv(derived, "model.backend") != "hf"
     ):
         yield diag(
             source,
@@ -142,7 +142,7 @@ def hf_model_with_automodel_attention(
     """
     facts = model_facts(recipe, source)
     attn = recipe.model.attn
-    if attn in ("te", "tilelang") and hf_fallback(recipe, facts):
+    if attn in ("te", "tilelang") and dv(derived, "model.backend") == "hf":
         who = "model.backend hf" if recipe.model.backend == "hf" else f"{facts.key} (HF fallback)"
         yield diag(
             source,
@@ -184,7 +184,7 @@ def packing_architecture_without_thd(
         _packing(recipe, derived)
         and recipe.model.attn in ("te", "tilelang")
         and facts is not None
-        and not hf_fallback(recipe, facts)
+        and dv(derived, "model.backend") != "hf"
         and not facts.thd_packing
     ):
         yield diag(
@@ -227,7 +227,7 @@ def attention_replaced_by_sdpa(
         not _packing(recipe, derived)
         and attn not in CUSTOM_NATIVE_ATTN
         and facts is not None
-        and not hf_fallback(recipe, facts)
+        and dv(derived, "model.backend") != "hf"
     ):
         yield diag(
             source,

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.model_facts import hf_fallback, model_facts
+from molt_compile.model_facts import model_facts
 from molt_compile.rules._base import diag, dv, fsdp_roles, role_size_keys
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
@@ -162,7 +162,7 @@ def hf_fallback_with_model_parallel(
     molt_rules.md H9, F7, Appendix A item 8
     """
     facts = model_facts(recipe, source)
-    if not hf_fallback(recipe, facts):
+    if dv(derived, "model.backend") != "hf":
         return
     why = (
         "model.backend is hf"
