@@ -24,6 +24,7 @@ from typing import Any
 
 import click
 
+from molt_compile.cli_more import catalog, init  # commands kept apart from the compile plumbing
 from molt_compile.cli_output import catalog_tables as _catalog_tables
 from molt_compile.cli_output import console as _console
 from molt_compile.cli_output import print_diagnostics as _print_diagnostics
@@ -680,8 +681,6 @@ def run() -> None:
         code = 1
     os._exit(code or 0)
 
-
-from molt_compile.cli_more import catalog, init  # noqa: E402  (commands kept apart from the compile plumbing)
 
 cli.add_command(catalog)
 cli.add_command(init)

@@ -63,8 +63,6 @@ class Loaded:
     """Absolute paths of every base file reached through `extends`."""
     own_keys: frozenset[str] = frozenset()
     """Top-level keys written in the recipe file itself (not inherited)."""
-    parsed: bool = False
-    """The recipe file itself was read as a mapping (its bases may still have failed)."""
     path: Path | None = None
 
     @property
@@ -459,7 +457,7 @@ def _compose_libyaml(text: str) -> Any:
         return None
     try:
         node = YAML(typ="safe", pure=False).compose(text)
-    except Exception:  # noqa: BLE001 (any refusal: the pure parser says why)
+    except Exception:  # any refusal: the pure parser says why
         return None
     if node is None:
         return _NO_DOCUMENT
@@ -998,7 +996,6 @@ def load_recipe(path: Path | str, sets: Sequence[str] = (), roots: Sequence[Path
     if root is None:
         return loaded
     loaded.own_keys = frozenset(root.data)
-    loaded.parsed = True
 
     data: dict[str, Any] = {}
     values: dict[str, Pos] = {}

@@ -50,25 +50,10 @@ class Capability:
     """What was not run on the `unverified` device kinds."""
 
 
-def _recipe(plan: Plan, *path: str):
-    """A value of the resolved recipe the plan carries (keys the plan has no runtime field for)."""
-    node = plan.recipe
-    for part in path:
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def _colocated(plan: Plan) -> bool:
     """The engines share the actor's bundles (rollout.placement: colocate)."""
     roles = [r for r in plan.roles if r.name == "rollout.engine"]
     return bool(roles) and roles[0].placement_group != "rollout"
-
-
-def _trainer_mesh(plan: Plan, axis: str) -> int:
-    t = plan.rl.trainer
-    return getattr(t.mesh, axis) if t is not None else 1
 
 
 def _compile_checkpointing_rows() -> tuple[Capability, ...]:

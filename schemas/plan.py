@@ -479,9 +479,11 @@ class LoraPlan(PlanModel):
     """fnmatch wildcards on full module names; None: every linear layer (lm_head excluded)."""
 
 
-class TrainerPlan(PlanModel):
+class FsdpTrainerPlan(PlanModel):
+    """What every FSDP trainer takes, RL policy and SFT model alike (the fields the two plans share)."""
+
     world: int
-    """Ranks of the policy FSDP group."""
+    """Ranks of the FSDP group."""
     dp: int
     """Data-parallel size."""
     mesh: MeshPlan
@@ -493,7 +495,28 @@ class TrainerPlan(PlanModel):
     batch_size: int
     """Global samples per optimizer step."""
     max_epochs: int
-    """Epochs over each rollout batch."""
+    """Epochs over each batch (RL: each rollout batch)."""
+    packing: bool
+    """Sequence packing (actor.packing)."""
+    sequence_parallel: bool
+    """Sequence parallel in TP."""
+    offload: Literal["none", "optimizer", "full"]
+    """CPU offload."""
+    optimizer: OptimizerPlan
+    """The trained model's optimizer."""
+    freeze_moe_router: bool
+    """Freeze the MoE router."""
+    freeze_visual_encoder: bool
+    """Freeze the vision tower."""
+    full_determinism: bool
+    """Full determinism."""
+    seed: int
+    """torch seed of every rank (train.seed)."""
+    lora: LoraPlan | None
+    """LoRA adapters (None: full fine-tuning)."""
+
+
+class TrainerPlan(FsdpTrainerPlan):
     force_on_policy: bool
     """One optimizer step per rollout batch: each rank's whole shard is one accumulation window (Molt G10), for
     fixed and token-budget micro-batches alike; max_epochs is 1 (BATCH005)."""
@@ -505,37 +528,19 @@ class TrainerPlan(PlanModel):
     """Token cap per microbatch (None: fixed-size microbatches)."""
     local_batch_size: int | None
     """Samples per rank per step under dynamic batching."""
-    packing: bool
-    """Effective sequence packing."""
-    sequence_parallel: bool
-    """Sequence parallel in TP."""
-    offload: Literal["none", "optimizer", "full"]
-    """CPU offload."""
     shuffle_microbatches: bool
     """Shuffle microbatches."""
-    optimizer: OptimizerPlan
-    """Policy optimizer."""
     loss: LossPlan
     """Policy loss."""
-    freeze_moe_router: bool
-    """Freeze MoE router."""
-    freeze_visual_encoder: bool
-    """Freeze the vision tower."""
     freezing_steps: int
     """gae: policy frozen for the first N steps."""
     temperature: float
     """Logits temperature (rollout.temperature)."""
     routing_replay: bool
     """R3 routing replay."""
-    full_determinism: bool
-    """Full determinism."""
-    seed: int
-    """torch seed of every rank (train.seed)."""
     row_multiple: int
     """Rows of each batch are padded to a multiple of this (empty action masks): the lcm of the worlds of the
     policy, a reference and the critic, so every rank of every FSDP group gets as many rows."""
-    lora: LoraPlan | None
-    """LoRA adapters (None: full fine-tuning)."""
 
 
 class RefPlan(PlanModel):
@@ -795,41 +800,9 @@ class SftDataPlan(PlanModel):
     step counts, a per-epoch eval cadence and the LR schedule's length (`schemas/schedule.py`). None: counted here."""
 
 
-class SftTrainerPlan(PlanModel):
-    world: int
-    """Ranks."""
-    dp: int
-    """Data-parallel size."""
-    mesh: MeshPlan
-    """FSDP mesh."""
-    micro_batch_size: int
-    """Per-rank microbatch."""
-    grad_accum: int
-    """Microbatches per optimizer step."""
-    batch_size: int
-    """Global batch."""
-    max_epochs: int
-    """Epochs."""
-    packing: bool
-    """Sequence packing."""
-    sequence_parallel: bool
-    """Sequence parallel."""
-    offload: Literal["none", "optimizer", "full"]
-    """CPU offload."""
-    optimizer: OptimizerPlan
-    """Optimizer."""
+class SftTrainerPlan(FsdpTrainerPlan):
     aux_loss_coef: float
     """MoE aux loss."""
-    freeze_moe_router: bool
-    """Freeze the router."""
-    freeze_visual_encoder: bool
-    """Freeze the vision tower."""
-    seed: int
-    """Seed."""
-    full_determinism: bool
-    """Full determinism."""
-    lora: LoraPlan | None
-    """LoRA adapters (None: full fine-tuning)."""
 
 
 class SftSchedulePlan(PlanModel):

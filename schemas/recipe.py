@@ -434,7 +434,7 @@ class Kl(Section):
     """Adaptive controller horizon, in samples."""
 
 
-class IsCorrection(Section):
+class IsCorrectionSection(Section):
     level: Literal["off", "token", "seq", "geo"] = "off"
     """Granularity of the train/rollout importance ratio; seq and geo are rejection filters."""
     mode: Literal["mask", "clip", "trunc"] = "mask"
@@ -471,7 +471,7 @@ class Algo(Section):
     """Clamp on each rollout's reward before the estimator."""
     kl: Kl = section(Kl)
     """KL penalty to the reference model."""
-    is_correction: IsCorrection = section(IsCorrection)
+    is_correction: IsCorrectionSection = section(IsCorrectionSection)
     """Importance-sampling correction between the trainer's and the rollout engine's log-probs."""
     dynamic_filtering: DynamicFiltering | None = None
     """DAPO-style group filter on the mean score. Absent: off."""

@@ -24,8 +24,8 @@ def _kl_to_rollout(recipe) -> bool:
 
 
 def _runner_kind(recipe, source) -> str | None:
-    from molt_compile.agent_check import inspect_agent  # noqa: PLC0415
-    from molt_compile.rules.data_agent import _agent_file  # noqa: PLC0415
+    from molt_compile.agent_check import inspect_agent
+    from molt_compile.rules.data_agent import _agent_file
 
     f = _agent_file(recipe, source)
     return inspect_agent(str(f)).runner if f is not None else None
