@@ -89,6 +89,9 @@ cat > "$D/slurm.conf" <<CONF
 ClusterName=molt
 SlurmctldHost=$host(127.0.0.1)
 AuthType=auth/munge
+# A requeued job waits cred_expire before it may start again (default 120 s): 20 s keeps the requeue test short
+# and is still far above a step credential's trip on this host.
+AuthInfo=cred_expire=20
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root

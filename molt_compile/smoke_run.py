@@ -12,6 +12,7 @@ ray: the model builder and the job are subprocesses, as in `--submit`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -172,6 +173,8 @@ PROGRESS = re.compile(
 )
 """The job's lines that a smoke run repeats on the terminal while it runs (its whole output goes to the log)."""
 HEARTBEAT_S = 30.0
+POLL_S = 1.0
+"""How often the log is read while the job runs."""
 LINE_WIDTH = 120
 
 
@@ -211,7 +214,8 @@ def run_logged(argv: list[str], env: dict[str, str], cwd: Path, log: Path, prefi
                     what = "training" if stepped else "starting the roles (engines, trainer ranks, runners)"
                     say(f"{prefix}{what}, {time.monotonic() - t0:.0f} s so far")
                     last = time.monotonic()
-                time.sleep(1.0)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # back at once when the job ends
+                    proc.wait(timeout=POLL_S)
     except BaseException:
         proc.kill()
         proc.wait()
