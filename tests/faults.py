@@ -265,11 +265,19 @@ def one_run(sc: Scenario, plan, data: Path, at: dict) -> dict:
         inject(sc, plan, data, at)
     elif sc.inject:
         threading.Thread(target=inject, args=(sc, plan, data, at), daemon=True).start()
-    if sc.inject == "check:secret":
+    if sc.inject == "check:secret":  # Ray started as `python -m runtime` starts it: the resolved job env
+        import ray
+
+        from runtime.env_refs import driver_env
+
         os.environ[SECRET] = "s3cret-" + os.urandom(4).hex()
+        ray.shutdown()
+        ray.init(address="local", num_cpus=8, resources={"device_slot": 3}, include_dashboard=False,
+                 log_to_driver=False, runtime_env={"env_vars": driver_env(plan, os.environ)})
     t0 = time.time()
-    lock = RunLock([plan.rl.logging.out_dir, plan.rl.ckpt.dir]).acquire()  # as `python -m runtime` takes it
+    lock = RunLock([])
     try:
+        lock = RunLock([plan.rl.logging.out_dir, plan.rl.ckpt.dir]).acquire()  # as `python -m runtime` takes it
         result = run(plan, live=False)
         outcome, acc = f"{result.status} at step {result.step}", result.accounting
     except RunAborted as exc:
@@ -318,7 +326,7 @@ def main(argv: list[str]) -> int:
         row = run_scenario(sc)
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
-        if sc.inject == "kill:gcs":  # this Ray is gone: the next scenario starts another
+        if sc.inject in ("kill:gcs", "check:secret"):  # this Ray is gone or has the job env: the next starts another
             ray.shutdown()
     if ray.is_initialized():
         ray.shutdown()
