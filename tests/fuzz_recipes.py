@@ -112,8 +112,8 @@ def odd_value(rng: random.Random, depth: int = 0) -> Any:
     return {odd_text(rng): odd_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
-def set_path(doc: dict, path: str, value: Any) -> None:
-    *parents, last = path.split(".")
+def set_path(doc: dict, path: str | tuple[str, ...], value: Any) -> None:
+    *parents, last = path.split(".") if isinstance(path, str) else path
     node = doc
     for key in parents:
         if not isinstance(node.get(key), dict):
@@ -122,14 +122,13 @@ def set_path(doc: dict, path: str, value: Any) -> None:
     node[last] = value
 
 
-def walk(node: Any, prefix: str = "") -> list[str]:
-    """Every dotted path in a parsed document (mappings only)."""
+def walk(node: Any, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every key path in a parsed document (mappings only; a key may hold dots)."""
     out = []
     if isinstance(node, dict):
         for k, v in node.items():
-            p = f"{prefix}{k}"
-            out.append(p)
-            out.extend(walk(v, p + "."))
+            out.append((*prefix, k))
+            out.extend(walk(v, (*prefix, k)))
     return out
 
 
@@ -145,7 +144,7 @@ def mutate_data(text: str, rng: random.Random, paths: list[str]) -> str:
         present = walk(doc)
         r = rng.random()
         if r < 0.25 and present:
-            *parents, last = rng.choice(present).split(".")
+            *parents, last = rng.choice(present)
             node = doc
             for key in parents:
                 node = node[key]
