@@ -261,10 +261,6 @@ def one_run(sc: Scenario, plan, data: Path, at: dict) -> dict:
     from runtime.run_lock import RunLock
     from runtime.supervisor import RunAborted
 
-    if sc.inject == "corrupt_data":
-        inject(sc, plan, data, at)
-    elif sc.inject:
-        threading.Thread(target=inject, args=(sc, plan, data, at), daemon=True).start()
     if sc.inject == "check:secret":  # Ray started as `python -m runtime` starts it: the resolved job env
         import ray
 
@@ -274,6 +270,10 @@ def one_run(sc: Scenario, plan, data: Path, at: dict) -> dict:
         ray.shutdown()
         ray.init(address="local", num_cpus=8, resources={"device_slot": 3}, include_dashboard=False,
                  log_to_driver=False, runtime_env={"env_vars": driver_env(plan, os.environ)})
+    if sc.inject == "corrupt_data":
+        inject(sc, plan, data, at)
+    elif sc.inject:  # after a fresh Ray: the injection looks actors up in this one
+        threading.Thread(target=inject, args=(sc, plan, data, at), daemon=True).start()
     t0 = time.time()
     lock = RunLock([])
     try:
