@@ -52,9 +52,14 @@ lint: setup
     # Molt's rules only: the launch recipes ask for what this runtime does not run yet (CAP001; `just smoke` lists them)
     {{bin}}/molt-compile lint --no-capabilities recipes/
 
-# Issue 13's fault campaign on the demo recipe (kills, SIGTERM, misbehaving agents, a bad row): prints a table.
+# The fault campaign of issues 13 and 32 on the demo recipe, default timeouts (kills, signals, agents, disks, secrets): a table with the books.
 faults *SCENARIOS: setup
     {{bin}}/python -m tests.faults {{SCENARIOS}}
+
+# Issue 32's recipe fuzz campaign: N recipes (mutated shipped recipes, YAML and shell hazards) through the real
+# compile path, a sample through the CLI; prints every traceback class. `just fuzz 10000` takes a few minutes.
+fuzz N="10000" SEED="0": setup
+    {{bin}}/python -m tests.fuzz_recipes {{N}} {{SEED}}
 
 # Benchmarks: cold compile time, lowering at scale, runtime step timings.
 bench *NAMES: setup

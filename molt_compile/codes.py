@@ -187,7 +187,8 @@ and stops, so loading stays bounded in time and memory.""",
         "YAML006",
         "not-utf8",
         """The file contains bytes that are not UTF-8. Recipes are UTF-8 text; the caret
-points at the first bad byte.""",
+points at the first bad byte. Also reported for a `\\uD800`-`\\uDFFF` escape in a quoted string that is not half of
+a pair (JSON's way to write a character past U+FFFF): it is no character.""",
     ),
     Code.blocking(
         "YAML007",

@@ -281,7 +281,7 @@ class _Builder:
         from ruamel.yaml.nodes import ScalarNode
 
         if isinstance(key_node, ScalarNode) and str(key_node.tag) == _STR:
-            return key_node.value
+            return self._unicode(key_node, key_node.value, path)
         shown = key_node.value if isinstance(key_node, ScalarNode) else "a collection"
         self.diags.append(
             self.error(
@@ -295,6 +295,26 @@ class _Builder:
             )
         )
         return None
+
+    def _unicode(self, node: Any, text: str, path: str) -> str | None:
+        """`text` as Unicode: a `\\uD83D\\uDE00` escape pair (how JSON, which is YAML, writes a character past
+        U+FFFF) joined into its character; a lone half of a pair is no character (YAML006), never a string that
+        cannot be written out again (a path, a log line)."""
+        if not _SURROGATE.search(text):
+            return text
+        try:
+            return text.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            self.diags.append(
+                self.error(
+                    "YAML006",
+                    node,
+                    "a `\\u` escape in this string is half of a surrogate pair (U+D800-U+DFFF), not a character",
+                    path,
+                    help="write the character itself, or both halves of the pair",
+                )
+            )
+            return None
 
     def _sequence(self, node: Any, path: str, depth: int) -> list[Any] | None:
         tag = str(node.tag)
@@ -316,7 +336,7 @@ class _Builder:
         tag, text = str(node.tag), node.value
         try:
             if tag == _STR or tag == _TIMESTAMP:
-                return text  # timestamps stay strings: no recipe key is a date
+                return self._unicode(node, text, path)  # timestamps stay strings: no recipe key is a date
             if tag == _NULL:
                 return None
             if tag == _BOOL:
@@ -344,6 +364,8 @@ class _Builder:
         self.diags.append(self.error("YAML004", node, f"unsupported YAML tag `{_short(tag)}`", path, help=_TAG_HELP))
         return None
 
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 _TAG_HELP = (
     "remove the tag: recipes are plain data, and nothing (no Python object, no include) is constructed while loading"

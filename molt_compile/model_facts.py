@@ -74,7 +74,7 @@ def resolve_model(model_section: Any, recipe_dir: Path | str | None) -> ModelFac
         p = Path(recipe_dir) / p
     try:
         stamp = (p / "config.json").stat().st_mtime_ns
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path (no such file can exist)
         stamp = None
     found = _from_config_dir(str(p), stamp) if stamp is not None else None
     if found is None:  # a hub id the catalog describes (issue 30: `Qwen/Qwen3-8B` turned the shape checks off)

@@ -22,7 +22,9 @@ by RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, as Ray's own clients look for it
 
 `${env:NAME}` references in the job env are resolved here, from the environment of the submitting process.
 
-Exit status: the job's (0 succeeded; remote: 1 failed, 130 stopped), or 2 when it could not be started (no
+Exit status: the job's (0 succeeded; remote: 1 failed, 130 stopped; local: 128 + N when its driver was killed by
+signal N, e.g. 137 for `kill -9`, and 1 when the local Ray head died under it, each with a line saying so and the
+last logged books, see `job_exit`), or 2 when it could not be started (no
 cluster at the address, auth refused, resources the cluster cannot provide, Ray not installed), with a message
 and the fix, never a traceback.
 """
@@ -606,6 +608,8 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
                 job.kill()
                 status = job.wait()
             status = status or 130
+        else:
+            status = _explain_exit(plan, status, cluster, root)
         _say(f"job {plan.name} exited with status {status}")
         return status
     except (KeyboardInterrupt, _Terminated):
@@ -615,6 +619,18 @@ def run_local(plan: Plan, root: Path | None = None) -> int:
         if cluster is not None:
             _say("stopping the local Ray cluster")
             cluster.stop(keep_logs=status != 0)
+
+
+def _explain_exit(plan: Plan, returncode: int, cluster: LocalCluster, root: Path) -> int:
+    """A driver killed by a signal, or a Ray head that died under it: named, with the last logged books
+    (`job_exit`); the documented status."""
+    from molt_compile.job_exit import explain
+
+    out_dir = root / plan.rl.logging.out_dir if plan.rl is not None else root
+    status, lines = explain(returncode, out_dir, cluster.proc, cluster.env.get("RAY_ADDRESS"))
+    for line in lines:
+        _say(line)
+    return status
 
 
 def torchrun_argv(plan: Plan, plan_file: Path) -> list[str]:
@@ -637,7 +653,9 @@ def _run_local_torchrun(plan: Plan, plan_file: Path, root: Path, env: dict[str, 
     _say(f"running {shlex.join(argv)}")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, cwd=root)
     try:
-        return proc.wait()
+        from molt_compile.job_exit import exit_status
+
+        return exit_status(proc.wait())  # killed by signal N: 128 + N, not Python's negative status
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)
         return proc.wait() or 130

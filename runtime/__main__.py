@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # one run per directory: a second submission of the recipe must not write over this one
         lock = RunLock([plan.rl.logging.out_dir, plan.rl.ckpt.dir]).acquire()
-    except DirectoryInUse as exc:
-        print(f"{path}: {exc}", file=sys.stderr)
+    except (DirectoryInUse, OSError) as exc:  # OSError: a directory that cannot be written (read-only, full)
+        print(f"{path}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}", file=sys.stderr)
         return 2
     try:
         return _run_rl(plan, env)

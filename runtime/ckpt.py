@@ -235,11 +235,13 @@ def disk_trouble(root: str | Path, exc: BaseException | None = None) -> OSError 
 def prune(root: str | Path, keep: int, max_disk_gb: float | None = None) -> None:
     """Keep the newest `keep` complete saves (keep <= 0: all); incomplete ones older than the newest go too, and
     leftovers of interrupted saves. With `max_disk_gb`, the oldest complete saves then go until the rest fit (the
-    newest is always kept, with a warning when it alone is over the budget)."""
+    newest is always kept, with a warning when it alone is over the budget). "Complete" is what `latest` would
+    resume from (`problem` finds nothing): a newest save with a torn shard or state file never counts towards
+    `keep`, so the save resume falls back to is never the one removed."""
     for tmp in Path(root).glob("step_*.tmp"):
         shutil.rmtree(tmp, ignore_errors=True)
     saves = _saves(root)
-    complete = [p for p in saves if (p / STATE_FILE).is_file()]
+    complete = [p for p in saves if problem(p) is None]
     kept = set(complete[-keep:]) if keep > 0 else set(complete)
     newest = complete[-1] if complete else None
     for p in saves:

@@ -8,6 +8,7 @@ file holds the holder's pid and host, for the refusal message.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
@@ -29,8 +30,7 @@ class RunLock:
         """Lock every directory (created when missing) or none: raises `DirectoryInUse` naming the holder."""
         try:
             for d in self.dirs:
-                d.mkdir(parents=True, exist_ok=True)
-                f = open(d / LOCK_FILE, "a+")
+                f = _open_lock_file(d)
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -54,3 +54,16 @@ class RunLock:
         for f in self.files:
             f.close()  # closing the descriptor drops the flock
         self.files = []
+
+
+def _open_lock_file(d: Path):
+    """`<d>/.molt-run.lock` opened for the lock (`d` created); a directory that cannot be written is named, with why
+    (a read-only file system, no space, permissions), as an OSError: before Ray starts, not as a traceback."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        return open(d / LOCK_FILE, "a+")
+    except OSError as exc:
+        why = {errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "no space left on it",
+               errno.EACCES: "permission denied"}.get(exc.errno, exc.strerror or str(exc))
+        raise OSError(exc.errno, f"cannot write the run directory {d}: {why} (a run writes its lock, metrics and "
+                                 "checkpoints there)") from None

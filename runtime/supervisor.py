@@ -31,6 +31,12 @@ PING_EVERY_S = 2.0  # a fresh ping per actor this often (an outstanding one that
 DEATH_GRACE_S = 3.0
 """After an actor's error, how long to look for a watched actor that died: a dead rank's peers fail on the broken
 collective before Ray has told the driver of the death, and the one that died is the culprit."""
+COLLECTIVE_GRACE_S = 15.0
+"""The same look after an error that says a collective broke (a peer's process is gone): Ray can take longer than
+DEATH_GRACE_S to report a death on a loaded machine, and without it the peer's error would be blamed on a recipe key."""
+BROKEN_COLLECTIVE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+                     "remote process exited", "Socket Timeout")
+"""Texts of gloo's and NCCL's errors when a peer rank's process died."""
 
 
 class RunAborted(Exception):
@@ -184,10 +190,14 @@ class Supervisor:
         if isinstance(exc, ray.exceptions.RayTaskError):  # the actor raised: its error, remote traceback in the text
             cause = getattr(exc, "cause", None) or exc
             failed = f"{type(cause).__name__}: {_last_line(cause)}"
-            dead = self._first_dead(pending)
+            collective = broken_collective(f"{type(cause).__name__}: {cause}")
+            dead = self._first_dead(pending, COLLECTIVE_GRACE_S if collective else DEATH_GRACE_S)
             if dead is not None:  # it raised because a peer died (a collective broke): the peer is the culprit
                 raise RunAborted(dead.name, self.phase_name, dead.key,
                                  f"died (then {self.actor} failed: {failed})") from None
+            if collective:  # a peer died and Ray has not said which: no recipe key is to blame
+                raise RunAborted(self.actor, self.phase_name, "none (a peer rank's process died: killed or out of "
+                                 "memory; the Ray logs name it)", f"lost a peer of its collective ({failed})") from None
             raise RunAborted(self.actor, self.phase_name, _key_of(f"{type(cause).__name__}: {cause}", self.key),
                              f"failed: {failed}") from None
 
@@ -197,11 +207,11 @@ class Supervisor:
         failed = failed.hex() if hasattr(failed, "hex") and not isinstance(failed, str) else failed
         return next((w for w in self.watched if w.actor_id and w.actor_id == failed), None) if failed else None
 
-    def _first_dead(self, refs: list) -> _Watched | None:
-        """A watched actor that died, found within `DEATH_GRACE_S`: from `refs` that failed with `RayActorError`,
+    def _first_dead(self, refs: list, grace_s: float = DEATH_GRACE_S) -> _Watched | None:
+        """A watched actor that died, found within `grace_s`: from `refs` that failed with `RayActorError`,
         or from a fresh ping of each watched actor."""
         pings = [(w, w.ping()) for w in self.watched if w.ping is not None]
-        deadline = time.monotonic() + DEATH_GRACE_S
+        deadline = time.monotonic() + grace_s
         while True:
             for ref in [*refs, *(p for _, p in pings)]:
                 if not ray.wait([ref], timeout=0)[0]:
@@ -280,6 +290,11 @@ def _last_line(exc: BaseException) -> str:
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     line = lines[-1].strip() if lines else type(exc).__name__
     return line.split(". ")[0] + "." if len(line) > 160 and ". " in line else line
+
+
+def broken_collective(text: str) -> bool:
+    """Whether an actor's error says a collective lost a peer (`BROKEN_COLLECTIVE`)."""
+    return any(marker in text for marker in BROKEN_COLLECTIVE)
 
 
 def _key_of(text: str, default: str) -> str:

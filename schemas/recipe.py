@@ -120,14 +120,22 @@ def _no_nul(value: str) -> str:
 
 EnvValue = Annotated[str, AfterValidator(_no_nul)]
 """An environment variable value: any text but a NUL byte (it used to compile and then fail at `--submit`)."""
+DatasetSpec = Annotated[str, Field(pattern=r"[^,\s]")]
+"""Comma-separated dataset sources: at least one that is not blank (`" , "` named none and crashed the lowering)."""
 """A step cadence: N > 0 means every N steps, -1 means never. 0 is caught by rule CKPT001/EVAL001."""
 
 
 # --------------------------------------------------------------------------------------------------- cluster
+MAX_NODES = 16_384
+MAX_DEVICES_PER_NODE = 256
+"""Bounds on the counts that size the plan's lists (one entry per node, device, engine): past any real cluster, and a
+typo such as 2**63 fails validation instead of having the compiler build lists until memory runs out."""
+
+
 class Cluster(Section):
-    nodes: PositiveInt = 1
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Number of nodes the job gets (Slurm `--nodes`, or Ray nodes)."""
-    gpus_per_node: NonNegInt = 8
+    gpus_per_node: Annotated[int, Field(ge=0, le=MAX_DEVICES_PER_NODE)] = 8
     """GPUs on each node. With `gpu: cpu` this counts CPU 'device slots' that roles are placed on."""
     gpu: str = "h100-80gb"
     """GPU model, a key of the GPU catalog (`schemas/catalog.py`), or `cpu` to run every role on CPUs."""
@@ -323,7 +331,7 @@ class Critic(Section):
 class Rollout(Section):
     engine: Literal["vllm", "hf"] = "vllm"
     """Rollout engine: vLLM's async engine, or transformers generate (for machines without vLLM)."""
-    engines: PositiveInt = 1
+    engines: Annotated[int, Field(ge=1, le=MAX_NODES * MAX_DEVICES_PER_NODE)] = 1
     """Number of rollout engines."""
     placement: Literal["separate", "colocate"] = "separate"
     """`separate`: engines on GPUs of their own (Molt). `colocate`: engine i shares actor rank i's GPU (a hybrid
@@ -561,7 +569,7 @@ class SftTrain(Section):
 
 # --------------------------------------------------------------------------------------------------- data
 class RlData(Section):
-    prompts: str
+    prompts: DatasetSpec
     """Prompt sources, comma-separated (jsonl/json/csv/parquet files, save_to_disk dirs). Relative to the recipe."""
     prompt_probs: list[float] | None = None
     """Interleave probabilities, one per source."""
@@ -588,7 +596,7 @@ class RlData(Section):
 
 
 class SftData(Section):
-    dataset: str
+    dataset: DatasetSpec
     """Training sources, comma-separated. Relative to the recipe."""
     dataset_probs: list[float] | None = None
     """Interleave probabilities."""
@@ -616,7 +624,7 @@ class SftData(Section):
 
 # --------------------------------------------------------------------------------------------------- eval
 class RlEval(Section):
-    dataset: str | None = None
+    dataset: DatasetSpec | None = None
     """Eval prompts. None: no eval."""
     split: str = "train"
     """Eval split."""
@@ -639,7 +647,7 @@ class RlEval(Section):
 
 
 class SftEval(Section):
-    dataset: str | None = None
+    dataset: DatasetSpec | None = None
     """Eval dataset. None: no eval."""
     split: str = "train"
     """Eval split."""

@@ -103,3 +103,22 @@ def test_a_stop_signal_saves_when_a_save_fits_in_the_stop_bound():
     assert save_fits(rl(5), 20.0, 30.0)            # 20 s of the 30 s left
     assert not save_fits(rl(5), 40.0, 30.0)        # would outlast the bound
     assert not save_fits(rl(None), None, 0.0)      # the plan never checkpoints
+
+
+@pytest.mark.parametrize("damage", ["shard", "state"])
+def test_prune_keeps_the_newest_complete_save_when_the_newest_save_is_damaged(tmp_path, damage):
+    """keep=1 after a save whose shard (or state file) was cut short: the older save resume falls back to stays."""
+    for step in (2, 4):
+        dcp_save(tmp_path, step)
+    if damage == "shard":
+        shard = next(ckpt.step_dir(tmp_path, 4).glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        state = ckpt.step_dir(tmp_path, 4) / ckpt.STATE_FILE
+        state.write_text(state.read_text()[:5])
+    ckpt.prune(tmp_path, keep=1)
+    path, found = ckpt.latest(tmp_path)
+    assert path.name == "step_000002" and found == {"step": 2}
+    dcp_save(tmp_path, 6)                     # the next good save: both older ones go
+    ckpt.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006"]

@@ -177,3 +177,26 @@ def test_a_dead_gcs_is_named_as_ray_itself_not_the_actor_waited_on():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ABORTED")), proc.stdout + proc.stderr)
     assert "the Ray GCS (head node" in line and "is down" in line and "trainer rank 0" not in line, line
     assert float(line.split()[2]) < 10, line
+
+
+def test_a_broken_collective_with_no_dead_actor_found_blames_no_recipe_key(supervisor, monkeypatch):
+    """32.7: when Ray has not (yet) reported which peer died, a rank's gloo error ("Connection closed by peer") was
+    blamed on the phase's recipe key (actor.micro_batch_size). It says a peer died, and names no key."""
+    import ray
+
+    from runtime import supervisor as sup_module
+    from runtime.supervisor import RunAborted
+
+    monkeypatch.setattr(sup_module, "COLLECTIVE_GRACE_S", 1.0)  # the peer is not watched: nothing will be found
+    r0, r1 = (ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2))
+    port, pid = ray.get([r1.listen.remote(), r1.ping.remote()])
+    ref = r0.step.remote(port)
+    r1.serve.remote()
+    supervisor.watch("actor[0] (trainer rank 0)", r0, "ping", "actor")
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RunAborted) as err, supervisor.phase("log-probs (π_old, π_ref)", "actor",
+                                                            "actor.micro_batch_size"):
+        supervisor.get(ref)
+    assert "micro_batch_size" not in err.value.key and "peer rank's process died" in err.value.key, str(err.value)
+    assert "lost a peer of its collective" in err.value.what and "Connection closed by peer" in err.value.what
