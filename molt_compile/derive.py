@@ -102,7 +102,7 @@ from typing import Any
 
 from schemas.catalog import GPUS
 from schemas.plan import RlCountInputs, SftCountInputs
-from schemas.schedule import count_rows, rl_schedule, sft_schedule
+from schemas.schedule import count_rows, probs_problem, rl_schedule, sft_schedule
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -1101,10 +1101,17 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
         f"cluster {total} - used {world}",
         ("cluster.total_gpus", "cluster.used_gpus"),
     )
+    sources = resolve_sources(d.dataset, "data.dataset", source)
     count, why = count_rows(
-        resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs, d.split, _job_root(source)
+        sources,
+        d.max_samples,
+        d.dataset_probs,
+        d.split,
+        _job_root(source),
+        seed=t.seed if d.dataset_probs else None,  # the interleave's seed (runtime/sft_data.py)
     )
-    b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
+    keys = ("data.dataset", "data.max_samples", "data.dataset_probs") + (("train.seed",) if d.dataset_probs else ())
+    b.add("data.sample_count", count, why, keys)
     e = r.eval
     enabled = e.dataset is not None
     inputs = SftCountInputs(
@@ -1120,7 +1127,7 @@ def _sft(b: _Builder, r: Any, source: Any) -> None:
         values = {name: (None, DEFERRED, ("data.sample_count",)) for name in names}
         if inputs.eval_every_epoch:
             values["eval.every"] = (None, DEFERRED, ("eval.every", "train.steps_per_epoch"))
-        if not d.dataset_probs:  # interleaving by probability: capability sft-interleave
+        if not d.dataset_probs or probs_problem(len(sources), d.dataset_probs) is None:  # else DATA001/DATA012
             b.add(
                 "data.count_at_start",
                 inputs.model_dump(),

@@ -25,8 +25,9 @@ count in the loss; with `train_on_last_turn_only` only the last one. Rows are cu
 assistant turn, or whose replies lie wholly beyond `max_len`, are dropped and counted (Molt keeps all-zero-mask
 rows with a warning; they train nothing, so dropping them changes no gradient).
 
-Not supported here (a clear error at start): VLM (`image_key`), tp/cp/ep/pp > 1, dataset interleave
-probabilities, non-JSONL sources. SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
+Several datasets are read one after the other, or with `data.dataset_probs` interleaved as Molt blends them
+(`datasets.interleave_datasets`, all_exhausted, seeded with `train.seed`; the compiler counted the same rows).
+The capability table refuses what is not done here (VLM `image_key`, tp/cp/ep > 1, ...). SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
 DCP checkpoint when the plan has a checkpoint cadence, and exits 130. With an eval set, the last step is
 evaluated too (when the cadence does not land on it), so every run ends with an eval loss.
 """
@@ -153,7 +154,8 @@ class SftRecipe:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         data_kw = dict(input_key=d.input_key, output_key=d.output_key, max_len=d.max_len,
                        last_turn_only=d.train_on_last_turn_only)
-        self.data = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, **data_kw)
+        self.data = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, probs=d.probs,
+                                  seed=t.seed, **data_kw)
         evals = (load_examples([s.eval_dataset], tok, max_samples=d.max_samples, split=s.eval_split, **data_kw)
                  if s.eval_dataset else None)
         self.log(f"data: {self.data.rows} rows, {len(self.data.examples)} trained, dropped "

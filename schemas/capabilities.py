@@ -434,15 +434,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 17",
     ),
     Capability(
-        "sft-interleave",
-        "sft",
-        "data.dataset_probs",
-        "interleaving several datasets by probability",
-        lambda p: p.sft.data.probs is not None,
-        "one dataset (or no `data.dataset_probs`)",
-        tracked="issue 14",
-    ),
-    Capability(
         "sft-muon",
         "sft",
         "actor.optimizer.name",
