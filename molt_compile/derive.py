@@ -19,6 +19,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `cluster.total_gpus` * | nodes × gpus_per_node (device slots on a CPU cluster) | |
 | `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
 | `model.backend` | the training backend that runs: hf when set, or when the architecture has no AutoModel custom class | H9 |
+| `model.attn` * | only where it is not the recipe's: sdpa for model.attn outside te/sdpa/flex/tilelang on an AutoModel custom model without packing (`model_attn` reads either) | B20 |
 | `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
 | `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
@@ -199,7 +200,35 @@ def derive(recipe: Any, source: Any = None) -> Derived:
         _sft(b, recipe, source)
     else:
         _rl(b, recipe, source)
+    _attention(b, recipe, source)
     return Derived(b.items)
+
+
+CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
+"""Attentions an AutoModel custom model runs as asked without packing (Molt B20); any other runs as sdpa."""
+
+
+def model_attn(r: Any, d: Derived) -> str:
+    """The attention that runs (the plan's `model.attn`): the derived one (B20) where it differs, else the recipe's."""
+    return d.value("model.attn") if "model.attn" in d else r.model.attn
+
+
+def _attention(b: _Builder, r: Any, source: Any) -> None:
+    """`model.attn` when the attention that runs is not the recipe's: on an AutoModel custom model without packing,
+    one outside CUSTOM_NATIVE_ATTN (the schema default flash_attention_2 among them) runs as sdpa (B20: Molt prints a
+    notice and switches). Absent otherwise: the recipe's value runs (the plan takes `model_attn`)."""
+    from molt_compile.rules._base import model_facts
+
+    attn = r.model.attn
+    packing = b.items["actor.packing"].value if "actor.packing" in b.items else r.actor.packing
+    facts = model_facts(r, source)
+    if b.v("model.backend") == "automodel" and facts is not None and not packing and attn not in CUSTOM_NATIVE_ATTN:
+        b.add(
+            "model.attn",
+            "sdpa",
+            f"{facts.key} is an AutoModel custom model without packing: {attn} runs as sdpa (B20)",
+            ("model.attn", "model.backend", "actor.packing"),
+        )
 
 
 def _backend(b: _Builder, r: Any, source: Any) -> None:

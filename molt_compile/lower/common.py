@@ -7,7 +7,7 @@ import os
 from typing import Any, Literal
 
 from molt_compile.codes import BUILTIN
-from molt_compile.derive import Derived, local_path, plan_path, resolve_path
+from molt_compile.derive import Derived, local_path, model_attn, plan_path, resolve_path
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.rules._base import model_facts, moe_dispatcher
 from molt_compile.source import SourceMap
@@ -177,7 +177,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         arch=m.arch,
         backend=d.value("model.backend"),
         dtype=_DTYPES[m.param_dtype],
-        attn=m.attn,
+        attn=model_attn(r, d),  # the attention that runs (B20)
         gradient_checkpoint=m.gradient_checkpoint,
         compile_layers=m.compile_layers,
         disable_fast_tokenizer=m.disable_fast_tokenizer,
