@@ -105,7 +105,6 @@ class SftRecipe:
         self.model = self.backend.build(s.model, s.model.path, self.backend.device_mesh(s.device, self.world, t.mesh),
                                         self.device, freeze_router=t.freeze_moe_router, lora=t.lora,
                                         offload=t.offload)
-        self.top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
@@ -239,7 +238,8 @@ class SftRecipe:
                  for m in range(0, self.window, t.micro_batch_size)]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
         loss_sum = 0.0
-        aux = t.aux_loss_coef > 1e-8 and self.top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
+        top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
+        aux = t.aux_loss_coef > 1e-8 and top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
         for ids, attn, mask in micro:
             ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
             with moe.collect_logits(self.model) if aux else contextlib.nullcontext() as router:
@@ -248,7 +248,7 @@ class SftRecipe:
             loss_sum += float(loss.detach()) / self.world  # train/loss: the reply-token NLL, without the aux term
             if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
                 real = attn.reshape(-1) if not t.packing else torch.ones(router.logits[0].shape[0], device=self.device)
-                loss = loss + t.aux_loss_coef * moe.load_balancing_loss(router.logits, self.top_k, real) / len(micro)
+                loss = loss + t.aux_loss_coef * moe.load_balancing_loss(router.logits, top_k, real) / len(micro)
             loss.backward()
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, t.optimizer.max_norm)
