@@ -68,5 +68,6 @@ bench *NAMES: setup
 # Regenerate the JSON Schema and the golden plans (review the diff before committing).
 regen: setup
     {{bin}}/molt-compile schema > schemas/recipe.schema.json
+    {{bin}}/molt-compile schema --kind sft > schemas/recipe_sft.schema.json
     {{bin}}/python -m molt_compile.rules.docs > molt_compile/rules/REFERENCE.md
     {{bin}}/python -m tests.golden_update

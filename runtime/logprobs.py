@@ -12,7 +12,8 @@ Two layouts of the same rows:
   (`masking_utils.find_packed_sequence_indices`, used only when attention_mask is None and there is no cache) and
   makes the mask block-diagonal causal: sdpa/eager get that explicit mask (CPU), flash_attention_2 goes through its
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
-  computed.
+  computed. nemo-automodel's own implementations read no boundaries from position ids: they get the block-diagonal
+  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask).
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
 Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
 each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
@@ -96,13 +97,28 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        extra = {}
+        if position_ids is not None and not hasattr(model, "get_decoder"):
+            # nemo-automodel's layers read no document boundaries from position ids (without a mask their sdpa runs
+            # causal over the whole packed row): they take an explicit block-diagonal mask, and no padding
+            attention_mask = document_mask(position_ids)
+            extra["padding_mask"] = torch.zeros_like(input_ids, dtype=torch.bool)
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                      **extra)
         hidden = out if isinstance(out, Tensor) else out.last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
                          with_entropy, chunk_tokens, flat_top)
+
+
+def document_mask(position_ids: Tensor) -> Tensor:
+    """(1, 1, N, N) bool mask of a packed row: a position attends to the positions up to it in its own row (a row
+    starts where its position id is 0)."""
+    doc = torch.cumsum(position_ids[0] == 0, 0)
+    causal = torch.ones(doc.numel(), doc.numel(), dtype=torch.bool, device=doc.device).tril()
+    return (causal & (doc[:, None] == doc[None, :]))[None, None]
 
 
 def attach(model) -> None:

@@ -9,6 +9,10 @@ assistant replies only; FSDP2 model, AdamW + scheduler from the FSDP core shared
 `micro_batch_size` rows per rank, packed into one row each with `actor.packing`; evaluate and save on their
 cadences) -> export (HF) -> cleanup.
 
+The model comes from the plan's backend (`runtime/models/`: transformers' under FSDP2, or nemo-automodel's own
+class on the same mesh), routers frozen with `freeze_moe_router`; a MoE model adds `aux_loss_coef` x its
+load-balancing loss per micro-batch / micro-batches (Molt B32, as the RL trainer does; `train/loss` stays the NLL).
+
 Every number comes from the plan's `sft` slice (batch sizes, accumulation, steps, cadences, optimizer); nothing is
 re-derived. The loss is Molt's global token mean (`runtime.algo.losses.sft_loss`): every rank divides its summed
 reply-token NLL by the reply-token count of the whole optimizer step (all micro-batches, all ranks), times dp,
@@ -21,14 +25,16 @@ count in the loss; with `train_on_last_turn_only` only the last one. Rows are cu
 assistant turn, or whose replies lie wholly beyond `max_len`, are dropped and counted (Molt keeps all-zero-mask
 rows with a warning; they train nothing, so dropping them changes no gradient).
 
-Not supported here (a clear error at start): VLM (`image_key`), tp/cp/ep/pp > 1, dataset interleave
-probabilities, non-JSONL sources. SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
+Several datasets are read one after the other, or with `data.dataset_probs` interleaved as Molt blends them
+(`datasets.interleave_datasets`, all_exhausted, seeded with `train.seed`; the compiler counted the same rows).
+The capability table refuses what is not done here (VLM `image_key`, tp/cp/ep > 1, ...). SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
 DCP checkpoint when the plan has a checkpoint cadence, and exits 130. With an eval set, the last step is
 evaluated too (when the cadence does not land on it), so every run ends with an eval loss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -40,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp, models
+from runtime import fsdp, models, moe
 from runtime.sft_data import SftError, collate, load_examples, reply_logprobs
 from schemas.plan import Plan
 
@@ -97,7 +103,8 @@ class SftRecipe:
         self._load_data()
         self.backend = models.backend(s.model)
         self.model = self.backend.build(s.model, s.model.path, self.backend.device_mesh(s.device, self.world, t.mesh),
-                                        self.device, lora=t.lora, offload=t.offload)
+                                        self.device, freeze_router=t.freeze_moe_router, lora=t.lora,
+                                        offload=t.offload)
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
@@ -146,7 +153,8 @@ class SftRecipe:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         data_kw = dict(input_key=d.input_key, output_key=d.output_key, max_len=d.max_len,
                        last_turn_only=d.train_on_last_turn_only)
-        self.data = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, **data_kw)
+        self.data = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, probs=d.probs,
+                                  seed=t.seed, **data_kw)
         evals = (load_examples([s.eval_dataset], tok, max_samples=d.max_samples, split=s.eval_split, **data_kw)
                  if s.eval_dataset else None)
         self.log(f"data: {self.data.rows} rows, {len(self.data.examples)} trained, dropped "
@@ -230,12 +238,18 @@ class SftRecipe:
                  for m in range(0, self.window, t.micro_batch_size)]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
         loss_sum = 0.0
+        top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
+        aux = t.aux_loss_coef > 1e-8 and top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
         for ids, attn, mask in micro:
             ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
-            lp = reply_logprobs(self.model, ids, attn, packed=t.packing)
+            with moe.collect_logits(self.model) if aux else contextlib.nullcontext() as router:
+                lp = reply_logprobs(self.model, ids, attn, packed=t.packing)
             loss = sft_loss(lp, mask[:, 1:], global_num_tokens=global_tokens, dp_size=self.world)
+            loss_sum += float(loss.detach()) / self.world  # train/loss: the reply-token NLL, without the aux term
+            if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
+                real = attn.reshape(-1) if not t.packing else torch.ones(router.logits[0].shape[0], device=self.device)
+                loss = loss + t.aux_loss_coef * moe.load_balancing_loss(router.logits, top_k, real) / len(micro)
             loss.backward()
-            loss_sum += float(loss.detach()) / self.world
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, t.optimizer.max_norm)
         self.step += 1

@@ -82,33 +82,74 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int, last_turn
 
 
 def load_examples(paths: list[str], tokenizer, *, input_key: str, output_key: str | None, max_len: int,
-                  max_samples: int, last_turn_only: bool, split: str) -> LoadedData:
-    """Tokenized examples of every source (any format runtime/datasource.py reads), at most `max_samples` rows."""
+                  max_samples: int, last_turn_only: bool, split: str, probs: list[float] | None = None,
+                  seed: int = 0) -> LoadedData:
+    """Tokenized examples of every source (any format runtime/datasource.py reads), at most `max_samples` rows:
+    the sources one after the other, or with `probs` interleaved as Molt blends them (`interleave_order`), each
+    source first capped at `max_samples`."""
+    columns = [k for k in (input_key, output_key) if k]
     out = LoadedData([])
+    if probs:
+        sources = [_open(path, split, max_samples, columns) for path in paths]
+        order = interleave_order([len(rows) for rows in sources], probs, seed)[:max_samples]
+        encoded: dict[tuple[int, int], Example | str] = {}  # a row drawn again (all_exhausted wraps) is reused
+        for s, i in order:
+            if (s, i) not in encoded:
+                encoded[(s, i)] = _encode_row(sources[s], i, tokenizer, input_key, output_key, max_len, last_turn_only)
+            _keep(out, encoded[(s, i)])
+        return out
     for path in paths:
-        try:
-            rows = open_rows(path, split, max_samples - out.rows, [k for k in (input_key, output_key) if k])
-        except DataError as exc:
-            raise SftError(str(exc)) from None
-        for i, row in enumerate(rows):
-            out.rows += 1
-            if input_key not in row or row[input_key] is None:
-                raise SftError(f"{rows.where(i)}: no column {input_key!r} (data.input_key); "
-                               f"the row has {sorted(k for k, v in row.items() if v is not None)}")
-            prompt = _as_messages(row[input_key], "user") or []
-            reply = _as_messages(row.get(output_key), "assistant") if output_key else []
-            messages = prompt + (reply or [])
-            if not any(m["role"] == "assistant" for m in messages):
-                out.dropped["no_reply"] = out.dropped.get("no_reply", 0) + 1
-                continue
-            ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
-            if ex is None:
-                out.dropped["reply_beyond_max_len"] = out.dropped.get("reply_beyond_max_len", 0) + 1
-                continue
-            out.examples.append(ex)
+        rows = _open(path, split, max_samples - out.rows, columns)
+        for i in range(len(rows)):
+            _keep(out, _encode_row(rows, i, tokenizer, input_key, output_key, max_len, last_turn_only))
         if out.rows >= max_samples:
             break
     return out
+
+
+def interleave_order(lengths: list[int], probs: list[float], seed: int) -> list[tuple[int, int]]:
+    """(source, row) of each row of `datasets.interleave_datasets` over sources of `lengths` with `probs`, `seed`
+    and `stopping_strategy="all_exhausted"` (Molt's blend, molt_rules.md §1.1): sources are drawn at random until
+    every one has been drawn through, the shorter ones wrapping around. datasets interleaves (source, row) index
+    tables here, so the rows themselves never go through Arrow (runtime/datasource.py says why). The compiler
+    counts the same rows (`schemas.schedule.interleaved_rows`)."""
+    import datasets
+
+    tables = [datasets.Dataset.from_dict({"source": [s] * n, "row": list(range(n))}) for s, n in enumerate(lengths)]
+    mixed = datasets.interleave_datasets(tables, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
+    rows = mixed[:]  # one Arrow take of both columns (a column iterated row by row is slow)
+    return list(zip(rows["source"], rows["row"], strict=True))
+
+
+def _open(path: str, split: str, limit: int, columns: list[str]):
+    try:
+        return open_rows(path, split, limit, columns)
+    except DataError as exc:
+        raise SftError(str(exc)) from None
+
+
+def _encode_row(rows, i: int, tokenizer, input_key: str, output_key: str | None, max_len: int,
+                last_turn_only: bool) -> Example | str:
+    """Row i as an example, or why it is dropped (`no_reply`, `reply_beyond_max_len`)."""
+    row = rows[i]
+    if input_key not in row or row[input_key] is None:
+        raise SftError(f"{rows.where(i)}: no column {input_key!r} (data.input_key); "
+                       f"the row has {sorted(k for k, v in row.items() if v is not None)}")
+    prompt = _as_messages(row[input_key], "user") or []
+    reply = _as_messages(row.get(output_key), "assistant") if output_key else []
+    messages = prompt + (reply or [])
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no_reply"
+    ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
+    return "reply_beyond_max_len" if ex is None else ex
+
+
+def _keep(out: LoadedData, ex: Example | str) -> None:
+    out.rows += 1
+    if isinstance(ex, str):
+        out.dropped[ex] = out.dropped.get(ex, 0) + 1
+    else:
+        out.examples.append(ex)
 
 
 def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -248,6 +248,62 @@ def _offload_rows() -> tuple[Capability, ...]:
     )
 
 
+def _sft_automodel_rows() -> tuple[Capability, ...]:
+    """What SFT on the automodel backend does not do (runtime/sft.py builds through `models.backend`: the build and
+    FSDP2 mesh of RL, packing included; tests/runtime/test_sft_automodel.py): as for RL (`_automodel_rows`), the
+    settings only the hf backend implements and the DeepEP dispatchers."""
+
+    def row(id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str) -> Capability:
+        def on_automodel(p: Plan) -> bool:
+            return p.sft.model.backend == "automodel" and asks(p)
+
+        return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}")
+
+    return (
+        row(
+            "sft-automodel-lora",
+            "actor.lora",
+            "LoRA adapters on the automodel backend",
+            lambda p: p.sft.trainer.lora is not None,
+            "model.backend: hf",
+            "the adapters are peft's on transformers modules (runtime/lora.py)",
+        ),
+        row(
+            "sft-automodel-attn",
+            "model.attn",
+            "an attention other than sdpa on the automodel backend",
+            lambda p: p.sft.model.attn != "sdpa",
+            "model.attn: sdpa",
+            "te and tilelang kernels are not in this build, and flex is untested on nemo-automodel's layers",
+        ),
+        row(
+            "sft-automodel-compile",
+            "model.compile_layers",
+            "compiled decoder layers on the automodel backend",
+            lambda p: p.sft.model.compile_layers,
+            "model.compile_layers: false",
+            "compiled layers are tested on transformers' layers only",
+        ),
+        row(
+            "sft-automodel-selective",
+            "model.gradient_checkpoint",
+            "selective (per-op) activation checkpointing on the automodel backend",
+            lambda p: p.sft.model.gradient_checkpoint == "selective",
+            "model.gradient_checkpoint: full (or none)",
+            "per-op checkpointing fails in nemo-automodel's layers: their profiler record_function ops do not "
+            "replay in the recompute",
+        ),
+        row(
+            "sft-automodel-dispatcher",
+            "env.MOLT_MOE_DISPATCHER",
+            "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",
+            lambda p: (p.sft.model.moe_dispatcher or "") in _DEEPEP_DISPATCHERS and p.sft.trainer.world > 1,
+            "env: {MOLT_MOE_DISPATCHER: torch}",
+            "DeepEP is not in this build (at world 1 nemo-automodel keeps its local grouped experts)",
+        ),
+    )
+
+
 CAPABILITIES: tuple[Capability, ...] = (
     # ---------------------------------------------------------------------------------------------------- RL
     Capability(
@@ -363,15 +419,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 17",
     ),
     Capability(
-        "sft-interleave",
-        "sft",
-        "data.dataset_probs",
-        "interleaving several datasets by probability",
-        lambda p: p.sft.data.probs is not None,
-        "one dataset (or no `data.dataset_probs`)",
-        tracked="issue 14",
-    ),
-    Capability(
         "sft-muon",
         "sft",
         "actor.optimizer.name",
@@ -380,15 +427,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         "actor.optimizer.name: adam",
         tracked="issue 15",
     ),
-    Capability(
-        "sft-automodel",
-        "sft",
-        "model.backend",
-        "the nemo-automodel training backend for SFT",
-        lambda p: p.sft.model.backend == "automodel",
-        "model.backend: hf",
-        tracked="issue 16",
-    ),
+    *_sft_automodel_rows(),
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
 

@@ -34,18 +34,21 @@ def count_rows(
     split: str,
     root: str | None = None,
     count_other: CountOther | None = None,
+    seed: int | None = None,
 ) -> tuple[int | None, str]:
     """Rows of resolved dataset sources after the per-source and blend `max_samples` caps, with a reason.
 
     Counts local json/jsonl/parquet/arrow files and save_to_disk / DatasetDict directories from their headers
     (`schemas/datafiles.py`: no datasets/pyarrow import); a relative source is joined to `root` (the job root). A
     source it cannot count (a hub name, a path not visible here) is counted by `count_other` when given (the job's
-    start passes one that loads it), else the result is None with the reason.
+    start passes one that loads it), else the result is None with the reason. Sources interleaved by `probs` (SFT
+    `data.dataset_probs`) are counted as `interleaved_rows` draws them with `seed`; without a seed (RL's
+    `prompt_probs`, blended by the generator itself) the result is None.
     """
-    if probs:
+    if probs and seed is None:
         return None, "interleaved with probabilities: the length depends on sampling"
     total = 0
-    parts = []
+    parts, counts = [], []
     for src in sources:
         path_str = src.split("@", 1)[0]
         local = os.path.join(root, path_str) if root and not os.path.isabs(path_str) else path_str
@@ -58,11 +61,62 @@ def count_rows(
         capped = min(n, max_samples)
         parts.append(f"{path_str} {n}" + (f" (capped {capped})" if capped != n else ""))
         total += capped
+        counts.append(n)
     if not sources:
         return None, "no dataset source"
+    how = "counted: " + " + ".join(parts)
+    if probs:
+        mixed, why = interleaved_rows([min(n, max_samples) for n in counts], probs, seed or 0)
+        if mixed is None:
+            return None, why
+        total = mixed
+        how = f"{why} of {', '.join(parts)}"
     blended = min(total, max_samples)
     cap = f", capped at max_samples {max_samples}" if blended != total else ""
-    return blended, "counted: " + " + ".join(parts) + cap
+    return blended, how + cap
+
+
+def probs_problem(n_sources: int, probs: list[float]) -> str | None:
+    """Why `probs` cannot interleave `n_sources` sources under all_exhausted (datasets and numpy refuse them at
+    load), or None: one probability per source, each > 0 (a never-drawn source is never exhausted), summing to 1
+    (numpy's `choice` checks it to about 1.5e-8; 1e-8 here)."""
+    if len(probs) != n_sources:
+        return f"{len(probs)} probabilities for {n_sources} source(s)"
+    if any(p <= 0 for p in probs):
+        return "a probability is not > 0 (under all_exhausted every source must be drawn through)"
+    if abs(math.fsum(probs) - 1.0) > 1e-8:
+        return f"the probabilities sum to {math.fsum(probs):g}, not 1"
+    return None
+
+
+def interleaved_rows(lengths: list[int], probs: list[float], seed: int) -> tuple[int | None, str]:
+    """Rows of `datasets.interleave_datasets(sources, probabilities=probs, seed=seed,
+    stopping_strategy="all_exhausted")` over sources of `lengths` (Molt's blend, molt_rules.md §1.1
+    `--data.prompt_probs`; SFT's `dataset_probs` goes through the same function), with a reason.
+
+    datasets (5.x) draws a source per row from `numpy.random.default_rng(seed).choice(n, size=1000, p=probs)` blocks
+    and stops at the draw where the last source is drawn for its `length`-th time (sources wrap around until then):
+    the count is that draw's position + 1. numpy is imported here only (a runtime test compares the count with
+    datasets' own on several mixes); without numpy the job counts at start."""
+    problem = probs_problem(len(lengths), probs)
+    if problem or 0 in lengths:
+        return None, f"interleaved with probabilities: {problem or 'a source has no rows'}"
+    try:
+        import numpy as np
+    except ImportError:
+        return None, "interleaved with probabilities: numpy (which draws the mix) is not installed here"
+    rng = np.random.default_rng(seed)
+    draws, counts = [], np.zeros(len(lengths), dtype=np.int64)
+    try:
+        while not (counts >= lengths).all():
+            block = rng.choice(len(lengths), size=1000, p=probs)
+            draws.append(block)
+            counts += np.bincount(block, minlength=len(lengths))
+    except ValueError as exc:  # numpy's own check of the probabilities (they must sum to 1)
+        return None, f"interleaved with probabilities {probs}: {exc}"
+    drawn = np.concatenate(draws)
+    last = max(int(np.flatnonzero(drawn == s)[n - 1]) for s, n in enumerate(lengths))
+    return last + 1, f"interleaved (all_exhausted, seed {seed}, probabilities {list(probs)}): {last + 1} rows"
 
 
 def _warmup(role: str, steps: int, ratio: float) -> Value:
@@ -213,7 +267,14 @@ def at_job_start(plan: Plan, count_other: CountOther | None = None) -> tuple[Pla
         sd = sft.data
         sft_inputs = sd.count_at_start
         assert sft_inputs is not None  # checked above
-        count, why = count_rows(sd.dataset, sd.max_samples, sd.probs, sd.split, count_other=count_other)
+        count, why = count_rows(
+            sd.dataset,
+            sd.max_samples,
+            sd.probs,
+            sd.split,
+            count_other=count_other,
+            seed=sft.trainer.seed if sd.probs else None,
+        )
         if count is None:
             raise DataNotCounted(f"data.dataset: the job cannot count its rows at start: {why}")
         values = sft_schedule(count, sft_inputs)

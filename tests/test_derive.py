@@ -409,7 +409,8 @@ def test_every_documented_name_is_derived_for_some_recipe() -> None:
         if row.startswith("| `"):
             documented |= set(re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", row.split("|")[1]))
     produced = set()
-    for recipe in (rl(), rl(algo={"estimator": "gae"}, ref={}), sft()):
+    moe = {"path": "Qwen/Qwen3-30B-A3B", "arch": "qwen3-30b-a3b"}  # an AutoModel custom model: B20's model.attn
+    for recipe in (rl(), rl(algo={"estimator": "gae"}, ref={}), sft(), sft(model=moe)):
         produced |= set(derive(recipe).names())
     assert documented - produced == set(), "documented but never derived"
     assert produced - documented == set(), "derived but not documented"
@@ -420,3 +421,14 @@ def test_derive_imports_nothing_heavy() -> None:
             "schemas.plan; print([m for m in ('torch','ray','vllm','transformers') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_default_attention_on_an_automodel_custom_model_runs_as_sdpa() -> None:
+    """B20: without packing, the default flash_attention_2 runs as sdpa on an AutoModel custom model (the plan's
+    model.attn, which the capability table accepts); te stays te, and the HF path keeps the recipe's value."""
+    moe = {"path": "Qwen/Qwen3-30B-A3B", "arch": "qwen3-30b-a3b"}
+    assert derive(sft(model=moe)).value("model.attn") == "sdpa"
+    assert "B20" in derive(sft(model=moe))["model.attn"].reason
+    assert "model.attn" not in derive(sft(model={**moe, "attn": "te"}))
+    assert "model.attn" not in derive(sft(model={**moe, "backend": "hf"}))
+    assert "model.attn" not in derive(rl())

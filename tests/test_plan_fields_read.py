@@ -68,11 +68,9 @@ NOT_FOR_THE_RUNTIME = {
     "sft.data.image_key": "images: refused by sft-images",
     "sft.data.max_images_per_prompt": "images: refused by sft-images (with data.image_key)",
     # MoE and VLM knobs: the compiler warns when they are set on a model without such modules (DEAD005, DEAD008);
-    # MoE models train through nemo-automodel (refused by rl-automodel / sft-automodel, issue 16)
+    # MoE models train through nemo-automodel (issue 16)
     "rl.trainer.loss.aux_loss_coef": "MoE aux loss: MoE training is issue 16 (DEAD005 on dense models)",
-    "sft.trainer.aux_loss_coef": "MoE aux loss: issue 16 (DEAD005 on dense models)",
     "rl.trainer.freeze_moe_router": "MoE: issue 16 (DEAD005 on dense models)",
-    "sft.trainer.freeze_moe_router": "MoE: issue 16",
     "sft.trainer.freeze_visual_encoder": "VLM: issue 17",
     # performance knobs without an effect in this runtime (known gaps, not silent correctness changes)
     "rl.trainer.shuffle_microbatches": "known gap: micro-batches keep their order (G11 shuffling, issue 11)",

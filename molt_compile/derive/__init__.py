@@ -19,6 +19,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `cluster.total_gpus` * | nodes × gpus_per_node (device slots on a CPU cluster) | |
 | `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
 | `model.backend` | the training backend that runs: hf when set, or when the architecture has no AutoModel custom class | H9 |
+| `model.attn` * | only where it is not the recipe's: sdpa for model.attn outside te/sdpa/flex/tilelang on an AutoModel custom model without packing (`model_attn` reads either) | B20 |
 | `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
 | `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
@@ -100,7 +101,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from molt_compile.derive.algo import DISTILL_AGENT_PATH, derive_algo, is_band, kl_ref_of
-from molt_compile.derive.cluster import derive_backend, derive_cluster
+from molt_compile.derive.cluster import CUSTOM_NATIVE_ATTN, derive_attention, derive_backend, derive_cluster, model_attn
 from molt_compile.derive.roles import COLOCATED_GPU_FRACTION, derive_actor_extras, derive_rl_roles
 from molt_compile.derive.rollout import derive_gpu_totals, derive_rollout
 from molt_compile.derive.schedule import DEFERRED, derive_rl_eval_ckpt, derive_rl_schedule
@@ -113,6 +114,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLOCATED_GPU_FRACTION",
+    "CUSTOM_NATIVE_ATTN",
     "DEFERRED",
     "DISTILL_AGENT_PATH",
     "SFT_MASTER_PORT",
@@ -121,6 +123,7 @@ __all__ = [
     "derive",
     "is_band",
     "kl_ref_of",
+    "model_attn",
 ]
 
 
@@ -134,6 +137,7 @@ def derive(recipe: RlRecipe | SftRecipe, source: SourceMap | None = None) -> Der
         derive_sft(b, recipe, source)
     else:
         derive_rl(b, recipe, source)
+    derive_attention(b, recipe, source)
     return Derived(b.items)
 
 

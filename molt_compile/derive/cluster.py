@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from molt_compile.derive.values import Builder
+from molt_compile.derive.values import Builder, Derived
 from molt_compile.model_facts import hf_fallback, model_facts
 from schemas.catalog import GPUS
 
@@ -26,6 +26,31 @@ def derive_backend(b: Builder, r: RlRecipe | SftRecipe, source: SourceMap | None
         )
     else:
         b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
+
+
+CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
+"""Attentions an AutoModel custom model runs as asked without packing (Molt B20); any other runs as sdpa."""
+
+
+def model_attn(r: RlRecipe | SftRecipe, d: Derived) -> str:
+    """The attention that runs (the plan's `model.attn`): the derived one (B20) where it differs, else the recipe's."""
+    return d.value("model.attn") if "model.attn" in d else r.model.attn
+
+
+def derive_attention(b: Builder, r: RlRecipe | SftRecipe, source: SourceMap | None) -> None:
+    """`model.attn` when the attention that runs is not the recipe's: on an AutoModel custom model without packing,
+    one outside CUSTOM_NATIVE_ATTN (the schema default flash_attention_2 among them) runs as sdpa (B20: Molt prints a
+    notice and switches). Absent otherwise: the recipe's value runs (the plan takes `model_attn`)."""
+    attn = r.model.attn
+    packing = b.items["actor.packing"].value if "actor.packing" in b.items else r.actor.packing
+    facts = model_facts(r, source)
+    if b.v("model.backend") == "automodel" and facts is not None and not packing and attn not in CUSTOM_NATIVE_ATTN:
+        b.add(
+            "model.attn",
+            "sdpa",
+            f"{facts.key} is an AutoModel custom model without packing: {attn} runs as sdpa (B20)",
+            ("model.attn", "model.backend", "actor.packing"),
+        )
 
 
 def derive_cluster(b: Builder, r: RlRecipe | SftRecipe) -> None:

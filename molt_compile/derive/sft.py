@@ -9,7 +9,7 @@ from molt_compile.derive.schedule import DEFERRED, derive_ckpt, job_root
 from molt_compile.derive.values import Builder
 from molt_compile.paths import resolve_sources
 from schemas.plan import SftCountInputs
-from schemas.schedule import count_rows, sft_schedule
+from schemas.schedule import count_rows, probs_problem, sft_schedule
 
 if TYPE_CHECKING:
     from molt_compile.source import SourceMap
@@ -52,10 +52,17 @@ def derive_sft(b: Builder, r: SftRecipe, source: SourceMap | None) -> None:
         f"cluster {total} - used {world}",
         ("cluster.total_gpus", "cluster.used_gpus"),
     )
+    sources = resolve_sources(d.dataset, "data.dataset", source)
     count, why = count_rows(
-        resolve_sources(d.dataset, "data.dataset", source), d.max_samples, d.dataset_probs, d.split, job_root(source)
+        sources,
+        d.max_samples,
+        d.dataset_probs,
+        d.split,
+        job_root(source),
+        seed=t.seed if d.dataset_probs else None,  # the interleave's seed (runtime/sft_data.py)
     )
-    b.add("data.sample_count", count, why, ("data.dataset", "data.max_samples", "data.dataset_probs"))
+    keys = ("data.dataset", "data.max_samples", "data.dataset_probs") + (("train.seed",) if d.dataset_probs else ())
+    b.add("data.sample_count", count, why, keys)
     e = r.eval
     enabled = e.dataset is not None
     inputs = SftCountInputs(
@@ -71,7 +78,7 @@ def derive_sft(b: Builder, r: SftRecipe, source: SourceMap | None) -> None:
         values = {name: (None, DEFERRED, ("data.sample_count",)) for name in names}
         if inputs.eval_every_epoch:
             values["eval.every"] = (None, DEFERRED, ("eval.every", "train.steps_per_epoch"))
-        if not d.dataset_probs:  # interleaving by probability: capability sft-interleave
+        if not d.dataset_probs or probs_problem(len(sources), d.dataset_probs) is None:  # else DATA001/DATA012
             b.add(
                 "data.count_at_start",
                 inputs.model_dump(),

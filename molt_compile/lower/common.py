@@ -7,7 +7,7 @@ import os
 from typing import Any, Literal
 
 from molt_compile.codes import BUILTIN
-from molt_compile.derive import Derived
+from molt_compile.derive import Derived, model_attn
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.model_facts import model_facts, moe_dispatcher
 from molt_compile.paths import local_path, plan_path, resolve_path
@@ -178,7 +178,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         arch=m.arch,
         backend=d.value("model.backend"),
         dtype=_DTYPES[m.param_dtype],
-        attn=m.attn,
+        attn=model_attn(r, d),  # the attention that runs (B20)
         gradient_checkpoint=m.gradient_checkpoint,
         compile_layers=m.compile_layers,
         disable_fast_tokenizer=m.disable_fast_tokenizer,

@@ -105,6 +105,9 @@ ALL_RULES: tuple[Code, ...] = (
     Code("DATA009", "data-prompt-empty", "warning", data_rows.data_prompt_empty, BOTH),
     Code("DATA010", "data-counted-at-job-start", "warning", data_rows.data_counted_at_job_start, BOTH),
     Code("DATA011", "data-rows-not-all-scanned", "info", data_rows.data_rows_not_all_scanned, BOTH),
+    Code(
+        "DATA012", "interleave-probs-not-a-distribution", "error", data_agent.interleave_probs_not_a_distribution, BOTH
+    ),
     Code("DEAD001", "dead-rollout-knob", "warning", dead_knobs.dead_rollout_knob),
     Code("DEAD002", "freezing-steps-without-critic", "warning", dead_knobs.freezing_steps_without_critic),
     Code("DEAD003", "discount-unused-by-estimator", "warning", dead_knobs.discount_unused_by_estimator),

@@ -67,6 +67,45 @@ def prompt_probs_count_mismatch(
         )
 
 
+def interleave_probs_not_a_distribution(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    The interleave probabilities (`data.prompt_probs`, SFT `data.dataset_probs`) are each > 0 and sum to 1 (to
+    1e-8), when there is one per source (DATA001 checks that).
+
+    ## Why it matters
+    Molt interleaves with `datasets.interleave_datasets(..., stopping_strategy="all_exhausted")`: numpy refuses
+    probabilities that do not sum to 1, and datasets refuses a source that is never drawn (it could never be
+    exhausted), when the job loads the data, after the cluster is up. The compiler counts the mix with the same draws
+    (`schemas.schedule.interleaved_rows`) and needs a distribution too.
+
+    ## Example
+    ```yaml
+    data: {prompts: "data/prompts.jsonl,data/prompts.jsonl", prompt_probs: [0.6, 0.6]}
+    ```
+
+    ## Use instead
+    ```yaml
+    data: {prompts: "data/prompts.jsonl,data/prompts.jsonl", prompt_probs: [0.5, 0.5]}
+    ```
+
+    ## References
+    molt_rules.md §1.1 (`--data.prompt_probs`), L3
+    """
+    from schemas.schedule import probs_problem
+
+    d = recipe.data
+    spec, probs, key = (
+        (d.dataset, d.dataset_probs, "data.dataset_probs")
+        if isinstance(d, SftData)
+        else (d.prompts, d.prompt_probs, "data.prompt_probs")
+    )
+    n = len(_sources(spec))
+    if probs is not None and len(probs) == n and (problem := probs_problem(n, probs)):
+        yield diag(source, key, f"{key}: {problem}", "give one probability > 0 per source, summing to 1")
+
+
 def packing_with_vlm(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `actor.packing: true` on a VLM run (RL: `data.max_images_per_prompt > 0`; SFT: `data.image_key` set).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from molt_compile.derive import Derived
+from molt_compile.derive import CUSTOM_NATIVE_ATTN, Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.model_facts import model_facts
 from molt_compile.rules._base import diag, dv
@@ -14,7 +14,6 @@ from schemas.recipe import RlRecipe, SftRecipe
 
 PACKING_ATTN = ("te", "flash_attention_2", "tilelang")
 CPU_PACKING_ATTN = ("sdpa", "eager")
-CUSTOM_NATIVE_ATTN = ("te", "sdpa", "flex", "tilelang")
 
 
 def _packing(recipe, derived) -> bool:

@@ -10,7 +10,7 @@ step for the gradient norm over its mesh.
 - `automodel` (`runtime/models/automodel.py`): nemo-automodel's `NeMoAutoModelForCausalLM` builds the model (its own
   MoE layers); at `mesh.ep` 1 the same FSDP2 wrapping as `hf` shards it, at `mesh.ep` > 1 nemo-automodel's own
   device mesh and parallelizer (experts sharded over `ep`, FSDP2 over the data-parallel ranks). What it does not do
-  yet is in the capability table (rows rl-automodel-*, sft-automodel).
+  yet is in the capability table (rows rl-automodel-*, sft-automodel-*).
 """
 
 from __future__ import annotations
