@@ -17,7 +17,7 @@ from pathlib import Path
 import ray
 
 from runtime.generator import EngineLock, Generator
-from runtime.loop import RunResult
+from runtime.messages import RunResult
 from runtime.metrics import MetricsSink
 from runtime.roles import create_placement_groups, role_options, start_rollout, start_runners
 from runtime.supervisor import Started, Supervisor
@@ -41,7 +41,7 @@ def run_eval_only(plan: Plan, sup: Supervisor, started: Started, *, live: bool =
         engines, router = start_rollout(plan, pgs, sup)
     started.handles += engines
     for i, e in enumerate(engines):
-        sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
+        sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
     lock = EngineLock.options(**role_options(plan, "lock")).remote()
     runners = start_runners(plan, router)
     started.handles += [lock, *runners]

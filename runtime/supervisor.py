@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -106,9 +106,8 @@ class Supervisor:
         self.ray_checked_at = 0.0
 
     # ------------------------------------------------------------------------------------------------ watching
-    def watch(self, name: str, handle, method: str, key: str) -> None:
-        """Watch an actor through `handle.<method>.remote()`, a cheap call (its ping)."""
-        ping = getattr(handle, method).remote
+    def watch(self, name: str, handle, ping: Callable[[], object], key: str) -> None:
+        """Watch the actor `handle` through `ping()`, a cheap call to it (e.g. `handle.ready.remote`)."""
         self.watched.append(_Watched(name, key, ping, ping(), time.monotonic(), _actor_id(handle)))
 
     def watch_call(self, name: str, handle, ref, key: str) -> None:
@@ -119,13 +118,18 @@ class Supervisor:
         self.watched = [w for w in self.watched if w.name != name]
 
     @contextmanager
-    def phase(self, name: str, actor: str, key: str):
+    def phase(self, name: str, actor: str, key: str, timings: dict[str, float] | None = None) -> Iterator[None]:
+        """What the loop is waiting on (`actor`, the recipe `key` most likely at fault), for the errors it raises.
+        With `timings`, the phase's wall time is added to `timings["timing/<name>"]` (the name is the metric's)."""
         previous = self.phase_name, self.actor, self.key
         self.phase_name, self.actor, self.key = name, actor, key
+        start = time.time()
         try:
             yield
         finally:
             self.phase_name, self.actor, self.key = previous
+            if timings is not None:
+                timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.time() - start
 
     def check(self) -> None:
         """Raise `RunAborted` when a watched actor has died or its watched call failed."""
