@@ -88,7 +88,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     sup = Supervisor(rl.supervisor, stop)
     started = Started()
     try:
-        if rl.trainer is None:  # eval.only: no trainer in the plan, one eval round
+        if rl.eval.only:  # no trainer in the plan: one eval round
             from runtime.eval_only import run_eval_only
 
             return run_eval_only(plan, sup, started, live=live)
@@ -106,7 +106,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
 
 
 class RlLoop:
-    """The driver's RL run in stages (torchtune's recipe shape, as `runtime.sft.SftRecipe`): `setup` starts the
+    """The driver's RL run in stages (torchtune's recipe shape, as `runtime.sft.SftJob`): `setup` starts the
     roles and the generator, `train` takes batches until the stream ends or a stop comes, `finish` settles the books,
     evaluates the final weights, exports and plots. Every wait is a supervisor phase; a phase given `self.timings`
     logs its wall time as `timing/<its name>`."""
