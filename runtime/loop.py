@@ -324,7 +324,7 @@ class RlLoop:
             old, ref = self.trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, same ranks
         if self.separate_ref is not None:
             ref = self.separate_ref.forward_logprobs(padded_ref)
-        if a.kl.ref == "rollout" and a.kl.coef > 0:
+        if a.kl.to_rollout:
             ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
         if self.critic is not None:
             with self.sup.phase("values (V_old)", "critic", "critic.micro_batch_size"):
