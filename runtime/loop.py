@@ -39,20 +39,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
 from ray.util.queue import Queue
 
 from runtime import algo, ckpt
+from runtime.batch_stats import LengthShaping, batch_metrics, image_metrics, outcomes
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
 from runtime.datasource import derive_at_start
 from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
-    check_image_alignment,
-    image_token_count,
     pad_batch_to_multiple,
     partial_rollout_metrics,
 )
@@ -72,7 +72,7 @@ from runtime.roles import (
 from runtime.supervisor import RunAborted, RunStopped, Started, StopFlag, Supervisor
 from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
-from schemas.plan import Plan
+from schemas.plan import Plan, RlRuntime, TrainerPlan
 
 REQUEUE_EXIT_STATUS = 75
 """Exit status of `python -m runtime` after SIGUSR1: checkpointed, run me again (EX_TEMPFAIL; the Slurm script
@@ -84,6 +84,7 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     Values the compiler deferred to the job's start (DATA010: it could not count the prompts) are derived first."""
     plan = derive_at_start(plan)
     rl = plan.rl
+    assert rl is not None  # `python -m runtime` runs kind rl plans only
     stop = StopFlag()
     sup = Supervisor(rl.supervisor, stop)
     started = Started()
@@ -91,8 +92,9 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         if rl.eval.only:  # no trainer in the plan: one eval round
             from runtime.eval_only import run_eval_only
 
-            return run_eval_only(plan, sup, started, live=live)
-        loop = RlLoop(plan, sup, started, live)
+            return run_eval_only(plan, rl, sup, started, live=live)
+        assert rl.trainer is not None  # a plan that trains has its trainer section (eval.only lowers to none)
+        loop = RlLoop(plan, rl, rl.trainer, sup, started, live)
         loop.setup()
         loop.train()
         return loop.finish()
@@ -111,8 +113,17 @@ class RlLoop:
     evaluates the final weights, exports and plots. Every wait is a supervisor phase; a phase given `self.timings`
     logs its wall time as `timing/<its name>`."""
 
-    def __init__(self, plan: Plan, sup: Supervisor, started: Started, live: bool):
-        self.plan, self.rl, self.sup, self.started, self.live = plan, plan.rl, sup, started, live
+    # Ray actor handles and the FSDP groups' drivers (their methods are remote calls: typed Any)
+    engines: list[Any]
+    trainer: Any
+    critic: Any
+    separate_ref: Any
+    lock: Any
+    generator: Any
+
+    def __init__(self, plan: Plan, rl: RlRuntime, trainer_plan: TrainerPlan, sup: Supervisor, started: Started,
+                 live: bool):
+        self.plan, self.rl, self.tp, self.sup, self.started, self.live = plan, rl, trainer_plan, sup, started, live
         self.step, self.status, self.last_eval_step = 0, "finished", -1
         self.accounting: dict[str, int] = {}
         self.timeline: list[dict] = []
@@ -136,9 +147,10 @@ class RlLoop:
             print(f"resume: skipped checkpoint {line}", flush=True)
         self.out_dir = Path(rl.logging.out_dir)
         resumed = self.resume_from is not None
-        if resumed:  # the steps logged after the save are trained again: their records go
+        if self.resume_from is not None:  # the steps logged after the save are trained again: their records go
             for name in ("metrics.jsonl", PROMPTS_LOG):
                 drop_records_after(self.out_dir / name, self.resume_from[1]["step"])
+        assert rl.schedule.total_steps is not None  # derive_at_start counted the prompts
         self.sink = MetricsSink(self.out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
                                 else None, rl.schedule.total_steps, self.live, append=resumed,
                                 wandb=rl.logging.wandb, config=self.plan.recipe, engine=rl.engines.kind)
@@ -158,7 +170,7 @@ class RlLoop:
         started.handles += self.engines
         for i, e in enumerate(self.engines):
             sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
-        self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", rl.trainer.world, "trainer", pgs, sup,
+        self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", self.tp.world, "trainer", pgs, sup,
                                         started)
         self.critic = self.separate_ref = None
         if rl.critic is not None:
@@ -197,10 +209,11 @@ class RlLoop:
         self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
         started.queues += [self.rollout_queue, self.rollout_slots]
         for name, q in (("queue.rollout", self.rollout_queue), ("queue.slots", self.rollout_slots)):
-            sup.watch(name, q.actor, q.actor.qsize.remote, "train.async.queue_size")
+            actor: Any = q.actor
+            sup.watch(name, actor, actor.qsize.remote, "train.async.queue_size")
         for _ in range(rl.queue.size):
             self.rollout_slots.put(self.step)
-        self.lock = EngineLock.options(**role_options(plan, "lock")).remote()
+        self.lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
         started.handles.append(self.lock)
         sup.watch("lock", self.lock, self.lock.held.remote, "train.async.partial_rollout")
         runners = start_runners(plan, self.router)
@@ -208,7 +221,7 @@ class RlLoop:
         with sup.phase("agent runner start-up", "runner", "agent.path"):
             sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here
         self.generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-            plan.rl, runners, self.rollout_queue, self.rollout_slots, self.lock)
+            rl, runners, self.rollout_queue, self.rollout_slots, self.lock)
         started.handles.append(self.generator)
         started.generator = self.generator
         books = self.books
@@ -273,12 +286,13 @@ class RlLoop:
         with sup.phase("make_experience", "actor", "actor.micro_batch_size", timings):
             ex = self.make_experience(msg)
         train_ref = ray.put(ex.train_batch)
-        critic_stats = {}
+        critic_stats: dict[str, float] = {}
         if self.critic is not None:
             with sup.phase("critic_train", "critic", "critic", timings):
                 critic_stats = self.critic.train(train_ref)
-        actor_frozen = self.step < rl.trainer.freezing_steps  # gae: the critic warms up, the policy waits
-        train_stats, sync_stats = {}, {}
+        actor_frozen = self.step < self.tp.freezing_steps  # gae: the critic warms up, the policy waits
+        train_stats: dict[str, float] = {}
+        sync_stats: dict[str, float] = {}
         if not actor_frozen:
             with sup.phase("policy_train", "actor", "actor", timings):
                 train_stats = self.trainer.train(train_ref, self.kl_ctl.value)
@@ -314,13 +328,13 @@ class RlLoop:
     def make_experience(self, msg: RolloutBatch) -> StepExperience:
         """π_old and π_ref (the FSDP groups; no old-logprob pass: the training forward is π_old, Molt B28), V_old
         (the critic), per-token KL, shaped and clipped rewards, advantages and returns."""
-        rl, a = self.rl, self.rl.algo
+        a = self.rl.algo
         batch: Experience = self.sup.get(msg.experience)
         real = batch.batch_size
-        padded = pad_batch_to_multiple(batch, rl.trainer.row_multiple)
+        padded = pad_batch_to_multiple(batch, self.tp.row_multiple)
         padded_ref = ray.put(padded)
         old = ref = values = None
-        if rl.trainer.old_logprob_pass:
+        if self.tp.old_logprob_pass:
             old, ref = self.trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, same ranks
         if self.separate_ref is not None:
             ref = self.separate_ref.forward_logprobs(padded_ref)
@@ -330,10 +344,14 @@ class RlLoop:
             with self.sup.phase("values (V_old)", "critic", "critic.micro_batch_size"):
                 values = self.critic.values(padded_ref)
         mask = batch.action_mask
-        kl = algo.kl_estimate(old[:real], ref[:real], a.kl.estimator, mask, ref=a.kl.ref) if ref is not None else None
+        kl = None
+        if ref is not None:
+            assert old is not None  # the KL is on: the plan has an old-logprob pass (B28)
+            kl = algo.kl_estimate(old[:real], ref[:real], a.kl.estimator, mask, ref=a.kl.ref)
         shaping = LengthShaping(a, batch)
-        rewards = algo.prepare_rewards(a.estimator, batch.rewards, batch.rollout_ids.tolist(),
-                                       batch.group_ids.tolist(), tuple(a.reward_clip), shape=shaping.shape)
+        out = outcomes(batch)
+        rewards = algo.prepare_rewards(a.estimator, out.rewards, out.rollout_ids.tolist(), out.group_ids.tolist(),
+                                       (a.reward_clip[0], a.reward_clip[1]), shape=shaping.shape)
         adv = algo.compute_advantages(
             a.estimator, rewards, mask, kl=None if a.kl.use_loss else kl, kl_coef=self.kl_ctl.value, gamma=a.gamma,
             lam=a.lam, values=values[:real] if values is not None else None, whiten_advantages=a.whiten)
@@ -405,32 +423,6 @@ runtime/generator.py) of the prompts trained at that step: what an exact resume 
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-class LengthShaping:
-    """The plan's length penalty (DAPO overlong or ProRL stop-properly) on the merged rewards, before the clip; its
-    mean R' − R is logged as `train/overlong_penalty` or `train/stop_properly_penalty`."""
-
-    def __init__(self, algo_plan, batch: Experience):
-        self.a, self.batch, self.metrics = algo_plan, batch, {}
-        on = algo_plan.overlong_buffer_len is not None or algo_plan.stop_properly_penalty_coef is not None
-        self.shape = self._shape if on else None
-
-    def _shape(self, merged) -> torch.Tensor:
-        from runtime.algo import penalties
-
-        a, b, n = self.a, self.batch, merged.rewards.numel()
-        if a.overlong_buffer_len is not None:
-            peak = penalties.peak_per_rollout(b.attention_mask.sum(-1), merged.sample_to_rollout, n)
-            shaped, delta = penalties.overlong_penalty(merged.rewards, peak, buffer_len=a.overlong_buffer_len,
-                                                       factor=a.overlong_penalty_factor, max_len=a.overlong_max_len)
-            name = "train/overlong_penalty"
-        else:
-            trunc = penalties.truncated_per_rollout(b.truncated, merged.sample_to_rollout, n)
-            shaped, delta = penalties.stop_properly_penalty(merged.rewards, trunc, coef=a.stop_properly_penalty_coef)
-            name = "train/stop_properly_penalty"
-        self.metrics[name] = float(delta.mean()) if n else 0.0
-        return shaped
-
-
 def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int,
                  sup: Supervisor, timings: dict[str, float]) -> dict[str, float]:
     """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe. Timed
@@ -456,54 +448,6 @@ def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[i
     diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
     return {**stats, "weight_sync/logprob_diff_max": float(diffs.max()),
             "weight_sync/logprob_diff_mean": float(diffs.mean())}
-
-
-def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor | None) -> dict[str, float]:
-    """Rollout statistics count each rollout once: a chat rollout may arrive as several step-samples that share its
-    id and reward (their generated tokens add up, one truncated sample truncates the rollout). `old` is None
-    without an old-logprob pass (then no `train/logprob_diff_max`: the trainer logs `train/mismatch/*`)."""
-    mask = batch.action_mask
-    ids, sample_to_rollout = torch.unique(batch.rollout_ids, return_inverse=True)
-    n = len(ids)
-    first = torch.full((n,), batch.batch_size).scatter_reduce(0, sample_to_rollout, torch.arange(batch.batch_size),
-                                                              reduce="amin")
-    rewards, scores, group_ids = batch.rewards[first], batch.scores[first], batch.group_ids[first]
-    lengths = torch.zeros(n).index_add(0, sample_to_rollout, batch.response_length.float())
-    truncated = torch.zeros(n).scatter_reduce(0, sample_to_rollout, batch.truncated.float(), reduce="amax")
-    groups = group_ids.unique()
-    group_std = [rewards[group_ids == g].std(unbiased=False) for g in groups]
-    out = {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std(unbiased=False)),
-        "rollout/score_mean": float(scores.mean()),
-        "rollout/pass1": float((scores > 0).float().mean()),
-        "rollout/num_rollouts": float(n),
-        "rollout/num_samples": float(batch.batch_size),
-        "rollout/num_prompt_groups": float(len(groups)),
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/truncated_rate": float(truncated.mean()),
-        "rollout/group_reward_std": float(torch.stack(group_std).mean()),
-        "train/advantage_mean": float(algo.masked_mean(advantages, mask)),
-        "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
-    }
-    if old is not None:
-        out["train/logprob_diff_max"] = float(((batch.rollout_log_probs - old).abs() * mask).max())
-    return out
-
-
-def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
-    """VLM batches: placeholder tokens and image features, counted separately (equal when aligned; the batch is
-    checked row by row first, so a misaligned row stops the run instead of training on shifted features)."""
-    if batch.mm_inputs is None:
-        return {}
-    from runtime.engines.weights import image_token_id, merge_size
-
-    token_id, merge = image_token_id(model_path), merge_size(model_path)
-    check_image_alignment(batch, token_id, merge)
-    tokens = int(((batch.sequences == token_id) & batch.attention_mask).sum())
-    features = sum(image_token_count(m, merge) for m in batch.mm_inputs)
-    return {"rollout/image_tokens": float(tokens), "rollout/image_features": float(features),
-            "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
 
 
 def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books) -> str:

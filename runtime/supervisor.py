@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.queue import Empty
@@ -93,7 +94,7 @@ class _Watched:
     name: str
     key: str
     ping: Callable[[], object] | None   # None: `ref` is a long-running call, not re-issued
-    ref: object
+    ref: Any
     sent_at: float
     actor_id: str | None = None         # hex id of the actor (names it when a call to it fails)
 
@@ -198,7 +199,7 @@ class Supervisor:
     def _watched_of(self, exc: BaseException) -> _Watched | None:
         """The watched actor a `RayActorError` is about, if it is one."""
         failed = getattr(exc, "actor_id", None)
-        failed = failed.hex() if hasattr(failed, "hex") and not isinstance(failed, str) else failed
+        failed = failed.hex() if failed is not None and hasattr(failed, "hex") and not isinstance(failed, str) else failed
         return next((w for w in self.watched if w.actor_id and w.actor_id == failed), None) if failed else None
 
     def _first_dead(self, refs: list) -> _Watched | None:

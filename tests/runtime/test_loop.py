@@ -109,7 +109,7 @@ def test_batched_but_untrained_prompts_end_as_run_ended():
 
 
 def test_batch_metrics_count_a_multi_sample_rollout_once():
-    from runtime.loop import batch_metrics
+    from runtime.batch_stats import batch_metrics
 
     # rollout 5 (group 0) arrives as two step-samples, rollouts 6 (group 0) and 9 (group 1) as one each
     exp = from_token_lists([[1, 2, 3], [1, 2, 3, 4], [1, 2], [1, 2, 3]], [[(1, 3)], [(2, 4)], [(1, 2)], [(2, 3)]],
