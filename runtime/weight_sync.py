@@ -34,6 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime.weight_sync_ipc import IpcChannel, broadcast_from_rank0
+
 # A tied lm_head is one parameter in the trainer (named_parameters lists it once, as the embedding) but vLLM must
 # receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
 LM_HEAD = "lm_head.weight"
@@ -142,11 +144,11 @@ class Broadcast:
         return POOL.take(size, device, at_least=bucket_bytes)
 
     def publish(self, buf: torch.Tensor, base: torch.Tensor) -> _Sent:
-        return _Sent(_broadcast(self.group, buf), base)
+        return _Sent(broadcast_from_rank0(self.group, buf), base)
 
     def post(self, size: int, device: torch.device, bucket_bytes: int) -> tuple[Any, int, torch.Tensor]:
         base = POOL.take(size, device, at_least=bucket_bytes)
-        return _broadcast(self.group, base[:size]), size, base
+        return broadcast_from_rank0(self.group, base[:size]), size, base
 
     def collect(self, posted: tuple[Any, int, torch.Tensor]) -> torch.Tensor:
         work, size, base = posted
@@ -186,8 +188,6 @@ def join_group(method: str, host: str, port: int, rank: int, world: int, timeout
 
         group = ProcessGroupGloo(store, rank, world, timeout)
         if method == "cuda_ipc":
-            from runtime.weight_sync_ipc import IpcChannel
-
             return IpcChannel(group)
         return Broadcast(group)
     if method == "nccl_broadcast":
@@ -197,14 +197,6 @@ def join_group(method: str, host: str, port: int, rank: int, world: int, timeout
         opts._timeout = timeout
         return Broadcast(ProcessGroupNCCL(store, rank, world, opts))
     raise ValueError(f"unknown weight-sync method {method!r}")  # the plan allows gloo_broadcast|nccl_broadcast|cuda_ipc
-
-
-def _broadcast(group, tensor: torch.Tensor):
-    from torch.distributed import BroadcastOptions
-
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    return group.broadcast([tensor], opts)
 
 
 def _use_count(t: torch.Tensor) -> int:

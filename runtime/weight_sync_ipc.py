@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from runtime.weight_sync import _broadcast
+
+def broadcast_from_rank0(group, tensor: torch.Tensor):
+    """`tensor` from group rank 0 to every member of the process group (asynchronous: a work handle)."""
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = 0
+    return group.broadcast([tensor], opts)
 
 
 class _Done:
@@ -50,10 +57,10 @@ class IpcChannel:
                 size = torch.tensor([blob.numel()], dtype=torch.int64)
             else:
                 size = torch.zeros(1, dtype=torch.int64)
-            _broadcast(self.group, size).wait()
+            broadcast_from_rank0(self.group, size).wait()
             if self.group.rank() != 0:
                 blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            _broadcast(self.group, blob).wait()
+            broadcast_from_rank0(self.group, blob).wait()
             if self.group.rank() != 0:
                 rebuild, args = pickle.loads(blob.numpy().tobytes())
                 self.slots.append(rebuild(*args))
@@ -79,7 +86,7 @@ class IpcChannel:
 
     def publish(self, buf: torch.Tensor, base: torch.Tensor) -> _Done:
         torch.cuda.current_stream(buf.device).synchronize()  # the bucket is in memory before anyone reads it
-        _broadcast(self.group, torch.tensor([self.bucket], dtype=torch.int64)).wait()
+        broadcast_from_rank0(self.group, torch.tensor([self.bucket], dtype=torch.int64)).wait()
         self.bucket += 1
         return _Done()
 
@@ -94,7 +101,7 @@ class IpcChannel:
     def collect(self, size: int) -> torch.Tensor:
         """Wait for the next bucket's announcement; the slot it is in (a view of the sender's memory)."""
         seq = torch.zeros(1, dtype=torch.int64)
-        _broadcast(self.group, seq).wait()
+        broadcast_from_rank0(self.group, seq).wait()
         if int(seq.item()) != self.bucket:
             raise RuntimeError(f"weight sync: bucket {int(seq.item())} announced, {self.bucket} expected")
         if self.unacked:  # the previous bucket's loads were issued before this collect: let them finish
