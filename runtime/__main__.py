@@ -18,24 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print(__doc__.strip().splitlines()[0], file=sys.stderr)
         return 2
-    from schemas.plan import Plan
+    from runtime.plan_file import PlanUnusable, read_plan
 
     path = Path(args[0])
-    try:
-        plan = Plan.from_json(path.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"{path}: cannot use this plan: {exc}", file=sys.stderr)
-        return 2
-    problems = startup_problems(plan)
-    if problems:
-        print(f"{path}: this plan cannot run on this build of the runtime: {'; '.join(problems)}", file=sys.stderr)
-        return 2
-    from runtime.env_refs import UnsetReference, driver_env
-
     try:  # `${env:NAME}` references: resolved here, never written back into the plan
-        env = driver_env(plan, os.environ)
-    except UnsetReference as exc:
-        print(f"{path}: {exc}", file=sys.stderr)
+        plan, env = read_plan(path)
+    except PlanUnusable as exc:
+        print(exc, file=sys.stderr)
         return 2
     if plan.kind == "sft" and plan.sft is not None and "WORLD_SIZE" in os.environ:  # a torchrun rank
         from runtime.sft import main as sft_main
@@ -97,19 +86,6 @@ def _run_rl(plan, env: dict[str, str]) -> int:
     from runtime.loop import REQUEUE_EXIT_STATUS
 
     return {"finished": 0, "requeue": REQUEUE_EXIT_STATUS}.get(result.status, 130)
-
-
-def startup_problems(plan) -> list[str]:
-    """What stops this runtime from running `plan`, before anything starts: empty for every plan this build's
-    compiler accepts (tests/runtime/test_startup.py holds that over mutated recipes).
-
-    The plan is checked against the runtime's own capability table (a plan compiled by another build of
-    molt-compile may ask for more). Every actor, the generator included, takes its plan sections unchanged: there is
-    no slice to build."""
-    from schemas.capabilities import unimplemented
-
-    return [f"{c.key}: {c.what} (capability {c.id}; recompile: molt-compile reports it as CAP001)"
-            for c in unimplemented(plan)]
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ class Books:
         self.done: set[int] = set(done or ())
         self.trained = trained
         self.dropped: Counter = Counter(dropped or {})
-        self.pending_dropped: list[tuple[str, int]] = []
         self.consumed_seen = len(self.done)
 
     @classmethod

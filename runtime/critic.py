@@ -98,8 +98,7 @@ class CriticWorker(FsdpRank):
 
         c, t = self.c, self.t
         _, shard, lengths = self._rows(batch)
-        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
-        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, local,
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, t.local_batch_size,
                                            t.force_on_policy)
         sums = {"value_loss_sum": 0.0, "value_clip_frac_x_tokens": 0.0, "tokens": 0.0}
         grad_norms = []

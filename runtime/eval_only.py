@@ -13,23 +13,23 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import ray
 
 from runtime.generator import EngineLock, Generator
-from runtime.loop import RunResult
+from runtime.messages import RunResult
 from runtime.metrics import MetricsSink
 from runtime.roles import create_placement_groups, role_options, start_rollout, start_runners
 from runtime.supervisor import Started, Supervisor
-from schemas.plan import Plan
+from schemas.plan import Plan, RlRuntime
 
 RESULTS_FILE = "eval_results.json"
 
 
-def run_eval_only(plan: Plan, sup: Supervisor, started: Started, *, live: bool = True) -> RunResult:
+def run_eval_only(plan: Plan, rl: RlRuntime, sup: Supervisor, started: Started, *, live: bool = True) -> RunResult:
     """Under the driver's supervisor: a dead engine, runner or generator, or a stalled round, aborts with its name;
-    `started` tears everything down on every exit path."""
-    rl = plan.rl
+    `started` tears everything down on every exit path (`rl`: the plan's section)."""
     out_dir = Path(rl.logging.out_dir)
     sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir else None, 1, live,
                        append=False, wandb=rl.logging.wandb, config=plan.recipe, engine=rl.engines.kind)
@@ -41,14 +41,14 @@ def run_eval_only(plan: Plan, sup: Supervisor, started: Started, *, live: bool =
         engines, router = start_rollout(plan, pgs, sup)
     started.handles += engines
     for i, e in enumerate(engines):
-        sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
-    lock = EngineLock.options(**role_options(plan, "lock")).remote()
+        sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
+    lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
     runners = start_runners(plan, router)
     started.handles += [lock, *runners]
     with sup.phase("agent runner start-up", "runner", "agent.path"):
         sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     # No rollout queue or slots: the generator is only asked for one eval round.
-    generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
+    generator: Any = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
         plan.rl, runners, None, None, lock)
     started.handles.append(generator)
     sink.status(f"evaluating {rl.eval.dataset} with {rl.eval.sampling.n_samples_per_prompt} samples per prompt")

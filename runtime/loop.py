@@ -37,27 +37,27 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
 from ray.util.queue import Queue
 
 from runtime import algo, ckpt
+from runtime.batch_stats import LengthShaping, batch_metrics, image_metrics, outcomes
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
 from runtime.datasource import derive_at_start
 from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
-    check_image_alignment,
-    image_token_count,
     pad_batch_to_multiple,
     partial_rollout_metrics,
 )
 from runtime.generator import EngineLock, Generator
-from runtime.messages import EndOfStream, EvalResult, RolloutBatch
+from runtime.messages import EndOfStream, EvalResult, RolloutBatch, RunResult
 from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
 from runtime.reference import start_reference_group
@@ -72,22 +72,11 @@ from runtime.roles import (
 from runtime.supervisor import RunAborted, RunStopped, Started, StopFlag, Supervisor
 from runtime.trainer import fill_for_training, start_trainer_group
 from runtime.weight_sync_driver import WeightSyncLink
-from schemas.plan import Plan
+from schemas.plan import Plan, RlRuntime, TrainerPlan
 
 REQUEUE_EXIT_STATUS = 75
 """Exit status of `python -m runtime` after SIGUSR1: checkpointed, run me again (EX_TEMPFAIL; the Slurm script
 requeues the job on it, molt_compile/slurm.py holds the same number)."""
-
-
-@dataclass
-class RunResult:
-    status: str                     # "finished" | "stopped" | "requeue" (checkpointed on SIGUSR1)
-    step: int
-    accounting: dict[str, int]
-    last_checkpoint: str | None
-    metrics_path: Path
-    plot_path: Path | None = None
-    timeline: list[dict] = field(default_factory=list)
 
 
 def run(plan: Plan, *, live: bool = True) -> RunResult:
@@ -95,12 +84,21 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
     Values the compiler deferred to the job's start (DATA010: it could not count the prompts) are derived first."""
     plan = derive_at_start(plan)
     rl = plan.rl
+    assert rl is not None  # `python -m runtime` runs kind rl plans only
     stop = StopFlag()
     sup = Supervisor(rl.supervisor, stop)
     started = Started()
     try:
-        return _run(plan, live, sup, started)
-    except RunStopped as exc:  # stopped during start-up (the loop handles its own phases)
+        if rl.eval.only:  # no trainer in the plan: one eval round
+            from runtime.eval_only import run_eval_only
+
+            return run_eval_only(plan, rl, sup, started, live=live)
+        assert rl.trainer is not None  # a plan that trains has its trainer section (eval.only lowers to none)
+        loop = RlLoop(plan, rl, rl.trainer, sup, started, live)
+        loop.setup()
+        loop.train()
+        return loop.finish()
+    except RunStopped as exc:  # stopped during start-up (`RlLoop.train` handles its own phases)
         print(f"{exc}; tearing the run down", flush=True)
         acc = settle_accounting(started.generator_accounting(rl.supervisor.stop_timeout_s), 0)
         return RunResult("stopped", 0, acc, None, Path(rl.logging.out_dir) / "metrics.jsonl")
@@ -109,258 +107,314 @@ def run(plan: Plan, *, live: bool = True) -> RunResult:
         stop.restore()
 
 
-def _run(plan: Plan, live: bool, sup: Supervisor, started: Started) -> RunResult:
-    rl = plan.rl
-    if rl.trainer is None:  # eval.only: no trainer in the plan, one eval round
-        from runtime.eval_only import run_eval_only
+class RlLoop:
+    """The driver's RL run in stages (torchtune's recipe shape, as `runtime.sft.SftJob`): `setup` starts the
+    roles and the generator, `train` takes batches until the stream ends or a stop comes, `finish` settles the books,
+    evaluates the final weights, exports and plots. Every wait is a supervisor phase; a phase given `self.timings`
+    logs its wall time as `timing/<its name>`."""
 
-        return run_eval_only(plan, sup, started, live=live)
+    # Ray actor handles and the FSDP groups' drivers (their methods are remote calls: typed Any)
+    engines: list[Any]
+    trainer: Any
+    critic: Any
+    separate_ref: Any
+    lock: Any
+    generator: Any
+
+    def __init__(self, plan: Plan, rl: RlRuntime, trainer_plan: TrainerPlan, sup: Supervisor, started: Started,
+                 live: bool):
+        self.plan, self.rl, self.tp, self.sup, self.started, self.live = plan, rl, trainer_plan, sup, started, live
+        self.step, self.status, self.last_eval_step = 0, "finished", -1
+        self.accounting: dict[str, int] = {}
+        self.timeline: list[dict] = []
+        self.timings: dict[str, float] = {}  # this step's `timing/*`, filled by the timed phases
+        self.last_ckpt: str | None = None
+        self.last_save_s: float | None = None  # this run's last save (does one fit after SIGTERM?)
+
     # ------------------------------------------------------------------------------------------------ setup
-    ckpt.check_dir(rl.ckpt.dir)  # unwritable or full: now, not at the first save hours in
-    skipped: list[str] = []
-    resume_from = ckpt.latest(rl.ckpt.dir, skipped) if rl.ckpt.resume else None
-    for line in skipped:
-        print(f"resume: skipped checkpoint {line}", flush=True)
-    out_dir = Path(rl.logging.out_dir)
-    if resume_from is not None:  # the steps logged after the save are trained again: their records go
-        for name in ("metrics.jsonl", PROMPTS_LOG):
-            drop_records_after(out_dir / name, resume_from[1]["step"])
-    sink = MetricsSink(out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
-                       else None, rl.schedule.total_steps, live, append=resume_from is not None,
-                       wandb=rl.logging.wandb, config=plan.recipe, engine=rl.engines.kind)
-    started.sink = sink
-    prompts_log = (out_dir / PROMPTS_LOG).open("a" if resume_from is not None else "w")
-    started.files.append(prompts_log)
-    with sup.phase("placement groups", "the Ray cluster", "cluster"):
-        pgs = create_placement_groups(plan, sup)
-    started.pgs = list(pgs.values())
-    # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both take
-    # minutes. A watched engine that dies meanwhile ends the run by name.
-    engines, router = start_rollout(plan, pgs, sup, wait=False)
-    started.handles += engines
-    for i, e in enumerate(engines):
-        sup.watch(f"rollout.engine[{i}]", e, "weights_version", "rollout.engine")
-    trainer = start_fsdp_group(start_trainer_group, plan, "actor", rl.trainer.world, "trainer", pgs, sup, started)
-    critic = separate_ref = None
-    if rl.critic is not None:
-        critic = start_fsdp_group(start_critic_group, plan, "critic", rl.critic.world, "critic", pgs, sup, started)
-    if rl.ref is not None and not rl.ref.colocated:
-        separate_ref = start_fsdp_group(start_reference_group, plan, "ref", rl.ref.world, "reference", pgs, sup,
+    def setup(self) -> None:
+        self._open_logs()
+        self._start_roles()
+        self._start_generator()
+
+    def _open_logs(self) -> None:
+        """Checkpoint directory check, the checkpoint to resume from, and the logs (records after it dropped)."""
+        rl, sup = self.rl, self.sup
+        ckpt.check_dir(rl.ckpt.dir)  # unwritable or full: now, not at the first save hours in
+        skipped: list[str] = []
+        self.resume_from = ckpt.latest(rl.ckpt.dir, skipped) if rl.ckpt.resume else None
+        for line in skipped:
+            print(f"resume: skipped checkpoint {line}", flush=True)
+        self.out_dir = Path(rl.logging.out_dir)
+        resumed = self.resume_from is not None
+        if self.resume_from is not None:  # the steps logged after the save are trained again: their records go
+            for name in ("metrics.jsonl", PROMPTS_LOG):
+                drop_records_after(self.out_dir / name, self.resume_from[1]["step"])
+        assert rl.schedule.total_steps is not None  # derive_at_start counted the prompts
+        self.sink = MetricsSink(self.out_dir, Path(rl.logging.tensorboard_dir) if rl.logging.tensorboard_dir
+                                else None, rl.schedule.total_steps, self.live, append=resumed,
+                                wandb=rl.logging.wandb, config=self.plan.recipe, engine=rl.engines.kind)
+        self.started.sink = self.sink
+        self.prompts_log = (self.out_dir / PROMPTS_LOG).open("a" if resumed else "w")
+        self.started.files.append(self.prompts_log)
+        with sup.phase("placement groups", "the Ray cluster", "cluster"):
+            self.pgs = create_placement_groups(self.plan, sup)
+        self.started.pgs = list(self.pgs.values())
+
+    def _start_roles(self) -> None:
+        """Engines, trainer, critic and reference groups; the resumed state; the weight-sync group."""
+        plan, rl, sup, started, pgs = self.plan, self.rl, self.sup, self.started, self.pgs
+        # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both
+        # take minutes. A watched engine that dies meanwhile ends the run by name.
+        self.engines, self.router = start_rollout(plan, pgs, sup, wait=False)
+        started.handles += self.engines
+        for i, e in enumerate(self.engines):
+            sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
+        self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", self.tp.world, "trainer", pgs, sup,
                                         started)
-    with sup.phase("engine start-up", "rollout.engine", "rollout"):
-        sup.get(engines_ready(engines))
-    step, kl_coef, books = 0, rl.algo.kl.coef, Books()
-    last_ckpt = None
-    if resume_from is not None:
-        last_ckpt, state = str(resume_from[0]), resume_from[1]
-        with sup.phase("checkpoint load", "actor", "ckpt.resume"):
-            trainer.load_checkpoint(last_ckpt)
-            if critic is not None:
-                critic.load_checkpoint(str(Path(last_ckpt) / ckpt.CRITIC_DIR))
-        step, kl_coef, books = state["step"], state["kl_coef"], Books.from_state(state)
-        print(f"resumed from {last_ckpt} at step {step}", flush=True)
-    kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
-    probe_ids = probe_sequence(plan)
-    link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, trainer, engines, rl.weight_sync.check_unassigned,
-                          get=sup.get)
-    with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
-        link.connect()
-        if step > 0:  # resumed weights must reach the engines before the first rollout
-            sync_weights(link, trainer, engines, None, probe_ids, step, sup)
+        self.critic = self.separate_ref = None
+        if rl.critic is not None:
+            self.critic = start_fsdp_group(start_critic_group, plan, "critic", rl.critic.world, "critic", pgs, sup,
+                                           started)
+        if rl.ref is not None and not rl.ref.colocated:
+            self.separate_ref = start_fsdp_group(start_reference_group, plan, "ref", rl.ref.world, "reference", pgs,
+                                                 sup, started)
+        with sup.phase("engine start-up", "rollout.engine", "rollout"):
+            sup.get(engines_ready(self.engines))
+        kl_coef, self.books = rl.algo.kl.coef, Books()
+        if self.resume_from is not None:
+            self.last_ckpt, state = str(self.resume_from[0]), self.resume_from[1]
+            with sup.phase("checkpoint load", "actor", "ckpt.resume"):
+                self.trainer.load_checkpoint(self.last_ckpt)
+                if self.critic is not None:
+                    self.critic.load_checkpoint(str(Path(self.last_ckpt) / ckpt.CRITIC_DIR))
+            self.step, kl_coef, self.books = state["step"], state["kl_coef"], Books.from_state(state)
+            print(f"resumed from {self.last_ckpt} at step {self.step}", flush=True)
+        self.last_ckpt_step = self.step  # the step last saved (a requeue saves the current one unless it is saved)
+        self.started.books = self.books
+        self.kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
+        self.probe_ids = probe_sequence(plan)
+        self.link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, self.trainer, self.engines,
+                                   rl.weight_sync.check_unassigned, get=sup.get)
+        with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
+            self.link.connect()
+            if self.step > 0:  # resumed weights must reach the engines before the first rollout
+                sync_weights(self.link, self.trainer, self.engines, None, self.probe_ids, self.step, sup, {})
 
-    # Depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
-    # Each slot token carries the trainer's latest step (the generator uses it for eval timing).
-    queue_size = rl.queue.size
-    rollout_queue = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.rollout"))
-    rollout_slots = Queue(maxsize=queue_size, actor_options=role_options(plan, "queue.slots"))
-    started.queues += [rollout_queue, rollout_slots]
-    for name, q in (("queue.rollout", rollout_queue), ("queue.slots", rollout_slots)):
-        sup.watch(name, q.actor, "qsize", "train.async.queue_size")
-    for _ in range(queue_size):
-        rollout_slots.put(step)
-    lock = EngineLock.options(**role_options(plan, "lock")).remote()
-    started.handles.append(lock)
-    sup.watch("lock", lock, "held", "train.async.partial_rollout")
-    runners = start_runners(plan, router)
-    started.handles += runners
-    with sup.phase("agent runner start-up", "runner", "agent.path"):
-        sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
-    generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-        plan.rl, runners, rollout_queue, rollout_slots, lock)
-    started.handles.append(generator)
-    started.generator = generator
-    generator_done = generator.run.remote(step, books.done_positions(), books.trained, dict(books.dropped))
-    sup.watch_call("generator", generator, generator_done, "agent")
-    accounting: dict[str, int] = {}
-    timeline: list[dict] = []
-    status = "finished"
-    last_eval_step = -1
-    best = (ckpt.best_record(rl.ckpt.dir) or {}).get("best_metric") if resume_from is not None else None
-    last_ckpt_step = step  # the step last saved (a requeue saves the current one unless it is saved)
-    last_save_s: float | None = None  # how long this run's last save took (does one fit after SIGTERM?)
-    step_start = time.time()
-    sink.status(f"step {step}: waiting for the first rollout batch")
-    started.books = books
+    def _start_generator(self) -> None:
+        """The depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
+        Each slot token carries the trainer's latest step (the generator uses it for eval timing)."""
+        plan, rl, sup, started = self.plan, self.rl, self.sup, self.started
+        self.rollout_queue = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.rollout"))
+        self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
+        started.queues += [self.rollout_queue, self.rollout_slots]
+        for name, q in (("queue.rollout", self.rollout_queue), ("queue.slots", self.rollout_slots)):
+            actor: Any = q.actor
+            sup.watch(name, actor, actor.qsize.remote, "train.async.queue_size")
+        for _ in range(rl.queue.size):
+            self.rollout_slots.put(self.step)
+        self.lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
+        started.handles.append(self.lock)
+        sup.watch("lock", self.lock, self.lock.held.remote, "train.async.partial_rollout")
+        runners = start_runners(plan, self.router)
+        started.handles += runners
+        with sup.phase("agent runner start-up", "runner", "agent.path"):
+            sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here
+        self.generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
+            rl, runners, self.rollout_queue, self.rollout_slots, self.lock)
+        started.handles.append(self.generator)
+        started.generator = self.generator
+        books = self.books
+        self.generator_done = self.generator.run.remote(self.step, books.done_positions(), books.trained,
+                                                        dict(books.dropped))
+        sup.watch_call("generator", self.generator, self.generator_done, "agent")
+        self.best = ((ckpt.best_record(self.rl.ckpt.dir) or {}).get("best_metric")
+                     if self.resume_from is not None else None)
+        self.sink.status(f"step {self.step}: waiting for the first rollout batch")
 
-    # ------------------------------------------------------------------------------------------------ loop
-    try:
-        while True:
-            wait_start = time.time()
-            with sup.phase("waiting for a rollout batch", "generator", "rollout / agent"):
-                msg = sup.next_message(rollout_queue)
-            actor_idle_wait = time.time() - wait_start
-            match msg:
-                case None:  # stop requested (SIGUSR1: checkpoint, for a requeue; SIGINT/SIGTERM: when it fits)
-                    status = "requeue" if sup.stop.requeue else "stopped"
-                    with sup.phase("stopping the generator", "generator", "agent"):
-                        sup.unwatch("generator")
-                        accounting = sup.get(generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
-                    if step > 0 and step != last_ckpt_step and (
-                            sup.stop.requeue or save_fits(rl, last_save_s, time.monotonic() - sup.stop.at)):
-                        with sup.phase("checkpoint save", "actor", "ckpt.dir"):
-                            last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
-                        why = "for the requeue" if sup.stop.requeue else "before stopping"
-                        print(f"checkpointed step {step} {why}: {last_ckpt}", flush=True)
-                    break
-                case EndOfStream():
-                    accounting = msg.accounting
-                    if msg.reason == "error":  # the generator raised: its error ends the run, by name
-                        with sup.phase("waiting for a rollout batch", "generator", "agent"):
-                            sup.get(generator_done)
-                    break
-                case EvalResult():
-                    rollout_slots.put(step)
-                    sink.log(step, msg.metrics)
-                    last_eval_step = step
-                    best = ckpt.keep_best(best, msg.metrics, rl.ckpt, trainer, critic, sup,
-                                          {"step": step, "kl_coef": kl_ctl.value, "prompts": books.state()})
-                    continue
-                case RolloutBatch():
-                    pass
-            books.seen(msg)
-            timeline.append({"batch": len(timeline), "slot_acquired_at": msg.slot_acquired_at,
-                             "dequeued_at": wait_start + actor_idle_wait, "policy_version": msg.policy_version})
-            if not rl.queue.force_sync:
-                rollout_slots.put(step)  # the next batch may start now, with the weights of this step
-            queue_depth = rollout_queue.qsize()
+    # ------------------------------------------------------------------------------------------------ train
+    def train(self) -> None:
+        """Batches until the stream ends (data, total steps, a generator error) or a stop comes."""
+        rl, sup = self.rl, self.sup
+        step_start = time.time()  # a step's wall time runs from the previous step's end (evals in between count)
+        try:
+            while True:
+                self.timings = {}
+                with sup.phase("actor_idle_wait", "generator", "rollout / agent", self.timings):
+                    msg = sup.next_message(self.rollout_queue)  # the time the trainer waited on the queue
+                match msg:
+                    case None:  # stop requested (SIGUSR1: checkpoint, for a requeue; SIGINT/SIGTERM: when it fits)
+                        self._stop()
+                        return
+                    case EndOfStream():
+                        self.accounting = msg.accounting
+                        if msg.reason == "error":  # the generator raised: its error ends the run, by name
+                            with sup.phase("waiting for a rollout batch", "generator", "agent"):
+                                sup.get(self.generator_done)
+                        return
+                    case EvalResult():
+                        self.rollout_slots.put(self.step)
+                        self.sink.log(self.step, msg.metrics)
+                        self.last_eval_step = self.step
+                        self.best = ckpt.keep_best(self.best, msg.metrics, rl.ckpt, self.trainer, self.critic, sup,
+                                                   self._state())
+                    case RolloutBatch():
+                        metrics = self.train_step(msg, step_start)
+                        step_start = time.time()
+                        if self.step % rl.schedule.log_every == 0:
+                            self.sink.log(self.step, metrics)
+        except RunStopped as exc:
+            print(f"{exc}; tearing the run down", flush=True)
+            self.status = "stopped"
+            self.accounting = self.started.generator_accounting(rl.supervisor.stop_timeout_s)
+        except RunAborted as exc:
+            acc = self.started.generator_accounting(min(rl.supervisor.stop_timeout_s, 10.0))
+            exc.with_accounting(settle_accounting(acc, self.books.trained))
+            print(f"run aborted: {exc}", file=sys.stderr, flush=True)
+            raise
 
-            # --- make experience: π_old, π_ref, V_old, KL, rewards, advantages and returns ---
-            t0 = time.time()
-            with sup.phase("log-probs (π_old, π_ref)", "actor", "actor.micro_batch_size"):
-                batch: Experience = sup.get(msg.experience)
-                real = batch.batch_size
-                padded = pad_batch_to_multiple(batch, rl.trainer.row_multiple)
-                padded_ref = ray.put(padded)
-                old = ref = None  # no old-logprob pass (force_on_policy, KL off: B28): the training forward is π_old
-                if rl.trainer.old_logprob_pass:
-                    old, ref = trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, same ranks
-                if separate_ref is not None:
-                    ref = separate_ref.forward_logprobs(padded_ref)
-            if rl.algo.kl.ref == "rollout" and rl.algo.kl.coef > 0:
-                ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
-            values = None
-            if critic is not None:
-                with sup.phase("values (V_old)", "critic", "critic.micro_batch_size"):
-                    values = critic.values(padded_ref)
-            mask = batch.action_mask
-            kl = algo.kl_estimate(old[:real], ref[:real], rl.algo.kl.estimator, mask,
-                                  ref=rl.algo.kl.ref) if ref is not None else None
-            shaping = LengthShaping(rl.algo, batch)
-            rewards = algo.prepare_rewards(rl.algo.estimator, batch.rewards, batch.rollout_ids.tolist(),
-                                           batch.group_ids.tolist(), tuple(rl.algo.reward_clip), shape=shaping.shape)
-            adv = algo.compute_advantages(
-                rl.algo.estimator, rewards, mask, kl=None if rl.algo.kl.use_loss else kl, kl_coef=kl_ctl.value,
-                gamma=rl.algo.gamma, lam=rl.algo.lam, values=values[:real] if values is not None else None,
-                whiten_advantages=rl.algo.whiten)
-            pad_rows = padded.batch_size - real
-            train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
-                                            _pad_rows(adv.returns, pad_rows), values)
-            make_experience_s = time.time() - t0
+    def train_step(self, msg: RolloutBatch, step_start: float) -> dict[str, float]:
+        """One step on one batch: experience, critic step, policy step, weight sync and probe, checkpoint; its
+        metrics."""
+        rl, sup, books, timings = self.rl, self.sup, self.books, self.timings
+        books.seen(msg)
+        self.timeline.append({"batch": len(self.timeline), "slot_acquired_at": msg.slot_acquired_at,
+                              "dequeued_at": time.time(), "policy_version": msg.policy_version})
+        if not rl.queue.force_sync:
+            self.rollout_slots.put(self.step)  # the next batch may start now, with the weights of this step
+        queue_depth = self.rollout_queue.qsize()
+        with sup.phase("make_experience", "actor", "actor.micro_batch_size", timings):
+            ex = self.make_experience(msg)
+        train_ref = ray.put(ex.train_batch)
+        critic_stats: dict[str, float] = {}
+        if self.critic is not None:
+            with sup.phase("critic_train", "critic", "critic", timings):
+                critic_stats = self.critic.train(train_ref)
+        actor_frozen = self.step < self.tp.freezing_steps  # gae: the critic warms up, the policy waits
+        train_stats: dict[str, float] = {}
+        sync_stats: dict[str, float] = {}
+        if not actor_frozen:
+            with sup.phase("policy_train", "actor", "actor", timings):
+                train_stats = self.trainer.train(train_ref, self.kl_ctl.value)
+        self.step += 1
+        books.trained_batch(msg)
+        self.prompts_log.write(json.dumps({"step": self.step, "prompts": sorted(msg.prompt_positions)}) + "\n")
+        self.prompts_log.flush()
+        if not actor_frozen:  # to every engine, under the engine lock, then the probe (frozen: nothing new)
+            sync_stats = sync_weights(self.link, self.trainer, self.engines, self.lock, self.probe_ids, self.step,
+                                      sup, timings)
+        if rl.queue.force_sync:
+            self.rollout_slots.put(self.step)
+        mean_kl = float(algo.masked_mean(ex.kl, ex.batch.action_mask)) if ex.kl is not None else 0.0
+        self.kl_ctl.update(mean_kl, ex.batch.batch_size)
+        if rl.schedule.ckpt_every and self.step % rl.schedule.ckpt_every == 0:
+            with sup.phase("ckpt", "actor", "ckpt.dir", timings):
+                self.last_ckpt = save_checkpoint(self.trainer, self.critic, rl, self.step, self.kl_ctl.value, books)
+            self.last_ckpt_step, self.last_save_s = self.step, timings["timing/ckpt"]
+        batch, real = ex.batch, ex.batch.batch_size
+        return {
+            **msg.metrics, **batch_metrics(batch, ex.advantages, None if ex.old is None else ex.old[:real]),
+            **image_metrics(batch, rl.model.path), **partial_rollout_metrics(batch, self.step - 1),
+            **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
+            **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(ex.values, ex.returns, batch),
+            "train/kl": mean_kl, "train/kl_coef": self.kl_ctl.value,
+            "policy_version": float(msg.policy_version), "staleness": float(self.step - 1 - msg.policy_version),
+            "queue/size": float(rl.queue.size), "queue/depth": float(queue_depth),
+            "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
+            "prompts/trained": float(books.trained), **ex.shaping_metrics, "train/actor_frozen": float(actor_frozen),
+            **timings, "timing/step_total": time.time() - step_start,
+        }
 
-            # --- critic step (gae), then the policy step on the FSDP group (none while the critic warms up) ---
-            t0 = time.time()
-            train_ref = ray.put(train_batch)
-            critic_stats = {}
-            if critic is not None:
-                with sup.phase("critic step", "critic", "critic"):
-                    critic_stats = critic.train(train_ref)
-            critic_train_s = time.time() - t0
-            t0 = time.time()
-            actor_frozen = step < rl.trainer.freezing_steps
-            train_stats = {}
-            if not actor_frozen:
-                with sup.phase("policy step", "actor", "actor"):
-                    train_stats = trainer.train(train_ref, kl_ctl.value)
-            policy_train_s = time.time() - t0
-            step += 1
-            books.trained_batch(msg)
-            prompts_log.write(json.dumps({"step": step, "prompts": sorted(msg.prompt_positions)}) + "\n")
-            prompts_log.flush()
+    def make_experience(self, msg: RolloutBatch) -> StepExperience:
+        """π_old and π_ref (the FSDP groups; no old-logprob pass: the training forward is π_old, Molt B28), V_old
+        (the critic), per-token KL, shaped and clipped rewards, advantages and returns."""
+        a = self.rl.algo
+        batch: Experience = self.sup.get(msg.experience)
+        real = batch.batch_size
+        padded = pad_batch_to_multiple(batch, self.tp.row_multiple)
+        padded_ref = ray.put(padded)
+        old = ref = values = None
+        if self.tp.old_logprob_pass:
+            old, ref = self.trainer.forward_logprobs(padded_ref)  # ref: a colocated reference's, same ranks
+        if self.separate_ref is not None:
+            ref = self.separate_ref.forward_logprobs(padded_ref)
+        if a.kl.to_rollout:
+            ref = padded.rollout_log_probs  # KL against the rollout policy: the engine's log-probs (Molt 0.2.1)
+        if self.critic is not None:
+            with self.sup.phase("values (V_old)", "critic", "critic.micro_batch_size"):
+                values = self.critic.values(padded_ref)
+        mask = batch.action_mask
+        kl = None
+        if ref is not None:
+            assert old is not None  # the KL is on: the plan has an old-logprob pass (B28)
+            kl = algo.kl_estimate(old[:real], ref[:real], a.kl.estimator, mask, ref=a.kl.ref)
+        shaping = LengthShaping(a, batch)
+        out = outcomes(batch)
+        rewards = algo.prepare_rewards(a.estimator, out.rewards, out.rollout_ids.tolist(), out.group_ids.tolist(),
+                                       (a.reward_clip[0], a.reward_clip[1]), shape=shaping.shape)
+        adv = algo.compute_advantages(
+            a.estimator, rewards, mask, kl=None if a.kl.use_loss else kl, kl_coef=self.kl_ctl.value, gamma=a.gamma,
+            lam=a.lam, values=values[:real] if values is not None else None, whiten_advantages=a.whiten)
+        pad_rows = padded.batch_size - real
+        train_batch = fill_for_training(padded, old, ref, _pad_rows(adv.advantages, pad_rows),
+                                        _pad_rows(adv.returns, pad_rows), values)
+        return StepExperience(batch, train_batch, old, values, kl, adv.advantages, adv.returns, shaping.metrics)
 
-            # --- weight sync to every engine, under the engine lock, then the probe (a frozen actor: nothing new) ---
-            sync_stats = {}
-            if not actor_frozen:
-                with sup.phase("weight sync", "trainer rank 0 and the engines", "rollout.engine"):
-                    sync_stats = sync_weights(link, trainer, engines, lock, probe_ids, step, sup)
-            if rl.queue.force_sync:
-                rollout_slots.put(step)
-            mean_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
-            kl_ctl.update(mean_kl, real)
+    def _stop(self) -> None:
+        """A stop signal: the generator's accounting, then a checkpoint of the current step when it is not saved and
+        (SIGUSR1) a requeue asks for one or (SIGINT/SIGTERM) one fits in the stop bound."""
+        rl, sup, stop = self.rl, self.sup, self.sup.stop
+        self.status = "requeue" if stop.requeue else "stopped"
+        with sup.phase("stopping the generator", "generator", "agent"):
+            sup.unwatch("generator")
+            self.accounting = sup.get(self.generator.stop.remote(), timeout=rl.supervisor.stop_timeout_s)
+        if self.step > 0 and self.step != self.last_ckpt_step and (
+                stop.requeue or save_fits(rl, self.last_save_s, time.monotonic() - stop.at)):
+            with sup.phase("ckpt", "actor", "ckpt.dir"):
+                self.last_ckpt = save_checkpoint(self.trainer, self.critic, rl, self.step, self.kl_ctl.value,
+                                                 self.books)
+            why = "for the requeue" if stop.requeue else "before stopping"
+            print(f"checkpointed step {self.step} {why}: {self.last_ckpt}", flush=True)
 
-            # --- metrics, checkpoint ---
-            metrics = {
-                **msg.metrics, **batch_metrics(batch, adv.advantages, None if old is None else old[:real]),
-                **image_metrics(batch, rl.model.path), **partial_rollout_metrics(batch, step - 1),
-                **{f"train/{k}": v for k, v in train_stats.items()}, **sync_stats,
-                **{f"critic/{k}": v for k, v in critic_stats.items()}, **critic_metrics(values, adv.returns, batch),
-                "train/kl": mean_kl, "train/kl_coef": kl_ctl.value,
-                "policy_version": float(msg.policy_version), "staleness": float(step - 1 - msg.policy_version),
-                "queue/size": float(queue_size), "queue/depth": float(queue_depth),
-                "timing/generation": msg.generation_s, "timing/vllm_idle_wait": msg.vllm_idle_wait_s,
-                "timing/actor_idle_wait": actor_idle_wait, "timing/make_experience": make_experience_s,
-                "timing/policy_train": policy_train_s, "prompts/trained": float(books.trained),
-                **shaping.metrics, "train/actor_frozen": float(actor_frozen),
-            }
-            if critic is not None:
-                metrics["timing/critic_train"] = critic_train_s
-            if rl.schedule.ckpt_every and step % rl.schedule.ckpt_every == 0:
-                t0 = time.time()
-                with sup.phase("checkpoint save", "actor", "ckpt.dir"):
-                    last_ckpt = save_checkpoint(trainer, critic, rl, step, kl_ctl.value, books)
-                last_ckpt_step = step
-                metrics["timing/ckpt"] = last_save_s = time.time() - t0
-            metrics["timing/step_total"] = time.time() - step_start
-            step_start = time.time()
-            if step % rl.schedule.log_every == 0:
-                sink.log(step, metrics)
-    except RunStopped as exc:
-        print(f"{exc}; tearing the run down", flush=True)
-        status = "stopped"
-        accounting = started.generator_accounting(rl.supervisor.stop_timeout_s)
-    except RunAborted as exc:
-        accounting = started.generator_accounting(min(rl.supervisor.stop_timeout_s, 10.0))
-        exc.with_accounting(settle_accounting(accounting, books.trained))
-        print(f"run aborted: {exc}", file=sys.stderr, flush=True)
-        raise
+    def _state(self) -> dict:
+        return {"step": self.step, "kl_coef": self.kl_ctl.value, "prompts": self.books.state()}
 
-    # ------------------------------------------------------------------------------------------------ teardown
-    sup.unwatch("generator")
-    accounting = settle_accounting(accounting, books.trained)
-    if status == "finished":
-        with sup.phase("end of the generator", "generator", "agent"):
-            sup.get(generator_done)
-            if rl.eval.enabled and rl.eval.every and step > 0 and last_eval_step != step:
-                final_eval = sup.get(generator.evaluate.remote())  # the final weights are evaluated too
-                sink.log(step, final_eval)
-                ckpt.keep_best(best, final_eval, rl.ckpt, trainer, critic, sup,
-                               {"step": step, "kl_coef": kl_ctl.value, "prompts": books.state()})
-    sink.close()
-    started.sink = None
-    if status == "finished" and rl.ckpt.final_save:
-        with sup.phase("HF export", "actor", "ckpt.hf_dir"):
-            trainer.export_hf(rl.ckpt.hf_dir)
-    plot = plot_run(sink.path, out_dir / "metrics.png", f"{plan.name} ({plan.fingerprint[:12]})")
-    return RunResult(status, step, accounting, last_ckpt, sink.path, plot, timeline)
+    # ------------------------------------------------------------------------------------------------ finish
+    def finish(self) -> RunResult:
+        """Settle the prompt books; a finished run waits for the generator's end, evaluates the final weights (when
+        the last eval was not at this step) and exports HF weights; the metrics plot."""
+        rl, sup, step = self.rl, self.sup, self.step
+        sup.unwatch("generator")
+        accounting = settle_accounting(self.accounting, self.books.trained)
+        if self.status == "finished":
+            with sup.phase("end of the generator", "generator", "agent"):
+                sup.get(self.generator_done)
+                if rl.eval.enabled and rl.eval.every and step > 0 and self.last_eval_step != step:
+                    final_eval = sup.get(self.generator.evaluate.remote())  # the final weights are evaluated too
+                    self.sink.log(step, final_eval)
+                    ckpt.keep_best(self.best, final_eval, rl.ckpt, self.trainer, self.critic, sup, self._state())
+        self.sink.close()
+        self.started.sink = None
+        if self.status == "finished" and rl.ckpt.final_save:
+            with sup.phase("HF export", "actor", "ckpt.hf_dir"):
+                self.trainer.export_hf(rl.ckpt.hf_dir)
+        plot = plot_run(self.sink.path, self.out_dir / "metrics.png", f"{self.plan.name} ({self.plan.fingerprint[:12]})")
+        return RunResult(self.status, step, accounting, self.last_ckpt, self.sink.path, plot, self.timeline)
+
+
+@dataclass(frozen=True)
+class StepExperience:
+    """What `make_experience` hands the step: the batch as generated (`batch`, its real rows) and padded for the
+    FSDP groups with π_old, π_ref, advantages and returns (`train_batch`), and what the metrics read."""
+
+    batch: Experience
+    train_batch: Experience
+    old: torch.Tensor | None
+    values: torch.Tensor | None
+    kl: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    shaping_metrics: dict[str, float]
 
 
 PROMPTS_LOG = "prompts.jsonl"
@@ -369,108 +423,31 @@ runtime/generator.py) of the prompts trained at that step: what an exact resume 
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-class LengthShaping:
-    """The plan's length penalty (DAPO overlong or ProRL stop-properly) on the merged rewards, before the clip; its
-    mean R' − R is logged as `train/overlong_penalty` or `train/stop_properly_penalty`."""
-
-    def __init__(self, algo_plan, batch: Experience):
-        self.a, self.batch, self.metrics = algo_plan, batch, {}
-        on = algo_plan.overlong_buffer_len is not None or algo_plan.stop_properly_penalty_coef is not None
-        self.shape = self._shape if on else None
-
-    def _shape(self, merged) -> torch.Tensor:
-        from runtime.algo import penalties
-
-        a, b, n = self.a, self.batch, merged.rewards.numel()
-        if a.overlong_buffer_len is not None:
-            peak = penalties.peak_per_rollout(b.attention_mask.sum(-1), merged.sample_to_rollout, n)
-            shaped, delta = penalties.overlong_penalty(merged.rewards, peak, buffer_len=a.overlong_buffer_len,
-                                                       factor=a.overlong_penalty_factor, max_len=a.overlong_max_len)
-            name = "train/overlong_penalty"
-        else:
-            trunc = penalties.truncated_per_rollout(b.truncated, merged.sample_to_rollout, n)
-            shaped, delta = penalties.stop_properly_penalty(merged.rewards, trunc, coef=a.stop_properly_penalty_coef)
-            name = "train/stop_properly_penalty"
-        self.metrics[name] = float(delta.mean()) if n else 0.0
-        return shaped
-
-
 def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int,
-                 sup: Supervisor) -> dict[str, float]:
-    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe.
+                 sup: Supervisor, timings: dict[str, float]) -> dict[str, float]:
+    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe. Timed
+    phases: `weight_sync_total` (lock wait, pause, `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe`.
 
     `lock` is None only before the generator exists (resume), when nothing can be generating.
     """
-    t0 = time.time()
-    if lock is not None:
-        with sup.phase("weight sync: waiting for the engine lock", "generator (holds the engine lock)",
-                       "agent.episode_timeout_s"):
-            sup.get(lock.acquire.remote())
-    t1 = time.time()
-    try:
-        sup.get([e.pause.remote() for e in engines])
-        stats = link.sync(version)
-        sup.get([e.resume.remote() for e in engines])
-    finally:
+    with sup.phase("weight_sync_total", "trainer rank 0 and the engines", "rollout.engine", timings):
         if lock is not None:
-            ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
-    t2 = time.time()
-    trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
-    engine_lp = [torch.tensor(lp) for lp in sup.get([e.score.remote(probe_ids) for e in engines])]
+            with sup.phase("weight_sync_lock_wait", "generator (holds the engine lock)", "agent.episode_timeout_s",
+                           timings):
+                sup.get(lock.acquire.remote())
+        try:
+            sup.get([e.pause.remote() for e in engines])
+            stats = link.sync(version)
+            sup.get([e.resume.remote() for e in engines])
+        finally:
+            if lock is not None:
+                ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
+    with sup.phase("probe", "trainer rank 0 and the engines", "rollout.engine", timings):
+        trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
+        engine_lp = [torch.tensor(lp) for lp in sup.get([e.score.remote(probe_ids) for e in engines])]
     diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
-    return {
-        **stats, "timing/weight_sync_lock_wait": t1 - t0, "timing/weight_sync_total": t2 - t0,
-        "timing/probe": time.time() - t2,
-        "weight_sync/logprob_diff_max": float(diffs.max()), "weight_sync/logprob_diff_mean": float(diffs.mean()),
-    }
-
-
-def batch_metrics(batch: Experience, advantages: torch.Tensor, old: torch.Tensor | None) -> dict[str, float]:
-    """Rollout statistics count each rollout once: a chat rollout may arrive as several step-samples that share its
-    id and reward (their generated tokens add up, one truncated sample truncates the rollout). `old` is None
-    without an old-logprob pass (then no `train/logprob_diff_max`: the trainer logs `train/mismatch/*`)."""
-    mask = batch.action_mask
-    ids, sample_to_rollout = torch.unique(batch.rollout_ids, return_inverse=True)
-    n = len(ids)
-    first = torch.full((n,), batch.batch_size).scatter_reduce(0, sample_to_rollout, torch.arange(batch.batch_size),
-                                                              reduce="amin")
-    rewards, scores, group_ids = batch.rewards[first], batch.scores[first], batch.group_ids[first]
-    lengths = torch.zeros(n).index_add(0, sample_to_rollout, batch.response_length.float())
-    truncated = torch.zeros(n).scatter_reduce(0, sample_to_rollout, batch.truncated.float(), reduce="amax")
-    groups = group_ids.unique()
-    group_std = [rewards[group_ids == g].std(unbiased=False) for g in groups]
-    out = {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std(unbiased=False)),
-        "rollout/score_mean": float(scores.mean()),
-        "rollout/pass1": float((scores > 0).float().mean()),
-        "rollout/num_rollouts": float(n),
-        "rollout/num_samples": float(batch.batch_size),
-        "rollout/num_prompt_groups": float(len(groups)),
-        "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/truncated_rate": float(truncated.mean()),
-        "rollout/group_reward_std": float(torch.stack(group_std).mean()),
-        "train/advantage_mean": float(algo.masked_mean(advantages, mask)),
-        "train/advantage_abs_mean": float(algo.masked_mean(advantages.abs(), mask)),
-    }
-    if old is not None:
-        out["train/logprob_diff_max"] = float(((batch.rollout_log_probs - old).abs() * mask).max())
-    return out
-
-
-def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
-    """VLM batches: placeholder tokens and image features, counted separately (equal when aligned; the batch is
-    checked row by row first, so a misaligned row stops the run instead of training on shifted features)."""
-    if batch.mm_inputs is None:
-        return {}
-    from runtime.engines.weights import image_token_id, merge_size
-
-    token_id, merge = image_token_id(model_path), merge_size(model_path)
-    check_image_alignment(batch, token_id, merge)
-    tokens = int(((batch.sequences == token_id) & batch.attention_mask).sum())
-    features = sum(image_token_count(m, merge) for m in batch.mm_inputs)
-    return {"rollout/image_tokens": float(tokens), "rollout/image_features": float(features),
-            "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
+    return {**stats, "weight_sync/logprob_diff_max": float(diffs.max()),
+            "weight_sync/logprob_diff_mean": float(diffs.mean())}
 
 
 def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books) -> str:

@@ -56,10 +56,6 @@ def apply(model: torch.nn.Module, plan: LoraPlan) -> torch.nn.Module:
     return model
 
 
-def is_adapted(model: torch.nn.Module) -> bool:
-    return getattr(model, "molt_lora", None) is not None
-
-
 @dataclass
 class MergedWeight:
     """W + scale·B@A of one adapted linear layer, computed on the fly from (possibly sharded) parameters."""

@@ -2,11 +2,13 @@
 
 `rollout_queue` (generator -> trainer) carries `Message`; the consumer dispatches with `match`, never on strings.
 `rollout_slots` (trainer -> generator) carries plain ints: the trainer's latest step, handed back with each slot.
+`RunResult` is what a run (`runtime.loop.run`, or its eval-only form `runtime.eval_only`) hands its caller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ray import ObjectRef
 
@@ -39,3 +41,14 @@ class EndOfStream:
 
 
 Message = RolloutBatch | EvalResult | EndOfStream
+
+
+@dataclass
+class RunResult:
+    status: str                     # "finished" | "stopped" | "requeue" (checkpointed on SIGUSR1)
+    step: int
+    accounting: dict[str, int]
+    last_checkpoint: str | None
+    metrics_path: Path
+    plot_path: Path | None = None
+    timeline: list[dict] = field(default_factory=list)   # per batch: slot taken, dequeued, policy version

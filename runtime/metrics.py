@@ -1,4 +1,5 @@
-"""Every metric the runtime logs, documented in one table, and the sinks: metrics.jsonl, TensorBoard, a live display.
+"""Every metric the runtime logs (RL and SFT), documented in one table, and the sinks: metrics.jsonl, TensorBoard,
+a live display.
 
 `METRICS` maps each key (or key pattern with `<reason>` / `<name>`) to its definition; `is_documented(key)` is what
 the test uses to assert that every logged key is in the table. Times are seconds of wall clock.
@@ -89,12 +90,19 @@ METRICS: dict[str, str] = {
     "train/score_centering_policy_head_mass": "token-mean Σ_H p: the policy's mass on the same ids during the update",
     "train/logprob_diff_max": "max |log π_rollout - log π_old| over the batch's action tokens (absent without an "
                               "old-logprob pass)",
+    "train/overlong_penalty": "DAPO overlong penalty: mean over the batch's rollouts of R' − R (shaped minus "
+                              "merged reward, before the clip)",
+    "train/stop_properly_penalty": "ProRL stop-properly penalty: mean over the batch's rollouts of R' − R on "
+                                   "truncated rollouts (0 elsewhere), before the clip",
     "train/advantage_mean": "token-mean advantage",
     "train/advantage_abs_mean": "token-mean |advantage|",
     "train/grad_norm": "gradient norm before clipping (mean over the step's optimizer steps)",
     "train/lr": "learning rate after the step",
     "train/optimizer_steps": "optimizer steps taken this RL step",
-    "train/tokens": "action tokens trained on this step (all ranks)",
+    "train/tokens": "tokens that carried the loss in this step's updates, summed over all ranks and passes (RL: "
+                    "action tokens, once per epoch of actor.max_epochs; SFT: reply tokens of the optimizer step)",
+    "train/loss": "SFT: global token-mean reply NLL of the optimizer step (all ranks)",
+    "train/epoch": "SFT: epoch (0-based) of the optimizer step",
     "train/actor_frozen": "1 while the policy is frozen for the critic's warm-up (actor.freezing_steps), else 0",
     # ── critic (gae) ──
     "critic/value_loss": "token-mean clipped value loss 0.5·max((V − R)², (V_clipped − R)²) over the critic's passes",
@@ -121,8 +129,9 @@ METRICS: dict[str, str] = {
     "timing/generation": "generator wall time to produce this batch (slot taken -> batch enqueued)",
     "timing/vllm_idle_wait": "time the generator waited for a slot before this batch (rollout capacity idle)",
     "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
-    "timing/make_experience": "old/ref log-prob forwards + advantages",
-    "timing/policy_train": "policy update on the FSDP group",
+    "timing/make_experience": "the batch fetched, π_old/π_ref log-prob forwards, V_old (gae), KL, rewards, "
+                              "advantages and returns",
+    "timing/policy_train": "policy update on the FSDP group (absent while the policy is frozen)",
     "timing/critic_train": "critic update on its FSDP group (gae)",
     "timing/weight_sync": "the streamed weight sync: every trainer rank gathers, rank 0 broadcasts buckets, every "
                           "engine loads them (they overlap, so the parts below add up to more)",
@@ -136,12 +145,15 @@ METRICS: dict[str, str] = {
     "timing/ckpt": "checkpoint save",
     "timing/step_total": "wall time of the whole step, from the previous step's end",
     "timing/eval": "wall time of an eval round",
+    "timing/step": "SFT: wall time of one optimizer step (its forwards, backwards and the update)",
     # ── eval ──
     "eval/reward_mean": "mean reward over the eval set",
     "eval/pass1": "fraction of eval rollouts with score > 0",
     "eval/response_length_mean": "mean generated tokens per eval rollout",
     "eval/truncated_rate": "fraction of eval rollouts cut by the token budget",
     "eval/num_samples": "eval rollouts",
+    "eval/loss": "SFT: reply-token NLL of the eval set (token mean over all ranks)",
+    "eval/tokens": "SFT: reply tokens of the eval set",
     "eval/pass@<name>": "mean over eval prompts of the unbiased pass@k (Chen et al. 2021) from n_samples_per_prompt "
                         "samples; a dropped sample counts as failed",
 }

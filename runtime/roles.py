@@ -65,7 +65,7 @@ def start_fsdp_group(start, plan: Plan, role_name: str, world: int, what: str, p
                                 for r in range(world)], get=sup.get)
     started.groups.append(group)
     for r, w in enumerate(group.workers):
-        sup.watch(f"{role_name}[{r}] ({what} rank {r})", w, "ready", role_name)
+        sup.watch(f"{role_name}[{r}] ({what} rank {r})", w, w.ready.remote, role_name)
     return group
 
 

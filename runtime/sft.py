@@ -2,7 +2,7 @@
 
     torchrun --nnodes N --nproc-per-node P ... -m runtime.sft PLAN.json     (the plan's `sft.command`)
 
-`run_sft` is the whole job, identical on every rank, as the stages of `SftRecipe` (torchtune's recipe shape):
+`run_sft` is the whole job, identical on every rank, as the stages of `SftJob` (torchtune's recipe shape):
 setup (process group of the plan's backend; tokenizer and data, `runtime/sft_data.py`: chat template, loss mask on
 assistant replies only; FSDP2 model, AdamW + scheduler from the FSDP core shared with the RL trainer,
 `runtime/fsdp.py`; resume; metrics) -> train (epochs of optimizer steps, each `grad_accum` micro-batches of
@@ -27,7 +27,9 @@ rows with a warning; they train nothing, so dropping them changes no gradient).
 
 Several datasets are read one after the other, or with `data.dataset_probs` interleaved as Molt blends them
 (`datasets.interleave_datasets`, all_exhausted, seeded with `train.seed`; the compiler counted the same rows).
-The capability table refuses what is not done here (VLM `image_key`, tp/cp/ep > 1, ...). SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
+What this job does not do (images, Muon, mesh axes it does not shard over, the automodel rows `sft-automodel-*`)
+the compiler refuses (CAP001, the `sft-*` rows of schemas/capabilities.py) and `runtime.plan_file` checks again at
+start. SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
 DCP checkpoint when the plan has a checkpoint cadence, and exits 130. With an eval set, the last step is
 evaluated too (when the cadence does not land on it), so every run ends with an eval loss.
 """
@@ -69,14 +71,14 @@ class SftResult:
 
 def run_sft(plan: Plan) -> SftResult:
     """The SFT job on this rank (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT)."""
-    recipe = SftRecipe(plan)
+    recipe = SftJob(plan)
     recipe.setup()
     recipe.train()
     recipe.export()
     return recipe.cleanup()
 
 
-class SftRecipe:
+class SftJob:
     """One rank's SFT job in stages; each reads the plan's `sft` slice as it is."""
 
     def __init__(self, plan: Plan):
@@ -378,22 +380,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print("usage: torchrun ... -m runtime.sft PLAN.json", file=sys.stderr)
         return 2
+    from runtime.plan_file import PlanUnusable, read_plan
+
     path = Path(args[0])
-    try:
-        plan = Plan.from_json(path.read_text())
-    except (OSError, ValueError) as exc:
-        print(f"{path}: cannot use this plan: {exc}", file=sys.stderr)
+    try:  # `${env:NAME}`: the launcher (the Slurm script, --submit) resolved them; never the plan's literal text
+        plan, env = read_plan(path)
+    except PlanUnusable as exc:
+        print(exc, file=sys.stderr)
         return 2
     if plan.kind != "sft" or plan.sft is None:
         print(f"{path}: a kind {plan.kind!r} plan; runtime.sft runs kind 'sft' plans", file=sys.stderr)
         return 2
-    from runtime.env_refs import UnsetReference, driver_env
-
-    try:  # `${env:NAME}`: the launcher (the Slurm script, --submit) resolved them; never the plan's literal text
-        os.environ.update(driver_env(plan, os.environ))
-    except UnsetReference as exc:
-        print(f"{path}: {exc}", file=sys.stderr)
-        return 2
+    os.environ.update(env)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         from runtime.datasource import derive_at_start

@@ -17,9 +17,10 @@ from __future__ import annotations
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.queue import Empty
@@ -99,7 +100,7 @@ class _Watched:
     name: str
     key: str
     ping: Callable[[], object] | None   # None: `ref` is a long-running call, not re-issued
-    ref: object
+    ref: Any
     sent_at: float
     actor_id: str | None = None         # hex id of the actor (names it when a call to it fails)
 
@@ -112,9 +113,8 @@ class Supervisor:
         self.ray_checked_at = 0.0
 
     # ------------------------------------------------------------------------------------------------ watching
-    def watch(self, name: str, handle, method: str, key: str) -> None:
-        """Watch an actor through `handle.<method>.remote()`, a cheap call (its ping)."""
-        ping = getattr(handle, method).remote
+    def watch(self, name: str, handle, ping: Callable[[], object], key: str) -> None:
+        """Watch the actor `handle` through `ping()`, a cheap call to it (e.g. `handle.ready.remote`)."""
         self.watched.append(_Watched(name, key, ping, ping(), time.monotonic(), _actor_id(handle)))
 
     def watch_call(self, name: str, handle, ref, key: str) -> None:
@@ -125,13 +125,18 @@ class Supervisor:
         self.watched = [w for w in self.watched if w.name != name]
 
     @contextmanager
-    def phase(self, name: str, actor: str, key: str):
+    def phase(self, name: str, actor: str, key: str, timings: dict[str, float] | None = None) -> Iterator[None]:
+        """What the loop is waiting on (`actor`, the recipe `key` most likely at fault), for the errors it raises.
+        With `timings`, the phase's wall time is added to `timings["timing/<name>"]` (the name is the metric's)."""
         previous = self.phase_name, self.actor, self.key
         self.phase_name, self.actor, self.key = name, actor, key
+        start = time.time()
         try:
             yield
         finally:
             self.phase_name, self.actor, self.key = previous
+            if timings is not None:
+                timings[f"timing/{name}"] = timings.get(f"timing/{name}", 0.0) + time.time() - start
 
     def check(self) -> None:
         """Raise `RunAborted` when a watched actor has died or its watched call failed."""
@@ -204,7 +209,7 @@ class Supervisor:
     def _watched_of(self, exc: BaseException) -> _Watched | None:
         """The watched actor a `RayActorError` is about, if it is one."""
         failed = getattr(exc, "actor_id", None)
-        failed = failed.hex() if hasattr(failed, "hex") and not isinstance(failed, str) else failed
+        failed = failed.hex() if failed is not None and hasattr(failed, "hex") and not isinstance(failed, str) else failed
         return next((w for w in self.watched if w.actor_id and w.actor_id == failed), None) if failed else None
 
     def _first_dead(self, refs: list, grace_s: float = DEATH_GRACE_S) -> _Watched | None:

@@ -138,8 +138,7 @@ class PolicyWorker(FsdpRank):
         """
         t = self.t
         _, shard, lengths = self._shard(batch)
-        local = t.local_batch_size if t.dynamic_batch_max_tokens is not None else None
-        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, t.grad_accum, local,
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, t.grad_accum, t.local_batch_size,
                                            t.force_on_policy)
         sums: dict[str, float] = {}
         grad_norms = []
@@ -198,14 +197,14 @@ class PolicyWorker(FsdpRank):
         sc = None
         if centered:  # f follows the IS mode and band; `none` (f ≡ 1) when IS is off (molt_0_2_1.md §3.4)
             sc = centering(top_lp, part.rollout_top_log_probs.to(dev), mask,
-                           mode="none" if isc.level == "off" else isc.mode, low=isc.low, high=isc.high)
+                           mode=isc.mode if isc.enabled else "none", low=isc.low, high=isc.high)
         use_kl_loss = kl.use_loss and part.ref_log_probs is not None
         weights = None if window is None else aggregation.row_weights(ls.agg_mode, part.action_mask,
                                                                       part.group_ids, window).to(dev)
         out = algo.actor_loss(
             logp, old, part.advantages.to(dev), mask, mode=ls.mode, clip_low=ls.clip_low, clip_high=ls.clip_high,
             global_num_tokens=global_tokens, dp_size=self.t.world, dual_clip=ls.dual_clip,
-            is_coef=None if isc.level == "off" else is_out.coef,
+            is_coef=is_out.coef if isc.enabled else None,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
             kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
             entropy=entropy, entropy_coef=ls.entropy_coef, row_weights=weights,
@@ -253,11 +252,12 @@ class PolicyWorker(FsdpRank):
         """This node's IP and a free port for the weight-sync store (rank 0 hosts it)."""
         return _ray().util.get_node_ip_address(), free_port()
 
-    def open_weight_sync(self, backend: str, host: str, port: int, world: int, timeout_s: float) -> None:
-        """Rank 0 only: host the weight-sync store and join the group as its rank 0 (blocks until all joined)."""
+    def open_weight_sync(self, method: str, host: str, port: int, world: int, timeout_s: float) -> None:
+        """Rank 0 only: host the weight-sync store and join the group as its rank 0 (blocks until all joined);
+        `method` is the plan's `weight_sync.method`."""
         from runtime import weight_sync
 
-        self._sync_group = weight_sync.join_group(backend, host, port, 0, world, timeout_s)
+        self._sync_group = weight_sync.join_group(method, host, port, 0, world, timeout_s)
 
     def send_weights(self, dtype: str, bucket_bytes: int) -> dict[str, float]:
         """Every rank must call this (rank 0 gathers the shards bucket by bucket); rank 0 broadcasts the buckets."""

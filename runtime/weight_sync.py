@@ -2,8 +2,11 @@
 
 One dedicated process group (the plan's `weight_sync`) holds trainer rank 0 (group rank 0, the sender) and every
 engine worker (ranks `engine_rank_offsets[i] + j`). It is built from a TCPStore that trainer rank 0 hosts, without
-touching either side's default world: the trainer ranks have their FSDP world, each vLLM worker its own. gloo on CPU
-(so CI runs this exact code path), NCCL on GPUs, or CUDA IPC (`IpcChannel`) when every member shares one GPU.
+touching either side's default world: the trainer ranks have their FSDP world, each vLLM worker its own. Each engine
+joins with the driver's `JoinMessage`. The buckets travel by the plan's method, a `Transport`: a gloo broadcast on
+CPU (so CI runs this exact code path), an NCCL broadcast on GPUs (`Broadcast`), or CUDA IPC
+(`runtime.weight_sync_ipc.IpcChannel`) when every member shares one GPU; `send` and `receive` are the same for all
+three.
 
 The sender and the receivers agree on the stream without exchanging anything per bucket: both sides hold the same
 `TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
@@ -26,9 +29,12 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+
+from runtime.weight_sync_ipc import IpcChannel, broadcast_from_rank0
 
 # A tied lm_head is one parameter in the trainer (named_parameters lists it once, as the embedding) but vLLM must
 # receive it under its own name too (environment.md §3): the receiver aliases it, no extra bytes cross the wire.
@@ -88,130 +94,109 @@ def bucket_layout(metas: list[TensorMeta], bucket_bytes: int) -> list[list[int]]
     return buckets
 
 
-def join_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float):
-    """The weight-sync process group, independent of any default world; rank 0 hosts the store. `cuda_ipc` is a
-    gloo group for the hand-shakes plus the CUDA IPC buckets (`IpcChannel`): sender and receivers share one GPU."""
+@dataclass(frozen=True)
+class JoinMessage:
+    """What an engine needs to join the weight-sync group, built once by the driver from the plan's `weight_sync`
+    (`WeightSyncLink.connect`); each engine gets it with its own `rank_offset` (and, vLLM, the tied `aliases`). The
+    vLLM worker extension takes it as its init info (vLLM passes it as a dict and rebuilds it here)."""
+
+    method: str                        # the plan's weight_sync.method: gloo_broadcast | nccl_broadcast | cuda_ipc
+    master_address: str                # trainer rank 0's node: it hosts the group's store
+    master_port: int
+    world_size: int
+    timeout_s: float
+    bucket_bytes: int
+    metas: tuple[tuple[str, str, tuple[int, ...]], ...]   # (name, wire dtype, full shape): the sender's stream order
+    check_unassigned: bool             # train.check_weight_update_equal: report parameters a sync did not assign
+    rank_offset: int = 0               # this engine's first group rank
+    aliases: dict[str, str] = field(default_factory=dict)  # vLLM: tied names the receiver adds (`tied_aliases`)
+
+    def tensor_metas(self) -> list[TensorMeta]:
+        return [TensorMeta(n, d, tuple(s)) for n, d, s in self.metas]
+
+
+class Transport(Protocol):
+    """How buckets go from group rank 0 (the sender) to every other member. `send` and `receive` drive any of them:
+    per sync `start`; the sender takes a `buffer` per bucket, fills it and `publish`es it (asynchronously; the
+    handle's `wait` also gives the buffer back); a receiver `post`s the next bucket, `collect`s it (its bytes), loads
+    them and `release`s it; `finish` ends the sync on either side."""
+
+    def start(self, capacity: int, device: torch.device) -> None: ...
+    def buffer(self, size: int, device: torch.device, bucket_bytes: int) -> torch.Tensor: ...
+    def publish(self, buf: torch.Tensor, base: torch.Tensor) -> Any: ...
+    def post(self, size: int, device: torch.device, bucket_bytes: int) -> Any: ...
+    def collect(self, posted: Any) -> torch.Tensor: ...
+    def release(self, posted: Any) -> None: ...
+    def finish(self) -> None: ...
+
+
+class Broadcast:
+    """Buckets broadcast over a process group (gloo on CPU, NCCL on GPUs), in buffers of this process's pool; a
+    receiver's next receive is posted before it loads the current bucket."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def start(self, capacity: int, device: torch.device) -> None:
+        pass
+
+    def buffer(self, size: int, device: torch.device, bucket_bytes: int) -> torch.Tensor:
+        return POOL.take(size, device, at_least=bucket_bytes)
+
+    def publish(self, buf: torch.Tensor, base: torch.Tensor) -> _Sent:
+        return _Sent(broadcast_from_rank0(self.group, buf), base)
+
+    def post(self, size: int, device: torch.device, bucket_bytes: int) -> tuple[Any, int, torch.Tensor]:
+        base = POOL.take(size, device, at_least=bucket_bytes)
+        return broadcast_from_rank0(self.group, base[:size]), size, base
+
+    def collect(self, posted: tuple[Any, int, torch.Tensor]) -> torch.Tensor:
+        work, size, base = posted
+        work.wait()
+        return base[:size]
+
+    def release(self, posted: tuple[Any, int, torch.Tensor]) -> None:
+        POOL.give(posted[2])  # handed out again only once the loader keeps no view of it
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class _Sent:
+    """A bucket in flight; its buffer goes back to the pool when it has left."""
+
+    work: Any
+    base: torch.Tensor
+
+    def wait(self) -> None:
+        self.work.wait()
+        POOL.give(self.base)
+
+
+def join_group(method: str, host: str, port: int, rank: int, world: int, timeout_s: float) -> Transport:
+    """The weight-sync group's transport, independent of any default world; rank 0 hosts the store. `method` is the
+    plan's `weight_sync.method`; `cuda_ipc` is a gloo group for the hand-shakes plus the CUDA IPC buckets (sender
+    and receivers share one GPU)."""
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = PrefixStore("molt-weight-sync", TCPStore(host, port, world, is_master=rank == 0, timeout=timeout,
                                                      wait_for_workers=False))
-    if backend in ("gloo", "cuda_ipc"):
+    if method in ("gloo_broadcast", "cuda_ipc"):
         from torch.distributed import ProcessGroupGloo
 
         group = ProcessGroupGloo(store, rank, world, timeout)
-        return IpcChannel(group) if backend == "cuda_ipc" else group
-    if backend == "nccl":
+        if method == "cuda_ipc":
+            return IpcChannel(group)
+        return Broadcast(group)
+    if method == "nccl_broadcast":
         from torch.distributed import ProcessGroupNCCL
 
         opts = ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return ProcessGroupNCCL(store, rank, world, opts)
-    raise ValueError(f"unknown weight-sync backend {backend!r}")  # the plan allows gloo|nccl|cuda_ipc only
-
-
-def _broadcast(group, tensor: torch.Tensor):
-    from torch.distributed import BroadcastOptions
-
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    return group.broadcast([tensor], opts)
-
-
-class _Done:
-    """A finished work handle (the IPC channel's steps are synchronous)."""
-
-    def wait(self) -> bool:
-        return True
-
-
-class IpcChannel:
-    """Buckets through CUDA IPC when the sender and every receiver are on one GPU (NCCL refuses a group whose
-    members share a device). The sender owns two bucket slots in GPU memory and exports their IPC handles once;
-    per bucket it fills slot `k % 2` and says so over gloo (one 8-byte broadcast); a receiver loads straight out of
-    the mapped slot and acknowledges bucket k-1 once bucket k is announced, so slot reuse waits for every
-    receiver and filling the next bucket overlaps loading this one. Both sides issue the same sequence of gloo
-    collectives: ready(0), ready(1), ack(0), ready(2), ack(1), ..., ack(n-1)."""
-
-    def __init__(self, group) -> None:
-        self.group = group
-        self.slots: list[torch.Tensor] = []
-        self.bucket = 0          # index of the next bucket in this sync
-        self.acked = 0           # buckets acknowledged so far in this sync
-        self.unacked = False     # receiver: the previous bucket's ack is owed
-
-    # ---- shared
-    def _ack(self) -> None:
-        from torch.distributed import AllreduceOptions
-
-        self.group.allreduce([torch.zeros(1)], AllreduceOptions()).wait()
-        self.acked += 1
-
-    def _share_slots(self, capacity: int, device: torch.device) -> None:
-        """Sender: allocate the two slots and broadcast their handles; receiver: map them (first sync only)."""
-        import pickle
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        for _ in range(2):
-            if self.group.rank() == 0:
-                slot = torch.empty(capacity, dtype=torch.uint8, device=device)
-                blob = torch.frombuffer(bytearray(pickle.dumps(reduce_tensor(slot))), dtype=torch.uint8)
-                self.slots.append(slot)
-                size = torch.tensor([blob.numel()], dtype=torch.int64)
-            else:
-                size = torch.zeros(1, dtype=torch.int64)
-            _broadcast(self.group, size).wait()
-            if self.group.rank() != 0:
-                blob = torch.empty(int(size.item()), dtype=torch.uint8)
-            _broadcast(self.group, blob).wait()
-            if self.group.rank() != 0:
-                rebuild, args = pickle.loads(blob.numpy().tobytes())
-                self.slots.append(rebuild(*args))
-
-    def start(self, capacity: int, device: torch.device) -> None:
-        if not self.slots:
-            self._share_slots(capacity, device)
-        self.bucket = self.acked = 0
-        self.unacked = False
-
-    # ---- sender
-    def take(self, size: int) -> torch.Tensor:
-        """The slot for the next bucket, once every receiver is done with the bucket it held before."""
-        if self.bucket >= 2:
-            self._ack()
-        return self.slots[self.bucket % 2]
-
-    def publish(self, buf: torch.Tensor) -> _Done:
-        torch.cuda.current_stream(buf.device).synchronize()  # the bucket is in memory before anyone reads it
-        _broadcast(self.group, torch.tensor([self.bucket], dtype=torch.int64)).wait()
-        self.bucket += 1
-        return _Done()
-
-    def finish_send(self) -> None:
-        while self.acked < self.bucket:
-            self._ack()
-
-    # ---- receiver
-    def collect(self, size: int) -> torch.Tensor:
-        """Wait for the next bucket's announcement; the slot it is in (a view of the sender's memory)."""
-        seq = torch.zeros(1, dtype=torch.int64)
-        _broadcast(self.group, seq).wait()
-        if int(seq.item()) != self.bucket:
-            raise RuntimeError(f"weight sync: bucket {int(seq.item())} announced, {self.bucket} expected")
-        if self.unacked:  # the previous bucket's loads were issued before this collect: let them finish
-            torch.cuda.current_stream().synchronize()
-            self._ack()
-        self.unacked = True
-        slot = self.slots[self.bucket % 2]
-        self.bucket += 1
-        return slot[:size]
-
-    def finish_receive(self) -> None:
-        torch.cuda.synchronize()  # copies out of the slot are done before the sender may overwrite it
-        if self.unacked:
-            self._ack()
-            self.unacked = False
+        return Broadcast(ProcessGroupNCCL(store, rank, world, opts))
+    raise ValueError(f"unknown weight-sync method {method!r}")  # the plan allows gloo_broadcast|nccl_broadcast|cuda_ipc
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -298,7 +283,7 @@ class ShardGather:
         self._check_mesh(p)
         if len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
             raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
-        return p.detach().to_local(), placements[0].is_shard(0)
+        return p.detach().to_local(), placements[0].is_shard(0)  # type: ignore[attr-defined]  # a DTensor
 
     def _check_mesh(self, p) -> None:
         mesh = getattr(p, "device_mesh", None)
@@ -370,6 +355,7 @@ class ShardGather:
             if direct(local):
                 out = local.reshape(-1)  # already in the wire dtype: the shard itself goes out
             else:
+                assert base is not None  # sized for every piece that is not sent as it is
                 out = base[off:off + k].view(self.dtype)
                 out.copy_(local.reshape(-1))
                 off += k
@@ -389,15 +375,15 @@ class ShardGather:
         self._sends = []
 
 
-def send_model(sources: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], bucket_bytes: int, group,
-               device: torch.device, gather_group, rank: int, world: int) -> SyncStats:
-    """Stream a model out of its shards (`sources`: its backend's `hf_weights`); `group` is None on the ranks that
-    only take part in the gather."""
+def send_model(sources: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], bucket_bytes: int,
+               transport: Transport | None, device: torch.device, gather_group, rank: int, world: int) -> SyncStats:
+    """Stream a model out of its shards (`sources`: its backend's `hf_weights`); `transport` is None on the ranks
+    that only take part in the gather."""
     return send(ShardGather(sources, metas, gather_group, rank, world, device, bucket_bytes), metas, bucket_bytes,
-                group, device)
+                transport, device)
 
 
-def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, group,
+def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucket_bytes: int, transport: Transport,
                  device: torch.device) -> SyncStats:
     """Stream full tensors (in `metas` order and dtype, produced lazily): a process that holds a whole model."""
     it = iter(tensors)
@@ -414,46 +400,44 @@ def send_tensors(tensors: Iterator[torch.Tensor], metas: list[TensorMeta], bucke
                 buf[offset:offset + n].view(full.dtype).copy_(full.reshape(-1))
             offset += n
 
-    return send(fill, metas, bucket_bytes, group, device)
+    return send(fill, metas, bucket_bytes, transport, device)
 
 
-def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[TensorMeta], bucket_bytes: int, group,
-         device: torch.device) -> SyncStats:
-    """Fill each bucket (`fill(bucket, buffer)`; buffer None where this process only helps gather) and broadcast
-    it asynchronously, so that filling the next bucket overlaps sending this one."""
+def send(fill: Callable[[list[int], torch.Tensor | None], None], metas: list[TensorMeta], bucket_bytes: int,
+         transport: Transport | None, device: torch.device) -> SyncStats:
+    """Fill each bucket (`fill(bucket, buffer)`) and publish it asynchronously, so that filling the next bucket
+    overlaps sending this one. Without a transport this process only helps rank 0 gather (buffer None)."""
     stats = SyncStats()
+    if transport is None:
+        for bucket in bucket_layout(metas, bucket_bytes):
+            t0 = time.perf_counter()
+            fill(bucket, None)
+            stats.gather_s += time.perf_counter() - t0
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return stats
     layout = bucket_layout(metas, bucket_bytes)
-    ipc = group if isinstance(group, IpcChannel) else None
-    if ipc is not None:
-        ipc.start(_slot_bytes(metas, layout, bucket_bytes), device)
-    pending = None  # (work, buffer) of the bucket in flight
+    transport.start(_slot_bytes(metas, layout, bucket_bytes), device)
+    pending = None  # the bucket in flight
     for bucket in layout:
         t0 = time.perf_counter()
         size = sum(metas[i].nbytes for i in bucket)
-        if group is None:
-            base = None
-        else:
-            base = ipc.take(size) if ipc is not None else POOL.take(size, device, at_least=bucket_bytes)
-        buf = base[:size] if base is not None else None
+        base = transport.buffer(size, device, bucket_bytes)
+        buf = base[:size]
         fill(bucket, buf)
         stats.gather_s += time.perf_counter() - t0
-        if group is None:
-            continue
         t0 = time.perf_counter()
         if pending is not None:
-            pending[0].wait()
-            POOL.give(pending[1])
-        pending = (ipc.publish(buf) if ipc is not None else _broadcast(group, buf), base)
+            pending.wait()
+        pending = transport.publish(buf, base)
         del buf
         stats.transfer_s += time.perf_counter() - t0
         stats.bytes += size
         stats.buckets += 1
     t0 = time.perf_counter()
     if pending is not None:
-        pending[0].wait()
-        POOL.give(pending[1])
-    if ipc is not None:
-        ipc.finish_send()
+        pending.wait()
+    transport.finish()
     stats.transfer_s += time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.current_stream().synchronize()
@@ -482,46 +466,32 @@ def unpack(buf: torch.Tensor, metas: list[TensorMeta], bucket: list[int], aliase
     return out
 
 
-def receive(group, metas: list[TensorMeta], bucket_bytes: int, device: torch.device,
+def receive(transport: Transport, metas: list[TensorMeta], bucket_bytes: int, device: torch.device,
             load: Callable[[list[tuple[str, torch.Tensor]]], None], aliases: dict[str, str]) -> SyncStats:
     """Receive every bucket and hand it to `load` as it arrives, the next receive already posted."""
     stats = SyncStats()
     layout = bucket_layout(metas, bucket_bytes)
-    ipc = group if isinstance(group, IpcChannel) else None
-
-    def post(bucket: list[int]):
-        size = sum(metas[i].nbytes for i in bucket)
-        if ipc is not None:
-            return None, size, None  # collected when it is its turn: the announcement is the receive
-        base = POOL.take(size, device, at_least=bucket_bytes)
-        return _broadcast(group, base[:size]), base[:size], base
-
-    if ipc is not None:
-        ipc.start(_slot_bytes(metas, layout, bucket_bytes), device)
-    nxt = post(layout[0])
+    sizes = [sum(metas[i].nbytes for i in bucket) for bucket in layout]
+    transport.start(_slot_bytes(metas, layout, bucket_bytes), device)
+    nxt = transport.post(sizes[0], device, bucket_bytes)
     for k, bucket in enumerate(layout):
-        work, buf, base = nxt
+        posted = nxt
         t0 = time.perf_counter()
-        if ipc is not None:
-            buf = ipc.collect(buf)
-        else:
-            work.wait()
+        buf = transport.collect(posted)
         if device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         stats.transfer_s += time.perf_counter() - t0
-        nxt = post(layout[k + 1]) if k + 1 < len(layout) else None
+        nxt = transport.post(sizes[k + 1], device, bucket_bytes) if k + 1 < len(layout) else None
         t0 = time.perf_counter()
         load(unpack(buf, metas, bucket, aliases))
         stats.load_s += time.perf_counter() - t0
         stats.bytes += buf.numel()
         stats.buckets += 1
         del buf
-        if base is not None:
-            POOL.give(base)  # only if the loader kept no view of it
-    if ipc is not None:
-        t0 = time.perf_counter()
-        ipc.finish_receive()
-        stats.load_s += time.perf_counter() - t0
+        transport.release(posted)
+    t0 = time.perf_counter()
+    transport.finish()
+    stats.load_s += time.perf_counter() - t0
     return stats
 
 

@@ -586,6 +586,9 @@ class KlPlan(PlanModel):
     """KL as loss term (else in the reward)."""
     ref: Literal["model", "rollout"]
     """KL reference: the reference model's log-probs, or the rollout engine's sampled-token log-probs."""
+    to_rollout: bool
+    """The KL is on (coef > 0) against the rollout policy: the engine's sampled-token log-probs are π_ref (derived
+    `algo.kl.to_rollout`)."""
     target: float | None
     """Adaptive controller target."""
     horizon: int
@@ -593,6 +596,8 @@ class KlPlan(PlanModel):
 
 
 class IsCorrectionPlan(PlanModel):
+    enabled: bool
+    """The IS correction applies (level is not off; derived `algo.is_correction.enabled`)."""
     level: Literal["off", "token", "seq", "geo"]
     """IS level."""
     mode: Literal["mask", "clip", "trunc"]

@@ -119,13 +119,7 @@ def test_function_level_imports_are_edges():
     [
         "molt_compile",
         "schemas",
-        pytest.param(
-            "runtime",
-            # Known at the time of writing: loop <-> eval_only (through RunResult; branch health31r moves it to
-            # runtime/messages.py) and runtime.models <-> models.hf/automodel (`Meshes` in the package __init__).
-            # Remove this mark at merge once both are gone (strict: an unexpected pass fails).
-            marks=pytest.mark.xfail(strict=True, reason="runtime import cycles fixed on branch health31r"),
-        ),
+        "runtime",
     ],
 )
 def test_no_import_cycle(package):

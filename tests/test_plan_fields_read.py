@@ -52,7 +52,6 @@ NOT_FOR_THE_RUNTIME = {
     "sft.data.sample_count": "the step schedule (schedule.total_steps is lowered from it)",
     "rl.schedule.steps_per_episode": "explain; total_steps bounds the run",
     # settings whose non-default values need a feature that a capability row refuses, or that a rule rejects
-    "rl.eval.only": "eval.only lowers to trainer None, refused by rl-eval-only",
     "rl.trainer.mesh.cp": "refused by rl-trainer-cp (the row reads the axis by name)",
     "rl.trainer.mesh.ep": "read by the automodel backend's device_mesh; refused by rl-trainer-ep-layout/-cuda",
     "sft.trainer.mesh.cp": "refused by sft-trainer-cp",

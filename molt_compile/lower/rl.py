@@ -412,10 +412,12 @@ def _algo(r: RlRecipe, d: Derived) -> AlgoPlan:
             estimator=d.value("algo.kl.estimator"),
             use_loss=d.value("algo.kl.use_loss"),
             ref=d.value("algo.kl.ref"),
+            to_rollout=d.value("algo.kl.to_rollout"),
             target=al.kl.target,
             horizon=al.kl.horizon,
         ),
         is_correction=IsCorrectionPlan.model_construct(
+            enabled=d.value("algo.is_correction.enabled"),
             level=al.is_correction.level,
             mode=al.is_correction.mode,
             gating=al.is_correction.gating,

@@ -23,7 +23,7 @@ Start them from the plan (LOOP's entry point):
   e.g. in tests); instance i is pinned to bundle `role.instances[i].bundle_indices[0]`.
 It returns once every engine has loaded its model (engines initialise concurrently).
 
-Weight sync (`runtime.weight_sync`): once, `engine.join_weight_sync.remote(init)` makes every engine worker join
+Weight sync (`runtime.weight_sync`): once, `engine.join_weight_sync.remote(join)` (a `JoinMessage`) makes every engine worker join
 the trainer's broadcast group; per sync `await engine.pause.remote()` (partial rollout: in-flight requests are
 frozen, not dropped), `engine.receive_weights.remote(version)` while the trainer ranks run `send_weights`,
 `await engine.resume.remote()`; then `engine.score.remote(probe_ids)` gives logprobs to compare with the trainer's.
@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from runtime.agents.types import GenerateOutput
 
 if TYPE_CHECKING:
+    from runtime.weight_sync import JoinMessage
     from schemas.plan import EnginesPlan, RolePlan
 
 __all__ = ["GenerateOutput", "RolloutEngine", "create_engines", "engine_class", "engines_ready", "start_engines"]
@@ -80,8 +81,8 @@ class RolloutEngine(Protocol):
         """Continue the requests frozen by `pause` and admit new ones."""
         ...
 
-    async def join_weight_sync(self, init: dict[str, Any]) -> None:
-        """Join the weight-sync group (`init`: transport, store address, world, this engine's rank offset, bucket size
+    async def join_weight_sync(self, join: JoinMessage) -> None:
+        """Join the weight-sync group (`join`: method, store address, world, this engine's rank offset, bucket size
         and the stream's tensor list); returns once every member has joined."""
         ...
 

@@ -35,6 +35,7 @@ from runtime.engines.hf_decode import DecodeCore, Request
 from runtime.engines.weights import tied_embeddings
 
 if TYPE_CHECKING:
+    from runtime.weight_sync import JoinMessage
     from schemas.plan import EnginesPlan
 
 
@@ -146,15 +147,15 @@ class HfEngine:
             self._paused = False
             self._gate.open()
 
-    async def join_weight_sync(self, init: dict[str, Any]) -> None:
+    async def join_weight_sync(self, join: JoinMessage) -> None:
         """Join the trainer's weight-sync group as rank `rank_offset` (blocks until every member has joined)."""
         from runtime import weight_sync
 
-        self._sync = init
-        self._sync_metas = [weight_sync.TensorMeta(n, d, tuple(s)) for n, d, s in init["metas"]]
+        self._sync = join
+        self._sync_metas = join.tensor_metas()
         self._sync_group = await asyncio.to_thread(
-            weight_sync.join_group, init["backend"], init["master_address"], init["master_port"],
-            init["rank_offset"], init["world_size"], init["timeout_s"])
+            weight_sync.join_group, join.method, join.master_address, join.master_port, join.rank_offset,
+            join.world_size, join.timeout_s)
 
     async def receive_weights(self, version: int) -> dict[str, Any]:
         """One sync: receive the streamed buckets and copy each into the model as it arrives."""
@@ -199,7 +200,7 @@ class HfEngine:
         from runtime import weight_sync
 
         params = dict(self.model.named_parameters())  # a tied lm_head is the embedding: listed (and loaded) once
-        check = self._sync["check_unassigned"]  # train.check_weight_update_equal: report what was not assigned
+        check = self._sync.check_unassigned  # train.check_weight_update_equal: report what was not assigned
         names = {m.name for m in self._sync_metas}
         missing = [n for n in params if n not in names]
         if missing and not check:
@@ -215,7 +216,7 @@ class HfEngine:
 
         self._gate.close()  # waits for the forward pass in progress; generation resumes after the load
         try:
-            stats = weight_sync.receive(self._sync_group, self._sync_metas, self._sync["bucket_bytes"],
+            stats = weight_sync.receive(self._sync_group, self._sync_metas, self._sync.bucket_bytes,
                                         next(iter(params.values())).device, load, {})
         finally:
             self._gate.open()

@@ -1,4 +1,4 @@
-"""Engine plan slices for running engines outside a compiled recipe: the engine tests and `runtime.engines.bench`.
+"""Engine plan slices for running engines outside a compiled recipe: the engine tests and `tests/bench_engines.py`.
 
 A compiled plan gets these from `molt_compile.lower`; here they are spelled out for a single CPU host, with the
 values the demo recipe compiles to (fp32, eager, prefix caching, processed logprobs, 1 GiB KV cache on CPU; the hf

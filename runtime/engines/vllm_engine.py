@@ -42,6 +42,7 @@ from runtime.engines.weights import image_token_id, tied_embeddings
 from runtime.vlm import collapse_image_runs
 
 if TYPE_CHECKING:
+    from runtime.weight_sync import JoinMessage
     from schemas.plan import EnginesPlan
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -153,14 +154,17 @@ class VllmEngine:
     async def resume(self) -> None:
         await self.engine.resume_generation()
 
-    async def join_weight_sync(self, init: dict[str, Any]) -> None:
+    async def join_weight_sync(self, join: JoinMessage) -> None:
         """Every worker joins the weight-sync group (blocks until the trainer's rank 0 and all peers have joined)."""
+        from dataclasses import asdict, replace
+
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        from runtime.weight_sync import TensorMeta, tied_aliases
+        from runtime.weight_sync import tied_aliases
 
-        aliases = tied_aliases([TensorMeta(n, d, tuple(s)) for n, d, s in init["metas"]], self.tied)
-        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={**init, "aliases": aliases}))
+        join = replace(join, aliases=tied_aliases(join.tensor_metas(), self.tied))
+        # vLLM carries init info to its workers as a dict; the worker extension rebuilds the JoinMessage
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=asdict(join)))
 
     async def receive_weights(self, version: int) -> dict[str, Any]:
         """One sync: every worker receives the streamed buckets and loads them; worker 0's numbers are returned."""

@@ -23,7 +23,7 @@ Kept free of Ray: vLLM imports this module inside its own worker processes (`wor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,42 +38,28 @@ no_torchvision.allow()
 
 
 @dataclass
-class MoltBroadcastInitInfo:
-    backend: str                       # gloo | nccl (the transport; the vLLM backend is always molt_broadcast)
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    timeout_s: float
-    bucket_bytes: int
-    metas: list[list[Any]]             # [name, dtype, shape] per tensor, the sender's stream order
-    check_unassigned: bool             # train.check_weight_update_equal: report parameters a sync did not assign
-    aliases: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
 class MoltBroadcastUpdateInfo(WeightTransferUpdateInfo):
     version: int
 
 
-class MoltBroadcastEngine(WeightTransferEngine[MoltBroadcastInitInfo, MoltBroadcastUpdateInfo]):
-    init_info_cls = MoltBroadcastInitInfo
+class MoltBroadcastEngine(WeightTransferEngine[weight_sync.JoinMessage, MoltBroadcastUpdateInfo]):
+    init_info_cls = weight_sync.JoinMessage  # the driver's join message (vLLM rebuilds it from its dict)
     update_info_cls = MoltBroadcastUpdateInfo
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self.group = None
-        self.info: MoltBroadcastInitInfo | None = None
+        self.info: weight_sync.JoinMessage | None = None
         self.metas: list[weight_sync.TensorMeta] = []
         self.last_stats: dict[str, Any] = {}
         self.assigned: set[str] = set()
 
-    def init_transfer_engine(self, init_info: MoltBroadcastInitInfo) -> None:
+    def init_transfer_engine(self, init_info: weight_sync.JoinMessage) -> None:
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
         self.info = init_info
-        self.metas = [weight_sync.TensorMeta(n, d, tuple(s)) for n, d, s in init_info.metas]
-        self.group = weight_sync.join_group(init_info.backend, init_info.master_address, init_info.master_port,
+        self.metas = init_info.tensor_metas()
+        self.group = weight_sync.join_group(init_info.method, init_info.master_address, init_info.master_port,
                                             rank, init_info.world_size, init_info.timeout_s)
 
     def start_weight_update(self) -> None:

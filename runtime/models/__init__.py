@@ -15,61 +15,15 @@ step for the gradient norm over its mesh.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
+    from schemas.plan import ModelPlan
 
-    from schemas.plan import LoraPlan, MeshPlan, ModelPlan
+from runtime.models import automodel, hf
+from runtime.models.base import Meshes, ModelBackend
 
-
-@dataclass(frozen=True)
-class Meshes:
-    """A model group's device meshes, as its backend made them from the plan's mesh.
-
-    `fsdp`: the mesh the FSDP2 units shard over (the `hf` backend's 1-D `dp`; nemo-automodel's 5-D world mesh
-    (pp, dp_replicate, dp_shard, cp, tp) under expert parallelism); `moe`: nemo-automodel's (ep_shard, ep) mesh of
-    the experts, None without expert parallelism; `dp`: how many data-parallel ranks split each batch (the loss's
-    global token mean counts over them)."""
-
-    fsdp: DeviceMesh
-    moe: DeviceMesh | None
-    dp: int
-
-
-class ModelBackend(Protocol):
-    """What every backend module provides (`hf`, `automodel`)."""
-
-    def device_mesh(self, device: str, world: int, mesh: MeshPlan | None) -> Meshes:
-        """The group's meshes for the plan's `mesh` (None: a group the plan gives no mesh, the reference and the
-        critic: data parallelism over every rank). The process group must be initialised."""
-        ...
-
-    def build(self, model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
-              freeze_router: bool = False, lora: LoraPlan | None = None,
-              freeze_visual_encoder: bool = False, offload: str = "none") -> torch.nn.Module:
-        """`path` as this backend builds it, sharded over `meshes` (frozen and in eval mode unless `trainable`;
-        `offload: full` keeps the shards on the host)."""
-        ...
-
-    def build_value_model(self, model_plan: ModelPlan, path: str, meshes: Meshes,
-                          device: torch.device, offload: str = "none") -> torch.nn.Module:
-        """The critic: `path`'s architecture with a scalar head, sharded and offloaded like the policy."""
-        ...
-
-    def hf_weights(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
-        """(engine name, local parameter or view with `.local()`/`.base`) of every floating weight, in the order a
-        weight sync streams them: transformers' names and layouts, as the engines load them."""
-        ...
-
-    def hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A full state dict of the model under transformers' names and layouts (the HF export)."""
-        ...
-
-
-from runtime.models import automodel, hf  # noqa: E402  (after Meshes, which they use)
+__all__ = ["BACKENDS", "Meshes", "ModelBackend", "backend"]
 
 BACKENDS: dict[str, ModelBackend] = {"hf": hf, "automodel": automodel}  # type: ignore[dict-item]
 

@@ -36,7 +36,8 @@ import torch
 
 from runtime import moe
 from runtime.logprobs import attach
-from runtime.models import Meshes, hf
+from runtime.models import hf
+from runtime.models.base import Meshes
 
 if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan

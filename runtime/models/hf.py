@@ -13,7 +13,7 @@ import torch
 
 from runtime import moe
 from runtime.logprobs import attach
-from runtime.models import Meshes
+from runtime.models.base import Meshes
 
 if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan

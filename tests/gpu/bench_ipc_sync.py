@@ -4,7 +4,7 @@
 
 The sender is this project's trainer rank (`PolicyWorker`, FSDP2 world 1, fp32 master weights) holding a random
 Qwen3-1.7B-shaped model; the receiver is a second process on the same GPU holding the engine's copy in bf16, as a
-colocated hf engine does. Both join a `cuda_ipc` weight-sync group (`runtime/weight_sync.py:IpcChannel`) and run
+colocated hf engine does. Both join a `cuda_ipc` weight-sync group (`runtime/weight_sync_ipc.py:IpcChannel`) and run
 the same `send_weights` / `receive` as the RL loop. Measured in the same run:
 - `ipc`: seconds per streamed sync (warm, best of N and median), GB/s of bf16 weights;
 - `floor`: casting the same fp32 parameters into one preallocated bf16 buffer in-process (what any sync must do);

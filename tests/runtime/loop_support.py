@@ -59,6 +59,9 @@ def trainer_rl(world: int, *, ref: bool = True, model: dict | None = None, train
     rl = compile_plan("recipes/demo_math.yaml").rl
     path = str(ROOT / "recipes/data/demo_math/model")
     t, a = rl.trainer, rl.algo
+    isc = dict(is_correction or {})
+    if "level" in isc:  # as the compiler lowers a level (`algo.is_correction.enabled`)
+        isc.setdefault("enabled", isc["level"] != "off")
     return rl.model_copy(update={
         "device": device, "dist_backend": dist_backend,
         "model": rl.model.model_copy(update={"path": path, "dtype": "float32", "attn": "sdpa",
@@ -68,5 +71,5 @@ def trainer_rl(world: int, *, ref: bool = True, model: dict | None = None, train
                                         "loss": t.loss.model_copy(update=loss or {})}),
         "ref": RefPlan.model_construct(path=path, colocated=True, world=world, dp=world, grad_accum=1) if ref else None,
         "algo": a.model_copy(update={"kl": a.kl.model_copy(update=kl or {}),
-                                     "is_correction": a.is_correction.model_copy(update=is_correction or {})}),
+                                     "is_correction": a.is_correction.model_copy(update=isc)}),
     })

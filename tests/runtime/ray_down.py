@@ -19,7 +19,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     sup = Supervisor(SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=60.0, stop_timeout_s=1.0), StopFlag())
     rank = ray.remote(Sleeper).remote()
-    sup.watch("actor[0] (trainer rank 0)", rank, "ping", "actor")
+    sup.watch("actor[0] (trainer rank 0)", rank, rank.ping.remote, "actor")
     ref = rank.sleep.remote(120)
     node = ray._private.worker._global_node
     print("PIDS", *[p.process.pid for ps in node.all_processes.values() for p in ps], flush=True)

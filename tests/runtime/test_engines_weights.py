@@ -40,7 +40,7 @@ def test_stream_over_gloo_delivers_every_tensor_in_the_wire_dtype():
     stats: dict[int, weight_sync.SyncStats] = {}
 
     def member(rank: int) -> None:
-        group = weight_sync.join_group("gloo", "127.0.0.1", port, rank, world, 30.0)
+        group = weight_sync.join_group("gloo_broadcast", "127.0.0.1", port, rank, world, 30.0)
         if rank == 0:
             tensors = (state[m.name].to(torch.bfloat16) for m in metas)  # produced one at a time
             stats[0] = weight_sync.send_tensors(tensors, metas, bucket, group, torch.device("cpu"))

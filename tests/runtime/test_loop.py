@@ -3,7 +3,9 @@ table, checkpoint bookkeeping."""
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -107,7 +109,7 @@ def test_batched_but_untrained_prompts_end_as_run_ended():
 
 
 def test_batch_metrics_count_a_multi_sample_rollout_once():
-    from runtime.loop import batch_metrics
+    from runtime.batch_stats import batch_metrics
 
     # rollout 5 (group 0) arrives as two step-samples, rollouts 6 (group 0) and 9 (group 1) as one each
     exp = from_token_lists([[1, 2, 3], [1, 2, 3, 4], [1, 2], [1, 2, 3]], [[(1, 3)], [(2, 4)], [(1, 2)], [(2, 3)]],
@@ -160,3 +162,22 @@ def test_best_checkpoint_selection_and_pruning_never_removes_it(tmp_path):
     assert ckpt.latest(tmp_path) == (best, ckpt.best_record(tmp_path))  # no step save left: resume from the best
     (best / ckpt.STATE_FILE).unlink()
     assert ckpt.latest(tmp_path) is None  # an incomplete best is no checkpoint
+
+
+def test_every_metric_key_the_runtime_names_is_documented():
+    """Static, over every runtime module: each metric-key literal, and each timed phase (`sup.phase(name, actor,
+    key, timings)` logs `timing/<name>`), is in the one table (the e2e runs check the keys built at run time)."""
+    import ast
+
+    key = re.compile(r"^(rollout|train|eval|timing|critic|weight_sync|queue|prompts)/[A-Za-z0-9_@]*[A-Za-z0-9_]$")
+    named: set[str] = set()
+    for path in (Path(__file__).parents[2] / "runtime").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and key.match(node.value):
+                named.add(node.value)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "phase"
+                    and len(node.args) == 4 and isinstance(node.args[0], ast.Constant)):
+                named.add(f"timing/{node.args[0].value}")
+    assert {"timing/make_experience", "timing/policy_train", "train/loss", "eval/loss"} <= named
+    named.discard("prompts/batched")  # the generator's accounting, settled (runtime.loop.settle_accounting): not logged
+    assert sorted(k for k in named if not is_documented(k)) == []

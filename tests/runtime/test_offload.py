@@ -1,7 +1,7 @@
 """CPU offload (`actor.offload`, runtime/fsdp.py) trains exactly like no offload: fp32, 2 real gloo FSDP2 ranks.
 
 Each rank builds, for each level (none, optimizer, full) in turn and from the same weights: the RL policy
-(`PolicyWorker`, hf backend), the critic (`CriticWorker`) and the SFT job (`SftRecipe` on the SFT demo's plan),
+(`PolicyWorker`, hf backend), the critic (`CriticWorker`) and the SFT job (`SftJob` on the SFT demo's plan),
 trains each on the same rows (RL: one optimizer step of
 2 micro-batches per rank; SFT: two steps), and keeps the full weights after them. The offloaded runs must
 equal the plain one to 1e-6.
@@ -67,7 +67,7 @@ def _checks(worker, level: str) -> dict:
 def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
     torch.set_num_threads(1)
     from runtime.critic import CriticWorker
-    from runtime.sft import SftRecipe
+    from runtime.sft import SftJob
     from runtime.trainer import PolicyWorker
 
     batch = _batch()
@@ -89,7 +89,7 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
             "trainer": sft_plan.sft.trainer.model_copy(update={"offload": level})})})
         os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(next(ports)))
-        sft = SftRecipe(plan)
+        sft = SftJob(plan)
         sft._init_process_group()
         sft.device = torch.device("cpu")
         sft._load_data()

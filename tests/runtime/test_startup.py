@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from molt_compile.compile import compile_recipe
-from runtime.__main__ import startup_problems
+from runtime.plan_file import startup_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -56,7 +56,7 @@ def test_a_killed_actor_is_named_while_the_loop_waits_on_another(supervisor):
 
     engine, trainer = ray.remote(Sleeper).remote(), ray.remote(Sleeper).remote()
     pid = ray.get(engine.ping.remote())
-    supervisor.watch("rollout.engine[0]", engine, "ping", "rollout.engine")
+    supervisor.watch("rollout.engine[0]", engine, engine.ping.remote, "rollout.engine")
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RunAborted) as err, supervisor.phase("policy step", "actor", "actor"):
         supervisor.get(trainer.sleep.remote(30))
@@ -105,7 +105,7 @@ def test_a_dead_rank_is_named_not_the_peer_whose_collective_it_broke(supervisor)
     port, pid = ray.get([r1.listen.remote(), r1.ping.remote()])
     refs = [r0.step.remote(port), r1.serve.remote()]
     for r, handle in enumerate((r0, r1)):
-        supervisor.watch(f"actor[{r}] (trainer rank {r})", handle, "ping", "actor")
+        supervisor.watch(f"actor[{r}] (trainer rank {r})", handle, handle.ping.remote, "actor")
     time.sleep(0.5)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RunAborted) as err, supervisor.phase("log-probs (π_old, π_ref)", "actor",

@@ -107,8 +107,8 @@ def streamed_state(group, dtype: str, bucket_bytes: int):
     rank0 = group.workers[0]
     metas = [weight_sync.TensorMeta(n, d, tuple(s)) for n, d, s in ray.get(rank0.weight_sync_metas.remote(dtype))]
     host, port = ray.get(rank0.weight_sync_address.remote())
-    opened = rank0.open_weight_sync.remote("gloo", host, port, 2, 60.0)
-    pg = weight_sync.join_group("gloo", host, port, 1, 2, 60.0)
+    opened = rank0.open_weight_sync.remote("gloo_broadcast", host, port, 2, 60.0)
+    pg = weight_sync.join_group("gloo_broadcast", host, port, 1, 2, 60.0)
     ray.get(opened)
     sends = [w.send_weights.remote(dtype, bucket_bytes) for w in group.workers]
     out: dict[str, torch.Tensor] = {}

@@ -1,6 +1,6 @@
 """Engine benchmark on the tiny model: init time, batch generate throughput, weight-update time, probe logprob error.
 
-    python -m runtime.engines.bench [--kinds vllm,hf] [--batch 16] [--tokens 64] [--repeats 3]
+    python -m tests.bench_engines [--kinds vllm,hf] [--batch 16] [--tokens 64] [--repeats 3]
 
 Each engine runs in a Ray actor on an in-process local Ray cluster, as in a run. Throughput is generated tokens per
 second for `batch` concurrent requests of `tokens` tokens each (sampling at temperature 1, `ignore_eos`-like: the
@@ -46,7 +46,7 @@ def bench_kind(kind: str, model_dir: str, batch: int, tokens: int, repeats: int)
     state = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
              if k != "lm_head.weight"}
     model.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
-    from runtime.weight_sync_driver import StateDictSender
+    from tests.runtime.state_dict_sender import StateDictSender
 
     sender = StateDictSender([engine], {k: tuple(v.shape) for k, v in state.items()}, "float32", 64 << 20)
     update_s = []
@@ -71,7 +71,7 @@ def bench_kind(kind: str, model_dir: str, batch: int, tokens: int, repeats: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m runtime.engines.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.bench_engines", description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="vllm,hf")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
