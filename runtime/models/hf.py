@@ -68,6 +68,17 @@ def _keep_expensive(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _checkpoint_kwargs(mode: str) -> dict:
+    import functools
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
+    return kwargs
+
+
 def enable_checkpointing(model, mode: str, layers=None) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant): `full` keeps each layer's input and
     recomputes the whole layer in the backward; `selective` also keeps its matmul and attention outputs and
@@ -76,11 +87,9 @@ def enable_checkpointing(model, mode: str, layers=None) -> None:
     itself, which is what the switch does (module names, hence parameter names, stay as they are)."""
     import functools
 
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint
 
-    kwargs: dict = {"use_reentrant": False}
-    if mode == "selective":
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_expensive)
+    kwargs = _checkpoint_kwargs(mode)
     if hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
@@ -88,14 +97,27 @@ def enable_checkpointing(model, mode: str, layers=None) -> None:
         layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
 
 
-def compile_layers(layers) -> None:
-    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks staying eager around it (the compiler
-    allows it only without activation checkpointing: capability rows *-compile-checkpointing). The layers share one compiled graph (the models call them with `use_cache=False`, so no
-    per-layer cache state is guarded on); a new shape recompiles (torch's automatic dynamic shapes). Measured on
-    an H200 in the RL loop (1.4B model): `dynamic=True` from the start compiled for 48 s and then ran 10-30 %
-    slower per step than these static-then-automatic graphs (first step 7.6 s, a 17 s recompile at a new shape)."""
+def compile_layers(layers, checkpoint_mode: str = "none") -> None:
+    """Each decoder layer's forward under `torch.compile`, FSDP2's hooks staying eager around it. The layers share
+    one compiled graph (the models call them with `use_cache=False`, so no per-layer cache state is guarded on); a
+    new shape recompiles (torch's automatic dynamic shapes). Measured on an H200 in the RL loop (1.4B model):
+    `dynamic=True` from the start compiled for 48 s and then ran 10-30 % slower per step than these
+    static-then-automatic graphs (first step 7.6 s, a 17 s recompile at a new shape).
+
+    With activation checkpointing the checkpoint goes inside the compiled function (torchtitan's order): dynamo
+    traces `torch.utils.checkpoint` as one region and the recomputation is part of the compiled backward, and a
+    selective policy sees the traced aten ops. The other order (a compiled forward re-entered by an eager
+    checkpoint's recompute) can recompile during the backward and then fails the checkpoint's saved-tensor check
+    (pytorch issue 166926, reproduced on CPU); callers then leave the model's own checkpointing off."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+        forward = layer.forward
+        if checkpoint_mode != "none":
+            forward = functools.partial(checkpoint, forward, **_checkpoint_kwargs(checkpoint_mode))
+        layer.forward = torch.compile(forward)
 
 
 def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
@@ -144,10 +166,11 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
         from runtime import lora as lora_adapters
 
         lora_adapters.apply(model, lora)
-    if trainable and model_plan.gradient_checkpoint != "none":
+    checkpointed = trainable and model_plan.gradient_checkpoint != "none"
+    if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint inside the compiled forward
         enable_checkpointing(model, model_plan.gradient_checkpoint, layers)
-        if lora is not None:
-            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+    if checkpointed and lora is not None:
+        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -162,7 +185,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     if model_plan.compile_layers:
-        compile_layers(layers)
+        compile_layers(layers, model_plan.gradient_checkpoint if trainable else "none")
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 
@@ -178,7 +201,7 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
 
     model = load_value_model(path, model_plan.attn)
     model.to(device)
-    if model_plan.gradient_checkpoint != "none":
+    if model_plan.gradient_checkpoint != "none" and not model_plan.compile_layers:
         enable_checkpointing(model, model_plan.gradient_checkpoint)
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype), reduce_dtype=torch.float32)
     policy = offload_policy(offload, device)
@@ -186,7 +209,7 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
         fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mesh=meshes.fsdp, mp_policy=mp, offload_policy=policy)
     if model_plan.compile_layers:
-        compile_layers(model.model.layers)
+        compile_layers(model.model.layers, model_plan.gradient_checkpoint)
     return model
 
 

@@ -8,7 +8,8 @@ Same random Qwen3-1.7B-shaped model (bf16 compute) and the same 4 x 4096 tokens:
    cross-entropy over every token);
 2. this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, the PPO loss over every token as actions,
    chunked lm_head log-probs): its optimizer step (`train`) over micro-batches of 4 rows, padded and packed, under
-   each `model.gradient_checkpoint` and with/without `model.compile_layers` (the compiler allows compiled layers only without checkpointing; the compiled+checkpointed variants are measured, not offered).
+   each `model.gradient_checkpoint` and with/without `model.compile_layers` (with checkpointing, the checkpoint runs
+   inside the compiled layer: runtime/models/hf.py).
 Then a batch with skewed lengths (4 rows in 16 long, the rest short, the same 16 x 4096 padded shape): the baseline
 computes the padding, the packed trainer does not. Tokens/s count real tokens; MFU uses 790 TFLOP/s (bf16 dense).
 `--profile NAME` also writes the 40 costliest ops of one step of run NAME (profile_trainer.txt).

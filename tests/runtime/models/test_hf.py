@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,14 @@ def _grads_and_backward_counts(mode: str, compiled: bool = False) -> tuple[dict[
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
-    if mode != "none":
+    if mode != "none" and not compiled:
         enable_checkpointing(model, mode)
-    if compiled:
-        compile_layers(model.model.layers)
+    if compiled:  # the runtime's order: the checkpoint inside the compiled layer (runtime/models/hf.py `shard`)
+        compile_layers(model.model.layers, mode)
     ids = torch.randint(5, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    with _CountMatmuls() as counter:
+    counter = _CountMatmuls()
+    with counter if not compiled else contextlib.nullcontext():  # a compiled backward runs HOPs it cannot see
         loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, counter
 
@@ -68,11 +70,13 @@ def test_selective_recomputes_norms_but_no_matmul_full_recomputes_both(runs):
     assert selective.rsqrts >= 4 * layers and full.rsqrts >= 4 * layers  # the layer and q/k norms were recomputed
 
 
-@pytest.mark.slow  # inductor compiles the layer once (~30 s on two cores): the layers share one graph
-def test_compiled_layers_leave_gradients_unchanged(runs):
+@pytest.mark.slow  # inductor compiles the layer once per mode (~30 s each on two cores): the layers share one graph
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_compiled_layers_leave_gradients_unchanged(runs, mode):
+    """Compiled layers, unchecked and checkpointed: the checkpointed ones fail torch's recompute check (pytorch issue
+    166926) when an eager checkpoint re-enters a compiled forward instead."""
     plain, _ = runs["none"]
-    # Unchecked layers only: with checkpointing the compiler refuses compile_layers (rl-compile-checkpointing).
-    grads, _ = _grads_and_backward_counts("none", compiled=True)
+    grads, _ = _grads_and_backward_counts(mode, compiled=True)
     assert grads.keys() == plain.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,107 @@
+"""The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
+
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
+
+1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
+   model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`);
+2. plain: the loop a popular peer runs without vLLM (TRL's `GRPOTrainer` with `use_vllm=False`), written out in
+   plain PyTorch + transformers so it needs nothing missing on the machine: `model.generate` of the same number of
+   rollouts and response tokens (min = max new tokens = our mean response length), then one GRPO optimizer step on
+   them (bf16 weights, full activation checkpointing, fused AdamW, the same micro-batch rows), synchronously.
+Both count generated tokens per second of a warm step; the ratio is ours / plain. Writes OUT_DIR/bench_loop.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+
+def plain_loop(model_dir: Path, rows: int, prompt_len: int, new_tokens: int, micro_rows: int, steps: int) -> dict:
+    """Seconds per synchronous step (generation, then training) of the plain loop; the first step is a warm-up."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    gen_s, train_s = [], []
+    for _ in range(steps + 1):
+        prompts = torch.randint(5, vocab - 1, (rows, prompt_len), generator=g).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad():
+            seqs = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, top_k=0, top_p=1.0)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        model.train()
+        adv = torch.randn(rows, device="cuda")
+        for s in range(0, rows, micro_rows):
+            x = seqs[s:s + micro_rows]
+            logits = model(input_ids=x, use_cache=False).logits[:, prompt_len - 1:-1].float()
+            lp = torch.gather(logits.log_softmax(-1), -1, x[:, prompt_len:, None]).squeeze(-1)
+            ratio = torch.exp(lp - lp.detach())
+            loss = -(ratio * adv[s:s + micro_rows, None]).sum() / (rows * new_tokens)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        gen_s.append(t1 - t0)
+        train_s.append(time.perf_counter() - t1)
+    gen, train = sum(gen_s[1:]) / steps, sum(train_s[1:]) / steps
+    return {"generation_s": gen, "train_s": train, "step_s": gen + train,
+            "tokens_per_s": rows * new_tokens / (gen + train), "rows": rows, "new_tokens": new_tokens,
+            "prompt_len": prompt_len}
+
+
+def main() -> int:
+    import run_loop
+
+    out = Path(sys.argv[1]).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    args = sys.argv[2:]
+    steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
+    report: dict = {}
+    big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
+    if not (big / "config.json").exists():
+        run_loop._big_model(big)
+    throughput = [f"model.path={big}", "data.max_samples=48", "data.max_len=320", "rollout.max_new_tokens=256",
+                  "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
+                  "train.micro_batch_size=16", "model.gradient_checkpoint=full"]
+    ours = run_loop._run("ours", out, throughput, 540)
+    ours.pop("log_tail", None) if ours.get("rc") == 0 else None
+    report["ours"] = ours
+    rows_file = out / "ours.metrics.jsonl"
+    if ours.get("rc") != 0 or not rows_file.exists():
+        print(json.dumps(report, indent=1, default=str))
+        return 1
+    steps_rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()]
+    steps_rows = [r for r in steps_rows if "timing/step_total" in r]
+    warm = steps_rows[1:] if len(steps_rows) > 1 else steps_rows
+    mean = lambda k: sum(r[k] for r in warm) / len(warm)  # noqa: E731
+    rollouts = int(round(mean("rollout/num_rollouts")))
+    resp = int(round(mean("rollout/response_length_mean")))
+    prompt = int(round(mean("rollout/prompt_length_mean"))) if "rollout/prompt_length_mean" in warm[0] else 64
+    ours["tokens_per_s"] = rollouts * mean("rollout/response_length_mean") / mean("timing/step_total")
+    report["plain"] = plain_loop(big, rollouts, prompt, resp, 16, steps)
+    report["ratio_tokens_per_s"] = ours["tokens_per_s"] / report["plain"]["tokens_per_s"]
+    report["ours_trainer_s"] = (ours["timing_mean_warm"].get("timing/make_experience") or 0.0,
+                                ours["timing_mean_warm"].get("timing/policy_train"))
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    (out / "bench_loop.json").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
