@@ -118,5 +118,5 @@ def is_set(source: SourceMap | None, path: str) -> bool:
 
 
 def moe_dispatcher(recipe: Any) -> str:
-    """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
-    return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")
+    """The MoE token dispatcher, `model.moe_dispatcher` (Molt's env MOLT_MOE_DISPATCHER, B19; MOE015 moves it)."""
+    return recipe.model.moe_dispatcher
