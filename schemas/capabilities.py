@@ -162,13 +162,13 @@ def _automodel_rows() -> tuple[Capability, ...]:
     """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
     backend implements, and nemo-automodel's DeepEP token dispatchers."""
 
-    def row(id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str,
-            **written: object) -> Capability:
+    def row(
+        id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str, **written: object
+    ) -> Capability:
         def on_automodel(p: Plan) -> bool:
             return p.rl.trainer is not None and p.rl.model.backend == "automodel" and asks(p)
 
-        return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}",
-                          **written)  # type: ignore[arg-type]
+        return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}", **written)  # type: ignore[arg-type]
 
     return (
         row(

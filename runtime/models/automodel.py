@@ -164,9 +164,8 @@ def backend_config(model_plan: ModelPlan):
 
 def load(model_plan: ModelPlan, path: str, device: torch.device):
     """`path` as nemo-automodel builds it, fp32 master weights, unsharded, on `device`."""
-    from nemo_automodel import NeMoAutoModelForCausalLM
-
     import torch.distributed as dist
+    from nemo_automodel import NeMoAutoModelForCausalLM
 
     check_dispatcher(model_plan.moe_dispatcher, device, dist.get_world_size() if dist.is_initialized() else 1)
     with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
