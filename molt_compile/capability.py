@@ -41,7 +41,9 @@ def check_capabilities(plan: Plan, source: SourceMap | None) -> Iterator[Diagnos
 
 
 def _where(cap: Capability, device: str) -> str:
-    if not cap.devices:
+    if not cap.devices and not cap.unverified:
         return "on any device"
+    if not cap.devices:
+        return f"on {device} (it is written, not run, for {', '.join(sorted(cap.unverified))})"
     others = [d for d in DEVICES if d in cap.devices]
     return f"on {device} (it is on {', '.join(others)}: cluster.gpu decides the device)"

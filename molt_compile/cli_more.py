@@ -97,12 +97,10 @@ def starter_recipe(
         f"kind: {kind}",
         f"cluster: {{nodes: {nodes}, gpus_per_node: {gpus_per_node}, gpu: {gpu}}}",
         f"model: {{path: {model_path}, arch: {arch}, backend: {'automodel' if spec.is_moe else 'hf'}, attn: sdpa,"
-        " param_dtype: bf16}",
+        f" param_dtype: bf16{', moe_dispatcher: torch' if spec.is_moe else ''}}}",
     ]
-    # MoE needs expert parallelism, which only the AutoModel backend has (MOE001, MOE005): EP within a node, through
-    # the all-to-all dispatcher that this runtime has (DeepEP is not in this build).
-    if spec.is_moe:
-        head.append("env: {MOLT_MOE_DISPATCHER: torch}")
+    # MoE needs expert parallelism, which only the AutoModel backend has (MOE001, MOE005), with the torch token
+    # dispatcher, which runs on any device and across nodes (DeepEP needs its CUDA package: rl-automodel-dispatcher).
     if kind == "sft":
         return "\n".join(
             [

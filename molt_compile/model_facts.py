@@ -19,6 +19,7 @@ from schemas.catalog import MODELS, ModelSpec, gqa_kv_bytes, model_for_hub_id
 
 if TYPE_CHECKING:
     from molt_compile.source import SourceMap
+    from schemas.recipe import MoeDispatcher
 
 ModelFacts = ModelSpec
 """Facts about one model: a catalog row, or a row built from a config.json (its `source` says which)."""
@@ -211,6 +212,6 @@ def hf_fallback(recipe: Any, facts: Any) -> bool:
     return facts is not None and not facts.native_automodel
 
 
-def moe_dispatcher(recipe: Any) -> str:
-    """MOLT_MOE_DISPATCHER from the recipe's job env; Molt's default is hybridep (B19)."""
-    return recipe.env.get("MOLT_MOE_DISPATCHER", "hybridep")
+def moe_dispatcher(recipe: Any) -> MoeDispatcher:
+    """The MoE token dispatcher, `model.moe_dispatcher` (Molt's env MOLT_MOE_DISPATCHER, B19; MOE015 moves it)."""
+    return recipe.model.moe_dispatcher

@@ -56,8 +56,6 @@ def _colocated(plan: Plan) -> bool:
     return bool(roles) and roles[0].placement_group != "rollout"
 
 
-
-
 def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None]) -> tuple[Capability, ...]:
     def asks(axis: str) -> Callable[[Plan], bool]:
         def check(plan: Plan) -> bool:
@@ -125,11 +123,13 @@ def _automodel_rows() -> tuple[Capability, ...]:
     """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
     backend implements, and nemo-automodel's DeepEP token dispatchers."""
 
-    def row(id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str) -> Capability:
+    def row(
+        id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str, **written: object
+    ) -> Capability:
         def on_automodel(p: Plan) -> bool:
             return p.rl.trainer is not None and p.rl.model.backend == "automodel" and asks(p)
 
-        return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}")
+        return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}", **written)  # type: ignore[arg-type]
 
     return (
         row(
@@ -184,15 +184,20 @@ def _automodel_rows() -> tuple[Capability, ...]:
         ),
         row(
             "rl-automodel-dispatcher",
-            "env.MOLT_MOE_DISPATCHER",
+            "model.moe_dispatcher",
             "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",
             lambda p: (
                 (p.rl.model.moe_dispatcher or "") in _DEEPEP_DISPATCHERS
                 and p.rl.trainer is not None
                 and p.rl.trainer.world > 1
             ),
-            "env: {MOLT_MOE_DISPATCHER: torch}",
-            "DeepEP is not in this build (at world 1 nemo-automodel keeps its local grouped experts)",
+            "model.moe_dispatcher: torch",
+            "nemo-automodel's DeepEP dispatchers are CUDA kernels (at world 1 it keeps its local grouped experts); "
+            "on CUDA the plan's dispatcher goes to its BackendConfig and the job stops at start when the package "
+            "does not import (runtime/models/automodel.py `backend_config`)",
+            unverified=frozenset({"cuda"}),
+            not_run="nemo-automodel's DeepEP / UCCL-EP token dispatch in this trainer (no multi-GPU machine lent, "
+            "and deep_ep / uccl are not installed on the one-GPU machine)",
         ),
     )
 

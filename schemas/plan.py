@@ -205,9 +205,9 @@ class ModelPlan(PlanModel):
     """Load the slow tokenizer."""
     router_dtype: Literal["bfloat16", "float16", "float32"]
     """Compute dtype of the MoE routers (torch name); their master weights stay fp32."""
-    moe_dispatcher: str | None
-    """MoE token dispatcher of the automodel backend's MoE layers (`env.MOLT_MOE_DISPATCHER`, Molt's default
-    hybridep: B19); None for a model known to be dense."""
+    moe_dispatcher: Literal["torch", "deepep", "hybridep", "uccl_ep"] | None
+    """MoE token dispatcher of the automodel backend's MoE layers (`model.moe_dispatcher`; Molt's
+    `MOLT_MOE_DISPATCHER`, B19); None for a model known to be dense."""
 
 
 class EnginesPlan(PlanModel):

@@ -147,6 +147,7 @@ class Cluster(Section):
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "prompt-mean-token-mean"]
 AttnImpl = Literal["eager", "sdpa", "flash_attention_2", "flash_attention_3", "te", "flex", "tilelang"]
 Dtype = Literal["bf16", "fp16", "fp32"]
+MoeDispatcher = Literal["torch", "deepep", "hybridep", "uccl_ep"]
 
 
 class Model(Section):
@@ -170,6 +171,11 @@ class Model(Section):
     router_dtype: Dtype = "fp32"
     """Compute dtype of the MoE routers (gates) under mixed precision (Molt `MOLT_GATE_PRECISION`, default
     float32): top-k choices are made in this precision. Their master weights are fp32 either way."""
+    moe_dispatcher: MoeDispatcher = "torch"
+    """Token dispatcher of the automodel backend's MoE layers under expert parallelism (Molt's env
+    `MOLT_MOE_DISPATCHER`, default hybridep; here a recipe key). `torch`: nemo-automodel's DTensor all-gather /
+    reduce-scatter, runs on any device and across nodes. `deepep`, `hybridep`: DeepEP's NVLink/RDMA kernels (CUDA,
+    the `deep_ep` package; intra-node, rule MOE006); `uccl_ep`: UCCL-EP (CUDA, the `uccl` package)."""
     disable_fast_tokenizer: bool = False
     """Load the slow tokenizer."""
 

@@ -214,6 +214,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("MOE012", "expert-parallel-on-dense-model", "warning", moe.expert_parallel_on_dense_model, BOTH),
     Code("MOE013", "routing-replay-forces-prefix-caching", "info", moe.routing_replay_forces_prefix_caching),
     Code("MOE014", "tied-embeddings-on-automodel", "error", moe.tied_embeddings_on_automodel, BOTH),
+    Code("MOE015", "dispatcher-in-env", "error", moe.dispatcher_in_env, BOTH),
     Code("OPTIM001", "muon-with-optimizer-offload", "error", optim.muon_with_optimizer_offload, BOTH),
     Code("OPTIM002", "unknown-lr-scheduler", "error", optim.unknown_lr_scheduler, BOTH),
     Code("OPTIM003", "muon-ns-steps-not-five", "error", optim.muon_ns_steps_not_five, BOTH),

@@ -225,16 +225,16 @@ def moe_on_hf_fallback(recipe: RlRecipe | SftRecipe, derived: Derived, source: S
 def ep_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     On an MoE actor spanning several nodes, each expert-parallel group (`ep` consecutive ranks) stays inside one
-    node — `ep` divides the actor's `gpus_per_node` — unless `env.MOLT_MOE_DISPATCHER: torch`.
+    node — `ep` divides the actor's `gpus_per_node` — unless `model.moe_dispatcher: torch` (the default).
 
     ## Why it matters
-    The default hybridep/deepep dispatchers use intra-node NVLink; a peer on another node gives "illegal memory
-    access" in the first MoE forward. Molt's GLM-5.2 recipe spans EP256 over 32 nodes only with the torch
+    The hybridep/deepep dispatchers (Molt's default) use intra-node NVLink; a peer on another node gives "illegal
+    memory access" in the first MoE forward. Molt's GLM-5.2 recipe spans EP256 over 32 nodes only with the torch
     dispatcher (all-to-all over the network).
 
     ## Example
     ```yaml
-    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, moe_dispatcher: hybridep}
     cluster: {nodes: 3, gpus_per_node: 8}
     actor: {nodes: 2, gpus_per_node: 8, mesh: {ep: 16}}
     rollout: {engines: 8}
@@ -242,7 +242,7 @@ def ep_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source
 
     ## Use instead
     ```yaml
-    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, moe_dispatcher: hybridep}
     cluster: {nodes: 3, gpus_per_node: 8}
     actor: {nodes: 2, gpus_per_node: 8, mesh: {ep: 8}}
     rollout: {engines: 8}
@@ -262,9 +262,45 @@ def ep_group_crosses_node(recipe: RlRecipe | SftRecipe, derived: Derived, source
             "actor.mesh.ep",
             f"ep {ep} consecutive ranks do not fit the {a.gpus_per_node} actor GPUs per node: EP groups span "
             f"nodes, which the {moe_dispatcher(recipe)} dispatcher cannot do (illegal memory access)",
-            f"use ep dividing {a.gpus_per_node}, or set env.MOLT_MOE_DISPATCHER: torch",
-            ["actor.gpus_per_node", "actor.nodes", "env"],
+            f"use ep dividing {a.gpus_per_node}, or set model.moe_dispatcher: torch",
+            ["actor.gpus_per_node", "actor.nodes", "model.moe_dispatcher"],
         )
+
+
+def dispatcher_in_env(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `env.MOLT_MOE_DISPATCHER` is set (Molt's way to pick the MoE token dispatcher).
+
+    ## Why it matters
+    This runtime takes the dispatcher from the recipe key `model.moe_dispatcher` (default torch), carried by the
+    plan; the job env variable is read by nothing here, so a recipe ported from Molt would silently run another
+    dispatcher than the one it names.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    env: {MOLT_MOE_DISPATCHER: torch}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, moe_dispatcher: torch}
+    ```
+
+    ## References
+    molt_rules.md §1 (MOLT_MOE_DISPATCHER), B19
+    """
+    value = recipe.env.get("MOLT_MOE_DISPATCHER")
+    if value is None:
+        return
+    yield diag(
+        source,
+        "env.MOLT_MOE_DISPATCHER",
+        f"env.MOLT_MOE_DISPATCHER: {value} is Molt's knob, which this runtime does not read; the "
+        f"{recipe.model.moe_dispatcher} dispatcher of model.moe_dispatcher would run",
+        f"remove it and set model.moe_dispatcher: {value}",
+        ["model.moe_dispatcher"],
+    )
 
 
 def routing_replay_on_dense_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:

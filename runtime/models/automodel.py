@@ -132,6 +132,27 @@ def _built_on_cpu():
         auto_model.apply_model_infrastructure = infrastructure
 
 
+DISPATCHER_PACKAGES = {"deepep": "deep_ep", "hybridep": "deep_ep", "uccl_ep": "uccl"}
+"""The package each of nemo-automodel's CUDA token dispatchers imports (its `GroupedExpertsDeepEP` buffers)."""
+
+
+def check_dispatcher(dispatcher: str | None, device: torch.device, world: int) -> None:
+    """Stop at job start, with the reason, when the plan's token dispatcher cannot run here: nemo-automodel swaps in
+    its DeepEP experts only when more than one rank runs (at one rank it keeps its local grouped experts, and so
+    may this), and would otherwise fail inside the first MoE forward. `world`: the ranks of the process group."""
+    import importlib.util
+
+    package = DISPATCHER_PACKAGES.get(dispatcher or "")
+    if package is None or world == 1:
+        return
+    if device.type != "cuda":
+        raise RuntimeError(f"model.moe_dispatcher: {dispatcher} runs on CUDA only (nemo-automodel's {package} "
+                           f"kernels), not on {device.type}; set model.moe_dispatcher: torch")
+    if importlib.util.find_spec(package) is None:
+        raise RuntimeError(f"model.moe_dispatcher: {dispatcher} needs the {package} package, which does not import "
+                           "in this environment; install it or set model.moe_dispatcher: torch")
+
+
 def backend_config(model_plan: ModelPlan):
     """The `BackendConfig` of nemo-automodel's own implementations (Molt B19), from the plan."""
     from nemo_automodel.components.models.common.utils import BackendConfig
@@ -144,8 +165,10 @@ def backend_config(model_plan: ModelPlan):
 
 def load(model_plan: ModelPlan, path: str, device: torch.device):
     """`path` as nemo-automodel builds it, fp32 master weights, unsharded, on `device`."""
+    import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM
 
+    check_dispatcher(model_plan.moe_dispatcher, device, dist.get_world_size() if dist.is_initialized() else 1)
     with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
         model = NeMoAutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
                                                          use_liger_kernel=False, backend=backend_config(model_plan))

@@ -172,3 +172,17 @@ def test_full_checkpointing_leaves_gradients_unchanged(world, checkpoint):
     assert grads["full"].keys() == grads["none"].keys() and grads["none"]
     for name, g in grads["full"].items():
         torch.testing.assert_close(g, grads["none"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_deepep_dispatcher_stops_the_job_at_start_where_it_cannot_run():
+    """`model.moe_dispatcher` reaches nemo-automodel's `BackendConfig`; a DeepEP one stops the build with its reason
+    on CPU ranks and where its package does not import (deep_ep is not installed here), before any MoE forward."""
+    automodel.check_dispatcher("torch", torch.device("cpu"), 2)
+    automodel.check_dispatcher("hybridep", torch.device("cpu"), 1)  # one rank: nemo-automodel keeps local experts
+    with pytest.raises(RuntimeError, match="hybridep runs on CUDA only"):
+        automodel.check_dispatcher("hybridep", torch.device("cpu"), 2)
+    with pytest.raises(RuntimeError, match="deepep needs the deep_ep package"):
+        automodel.check_dispatcher("deepep", torch.device("cuda"), 8)
+    with pytest.raises(RuntimeError, match="uccl_ep needs the uccl package"):
+        automodel.check_dispatcher("uccl_ep", torch.device("cuda"), 8)
+    assert automodel.backend_config(_plan("unused", "automodel")).dispatcher == "torch"
