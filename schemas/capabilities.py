@@ -278,10 +278,10 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
         ),
         row(
             "sft-automodel-dispatcher",
-            "env.MOLT_MOE_DISPATCHER",
+            "model.moe_dispatcher",
             "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",
             lambda p: (p.sft.model.moe_dispatcher or "") in _DEEPEP_DISPATCHERS and p.sft.trainer.world > 1,
-            "env: {MOLT_MOE_DISPATCHER: torch}",
+            "model.moe_dispatcher: torch",
             "DeepEP is not in this build (at world 1 nemo-automodel keeps its local grouped experts)",
         ),
     )

@@ -39,8 +39,8 @@ LAUNCH_RECIPE_ROWS = {
                            "sft-images"},
     "sft_qwen3_4b.yaml": set(),
     "sft_qwen3_4b_quickstart.yaml": set(),
-    "sft_qwen3_6_35b.yaml": {"sft-trainer-ep", "sft-automodel-dispatcher", "sft-images"},
-    "sft_qwen3_6_35b_quickstart.yaml": {"sft-trainer-ep", "sft-automodel-dispatcher", "sft-images"},
+    "sft_qwen3_6_35b.yaml": {"sft-trainer-ep", "sft-images"},
+    "sft_qwen3_6_35b_quickstart.yaml": {"sft-trainer-ep", "sft-images"},
     "demo_math.yaml": set(), "demo_math_hf.yaml": set(), "demo_tool.yaml": set(), "demo_sft.yaml": set(),
     "demo_gpu.yaml": set(),
 }

@@ -119,7 +119,7 @@ def main() -> int:
            "actor.loss.router_z_loss_coef=0.0001", "train.routing_replay=true"]
     if "moe" in runs:
         report["moe"] = _run("moe", out, [
-            *moe, "model.backend=automodel", "env.MOLT_MOE_DISPATCHER=torch", "name=gpu-demo-moe",
+            *moe, "model.backend=automodel", "model.moe_dispatcher=torch", "name=gpu-demo-moe",
             'ignore.MOE001="one GPU: nemo-automodel runs its MoE layers at ep 1"'], 900)
     if "moe-hf" in runs:
         report["moe-hf"] = _run("moe-hf", out, [

@@ -26,7 +26,7 @@ def _plan(backend: str):
         "recipes/demo_sft.yaml", f"model.path={ROOT}/recipes/data/demo_moe/model", f"model.backend={backend}",
         "model.attn=sdpa", "cluster.gpus_per_node=1", "actor.gpus_per_node=1", "actor.packing=true", "data.max_samples=48",
         "train.batch_size=16", "eval.dataset=null",
-        "actor.aux_loss_coef=0.01", "actor.freeze={moe_router: true}", "env={MOLT_MOE_DISPATCHER: torch}",
+        "actor.aux_loss_coef=0.01", "actor.freeze={moe_router: true}",
         f"ignore={{{'MOE001' if backend == 'automodel' else 'MOE005'}: one CPU rank}}", f"name={NAME}-{backend}")
 
 
