@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark, or the named ones, on a machine with one NVIDIA GPU (the H200 test machines):
 #   tests/gpu/run.sh OUT_DIR [NAME ...]     NAME: check_ray bench_ipc_sync run_loop check_memory bench_trainer
-#                                            check_packing bench_hf_engine (default: these, in this order), or
-#                                            check_trainer (two GPUs)
+#                                            check_packing bench_hf_engine bench_loop (default: these, in this
+#                                            order), or profile_trainer (torch profiler, slow), check_trainer (two GPUs)
 # Installs the carried wheels first (tests/gpu/setup_device.sh; build them with tests/gpu/make_carry.sh). Each
 # script writes its JSON report under OUT_DIR (named in its docstring) and OUT_DIR/NAME.log; the exit status is the
 # number of scripts that failed.
@@ -10,14 +10,14 @@ set -uo pipefail
 out=${1:?OUT_DIR}
 shift
 names=("$@")
-[ ${#names[@]} -eq 0 ] && names=(check_ray bench_ipc_sync run_loop check_memory bench_trainer check_packing bench_hf_engine)
+[ ${#names[@]} -eq 0 ] && names=(check_ray bench_ipc_sync run_loop check_memory bench_trainer check_packing bench_hf_engine bench_loop)
 source "$(dirname "$0")/setup_device.sh" "${MOLT_CARRY:-.gpuwheels}" >/dev/null
 mkdir -p "$out"
 baseline="${MOLT_CARRY:-.gpuwheels}/plain_baseline.py"
 failed=0
 for name in "${names[@]}"; do
   args=("$out")
-  case $name in bench_trainer|bench_ipc_sync) args+=(--baseline "$baseline");; esac
+  case $name in bench_trainer|bench_ipc_sync|profile_trainer) args+=(--baseline "$baseline");; esac
   echo "== $name"
   python3 "tests/gpu/$name.py" "${args[@]}" > "$out/$name.log" 2>&1 || { failed=$((failed + 1)); echo "   FAILED (see $out/$name.log)"; }
   tail -c 1500 "$out/$name.log"
