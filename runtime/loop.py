@@ -170,7 +170,6 @@ class RlLoop:
         started.handles += self.engines
         for i, e in enumerate(self.engines):
             sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
-        self._create_pipeline_actors()
         self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", self.tp.world, "trainer", pgs, sup,
                                         started)
         self.critic = self.separate_ref = None
@@ -202,35 +201,30 @@ class RlLoop:
             if self.step > 0:  # resumed weights must reach the engines before the first rollout
                 sync_weights(self.link, self.trainer, self.engines, None, self.probe_ids, self.step, sup, {})
 
-    def _create_pipeline_actors(self) -> None:
-        """Queues, engine lock, agent runners and the generator, created (not awaited) while the engines and the
-        trainer ranks start: their processes import and read the prompts meanwhile instead of after."""
-        plan, rl, started = self.plan, self.rl, self.started
-        self.rollout_queue = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.rollout"))
-        self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
-        started.queues += [self.rollout_queue, self.rollout_slots]
-        self.lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
-        started.handles.append(self.lock)
-        self.runners = start_runners(plan, self.router)
-        started.handles += self.runners
-        self.generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-            rl, self.runners, self.rollout_queue, self.rollout_slots, self.lock)
-        started.handles.append(self.generator)
-
     def _start_generator(self) -> None:
         """The depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
         Each slot token carries the trainer's latest step (the generator uses it for eval timing)."""
-        rl, sup = self.rl, self.sup
+        plan, rl, sup, started = self.plan, self.rl, self.sup, self.started
+        self.rollout_queue = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.rollout"))
+        self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
+        started.queues += [self.rollout_queue, self.rollout_slots]
         for name, q in (("queue.rollout", self.rollout_queue), ("queue.slots", self.rollout_slots)):
             actor: Any = q.actor
             sup.watch(name, actor, actor.qsize.remote, "train.async.queue_size")
         for _ in range(rl.queue.size):
             self.rollout_slots.put(self.step)
+        self.lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
+        started.handles.append(self.lock)
         sup.watch("lock", self.lock, self.lock.held.remote, "train.async.partial_rollout")
+        runners = start_runners(plan, self.router)
+        started.handles += runners
         with sup.phase("agent runner start-up", "runner", "agent.path"):
-            sup.get([r.pid.remote() for r in self.runners])  # an agent file that fails to import stops the run here
+            sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here
+        self.generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
+            rl, runners, self.rollout_queue, self.rollout_slots, self.lock)
+        started.handles.append(self.generator)
+        started.generator = self.generator
         books = self.books
-        self.started.generator = self.generator  # from here its accounting is the run's (before, the books are)
         self.generator_done = self.generator.run.remote(self.step, books.done_positions(), books.trained,
                                                         dict(books.dropped))
         sup.watch_call("generator", self.generator, self.generator_done, "agent")
