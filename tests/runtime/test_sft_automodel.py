@@ -4,7 +4,7 @@ FSDP2 over the plan's `dp` mesh, packed micro-batches) trains exactly like SFT o
 The plans are compiled from the SFT demo by the real compiler, on the tiny Qwen3-MoE of the MoE demo (an
 architecture with an AutoModel class: the compiler keeps `model.backend: automodel`; a dense Qwen3 takes the HF
 fallback, Molt H9), one rank over gloo, packing on, the MoE aux loss on and the routers frozen. Each plan runs
-`SftRecipe.setup` (the job's own build) and three optimizer steps on the same rows, in this process: fp32, the
+`SftJob.setup` (the job's own build) and three optimizer steps on the same rows, in this process: fp32, the
 losses agree to 1e-5 and the trained weights (under transformers' names) to 1e-5; the routers stay unchanged.
 """
 
@@ -35,11 +35,11 @@ def _train(plan) -> tuple[list[float], dict[str, torch.Tensor], type]:
     import torch.distributed as dist
 
     from runtime.ranks import free_port
-    from runtime.sft import SftRecipe
+    from runtime.sft import SftJob
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    recipe = SftRecipe(plan)
+    recipe = SftJob(plan)
     try:
         recipe.setup()
         losses = [recipe.train_step(recipe.data.examples[w * recipe.window:(w + 1) * recipe.window], 0)[0]["train/loss"]

@@ -192,7 +192,7 @@ def test_a_broken_collective_with_no_dead_actor_found_blames_no_recipe_key(super
     port, pid = ray.get([r1.listen.remote(), r1.ping.remote()])
     ref = r0.step.remote(port)
     r1.serve.remote()
-    supervisor.watch("actor[0] (trainer rank 0)", r0, "ping", "actor")
+    supervisor.watch("actor[0] (trainer rank 0)", r0, r0.ping.remote, "actor")
     time.sleep(0.5)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RunAborted) as err, supervisor.phase("log-probs (π_old, π_ref)", "actor",
