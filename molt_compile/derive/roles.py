@@ -11,7 +11,7 @@ from molt_compile.derive.values import Builder
 
 if TYPE_CHECKING:
     from molt_compile.source import SourceMap
-    from schemas.recipe import Critic, FsdpMesh, RlRecipe
+    from schemas.recipe import Actor, Critic, FsdpMesh, RlRecipe, SftActor
 
 COLOCATED_GPU_FRACTION = 0.2
 """What each colocated FSDP worker requests (Molt B33): actor + ref + critic = 0.6 of one GPU bundle."""
@@ -87,19 +87,19 @@ def fsdp_role(b: Builder, role: str, world_of: RoleWorld, split: BatchSplit) -> 
         )
 
 
+def actor_world(a: Actor | SftActor) -> RoleWorld:
+    """The actor's world: nodes × GPUs per node (RL and SFT alike)."""
+    return RoleWorld(
+        a.nodes * a.gpus_per_node,
+        f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
+        ("actor.nodes", "actor.gpus_per_node"),
+    )
+
+
 def derive_rl_roles(b: Builder, r: RlRecipe, source: SourceMap | None = None) -> None:
     a, t = r.actor, r.train
     split = BatchSplit(a.mesh, t.batch_size, t.micro_batch_size, dynamic=t.dynamic_batch is not None)
-    fsdp_role(
-        b,
-        "actor",
-        RoleWorld(
-            a.nodes * a.gpus_per_node,
-            f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
-            ("actor.nodes", "actor.gpus_per_node"),
-        ),
-        split,
-    )
+    fsdp_role(b, "actor", actor_world(a), split)
     # ref: exists exactly when the section is present (Recipe v1 makes Molt's hidden kl.coef > 0 switch explicit)
     if r.ref is None:
         bare = source is not None and source.is_set("ref")  # `ref:` alone is YAML null: no reference model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from molt_compile.derive.roles import BatchSplit, RoleWorld, fsdp_role
+from molt_compile.derive.roles import BatchSplit, actor_world, fsdp_role
 from molt_compile.derive.schedule import DEFERRED, derive_ckpt, job_root
 from molt_compile.derive.values import Builder
 from molt_compile.paths import resolve_sources
@@ -22,16 +22,7 @@ SFT_MASTER_PORT = 29500
 def derive_sft(b: Builder, r: SftRecipe, source: SourceMap | None) -> None:
     a, t, d = r.actor, r.train, r.data
     split = BatchSplit(a.mesh, t.batch_size, t.micro_batch_size, dynamic=False)
-    fsdp_role(
-        b,
-        "actor",
-        RoleWorld(
-            a.nodes * a.gpus_per_node,
-            f"actor.nodes {a.nodes} × actor.gpus_per_node {a.gpus_per_node}",
-            ("actor.nodes", "actor.gpus_per_node"),
-        ),
-        split,
-    )
+    fsdp_role(b, "actor", actor_world(a), split)
     b.add("actor.packing", a.packing, "actor.packing", ("actor.packing",))
     b.add("sft.nnodes", a.nodes, "one torchrun per node", ("actor.nodes",))
     b.add("sft.nproc_per_node", a.gpus_per_node, "one process per GPU", ("actor.gpus_per_node",))

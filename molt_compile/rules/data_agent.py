@@ -50,13 +50,7 @@ def prompt_probs_count_mismatch(
     ## References
     molt_rules.md L3
     """
-    d = recipe.data
-    spec, probs, key = (
-        (d.dataset, d.dataset_probs, "data.dataset_probs")
-        if isinstance(d, SftData)
-        else (d.prompts, d.prompt_probs, "data.prompt_probs")
-    )
-    n = len(_sources(spec))
+    probs, key, n = _mix(recipe)
     if probs is not None and len(probs) != n:
         yield diag(
             source,
@@ -95,13 +89,7 @@ def interleave_probs_not_a_distribution(
     """
     from schemas.schedule import probs_problem
 
-    d = recipe.data
-    spec, probs, key = (
-        (d.dataset, d.dataset_probs, "data.dataset_probs")
-        if isinstance(d, SftData)
-        else (d.prompts, d.prompt_probs, "data.prompt_probs")
-    )
-    n = len(_sources(spec))
+    probs, key, n = _mix(recipe)
     if probs is not None and len(probs) == n and (problem := probs_problem(n, probs)):
         yield diag(source, key, f"{key}: {problem}", "give one probability > 0 per source, summing to 1")
 
@@ -557,3 +545,14 @@ def chat_agent_without_chat_template(recipe: RlRecipe, derived: Derived, source:
             "set data.apply_chat_template: true",
             ["agent.path"],
         )
+
+
+def _mix(recipe) -> tuple[list[float] | None, str, int]:
+    """The data mix of a recipe: its probabilities, their key, and how many sources they weigh."""
+    d = recipe.data
+    spec, probs, key = (
+        (d.dataset, d.dataset_probs, "data.dataset_probs")
+        if isinstance(d, SftData)
+        else (d.prompts, d.prompt_probs, "data.prompt_probs")
+    )
+    return probs, key, len(_sources(spec))
