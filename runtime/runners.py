@@ -79,6 +79,11 @@ class AgentRunnerActor:
                  agent_env: dict[str, str], apply_chat_template: bool, max_images_per_prompt: int = 0, *,
                  step_timeout_s: float, episode_timeout_s: float):
         os.environ.update(agent_env)  # before the agent module's top-level code reads them
+        # Ray's workers install uvloop's policy, so each Env thread's loop would be a uvloop loop; uvloop loops in
+        # several threads race on spawning processes ("Racing with another loop to spawn a process", then a
+        # runner that stopped answering). asyncio's own loops reap children from any thread. The actor's running
+        # loop is not touched.
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
         from transformers import AutoTokenizer
 
         self.runner = load_agent_runner(agent_path)

@@ -96,3 +96,30 @@ def test_a_reset_blocking_in_time_sleep_is_given_up_at_the_episode_timeout(tmp_p
     result = run_group(runner, 2)
     assert time.monotonic() - t0 < 3
     assert result.dropped == {"episode_timeout": 2}
+
+
+def test_episodes_spawn_processes_concurrently_under_rays_uvloop_policy(tmp_path):
+    """Ray's workers install uvloop's event-loop policy. Each Env thread then got a uvloop loop, and uvloop loops in
+    several threads refuse to spawn at once ("Racing with another loop to spawn a process": the tool demo's sandbox
+    calls dropped as agent_error, then a runner that stopped answering for the 660 s group bound). Sixteen
+    episodes that each start subprocesses at once, on a uvloop main loop as in a Ray actor: all kept."""
+    import uvloop
+
+    uvloop.install()
+    try:
+        runner = runner_for(tmp_path, """
+            class AgentEnv(Env):
+                async def step(self, state):
+                    for _ in range(3):
+                        proc = await asyncio.create_subprocess_exec("true")
+                        assert await asyncio.wait_for(proc.wait(), 30) == 0
+                    return Result(reward=1.0)
+            """)
+        loop = uvloop.new_event_loop()
+        try:
+            result = loop.run_until_complete(runner.run_group(GroupRequest(3, "1+2=", "3", 16, SAMPLING)))
+        finally:
+            loop.close()
+    finally:
+        asyncio.set_event_loop_policy(None)
+    assert result.dropped == {} and len(result.rewards) == 16, (result.dropped, result.errors)
