@@ -365,10 +365,19 @@ def blame(text: str) -> tuple[str, str]:
 
 # ---------------------------------------------------------------------------------------------------- many
 def run_smokes(
-    items: list[tuple[Path, tuple[str, ...]]], root: Path | None = None, say=print, announce: bool = True
+    items: list[tuple[Path, tuple[str, ...]]],
+    root: Path | None = None,
+    say=print,
+    announce: bool = True,
+    jobs: int = 1,
 ) -> list[Verdict]:
-    """Smoke-run every (recipe, sets) on one local Ray cluster, sized for the largest of them; verdicts in order
-    (each also said as it is reached when `announce`)."""
+    """Smoke-run every (recipe, sets) on one local Ray cluster; verdicts in order (each also said as it ends when
+    `announce`). `jobs` recipes run at once (their phases stay in order): the cluster is sized for the `jobs`
+    largest of them together. A phase waits on imports and engine start-up much of its time, so two at once finish
+    sooner even on two cores. SFT runs (torchrun, one master port) run one at a time."""
+    import concurrent.futures
+    import threading
+
     from molt_compile import submit
 
     prepared = []
@@ -386,9 +395,9 @@ def run_smokes(
     try:
         if rl_plans:
             resources: dict[str, float] = {}
-            for plan in rl_plans:
-                for key, amount in plan.cluster.node_resources.items():
-                    resources[key] = max(resources.get(key, 0.0), amount)
+            for key in {k for plan in rl_plans for k in plan.cluster.node_resources}:
+                amounts = sorted((plan.cluster.node_resources.get(key, 0.0) for plan in rl_plans), reverse=True)
+                resources[key] = sum(amounts[:jobs])
             root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
             say(
                 f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
@@ -396,11 +405,18 @@ def run_smokes(
             )
             plan_file = root / submit.write_plan_file(rl_plans[0], root)
             cluster = submit.start_local_cluster(rl_plans[0], {}, root, plan_file, 600, resources)
-        for verdict, sp, phases in runnable:
-            say(f"smoke {verdict.recipe}: running 2 phases ({sp.kind}) ...")
-            run_phases(verdict, sp, phases, cluster, say)
+        one_sft_at_a_time = threading.Lock()
+
+        def smoke(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]) -> None:
+            with one_sft_at_a_time if phases[1].plan.kind == "sft" else contextlib.nullcontext():
+                say(f"smoke {verdict.recipe}: running 2 phases ({sp.kind}) ...")
+                run_phases(verdict, sp, phases, cluster, say)
             if announce:
                 say("\n".join(verdict.lines()))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for done in [pool.submit(smoke, *run) for run in runnable]:
+                done.result()
     except submit.LaunchError as err:
         for verdict, _, _ in runnable:
             if not verdict.phase:

@@ -2,7 +2,7 @@
 
 Each recipe runs with the small offline dataset it needs (`SMOKE_SETS`: the recipe's own format, its columns,
 under tests/data/smoke/), through `molt-compile RECIPE --smoke`'s code, all on one local Ray cluster; then one
-table, recipe -> verdict. A recipe either passes (2 steps, a checkpoint, a resume, an eval) or is refused at
+table, recipe -> verdict; two recipes run at once (`--jobs N`). A recipe either passes (2 steps, a checkpoint, a resume, an eval) or is refused at
 compile time by the capability rule (CAP001: a setting this runtime does not implement yet). Exit 0 only then.
 """
 
@@ -36,20 +36,26 @@ def smoke_sets(recipe) -> tuple[str, ...]:
     return tuple(sets)
 
 
-def run(names: list[str] | None = None, say=print):
+def run(names: list[str] | None = None, say=print, jobs: int = 2):
     from molt_compile.compile import compile_recipe
     from molt_compile.smoke_run import run_smokes
 
     recipes = [p.relative_to(ROOT) for p in shipped() if not names or p.name in names or p.stem in names]
     items = [(p, smoke_sets(compile_recipe(ROOT / p, lower=False).recipe)) for p in recipes]
-    return run_smokes(items, root=ROOT, say=say)
+    return run_smokes(items, root=ROOT, say=say, jobs=jobs)
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
     from molt_compile.smoke_run import table
 
+    parser = argparse.ArgumentParser(prog="just smoke", description="Smoke-run the shipped recipes.")
+    parser.add_argument("recipes", nargs="*", help="recipe names or stems (default: every shipped recipe)")
+    parser.add_argument("--jobs", type=int, default=2, help="recipes run at once on the one cluster (default 2)")
+    args = parser.parse_args(argv)
     t0 = time.monotonic()
-    verdicts = run(argv or None, say=lambda line: print(line, file=sys.stderr, flush=True))
+    verdicts = run(args.recipes or None, say=lambda line: print(line, file=sys.stderr, flush=True), jobs=args.jobs)
     print(table(verdicts))
     print(f"{len(verdicts)} recipes in {time.monotonic() - t0:.0f} s: "
           f"{sum(v.status == 'passed' for v in verdicts)} passed, "
