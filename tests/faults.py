@@ -19,9 +19,11 @@ it) and a note of what the scenario checked besides.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +79,7 @@ SCENARIOS = [
     Scenario("second run of the same plan (32.5)", inject="second_run"),
     Scenario("SIGTERM to molt-compile --submit", inject="sigterm_submit"),
     Scenario("kill -9 driver under --submit (32.7)", inject="kill_driver_submit"),
-    Scenario("kill -9 Ray GCS (32.7)", inject="kill:gcs"),   # last: the campaign's Ray is started again after it
+    Scenario("kill -9 Ray GCS (32.7)", inject="kill:gcs"),   # its driver and Ray in a child process (run_in_child)
 ]
 
 
@@ -233,6 +235,8 @@ def run_scenario(sc: Scenario) -> dict:
     write_data(data, sc.faults)
     with checkpoint_dir(sc) as ckpt_dir:
         plan = plan_for(sc, data, ckpt_dir)
+        # the injection waits on this file's steps: an earlier run's file would fire it before this run starts
+        (ROOT / plan.rl.logging.out_dir / "metrics.jsonl").unlink(missing_ok=True)
         at: dict = {}
         row = one_run(sc, plan, data, at)
         if sc.inject == "tear_resume":  # damage the newest save and the metrics' last line, then run again
@@ -310,23 +314,55 @@ def books(acc: dict) -> tuple[str, bool | None]:
     return line, consumed == trained + sum(dropped.values())
 
 
+def run_in_child(sc: Scenario) -> dict:
+    """The scenario with its driver (and its own Ray) in a child process: once the GCS is dead, Ray's core worker
+    ends the driver's process ("Failed to connect to GCS within 60 seconds"), which must not be the campaign's."""
+    proc = subprocess.run([sys.executable, "-m", "tests.faults", "--child", sc.name], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
+    log = Path(tempfile.mkdtemp(prefix="molt-faults-")) / "driver.log"
+    log.write_text(proc.stdout + proc.stderr)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith('{"scenario"')]
+    if rows:
+        return json.loads(rows[-1])
+    aborted = re.search(r"^run aborted: (.*?); prompts consumed (\d+) \(trained (\d+), dropped \d+: (\{.*?\})\)",
+                        proc.stdout + proc.stderr, re.MULTILINE)
+    if aborted:  # the runtime's own line came out; Ray's core worker then ended the process (no row of ours)
+        acc = {"prompts/consumed": int(aborted.group(2)), "prompts/trained": int(aborted.group(3))}
+        acc |= {f"prompts/dropped/{k}": v for k, v in ast.literal_eval(aborted.group(4)).items()}
+        return {"scenario": sc.name, "outcome": f"aborted: {aborted.group(1)}", "end_s": float("nan"), "acc": acc,
+                "rollout_drops": {}, "restarts": 0,
+                "note": f"then the driver's process exited {proc.returncode}, ended by Ray (log: {log})"}
+    return {"scenario": sc.name, "outcome": f"no verdict: the driver's process exited {proc.returncode} (log: {log})",
+            "end_s": float("nan"), "acc": {"text": "none (no verdict)", "balanced": False}, "rollout_drops": {},
+            "restarts": 0, "note": ""}
+
+
 def main(argv: list[str]) -> int:
     import ray
 
     os.chdir(ROOT)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if argv[:1] == ["--child"]:  # run_in_child: one scenario, its row on stdout
+        sc = next(s for s in SCENARIOS if s.name == argv[1])
+        ray.init(address="local", num_cpus=8, resources={"device_slot": 3}, include_dashboard=False,
+                 log_to_driver=False)
+        print(json.dumps(run_scenario(sc), default=str), flush=True)
+        os._exit(0)  # a dead GCS would make ray.shutdown() wait on it
     exact = [s for s in SCENARIOS if s.name in argv]  # a whole name picks that scenario only
     chosen = exact or [s for s in SCENARIOS if not argv or any(a.lower() in s.name.lower() for a in argv)]
     rows = []
     for sc in chosen:
-        if not ray.is_initialized():
-            ray.init(address="local", num_cpus=8, resources={"device_slot": 3}, include_dashboard=False,
-                     log_to_driver=False)
         print(f"--- {sc.name}", flush=True)
-        row = run_scenario(sc)
+        if sc.inject == "kill:gcs":
+            row = run_in_child(sc)
+        else:
+            if not ray.is_initialized():
+                ray.init(address="local", num_cpus=8, resources={"device_slot": 3}, include_dashboard=False,
+                         log_to_driver=False)
+            row = run_scenario(sc)
         rows.append(row)
         print(json.dumps(row, default=str), flush=True)
-        if sc.inject in ("kill:gcs", "check:secret"):  # this Ray is gone or has the job env: the next starts another
+        if sc.inject == "check:secret":  # this Ray has the job env: the next starts another
             ray.shutdown()
     if ray.is_initialized():
         ray.shutdown()
