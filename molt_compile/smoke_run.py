@@ -396,8 +396,9 @@ def run_smokes(
         if rl_plans:
             resources: dict[str, float] = {}
             for key in {k for plan in rl_plans for k in plan.cluster.node_resources}:
-                amounts = sorted((plan.cluster.node_resources.get(key, 0.0) for plan in rl_plans), reverse=True)
-                resources[key] = sum(amounts[:jobs])
+                # per recipe, the larger of its two phases; then the `jobs` largest recipes together
+                needs = [max(ph[k].plan.cluster.node_resources.get(key, 0.0) for k in (1, 2)) for _, ph in rl_runs]
+                resources[key] = sum(sorted(needs, reverse=True)[:jobs])
             root = rl_runs[0][0].root  # Ray's workers inherit `ray start`'s working directory: the job root
             say(
                 f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "

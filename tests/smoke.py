@@ -2,8 +2,9 @@
 
 Each recipe runs with the small offline dataset it needs (`SMOKE_SETS`: the recipe's own format, its columns,
 under tests/data/smoke/), through `molt-compile RECIPE --smoke`'s code, all on one local Ray cluster; then one
-table, recipe -> verdict; two recipes run at once (`--jobs N`). A recipe either passes (2 steps, a checkpoint, a resume, an eval) or is refused at
-compile time by the capability rule (CAP001: a setting this runtime does not implement yet). Exit 0 only then.
+table, recipe -> verdict; two recipes run at once (`--jobs N`). A recipe either passes (2 steps, a checkpoint, a
+resume, an eval) or is refused at compile time by the capability rule (CAP001: a setting this runtime does not
+implement yet). Exit 0 only then.
 """
 
 from __future__ import annotations
