@@ -12,15 +12,18 @@ that checkout runs in the same rounds, and the ratio to it is reported; both the
 
     python -m tests.bench compile
 
-Last measured 2026-12-02 on the 2-core machine (1-minute load 0.6), against main before the change in the same run:
-glm5_ep256 0.143 s wall (0.189 s before, 0.76x) against a floor of 0.132 s (1.08x); synthetic_1024 0.194 s (1.47x).
-After merging main (the automodel backend) a later run, when the whole machine was slower (bare interpreter 0.025 s
-against 0.021 s): 0.165 s against 0.220 s (0.75x), floor 0.155 s, synthetic_1024 0.225 s.
-What each part of the change saved (11 paired rounds, 0.200 s before): libyaml composing the six YAML layers 13 ms,
-the garbage collector off 12 ms, exiting without tearing the interpreter down 27 ms. The floor is fair since then: the
-lazy `import pydantic` it had skipped pydantic.main (0.097 s against 0.132 s). What is left above the bare interpreter
-(0.021 s): pydantic's import ~50 ms, creating the 75 recipe and plan model classes ~18 ms (~0.03 ms a field, 611
-fields), click ~15 ms, building the recipe's validator ~7 ms, ruamel.yaml's import ~7 ms.
+Last measured 2026-12-03 on the 2-core machine, each trick against the same tree with it, paired whole-process runs
+(21 pairs, CPU-time medians): glm5_ep256 cold compile 1.10x the import floor. What each remaining trick saves: exiting
+without tearing the interpreter down (`cli.run`, os._exit) 20% (~40 ms); the stand-in for pydantic's plugin loader
+8% (~15 ms); the garbage collector off 5% (~10 ms); each costs a few lines, so all stay. A second YAML composer
+(libyaml, on the text where it provably agreed with the pure parser) saved 7% (~15 ms) for ~100 lines of agreement
+argument and its own fuzz tests: it was removed; the pure-Python composer is the only parser.
+On the 1,024-node plan (which lowers and serialises; glm5 stops at its CAP and DATA errors), same method, 15 pairs:
+the plan's own serializer (`schemas.plan.plain`) against pydantic's saves 11%, so it stays; building InstancePlans
+past `model_construct` saved 4%, so it went (the plans are byte-identical either way).
+What is left above the bare interpreter (0.021 s on 2026-12-02): pydantic's import ~50 ms, creating the 75 recipe and
+plan model classes ~18 ms (~0.03 ms a field, 611 fields), click ~15 ms, building the recipe's validator ~7 ms,
+ruamel.yaml's import ~7 ms, composing the six YAML layers ~15 ms.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNS = 7
 FLOOR = "from pydantic import BaseModel, ConfigDict, Field; import ruamel.yaml, click, rich, jinja2"
 """What a CLI on these libraries pays before its own code: pydantic with its model machinery (a bare `import pydantic`
-is lazy and skips pydantic.main, about a third of the cost), ruamel.yaml (with libyaml when installed), click, rich,
+is lazy and skips pydantic.main, about a third of the cost), ruamel.yaml, click, rich,
 jinja2."""
 RECIPES = ("recipes/glm5_ep256.yaml", "tests/data/plan/synthetic_1024.yaml")
 

@@ -53,15 +53,10 @@ def diag(code: str, message: str, help: str, path: str, source: SourceMap | None
 
 
 def instance(**fields: Any) -> InstancePlan:
-    """An InstancePlan built directly (what `model_construct` does, without its per-field default handling): a
-    1,024-node plan has ~8,000 of them and `model_construct` alone took 0.3 s there. Every field is passed with
-    its declared type; tests validate every plan through `Plan.from_json`."""
-    inst = InstancePlan.__new__(InstancePlan)
-    object.__setattr__(inst, "__dict__", fields)
-    object.__setattr__(inst, "__pydantic_fields_set__", set(fields))
-    object.__setattr__(inst, "__pydantic_extra__", None)
-    object.__setattr__(inst, "__pydantic_private__", None)
-    return inst
+    """An InstancePlan without validation (a 1,024-node plan has ~8,000): every field is passed with its declared type;
+    tests validate every plan through `Plan.from_json`. (Building it past pydantic's `model_construct` saved 4% of that
+    plan's cold compile, measured 2026-12-03: not worth leaning on pydantic's internals.)"""
+    return InstancePlan.model_construct(**fields)
 
 
 def role_plan(**fields: Any) -> RolePlan:
