@@ -61,3 +61,10 @@ def role_size_keys(role: str) -> tuple[str, str]:
 
 def is_set(source: SourceMap | None, path: str) -> bool:
     return bool(source is not None and source.is_set(path))
+
+
+def runs_on_hf(derived: Any, facts: Any) -> bool:
+    """True when a role's model runs on HF transformers: the plan's one backend (derived `model.backend`, from the
+    policy's model) is `hf`, or it is `automodel` and this role's checkpoint (a reference or critic may be another
+    architecture) has no AutoModel custom class, which nemo-automodel then loads through HF transformers (H9)."""
+    return dv(derived, "model.backend") == "hf" or (facts is not None and not facts.native_automodel)
