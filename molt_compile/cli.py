@@ -24,8 +24,9 @@ from typing import Any
 
 import click
 
+from molt_compile.cli_inspect import diff, explain, rules  # what a recipe resolves to, and the codes
 from molt_compile.cli_more import catalog, init  # commands kept apart from the compile plumbing
-from molt_compile.cli_output import catalog_tables as _catalog_tables
+from molt_compile.cli_output import FORMATS, RECIPE, RECIPE_ROOTS, SET_HELP
 from molt_compile.cli_output import console as _console
 from molt_compile.cli_output import print_diagnostics as _print_diagnostics
 
@@ -34,20 +35,6 @@ SCHEMA_ID = "urn:molt-recipes:schema:recipe:v1"
 part is the recipe format version (`version: 1`); `SCHEMA_IDS` names the per-kind schemas."""
 SCHEMA_IDS = {None: SCHEMA_ID, "sft": "urn:molt-recipes:schema:recipe-sft:v1"}
 SCHEMA_FILES = {None: "recipe.schema.json", "sft": "recipe_sft.schema.json"}
-_FORMATS = click.Choice(["text", "json", "github"])
-_SET_HELP = (
-    "Override a recipe key (dotted path; the value is read as YAML; a relative path is relative to the project root, "
-    "not the working directory). Repeatable."
-)
-_ROOTS = click.option(
-    "--recipe-root",
-    "roots",
-    multiple=True,
-    metavar="DIR",
-    type=click.Path(file_okay=False, path_type=Path),
-    help="A directory of trusted recipes that `extends` may read, besides the recipe's own repository "
-    "(also $MOLT_RECIPE_ROOTS, `:`-separated). Repeatable.",
-)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -161,21 +148,16 @@ def cli() -> None:
     """
 
 
-_RECIPE = click.Path()
-"""A recipe argument: typed as a path so that shell completion offers file names (no existence check here: the
-loader reports a missing file as a diagnostic)."""
-
-
 @cli.command("compile")
-@click.argument("recipe", type=_RECIPE)
+@click.argument("recipe", type=RECIPE)
 @click.option(
     "--set",
     "sets",
     multiple=True,
     metavar="KEY=VALUE",
-    help=_SET_HELP,
+    help=SET_HELP,
 )
-@click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
+@click.option("--format", "fmt", type=FORMATS, default="text", show_default=True, help="Output format.")
 @click.option("--plan-out", type=click.Path(dir_okay=False, path_type=Path), help="Write the plan JSON here.")
 @click.option(
     "--slurm",
@@ -192,7 +174,7 @@ loader reports a missing file as a diagnostic)."""
     help="Run the recipe shrunk to this machine's CPUs: a random small model of "
     "its architecture, 2 steps, an eval, a checkpoint and a resume (`explain --smoke` shows the changes).",
 )
-@_ROOTS
+@RECIPE_ROOTS
 def compile_cmd(
     recipe: str,
     sets: tuple[str, ...],
@@ -301,7 +283,7 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
 
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--format", "fmt", type=_FORMATS, default="text", show_default=True, help="Output format.")
+@click.option("--format", "fmt", type=FORMATS, default="text", show_default=True, help="Output format.")
 @click.option(
     "--capabilities/--no-capabilities",
     default=True,
@@ -309,7 +291,7 @@ def _recipe_files(paths: tuple[str, ...]) -> tuple[list[Path], list[str]]:
     help="Check each recipe against what this runtime implements (CAP001). --no-capabilities checks Molt's "
     "rules only (recipes meant for another runtime build).",
 )
-@_ROOTS
+@RECIPE_ROOTS
 def lint(paths: tuple[str, ...], fmt: str, capabilities: bool = True, roots: tuple[Path, ...] = ()) -> None:
     """Check every recipe under PATHS (*.yaml, recursively). Base fragments (files under a `base/` directory, and
     files that another recipe extends and that lack `kind` or `name`) are checked as YAML, not as jobs. No recipe
@@ -385,236 +367,6 @@ def schema(kind: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ explain
-def _flatten(value: Any, prefix: str) -> list[tuple[str, Any]]:
-    if isinstance(value, dict) and value:
-        out: list[tuple[str, Any]] = []
-        for k, v in value.items():
-            out.extend(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return [(prefix, value)]
-
-
-def _where(result: Any, path: str) -> str:
-    pos = result.source.positions.get(path)
-    if pos is None:
-        return "default"
-    if pos.layer == "--set":
-        text = "--set"
-    else:
-        text = f"{pos.file}:{pos.line}"
-    earlier = result.loaded.overridden.get(path) if result.loaded else None
-    if earlier:
-        text += f" (over {earlier[-1].file}:{earlier[-1].line})"
-    return text
-
-
-def _input_label(result: Any, model: Any, name: str) -> str:
-    """An input of a derived value: a recipe key with where it was set, or another derived value by name."""
-    from molt_compile import schema_walk as sw
-
-    segments: list[Any] = [int(s) if s.isdigit() else s for s in name.split(".")]
-    is_key = name not in result.derived and sw.type_at(model, segments)[0] is not None
-    return f"{name} ({_where(result, name)})" if is_key else name
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        return json.dumps(value)
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-@cli.command()
-@click.argument("recipe", type=_RECIPE)
-@click.argument("keys", nargs=-1)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--smoke", is_flag=True, help="Show what the smoke pass (`RECIPE --smoke`) changes, and why.")
-@click.option(
-    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
-)
-@_ROOTS
-def explain(
-    recipe: str,
-    keys: tuple[str, ...],
-    sets: tuple[str, ...],
-    smoke: bool,
-    fmt: str = "text",
-    roots: tuple[Path, ...] = (),
-) -> None:
-    """Print every resolved value of RECIPE with where it came from (file:line, --set, default) and what it
-    means, then every derived value with its reason, then the catalog keys (`model.arch`, `cluster.gpu`;
-    also `molt-compile catalog`). KEY... shows only those keys and what lies under them (globs: `*.lr`), and the
-    derived values they name."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from molt_compile import schema_walk as sw
-    from molt_compile.compile import compile_recipe
-
-    result = compile_recipe(Path(recipe), sets, lower=False, roots=roots)
-    if result.recipe is None:
-        _print_diagnostics(result.diagnostics, result, "text")
-        sys.exit(result.exit_status or 2)
-    if smoke:
-        sys.exit(_explain_smoke(result))
-    from molt_compile.cli_more import explain_json, matches
-
-    console = _console(pipe_width=240)  # piped: one row per line, so that grep finds a key with its source
-    model = type(result.recipe)
-    rows = []
-    table = Table(
-        title=f"{result.source.root_file if result.source else recipe}: resolved values", title_justify="left"
-    )
-    wide = console.width >= 160  # else (a 100-column terminal) every column folds, the meaning most
-    table.add_column("key", no_wrap=wide, overflow="fold")
-    table.add_column("value", overflow="fold", max_width=40 if wide else 20)
-    table.add_column("source", no_wrap=wide, overflow="fold")
-    table.add_column("meaning", overflow="fold", min_width=60 if wide else None)
-    data = result.recipe.model_dump(mode="json", by_alias=True)
-    for path, value in _flatten(data, ""):
-        segments: list[Any] = [int(s) if s.isdigit() else s for s in path.split(".")]
-        doc = sw.field_doc(model, segments) or sw.field_doc(model, segments[:-1])
-        if matches(path, keys):
-            rows.append((path, value, _where(result, path), doc))
-            table.add_row(*map(escape, (path, _show(value), _where(result, path), doc or "")))
-    derived_rows = [
-        dv
-        for dv in (result.derived.values() if result.derived is not None else [])
-        if matches(dv.name, keys) or any(matches(i, keys) for i in dv.inputs) and keys
-    ]
-    if fmt == "json":
-        explain_json(result, rows, derived_rows)
-        sys.exit(result.exit_status)
-    if keys and not rows and not derived_rows:
-        click.echo(f"molt-compile: no recipe key or derived value matches {' '.join(keys)}", err=True)
-        sys.exit(2)
-    console.print(table)
-    if result.derived is None:
-        click.echo("derived values: the derive pass is not available in this build")
-    else:
-        derived = Table(title="derived values", title_justify="left")
-        for column in ("name", "value", "reason", "inputs"):
-            derived.add_column(column, overflow="fold")
-        for dv in derived_rows:
-            inputs = ", ".join(_input_label(result, model, i) for i in dv.inputs)
-            derived.add_row(*map(escape, (dv.name, _show(dv.value), dv.reason, inputs)))
-        console.print(derived)
-    for table in _catalog_tables() if not keys else ():
-        console.print(table)
-    # Errors and warnings in full; infos by code only (each explains a value the tables above already give with
-    # its reason), so that explain stays readable at 100 columns.
-    shown = [d for d in result.diagnostics if d.severity != "info"]
-    if shown:
-        _print_diagnostics(shown, result, "text")
-    infos = sorted({d.code for d in result.diagnostics if d.severity == "info"})
-    if infos:
-        click.echo(f"infos: {', '.join(infos)} (`molt-compile {recipe}` prints them)")
-    sys.exit(result.exit_status)
-
-
-def _explain_smoke(result: Any) -> int:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from molt_compile.smoke import smoke_plan
-
-    sp = smoke_plan(result.recipe, result.derived, result.source)
-    table = Table(title=f"{result.source.root_file}: the smoke pass (`--smoke`)", title_justify="left")
-    for column in ("key", "recipe", "smoke", "why"):
-        table.add_column(column, overflow="fold")
-    for phase, changes in ((0, sp.changes), (1, sp.phase_changes[1]), (2, sp.phase_changes[2])):
-        for c in changes:
-            table.add_row(
-                *map(escape, (c.key + (f" (phase {phase})" if phase else ""), _show(c.old), _show(c.new), c.why))
-            )
-    console = _console(pipe_width=200)
-    console.print(table)
-    for note in sp.notes:
-        click.echo(f"note: {note}")
-    click.echo(f"model: {sp.model_spec['architecture']} {json.dumps(sp.model_spec['config'])} -> {sp.model_dir}")
-    click.echo(f"outputs: {sp.work_dir}; everything else is the recipe's own")
-    return 0
-
-
-# ------------------------------------------------------------------------------------------------ diff
-@cli.command()
-@click.argument("a", type=_RECIPE)
-@click.argument("b", type=_RECIPE)
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help=_SET_HELP + " Applies to both A and B.")
-@click.option(
-    "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True, help="Output format."
-)
-@_ROOTS
-def diff(a: str, b: str, sets: tuple[str, ...] = (), fmt: str = "text", roots: tuple[Path, ...] = ()) -> None:
-    """Show what changes between the plans of recipes A and B (exit 0 when equal, 1 when they differ).
-    `--set` overrides apply to both."""
-    from molt_compile.compile import compile_recipe
-    from molt_compile.diff import diff_results
-
-    results = [compile_recipe(Path(a), sets, roots=roots), compile_recipe(Path(b), sets, roots=roots)]
-    for r in results:
-        if r.exit_status == 2:
-            _print_diagnostics(r.diagnostics, r, "text")
-            sys.exit(2)
-    if fmt == "json":
-        from molt_compile.cli_more import diff_json
-
-        sys.exit(1 if diff_json(*results) else 0)
-    lines, changed = diff_results(*results)
-    for line in lines:
-        click.echo(line)
-    sys.exit(1 if changed else 0)
-
-
-# ------------------------------------------------------------------------------------------------ rules
-@cli.command()
-@click.argument("code", required=False)
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["text", "json"]),
-    default="text",
-    show_default=True,
-    help="Output format (json: every code, or CODE's documentation).",
-)
-def rules(code: str | None, fmt: str = "text") -> None:
-    """List every diagnostic code (loader, schema, rules, placement, capability), or print the documentation of CODE."""
-    if fmt == "json":
-        from molt_compile.cli_more import rules_json
-
-        sys.exit(rules_json(code))
-    from molt_compile.rules import catalog
-
-    codes = catalog()
-    if code:
-        row = codes.get(code.upper())
-        if row is None:
-            from molt_compile.schema_walk import closest
-
-            guess = closest(code.upper(), list(codes))
-            click.echo(
-                f"molt-compile: unknown code `{code}`" + (f"; did you mean `{guess}`?" if guess else ""), err=True
-            )
-            sys.exit(2)
-        click.echo(f"{row.code} {row.name} ({row.severity}{', blocker' if row.blocker else ''})\n")
-        click.echo(row.doc or "(no documentation)")
-        if row.appendix is not None:
-            click.echo(f"\n{row.appendix()}")
-        return
-    from rich.markup import escape
-    from rich.table import Table
-
-    table = Table(title="diagnostic codes", title_justify="left")
-    for column in ("code", "name", "severity", "checks"):
-        table.add_column(column, overflow="fold")
-    for row in codes.values():
-        table.add_row(row.code, row.name, row.severity, escape(row.summary))  # `[low, high]` is text, not markup
-    _console().print(table)
-
-
 def _no_pydantic_plugin_loader() -> None:
     """With every plugin disabled, pydantic's plugin loader still imports `importlib.metadata` (email, zipfile, csv:
     ~13 ms of a cold compile) when the first validator is built, only to read PYDANTIC_DISABLE_PLUGINS and return no
@@ -682,8 +434,8 @@ def run() -> None:
     os._exit(code or 0)
 
 
-cli.add_command(catalog)
-cli.add_command(init)
+for command in (explain, diff, rules, catalog, init):
+    cli.add_command(command)
 
 if __name__ == "__main__":
     run()

@@ -1,4 +1,4 @@
-"""`molt-compile catalog` and `molt-compile init`, and the `--format json` views of `explain`, `diff` and `rules`.
+"""`molt-compile catalog` and `molt-compile init`: the model and GPU catalog, and a starting recipe.
 
 Added to the group at the end of `molt_compile.cli` (kept apart from the compile plumbing there). Nothing here
 imports torch, ray, vllm or transformers.
@@ -273,61 +273,3 @@ def _relative(target: Path, start: Path) -> str:
     import os
 
     return os.path.relpath(target, start.resolve())
-
-
-# ------------------------------------------------------------------------------------------------ json views
-def explain_json(result: Any, rows: list[tuple[str, Any, str, str]], derived: list[Any]) -> None:
-    """`explain --format json`: {"values": [...], "derived": [...], "diagnostics": [...]}."""
-    _dump(
-        {
-            "recipe": str(result.source.root_file),
-            "values": [{"key": k, "value": v, "source": src, "meaning": doc} for k, v, src, doc in rows],
-            "derived": [
-                {"name": dv.name, "value": dv.value, "reason": dv.reason, "inputs": list(dv.inputs)} for dv in derived
-            ],
-            "diagnostics": [d.to_json() for d in result.diagnostics],
-        }
-    )
-
-
-def diff_json(a: Any, b: Any) -> bool:
-    """`diff --format json`: every changed value per section, {"changed": bool, "sections": {...}}."""
-    from molt_compile.diff import diff_values
-
-    sections, changed = diff_values(a, b)
-    _dump(
-        {
-            "a": str(getattr(a.source, "root_file", "A")),
-            "b": str(getattr(b.source, "root_file", "B")),
-            "changed": changed,
-            "fingerprint": [getattr(a.plan, "fingerprint", None), getattr(b.plan, "fingerprint", None)],
-            "sections": sections,
-        }
-    )
-    return changed
-
-
-def rules_json(code: str | None) -> int:
-    """`rules --format json`: {"codes": [{code, name, severity, kind, doc}, ...]} (one entry with CODE); exit 2 when
-    CODE is unknown."""
-    from molt_compile.rules import catalog
-
-    rows = [
-        {"code": c.code, "name": c.name, "severity": c.severity, "kind": c.area, "doc": c.doc}
-        for c in catalog().values()
-    ]
-    if code:
-        rows = [r for r in rows if r["code"] == code.upper()]
-        if not rows:
-            click.echo(f"molt-compile: unknown code `{code}`", err=True)
-            return 2
-    _dump({"codes": rows})
-    return 0
-
-
-def matches(key: str, wanted: tuple[str, ...]) -> bool:
-    """`explain RECIPE KEY...`: a key is shown when it is one of KEY or lies under one (`actor.optimizer` shows
-    `actor.optimizer.lr`); a KEY with `*` is a glob."""
-    import fnmatch
-
-    return not wanted or any(key == w or key.startswith(w + ".") or fnmatch.fnmatchcase(key, w) for w in wanted)

@@ -1,10 +1,32 @@
-"""Console output shared by the `molt-compile` commands (`cli.py`, `cli_more.py`): a rich console that does not
+"""Console output shared by the `molt-compile` commands (`cli.py`, `cli_inspect.py`, `cli_more.py`): a rich console that does not
 depend on $COLUMNS when piped, diagnostics in the chosen format, and the model and GPU catalog tables."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
+
+import click
+
+FORMATS = click.Choice(["text", "json", "github"])
+SET_HELP = (
+    "Override a recipe key (dotted path; the value is read as YAML; a relative path is relative to the project root, "
+    "not the working directory). Repeatable."
+)
+RECIPE_ROOTS = click.option(
+    "--recipe-root",
+    "roots",
+    multiple=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A directory of trusted recipes that `extends` may read, besides the recipe's own repository "
+    "(also $MOLT_RECIPERECIPE_ROOTS, `:`-separated). Repeatable.",
+)
+
+RECIPE = click.Path()
+"""A recipe argument: typed as a path so that shell completion offers file names (no existence check here: the
+loader reports a missing file as a diagnostic)."""
 
 
 def console(stderr: bool = False, pipe_width: int = 140) -> Any:

@@ -63,9 +63,9 @@ def test_explain_filters_keys_and_prints_json(in_root):
 def test_explain_fits_100_columns(in_root, monkeypatch):
     from rich.console import Console
 
-    import molt_compile.cli as cli_module
+    import molt_compile.cli_inspect as cli_module
 
-    monkeypatch.setattr(cli_module, "_console", lambda **_: Console(width=100, force_terminal=False, no_color=True))
+    monkeypatch.setattr(cli_module, "console", lambda **_: Console(width=100, force_terminal=False, no_color=True))
     result = run("explain", DEMO)
     assert max(len(line) for line in result.output.splitlines()) <= 100
     assert "actor.optimizer.lr" in result.output
