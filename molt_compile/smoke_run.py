@@ -229,7 +229,7 @@ def run_phases(
     their progress through `say`."""
     import shutil
 
-    from molt_compile import submit
+    from molt_compile import job_launch, local_cluster
 
     root = sp.root
     t0 = time.monotonic()
@@ -242,15 +242,15 @@ def run_phases(
     logs = []
     for k in (1, 2):
         plan = phases[k].plan
-        plan_file = root / submit.write_plan_file(plan, root)
+        plan_file = root / job_launch.write_plan_file(plan, root)
         log = sp.work_dir / f"phase{k}.log"
         logs.append(str(log))
         if plan.kind == "sft":
-            argv = submit.torchrun_argv(plan, plan_file)
-            env = {**os.environ, **submit.resolve_env(plan.env)}
+            argv = local_cluster.torchrun_argv(plan, plan_file)
+            env = {**os.environ, **job_launch.resolve_env(plan.env)}
         else:
             assert cluster is not None, "RL smoke runs share the local Ray cluster run_smokes starts"
-            argv, env = submit.entrypoint_command(plan, plan_file, local=True), cluster.env
+            argv, env = job_launch.entrypoint_command(plan, plan_file, local=True), cluster.env
         prefix = f"smoke {verdict.recipe} phase {k}: "
         if say is not None:
             say(f"{prefix}{PHASES[k]} (log: {log})")
@@ -378,7 +378,7 @@ def run_smokes(
     import concurrent.futures
     import threading
 
-    from molt_compile import submit
+    from molt_compile import job_launch, local_cluster
 
     prepared = []
     for recipe, sets in items:
@@ -404,8 +404,8 @@ def run_smokes(
                 f"smoke: starting one local Ray cluster for {len(rl_runs)} RL smoke run(s) "
                 f"({', '.join(f'{k} {v:g}' for k, v in sorted(resources.items()))})"
             )
-            plan_file = root / submit.write_plan_file(rl_plans[0], root)
-            cluster = submit.start_local_cluster(rl_plans[0], {}, root, plan_file, 600, resources)
+            plan_file = root / job_launch.write_plan_file(rl_plans[0], root)
+            cluster = local_cluster.start_local_cluster(rl_plans[0], {}, root, plan_file, 600, resources)
         one_sft_at_a_time = threading.Lock()
 
         def smoke(verdict: Verdict, sp: SmokePlan, phases: dict[int, CompileResult]) -> None:
@@ -418,7 +418,7 @@ def run_smokes(
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for done in [pool.submit(smoke, *run) for run in runnable]:
                 done.result()
-    except submit.LaunchError as err:
+    except job_launch.LaunchError as err:
         for verdict, _, _ in runnable:
             if not verdict.phase:
                 verdict.phase, verdict.detail = "cluster", err.message + (f"; {err.help}" if err.help else "")

@@ -187,3 +187,18 @@ def derive_at_start(plan, *, quiet: bool = False):
     for line in [] if quiet else lines:
         print(line, flush=True)
     return plan
+
+
+def interleave_order(lengths: list[int], probs: list[float], seed: int) -> list[tuple[int, int]]:
+    """(source, row) of each row of `datasets.interleave_datasets` over sources of `lengths` with `probs`, `seed`
+    and `stopping_strategy="all_exhausted"` (Molt's blend, molt_rules.md §1.1): sources are drawn at random until
+    every one has been drawn through, the shorter ones wrapping around. datasets interleaves (source, row) index
+    tables here, so the rows themselves never go through Arrow (runtime/datasource.py says why). The compiler
+    counts the same rows (`schemas.schedule.interleaved_rows`). RL prompts (`data.prompt_probs`) and SFT rows
+    (`data.dataset_probs`) are blended alike."""
+    import datasets
+
+    tables = [datasets.Dataset.from_dict({"source": [s] * n, "row": list(range(n))}) for s, n in enumerate(lengths)]
+    mixed = datasets.interleave_datasets(tables, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
+    rows = mixed[:]  # one Arrow take of both columns (a column iterated row by row is slow)
+    return list(zip(rows["source"], rows["row"], strict=True))

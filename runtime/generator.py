@@ -24,6 +24,10 @@ flight when the run ends (`run_ended`), also when the generator itself fails. A 
 answering is re-sent alone, up to `agent.max_prompt_attempts` times, then dropped as `agent_crash` or
 `episode_timeout`; a group that was alone on its runner then is dropped at once (see `_run_group`). A runner may die
 `agent.max_restarts` times per `agent.restart_window_s`; past that it is given up.
+
+Why one module of ~550 lines: the batch loop, the group retries and the books share one actor's state (the groups in
+flight, the prompts dispatched); keeping them together is what keeps "consumed = trained + dropped" checkable in one
+read. Prompts are read in `datasource.py`, groups are run by `runners.py` and `agents/`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import ray
 import torch
 
 from runtime.agents import SamplingParams
-from runtime.datasource import read_images, read_prompts
+from runtime.datasource import interleave_order, read_images, read_prompts
 from runtime.experience import concat
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch
 from runtime.passk import mean_pass_at_k
@@ -407,13 +411,14 @@ class Generator:
         """
         position = -1
         gen, data = self.rl.generator, self.rl.data
+        if data.probs:  # Molt's blend: interleaved once (all_exhausted, seeded), shuffled per episode
+            lengths = [len(rows) for rows in self.sources]
+            every = interleave_order(lengths, data.probs, gen.seed)[:data.max_samples]
+        else:
+            every = [(s, i) for s, rows in enumerate(self.sources) for i in range(len(rows))][:data.max_samples]
         for episode in range(gen.episodes):
-            rng = random.Random(gen.seed + episode)
-            if data.probs:
-                order = _blend(self.sources, data.probs, rng, data.max_samples)
-            else:
-                order = [(s, i) for s, rows in enumerate(self.sources) for i in range(len(rows))][:data.max_samples]
-                rng.shuffle(order)
+            order = list(every)
+            random.Random(gen.seed + episode).shuffle(order)
             for s, i in order:
                 position += 1
                 if position in skip:
@@ -506,18 +511,6 @@ class _Window:
 
 def _next_eval_step(step: int, every: int | None) -> int:
     return (step // every + 1) * every if every is not None else 1 << 62
-
-
-def _blend(sources, probs, rng: random.Random, limit: int) -> list[tuple[int, int]]:
-    """Interleave sources with the given probabilities until one runs out (or `limit` prompts)."""
-    cursors = [rng.sample(range(len(rows)), len(rows)) for rows in sources]
-    out = []
-    while len(out) < limit:
-        s = rng.choices(range(len(sources)), weights=probs)[0]
-        if not cursors[s]:
-            break
-        out.append((s, cursors[s].pop()))
-    return out
 
 
 async def _awaitable(ref):

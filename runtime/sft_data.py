@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.datasource import DataError, open_rows
+from runtime.datasource import DataError, interleave_order, open_rows
 from runtime.logprobs import token_logprobs
 
 
@@ -105,20 +105,6 @@ def load_examples(paths: list[str], tokenizer, *, input_key: str, output_key: st
         if out.rows >= max_samples:
             break
     return out
-
-
-def interleave_order(lengths: list[int], probs: list[float], seed: int) -> list[tuple[int, int]]:
-    """(source, row) of each row of `datasets.interleave_datasets` over sources of `lengths` with `probs`, `seed`
-    and `stopping_strategy="all_exhausted"` (Molt's blend, molt_rules.md §1.1): sources are drawn at random until
-    every one has been drawn through, the shorter ones wrapping around. datasets interleaves (source, row) index
-    tables here, so the rows themselves never go through Arrow (runtime/datasource.py says why). The compiler
-    counts the same rows (`schemas.schedule.interleaved_rows`)."""
-    import datasets
-
-    tables = [datasets.Dataset.from_dict({"source": [s] * n, "row": list(range(n))}) for s, n in enumerate(lengths)]
-    mixed = datasets.interleave_datasets(tables, probabilities=probs, seed=seed, stopping_strategy="all_exhausted")
-    rows = mixed[:]  # one Arrow take of both columns (a column iterated row by row is slow)
-    return list(zip(rows["source"], rows["row"], strict=True))
 
 
 def _open(path: str, split: str, limit: int, columns: list[str]):

@@ -372,15 +372,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 13",
     ),
     Capability(
-        "rl-data-format",
-        "rl",
-        "data.prompt_probs",
-        "a step count for prompts interleaved by probability (data.prompt_probs: the length depends on sampling)",
-        lambda p: p.rl.schedule.total_steps is None and p.rl.data.count_at_start is None,
-        "one prompt source, or several without data.prompt_probs (they are concatenated)",
-        tracked="issue 14",
-    ),
-    Capability(
         "rl-warm-resume",
         "rl",
         "ckpt.warm_resume_rollouts",

@@ -23,6 +23,11 @@ Each instance's `ray_options` is exactly what to pass to `.options(...)` (with t
 Rank mapping: an FSDP role's rank r uses the r-th bundle of its placement group in node-sorted order at run time
 (Molt placement.py; Ray PACK does not promise bundle order = node order). `bundle_nodes` and `instances[].node`
 are where the compiler's bin packing put them; the runtime may log a mismatch but must not re-plan.
+
+Why one module of ~950 lines: it is one versioned contract (PLAN_SCHEMA_VERSION) between the compiler and the runtime,
+read top to bottom like a schema: every field with the docstring that documents it, each runtime slice next to the
+sections it shares. Most of the lines are those docstrings; splitting the classes over files would split the contract
+without shortening any one reader's path through it.
 """
 
 import hashlib

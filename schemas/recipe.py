@@ -12,6 +12,10 @@ hidden switches explicit:
 
 No cross-field checks live here: those are compiler rules with ids (`molt_compile/rules/`), so that each
 one reports a position, a reason and a fix.
+
+Why one module of ~880 lines: it is the public recipe format, section by section in the order a recipe is written,
+and its attribute docstrings are read from this one file (`_attribute_docstrings`) into the JSON Schema and
+`explain`; most of the lines are those docstrings.
 """
 
 import re

@@ -42,8 +42,8 @@ def count_rows(
     (`schemas/datafiles.py`: no datasets/pyarrow import); a relative source is joined to `root` (the job root). A
     source it cannot count (a hub name, a path not visible here) is counted by `count_other` when given (the job's
     start passes one that loads it), else the result is None with the reason. Sources interleaved by `probs` (SFT
-    `data.dataset_probs`) are counted as `interleaved_rows` draws them with `seed`; without a seed (RL's
-    `prompt_probs`, blended by the generator itself) the result is None.
+    `data.dataset_probs`, RL `data.prompt_probs`) are counted as `interleaved_rows` draws them with `seed`; without a
+    seed the result is None.
     """
     if probs and seed is None:
         return None, "interleaved with probabilities: the length depends on sampling"
@@ -241,7 +241,8 @@ def at_job_start(plan: Plan, count_other: CountOther | None = None) -> tuple[Pla
         d = rl.data
         rl_inputs = d.count_at_start
         assert rl_inputs is not None  # checked above
-        count, why = count_rows(d.prompts, d.max_samples, d.probs, d.split, count_other=count_other)
+        seed = rl.generator.seed if d.probs else None  # the generator blends with its seed
+        count, why = count_rows(d.prompts, d.max_samples, d.probs, d.split, count_other=count_other, seed=seed)
         if count is None:
             raise DataNotCounted(f"data.prompts: the job cannot count its prompts at start: {why}")
         values = rl_schedule(count, rl_inputs)

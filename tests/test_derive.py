@@ -340,10 +340,17 @@ def test_uncountable_datasets_give_none_with_reason(prompts: str, why: str) -> N
     assert d.value("train.total_steps") is None and d.value("actor.warmup_steps") is None
 
 
-def test_interleaved_sources_are_not_counted(tmp_path) -> None:
-    p = _prompts(tmp_path, 5)
-    d = derive(rl(data={"prompts": f"{p},{p}", "prompt_probs": [0.5, 0.5]}))
-    assert d.value("data.prompt_count") is None and "interleaved" in d["data.prompt_count"].reason
+def test_interleaved_prompts_are_counted_with_the_seed_and_steps_follow(tmp_path) -> None:
+    # Molt's blend (all_exhausted: the short source wraps until the long one is drawn through) is longer than either
+    # source and depends on train.seed; the step counts follow it (runtime test: the generator yields the same rows).
+    p, q = _prompts(tmp_path, 40), _prompts(tmp_path, 10, "q.jsonl")
+    counts = {}
+    for seed in (1, 2):
+        d = derive(rl(data={"prompts": f"{p},{q}", "prompt_probs": [0.5, 0.5]}, train={"seed": seed}))
+        counts[seed] = d.value("data.prompt_count")
+        assert "train.seed" in d["data.prompt_count"].inputs and "interleaved" in d["data.prompt_count"].reason
+        assert d.value("train.total_steps") is not None and "data.count_at_start" not in d
+    assert all(n > 50 for n in counts.values()) and counts[1] != counts[2]
 
 
 def test_relative_dataset_resolves_against_recipe_file() -> None:

@@ -42,7 +42,7 @@ NOT_FOR_THE_RUNTIME = {
     "roles.instances.devices": "GPU map: Ray assigns devices within a bundle",
     "gpu_map": "explain and the rendered plan",
     "runtime_env": "the Ray Jobs submission (molt_compile/submit.py)",
-    "sft.command": "the torchrun launchers (molt_compile/submit.py, the Slurm template)",
+    "sft.command": "the torchrun launchers (molt_compile/local_cluster.py, the Slurm template)",
     # derived facts the compiler used; the runtime reads what they were lowered into
     "rl.model.arch": "the compiler's memory estimate and rules; the runtime reads config.json",
     "sft.model.arch": "the compiler's memory estimate and rules",

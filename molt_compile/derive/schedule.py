@@ -8,7 +8,7 @@ from molt_compile.derive.roles import default_critic
 from molt_compile.derive.values import Builder
 from molt_compile.paths import resolve_sources
 from schemas.plan import RlCountInputs
-from schemas.schedule import count_rows, rl_schedule
+from schemas.schedule import count_rows, probs_problem, rl_schedule
 
 if TYPE_CHECKING:
     from molt_compile.source import SourceMap
@@ -36,10 +36,17 @@ def job_root(source: SourceMap | None) -> str | None:
 
 def derive_rl_schedule(b: Builder, r: RlRecipe, source: SourceMap | None) -> None:
     ro, t, d = r.rollout, r.train, r.data
+    sources = resolve_sources(d.prompts, "data.prompts", source)
     count, why = count_rows(
-        resolve_sources(d.prompts, "data.prompts", source), d.max_samples, d.prompt_probs, d.split, job_root(source)
+        sources,
+        d.max_samples,
+        d.prompt_probs,
+        d.split,
+        job_root(source),
+        seed=t.seed if d.prompt_probs else None,  # the interleave's seed (the generator's, train.seed)
     )
-    b.add("data.prompt_count", count, why, ("data.prompts", "data.max_samples", "data.prompt_probs"))
+    keys = ("data.prompts", "data.max_samples", "data.prompt_probs") + (("train.seed",) if d.prompt_probs else ())
+    b.add("data.prompt_count", count, why, keys)
     critic = (r.critic if r.critic is not None else default_critic()) if b.v("critic.exists") else None
     inputs = RlCountInputs(
         rollout_batch_size=ro.batch_size,
@@ -69,7 +76,7 @@ def derive_rl_schedule(b: Builder, r: RlRecipe, source: SourceMap | None) -> Non
     else:
         names = _RL_COUNTED + (_CRITIC_COUNTED if critic is not None else ())
         values = [(name, None, DEFERRED, ("data.prompt_count",)) for name in names]
-        if not d.prompt_probs:  # interleaving by probability has no length at all (capability rl-data-format)
+        if not d.prompt_probs or probs_problem(len(sources), d.prompt_probs) is None:  # else DATA001/DATA012
             b.add(
                 "data.count_at_start",
                 inputs.model_dump(),

@@ -123,8 +123,9 @@ def rl_runtime(r: RlRecipe, d: Derived, source: SourceMap | None) -> RlRuntime:
         generator=_generator(r, d, source),
         queue=_queue(r),
         trainer=None if r.eval.only else _trainer(r, d),
-        ref=_ref(r, d, source) if d.value("ref.exists") else None,
-        critic=_critic(r, d, source) if d.value("critic.exists") else None,
+        # eval.only builds no FSDP role but the policy's engines (fsdp_roles): no reference or critic to plan
+        ref=_ref(r, d, source) if d.value("ref.exists") and not r.eval.only else None,
+        critic=_critic(r, d, source) if d.value("critic.exists") and not r.eval.only else None,
         algo=_algo(r, d),
         schedule=_schedule(r, d),
         ckpt=ckpt_plan(r, d, source, best_metric_key(r, d)),
@@ -378,8 +379,8 @@ def _ref(r: RlRecipe, d: Derived, source: SourceMap | None) -> RefPlan:
         path=model_path(d.value("ref.path"), "ref.path" if r.ref and r.ref.path else "model.path", source),
         colocated=d.value("ref.colocated"),
         world=d.value("ref.world"),
-        dp=d.value("ref.dp") or 1,
-        grad_accum=d.value("ref.grad_accum") or 1,
+        dp=d.value("ref.dp"),
+        grad_accum=d.value("ref.grad_accum"),
     )
 
 
@@ -390,8 +391,8 @@ def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
         path=model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path", source),
         colocated=d.value("critic.colocated"),
         world=d.value("critic.world"),
-        dp=d.value("critic.dp") or 1,
-        grad_accum=d.value("critic.grad_accum") or 1,
+        dp=d.value("critic.dp"),
+        grad_accum=d.value("critic.grad_accum"),
         value_clip=d.value("critic.value_clip"),
         max_epochs=d.value("critic.max_epochs"),
         optimizer=optimizer_plan(optimizer, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),

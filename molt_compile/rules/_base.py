@@ -9,10 +9,12 @@ code has one severity.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from molt_compile.codes import Code
 from molt_compile.diagnostics import Diagnostic
+from molt_compile.paths import path_base
 from molt_compile.source import SourceMap
 
 GROUP_ESTIMATORS = frozenset({"rloo", "reinforce_baseline", "grpo", "dr_grpo"})
@@ -68,3 +70,13 @@ def runs_on_hf(derived: Any, facts: Any) -> bool:
     policy's model) is `hf`, or it is `automodel` and this role's checkpoint (a reference or critic may be another
     architecture) has no AutoModel custom class, which nemo-automodel then loads through HF transformers (H9)."""
     return dv(derived, "model.backend") == "hf" or (facts is not None and not facts.native_automodel)
+
+
+def agent_file_path(recipe: Any, source: SourceMap) -> Path | None:
+    """The agent file as the compiler reads it: `agent.path` joined to the directory of the file that set it."""
+    agent = recipe.agent
+    if agent is None:
+        return None
+    p = Path(agent.path)
+    base = path_base(source, "agent.path")
+    return p if p.is_absolute() or base is None else base / p

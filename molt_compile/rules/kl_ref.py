@@ -25,9 +25,9 @@ def _kl_to_rollout(recipe) -> bool:
 
 def _runner_kind(recipe, source) -> str | None:
     from molt_compile.agent_check import inspect_agent
-    from molt_compile.rules.data_agent import _agent_file
+    from molt_compile.rules._base import agent_file_path
 
-    f = _agent_file(recipe, source)
+    f = agent_file_path(recipe, source)
     return inspect_agent(str(f)).runner if f is not None else None
 
 

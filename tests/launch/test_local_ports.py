@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from molt_compile.submit import LocalCluster, _free_port
+from molt_compile.local_cluster import LocalCluster, _free_port
 from schemas.plan import Plan
 
 

@@ -4,6 +4,7 @@ local machine cannot run)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from molt_compile import submit as submit_mod
+from molt_compile import job_launch, local_cluster
 from molt_compile.submit import submit
 from schemas.plan import Plan
 
@@ -92,10 +93,10 @@ def test_missing_and_wrong_tokens_are_clear_errors(token_env, demo_plan: Plan, m
     assert "refused the auth token" in capsys.readouterr().err
     # The token file Ray writes (~/.ray/auth_token) works as well as the variable.
     monkeypatch.delenv("RAY_AUTH_TOKEN")
-    token_file = Path(submit_mod.os.environ["HOME"]) / ".ray" / "auth_token"
+    token_file = Path(os.environ["HOME"]) / ".ray" / "auth_token"
     token_file.parent.mkdir(parents=True)
     token_file.write_text(token_env.token + "\n")
-    assert submit_mod.auth_token() == token_env.token
+    assert job_launch.auth_token() == token_env.token
 
 
 @pytest.mark.slow
@@ -116,22 +117,22 @@ def _ray_processes_in(temp_prefix: str) -> list[str]:
 @pytest.mark.slow
 def test_local_submit_runs_the_job_on_a_cluster_it_starts_and_stops(demo_plan: Plan, monkeypatch, capfd) -> None:
     monkeypatch.chdir(ROOT)
-    started: list[submit_mod.LocalCluster] = []
-    real_init = submit_mod.LocalCluster.__init__
+    started: list[local_cluster.LocalCluster] = []
+    real_init = local_cluster.LocalCluster.__init__
 
     def spy(self, *a, **kw):
         real_init(self, *a, **kw)
         started.append(self)
 
-    monkeypatch.setattr(submit_mod.LocalCluster, "__init__", spy)
-    real_start = submit_mod.LocalCluster.start
+    monkeypatch.setattr(local_cluster.LocalCluster, "__init__", spy)
+    real_start = local_cluster.LocalCluster.start
 
     def head_dies_once(self):  # the first head dies while starting (as one that misses Ray's start-up deadline)
         real_start(self)
         if len(started) == 1:
             self.proc.kill()
 
-    monkeypatch.setattr(submit_mod.LocalCluster, "start", head_dies_once)
+    monkeypatch.setattr(local_cluster.LocalCluster, "start", head_dies_once)
     plan = _job_plan(demo_plan, exit_code=5)
     assert submit(plan, address=None, follow=False) == 5
     out, err = capfd.readouterr()
@@ -151,18 +152,18 @@ def test_local_submit_runs_the_job_on_a_cluster_it_starts_and_stops(demo_plan: P
 def test_a_local_head_that_keeps_dying_is_retried_then_a_clear_error(demo_plan: Plan, monkeypatch, capfd) -> None:
     """Every `ray start --head` dies while starting: 3 attempts, one line each, then what to do; no traceback."""
     monkeypatch.chdir(ROOT)
-    heads: list[submit_mod.LocalCluster] = []
-    real_start = submit_mod.LocalCluster.start
+    heads: list[local_cluster.LocalCluster] = []
+    real_start = local_cluster.LocalCluster.start
 
     def head_dies(self):
         real_start(self)
         heads.append(self)
         self.proc.kill()
 
-    monkeypatch.setattr(submit_mod.LocalCluster, "start", head_dies)
+    monkeypatch.setattr(local_cluster.LocalCluster, "start", head_dies)
     assert submit(_job_plan(demo_plan), address=None, follow=False) == 2
     err = capfd.readouterr().err
-    assert len(heads) == submit_mod.START_ATTEMPTS == 3
+    assert len(heads) == local_cluster.START_ATTEMPTS == 3
     assert err.count("the local Ray head did not start") == 2 and "(attempt 3 of 3)" in err
     assert ("error: the local Ray cluster did not start in 3 attempts; the last one: the head exited with "
             "status -9 while starting") in err
@@ -188,12 +189,12 @@ startup or the GCS has become overloaded.
 
 
 def test_a_head_failure_is_one_line_not_its_traceback() -> None:
-    assert submit_mod.head_failure(HEAD_TRACEBACK) == (
+    assert local_cluster.head_failure(HEAD_TRACEBACK) == (
         "Exception: The current node timed out during startup. This could happen because some of the raylet "
         "failed to startup or the GCS has become overloaded.")
-    assert submit_mod.head_failure("RuntimeError: Failed to start GCS.  Last 1 lines of error files:\n[...] "
+    assert local_cluster.head_failure("RuntimeError: Failed to start GCS.  Last 1 lines of error files:\n[...] "
                                    "Check failed\n") == "RuntimeError: Failed to start GCS.  Last 1 lines of error files:"
-    assert submit_mod.head_failure("") == "(no output)"
+    assert local_cluster.head_failure("") == "(no output)"
 
 
 def test_local_submit_refuses_plans_this_machine_cannot_run(cpu_plan: Plan, monkeypatch, capsys) -> None:
@@ -210,7 +211,7 @@ def test_local_submit_refuses_plans_this_machine_cannot_run(cpu_plan: Plan, monk
 def test_env_references_resolve_from_the_submitting_environment(demo_plan: Plan, monkeypatch, capsys) -> None:
     env = {"WANDB_API_KEY": "${env:MOLT_TEST_KEY}", "PLAIN": "$HOME"}
     monkeypatch.setenv("MOLT_TEST_KEY", "k3y")
-    assert submit_mod.resolve_env(env) == {"WANDB_API_KEY": "k3y", "PLAIN": "$HOME"}
+    assert job_launch.resolve_env(env) == {"WANDB_API_KEY": "k3y", "PLAIN": "$HOME"}
     monkeypatch.delenv("MOLT_TEST_KEY")
     plan = demo_plan.model_copy(update={"env": {**demo_plan.env, **env}}).with_fingerprint()
     assert submit(plan, address="http://127.0.0.1:1", follow=False) == 2
@@ -247,14 +248,14 @@ def test_cli_submit_trains_the_demo_locally(monkeypatch, capfd, tmp_path) -> Non
     from molt_compile.cli import cli
 
     monkeypatch.chdir(tmp_path)
-    started: list[submit_mod.LocalCluster] = []
-    real_start = submit_mod.LocalCluster.start
+    started: list[local_cluster.LocalCluster] = []
+    real_start = local_cluster.LocalCluster.start
 
     def spy(self):
         started.append(self)
         real_start(self)
 
-    monkeypatch.setattr(submit_mod.LocalCluster, "start", spy)
+    monkeypatch.setattr(local_cluster.LocalCluster, "start", spy)
     out_dir = ROOT / "runs" / "launch-cli-demo"
     shutil.rmtree(out_dir, ignore_errors=True)
     result = CliRunner().invoke(cli, [

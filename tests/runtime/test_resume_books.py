@@ -99,3 +99,26 @@ def test_disk_cap_removes_the_oldest_saves_until_the_rest_fit(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006", "step_000008"]
     ckpt.prune(tmp_path, keep=0, max_disk_gb=0.0001)         # the newest alone is over: it stays
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000008"]
+
+
+def test_interleaved_prompts_stream_the_rows_the_compiler_counted(tmp_path):
+    """data.prompt_probs: the generator streams Molt's blend (datasets.interleave_datasets, all_exhausted, the
+    generator's seed = train.seed), as many rows per episode as the compiler counted, shuffled per episode."""
+    from schemas.schedule import count_rows
+
+    files = []
+    for name, n in (("a.jsonl", 30), ("b.jsonl", 8)):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"prompt": f"{name[0]}{i}"}) + "\n" for i in range(n)))
+        files.append(str(path))
+    sources = [[(f"a{i}", None, None) for i in range(30)], [(f"b{i}", None, None) for i in range(8)]]
+    rl = SimpleNamespace(generator=SimpleNamespace(episodes=2, seed=5),
+                         data=SimpleNamespace(probs=[0.6, 0.4], max_samples=1000))
+    fake = SimpleNamespace(rl=rl, sources=sources, images=[])
+    stream = [row[0] for _, (row, _images) in Generator._prompt_stream(fake, set())]
+    per_episode = len(stream) // 2
+    first, second = stream[:per_episode], stream[per_episode:]
+    assert sorted(first) == sorted(second) and first != second  # the same blend, reshuffled per episode
+    assert {f"a{i}" for i in range(30)} | {f"b{i}" for i in range(8)} == set(first)
+    assert first.count("b0") > 1  # the short source wraps around until the long one is drawn through
+    assert (per_episode, "") == (count_rows(files, 1000, [0.6, 0.4], "train", seed=5)[0], "")

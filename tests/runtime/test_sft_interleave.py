@@ -15,8 +15,8 @@ import os
 import pytest
 from loop_support import ROOT, compile_plan
 
-from runtime.datasource import open_rows
-from runtime.sft_data import _encode_row, interleave_order, load_examples
+from runtime.datasource import interleave_order, open_rows
+from runtime.sft_data import _encode_row, load_examples
 from schemas.schedule import interleaved_rows
 
 
