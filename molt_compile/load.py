@@ -244,6 +244,19 @@ class _Tree:
             return
         for key, target in entries:
             p = layer.values.get(key) or layer.values.get("extends") or Pos(layer.file, None, None)
+            if "\0" in target:  # no file name holds one (the OS refuses the path before looking)
+                self.diags.append(
+                    diagnostic(
+                        "LOAD006",
+                        f"`extends` target {target!r} holds a NUL character: it cannot name a file",
+                        file=layer.file,
+                        line=p.line,
+                        col=p.col,
+                        path="extends",
+                        help="remove the `\\0` escape from the path",
+                    )
+                )
+                continue
             target_path = real.parent / target
             target_real = Path(os.path.realpath(target_path))
             chain = [f for _, f in stack]

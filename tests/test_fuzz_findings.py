@@ -51,6 +51,11 @@ def test_a_nul_byte_in_the_model_path_is_a_path_that_does_not_exist(tmp_path):
     assert result.exit_code in (0, 1) and "model.path" in result.output, result.output  # DATA005: no weights
 
 
+def test_a_nul_byte_in_an_extends_target_is_a_diagnostic(tmp_path):
+    result = compile_text(tmp_path, "demo_math_distill.yaml", {"extends": "demo_math\0.yaml"})  # was: ValueError
+    assert result.exit_code == 2 and "LOAD006" in result.output and "NUL" in result.output, result.output
+
+
 def test_json_surrogate_pairs_are_characters_and_a_lone_half_is_a_diagnostic(tmp_path):
     result = compile_text(tmp_path, "demo_math.yaml", {"description": "grin \U0001f600"})
     assert result.exit_code == 0, result.output  # "\\ud83d\\ude00" in the JSON: one character

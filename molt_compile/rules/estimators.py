@@ -1,4 +1,7 @@
-"""Advantage estimators, KL, the reference model and dynamic filtering (molt_rules.md §2.B, §2.C)."""
+"""Advantage estimators, KL, the reference model and dynamic filtering (molt_rules.md §2.B, §2.C).
+
+Fifteen rules; most of the ~520 lines are their docstrings, which are their documentation (`molt-compile rules CODE`).
+"""
 
 from __future__ import annotations
 
