@@ -2,8 +2,8 @@
 
 One `CriticWorker` per rank (`runtime/ranks.py`), placed as the plan's `critic` role says: colocated, each rank shares
 the bundle of the policy rank of the same index (time-sliced, `reference/molt_rules.md` §3.2), or in an actor-sized
-group of its own. The model is the policy's architecture with a scalar head (`runtime/fsdp.py`), built from
-`critic.path`. It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of
+group of its own. The model is the policy's architecture with a scalar head, built from `critic.path` by the plan's
+backend (`build_value_model`: transformers' token classifier on `hf`, nemo-automodel's causal LM on `automodel`). It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of
 `train.micro_batch_size` rows or of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
 
 - `values`: V(s_t) at collection time, (B, T-1) aligned like the log-probs: position t is the value of the state
@@ -24,7 +24,7 @@ from torch import Tensor
 from runtime import fsdp, microbatch, models
 from runtime.algo import masked_mean
 from runtime.experience import Experience
-from runtime.logprobs import pack, unpack
+from runtime.logprobs import pack, packed_row_masks, unpack
 from runtime.ranks import FsdpRank, gather_rows, start_ranks
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def token_values(model, sequences: Tensor, attention_mask: Tensor, packed: bool 
         return values[:, :-1] * attention_mask[:, 1:]
     lengths = attention_mask.sum(-1)
     flat, positions = pack(sequences, lengths)
-    values = model(input_ids=flat, position_ids=positions, use_cache=False).logits[..., 0]
+    values = model(input_ids=flat, position_ids=positions, use_cache=False, **packed_row_masks(model, flat, positions)
+                   ).logits[..., 0]
     return unpack(values, lengths, sequences.shape[1])
 
 

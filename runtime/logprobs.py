@@ -107,20 +107,26 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        extra = {}
-        if position_ids is not None and not hasattr(model, "get_decoder"):
-            # nemo-automodel's layers read no document boundaries from position ids (without a mask their sdpa runs
-            # causal over the whole packed row): they take an explicit block-diagonal mask, and no padding
-            attention_mask = document_mask(position_ids)
-            extra["padding_mask"] = torch.zeros_like(input_ids, dtype=torch.bool)
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                      **extra)
+        masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
+        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                      **{"attention_mask": attention_mask, **masks})
         hidden = out if isinstance(out, Tensor) else out.last_hidden_state
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
                          with_entropy, chunk_tokens, flat_top)
+
+
+def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
+    """What a packed row needs besides its position ids: nothing for transformers' models (they find the documents
+    from the position ids); nemo-automodel's own implementations read no document boundaries from position ids
+    (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
+    and no padding."""
+    if hasattr(model, "get_decoder"):
+        return {}
+    return {"attention_mask": document_mask(position_ids),
+            "padding_mask": torch.zeros_like(input_ids, dtype=torch.bool)}
 
 
 def document_mask(position_ids: Tensor) -> Tensor:

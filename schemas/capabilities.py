@@ -142,14 +142,6 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "take adapters of its own, which the refit merge cannot map (Molt L12)",
         ),
         row(
-            "rl-automodel-critic",
-            "algo.estimator",
-            "a critic (value model) on the automodel backend",
-            lambda p: p.rl.critic is not None,
-            "a critic-free estimator (grpo, rloo, ...), or model.backend: hf",
-            "the value model is transformers' token classifier (runtime/models/hf.py)",
-        ),
-        row(
             "rl-automodel-images",
             "data.max_images_per_prompt",
             "image prompts on the automodel backend",

@@ -42,7 +42,6 @@ from runtime.models.base import Meshes
 if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
-build_value_model = hf.build_value_model  # the critic stays transformers' (row rl-automodel-critic refuses it here)
 
 
 def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
@@ -180,6 +179,26 @@ def load(model_plan: ModelPlan, path: str, device: torch.device):
         gate.aux_loss_coeff = 0.0  # the trainer adds the recipe's aux losses itself, from the logits that
         gate.use_routing_core = True  # its routing_core child receives (the same routing: runtime/moe.py)
     return model
+
+
+def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device,
+                      offload: str = "none"):
+    """The critic as Molt builds it on this path: nemo-automodel's causal LM of `path` with its vocabulary head
+    replaced by a scalar head (`value_head`: transformers' token-classification `score`, one label, the same
+    initialisation), its routers in their own unit, sharded and checkpointed like the policy (`hf.shard`), over the
+    critic's data-parallel mesh (the plan gives the critic no expert mesh)."""
+    model = load(model_plan, path, device)
+    model.lm_head = value_head(model.config).to(device)
+    return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, True, False, None, offload)
+
+
+def value_head(config) -> torch.nn.Linear:
+    """`Linear(hidden, 1)` initialised as transformers initialises a token classifier's `score` (normal with the
+    config's `initializer_range`, zero bias)."""
+    head = torch.nn.Linear(config.hidden_size, 1)
+    torch.nn.init.normal_(head.weight, std=config.initializer_range)
+    torch.nn.init.zeros_(head.bias)
+    return head
 
 
 def decoder_layers(model) -> list:

@@ -186,3 +186,32 @@ def test_a_deepep_dispatcher_stops_the_job_at_start_where_it_cannot_run():
     with pytest.raises(RuntimeError, match="uccl_ep needs the uccl package"):
         automodel.check_dispatcher("uccl_ep", torch.device("cuda"), 8)
     assert automodel.backend_config(_plan("unused", "automodel")).dispatcher == "torch"
+
+
+def test_the_critic_is_nemo_automodels_model_with_transformers_values(world, checkpoint):
+    """Molt's critic on the custom path (NeMoAutoModelForCausalLM with a scalar head) gives the values and head
+    gradients of transformers' token classifier on the same checkpoint and head, padded and packed."""
+    from nemo_automodel.components.models.qwen3_moe.model import Qwen3MoeForCausalLM
+
+    from runtime.critic import token_values
+
+    mine = automodel.build_value_model(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    theirs = hf.build_value_model(_plan(checkpoint, "hf"), checkpoint, world, torch.device("cpu"))
+    assert isinstance(mine, Qwen3MoeForCausalLM) and mine.lm_head.weight.shape == (1, mine.config.hidden_size)
+    with torch.no_grad():  # the same head on both (each is initialised at random)
+        mine.lm_head.weight.to_local().copy_(theirs.score.weight.to_local())
+        mine.lm_head.bias.to_local().copy_(theirs.score.bias.to_local())
+    ids, mask = _batch()
+    real = mask[:, 1:].bool()
+    for packed in (False, True):
+        values, reference = token_values(mine, ids, mask, packed), token_values(theirs, ids, mask, packed)
+        torch.testing.assert_close(values[real], reference[real], rtol=1e-4, atol=1e-5)
+        (values[real] ** 2).sum().backward()
+        (reference[real] ** 2).sum().backward()
+        torch.testing.assert_close(mine.lm_head.weight.grad.full_tensor(), theirs.score.weight.grad.full_tensor(),
+                                   rtol=1e-4, atol=1e-5)
+        mine.zero_grad()
+        theirs.zero_grad()
+    with torch.no_grad():  # packing keeps each row to itself: its values are the padded ones
+        torch.testing.assert_close(token_values(mine, ids, mask, True)[real], token_values(mine, ids, mask)[real],
+                                   rtol=1e-4, atol=1e-5)
