@@ -135,11 +135,11 @@ def _automodel_rows() -> tuple[Capability, ...]:
         row(
             "rl-automodel-lora",
             "actor.lora",
-            "LoRA adapters on the automodel backend",
-            lambda p: p.rl.trainer is not None and p.rl.trainer.lora is not None,
-            "model.backend: hf",
-            "the adapters are peft's on transformers modules (runtime/lora.py); nemo-automodel's grouped experts "
-            "take adapters of its own, which the refit merge cannot map (Molt L12)",
+            "LoRA adapters with expert parallelism on the automodel backend",
+            lambda p: p.rl.trainer is not None and p.rl.trainer.lora is not None and p.rl.trainer.mesh.ep > 1,
+            "actor.mesh.ep: 1 (the adapters are on the attention, which expert parallelism does not shard)",
+            "the adapters are patched in before FSDP2 sharding (runtime/models/hf.py `shard`); nemo-automodel's "
+            "expert-parallel build (`expert_parallel`) does not patch them yet",
         ),
         row(
             "rl-automodel-images",
@@ -235,14 +235,6 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
         return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}")
 
     return (
-        row(
-            "sft-automodel-lora",
-            "actor.lora",
-            "LoRA adapters on the automodel backend",
-            lambda p: p.sft.trainer.lora is not None,
-            "model.backend: hf",
-            "the adapters are peft's on transformers modules (runtime/lora.py)",
-        ),
         row(
             "sft-automodel-attn",
             "model.attn",

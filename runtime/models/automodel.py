@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,15 +89,22 @@ class TransposedExperts:
         return local.detach().transpose(1, 2)
 
 
-def hf_weights(model) -> list[tuple[str, torch.Tensor | TransposedExperts]]:
-    """(transformers' name, parameter or transposed view) of every floating parameter, in module order: what a
-    weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over `ep` (whole
-    experts per rank), which the sync gathers like an FSDP2 shard when ep spans the group."""
-    out: list[tuple[str, torch.Tensor | TransposedExperts]] = []
-    for name, p in model.named_parameters():
-        if p.is_floating_point():
-            name, swapped = hf_name(name)
-            out.append((name, TransposedExperts(p) if swapped else p))
+def hf_weights(model) -> list[tuple[str, Any]]:
+    """(transformers' name, parameter, transposed view or merged LoRA weight) of every floating parameter, in module
+    order: what a weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over
+    `ep` (whole experts per rank), which the sync gathers like an FSDP2 shard when ep spans the group. Under LoRA the
+    adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); peft adapts `nn.Linear` layers only, so
+    the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
+    if getattr(model, "molt_lora", None) is not None:
+        from runtime import lora
+
+        named = lora.merged_weights(model)
+    else:
+        named = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+    out: list[tuple[str, Any]] = []
+    for name, p in named:
+        name, swapped = hf_name(name)
+        out.append((name, TransposedExperts(p) if swapped else p))
     return out
 
 
@@ -214,7 +221,8 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     the `dp` mesh (`hf.shard`: routers in their own unit in the router dtype, frozen with `freeze_router`, matched
     by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
     parallelizer (`expert_parallel`).
-    `lora` and `freeze_visual_encoder` are hf-backend settings (the capability table keeps them off this one)."""
+    `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism,
+    and `freeze_visual_encoder` is an hf-backend setting (the capability table keeps both off this one)."""
     model = load(model_plan, path, device)
     if meshes.moe is None:
         return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)

@@ -170,7 +170,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
     if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint inside the compiled forward
         enable_checkpointing(model, model_plan.gradient_checkpoint, layers)
     if checkpointed and lora is not None:
-        model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need a grad path
+        _inputs_require_grads(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -188,6 +188,15 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
         compile_layers(layers, model_plan.gradient_checkpoint if trainable else "none")
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
+
+
+def _inputs_require_grads(model) -> None:
+    """Frozen embeddings under LoRA: checkpointed blocks still need a grad path into them. transformers' switch, or
+    (nemo-automodel's own implementations have none) the same hook on the input embeddings."""
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+        return
+    model.model.embed_tokens.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
 
 
 def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, offload: str = "none"):

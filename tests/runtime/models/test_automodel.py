@@ -215,3 +215,49 @@ def test_the_critic_is_nemo_automodels_model_with_transformers_values(world, che
     with torch.no_grad():  # packing keeps each row to itself: its values are the padded ones
         torch.testing.assert_close(token_values(mine, ids, mask, True)[real], token_values(mine, ids, mask)[real],
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_lora_on_automodel_trains_and_merges_as_lora_on_hf(world, checkpoint):
+    """peft's adapters on nemo-automodel's linear layers: with the same adapter weights the log-probs, two optimizer
+    steps and the merged weights a sync streams (transformers' names and layouts, experts transposed back) equal
+    LoRA on transformers' implementation of the same checkpoint; only the adapters move."""
+    from runtime.models import automodel as am
+    from schemas.plan import LoraPlan
+
+    lora = LoraPlan(dim=4, alpha=8, scale=2.0, target_modules=["*.self_attn.q_proj", "*.self_attn.o_proj"])
+    plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": "full"})
+    mine = am.build(plan, checkpoint, world, torch.device("cpu"), lora=lora)
+    theirs = hf.build(plan.model_copy(update={"backend": "hf"}), checkpoint, world, torch.device("cpu"), lora=lora)
+    adapters = {n: p for n, p in theirs.named_parameters() if ".lora_" in n}
+    assert adapters and {n for n, p in mine.named_parameters() if p.requires_grad} == set(adapters)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the same adapters on both, B not zero so that they change the model from step 0
+        for name, p in mine.named_parameters():
+            if ".lora_" in name:
+                adapters[name].to_local().copy_(torch.randn(p.shape, generator=g) * 0.1)
+                p.to_local().copy_(adapters[name].to_local())
+    opt = OptimizerPlan(name="adam", lr=1e-2, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0, max_norm=1.0,
+                        scheduler="constant", warmup_steps=0, total_steps=10, min_lr_ratio=0.1, muon=None)
+    ids, mask = _batch()
+    real = mask[:, 1:].bool()
+    steps = {}
+    for name, model in (("mine", mine), ("theirs", theirs)):
+        optimizer, scheduler = fsdp.build_optimizer(opt, model)
+        for _ in range(2):
+            (-token_logprobs(model, ids, mask, 1.0)[0][real].mean()).backward()
+            fsdp.clipped_step(model, optimizer, scheduler, 1.0)
+        with torch.no_grad():
+            steps[name] = token_logprobs(model, ids, mask, 1.0)[0][real]
+    torch.testing.assert_close(steps["mine"], steps["theirs"], rtol=1e-4, atol=1e-4)
+    merged = {n: _local(w) for n, w in am.hf_weights(mine)}
+    reference = {n: _local(w) for n, w in hf.hf_weights(theirs)}
+    assert merged.keys() == reference.keys() and not any(".lora_" in n for n in merged)
+    for name in merged:
+        torch.testing.assert_close(merged[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _local(weight) -> torch.Tensor:
+    """A streamed weight's rows on this rank: a merged or transposed view, a DTensor shard, or a plain tensor."""
+    if hasattr(weight, "local"):
+        return weight.local()
+    return weight.to_local() if hasattr(weight, "to_local") else weight.detach()
