@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from schemas.datafiles import source_facts
@@ -122,7 +123,7 @@ def interleaved_rows(lengths: list[int], probs: list[float], seed: int) -> tuple
 def _warmup(role: str, steps: int, ratio: float) -> Value:
     return (
         f"{role}.warmup_steps",
-        math.ceil(steps * ratio),
+        math.ceil(Fraction(steps) * Fraction(ratio)),  # exact: a step count past 2**1024 has no float
         f"ceil({steps} × warmup_ratio {ratio})",
         (f"{role}.scheduler_steps", f"{role}.optimizer.warmup_ratio"),
     )

@@ -71,6 +71,11 @@ def test_a_huge_count_is_a_schema_error_within_a_second(tmp_path, key):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_step_count_past_float_range_is_counted_exactly(tmp_path):
+    result = compile_text(tmp_path, "demo_sft.yaml", {}, f"train.max_epochs={2**1100}")  # was: OverflowError
+    assert result.exit_code in (0, 1) and "Traceback" not in result.output, result.output
+
+
 def test_a_few_campaign_recipes_give_no_traceback():
     from tests.fuzz_recipes import campaign
 
