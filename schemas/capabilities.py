@@ -119,6 +119,12 @@ def _rl_ep_rows() -> tuple[Capability, ...]:
 _DEEPEP_DISPATCHERS = ("deepep", "hybridep", "uccl_ep")
 
 
+_COMPILE_NOT_RUN = (
+    "nemo-automodel's decoder layers under torch.compile on CUDA (compiled and checked against eager on CPU only; "
+    "transformers' layers were measured compiled on the H200)"
+)
+
+
 def _automodel_rows() -> tuple[Capability, ...]:
     """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
     backend implements, and nemo-automodel's DeepEP token dispatchers."""
@@ -163,7 +169,11 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "compiled decoder layers on the automodel backend",
             lambda p: p.rl.model.compile_layers,
             "model.compile_layers: false",
-            "compiled layers are tested on transformers' layers only",
+            "hf.compile_layers on nemo-automodel's layers: gradients equal eager on CPU "
+            "(tests/runtime/models/test_automodel.py)",
+            devices=frozenset({"cpu"}),
+            unverified=frozenset({"cuda"}),
+            not_run=_COMPILE_NOT_RUN,
         ),
         row(
             "rl-automodel-selective",
@@ -228,11 +238,13 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
     FSDP2 mesh of RL, packing included; tests/runtime/test_sft_automodel.py): as for RL (`_automodel_rows`), the
     settings only the hf backend implements and the DeepEP dispatchers."""
 
-    def row(id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str) -> Capability:
+    def row(
+        id_: str, key: str, what: str, asks: Callable[[Plan], bool], instead: str, why: str, **written: object
+    ) -> Capability:
         def on_automodel(p: Plan) -> bool:
             return p.sft.model.backend == "automodel" and asks(p)
 
-        return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}")
+        return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}", **written)  # type: ignore[arg-type]
 
     return (
         row(
@@ -249,7 +261,10 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
             "compiled decoder layers on the automodel backend",
             lambda p: p.sft.model.compile_layers,
             "model.compile_layers: false",
-            "compiled layers are tested on transformers' layers only",
+            "the RL build's (rl-automodel-compile)",
+            devices=frozenset({"cpu"}),
+            unverified=frozenset({"cuda"}),
+            not_run=_COMPILE_NOT_RUN,
         ),
         row(
             "sft-automodel-selective",
