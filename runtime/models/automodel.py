@@ -195,6 +195,8 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
     initialisation), its routers in their own unit, sharded and checkpointed like the policy (`hf.shard`), over the
     critic's data-parallel mesh (the plan gives the critic no expert mesh)."""
     model = load(model_plan, path, device)
+    if model_plan.gradient_checkpoint == "selective":
+        _fsdp_hooks_outside_selective_replay()
     model.lm_head = value_head(model.config).to(device)
     return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, True, False, None, offload)
 
@@ -206,6 +208,20 @@ def value_head(config) -> torch.nn.Linear:
     torch.nn.init.normal_(head.weight, std=config.initializer_range)
     torch.nn.init.zeros_(head.bias)
     return head
+
+
+def _fsdp_hooks_outside_selective_replay() -> None:
+    """Selective checkpointing replays a layer's forward ops by per-op index; the routers are FSDP2 units inside each
+    checkpointed layer, and FSDP2's hooks (torch 2.13 runs them under profiler record_function ranges, and its
+    all-gather copy-out runs only in the recompute when the forward prefetched) emit ops the recompute does not
+    match. nemo-automodel's own fix takes those ops out of torch's replay accounting (they still run)."""
+    from nemo_automodel.components.distributed.activation_checkpointing import (
+        ensure_fsdp_ops_sac_ignored,
+        ensure_profiler_ops_sac_ignored,
+    )
+
+    ensure_profiler_ops_sac_ignored()
+    ensure_fsdp_ops_sac_ignored()
 
 
 def decoder_layers(model) -> list:
@@ -224,6 +240,8 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism,
     and `freeze_visual_encoder` is an hf-backend setting (the capability table keeps both off this one)."""
     model = load(model_plan, path, device)
+    if model_plan.gradient_checkpoint == "selective":
+        _fsdp_hooks_outside_selective_replay()
     if meshes.moe is None:
         return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
     from runtime.fsdp import offload_policy

@@ -281,3 +281,19 @@ def test_compiled_layers_leave_the_gradients_of_nemo_automodels_layers_unchanged
     assert grads[True].keys() == grads[False].keys() and any("experts" in n for n in grads[True])
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_selective_checkpointing_gives_the_gradients_of_full_checkpointing(world, checkpoint):
+    """Selective (per-op) checkpointing on nemo-automodel's layers, whose routers are FSDP2 units inside each
+    checkpointed layer: the recompute matches the forward's op stream (FSDP2's hook ops are out of the replay), and
+    the gradients are those of full checkpointing."""
+    grads = {}
+    for mode in ("full", "selective"):
+        plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": mode})
+        model = automodel.build(plan, checkpoint, world, torch.device("cpu"))
+        ids, mask = _batch(seed=6)
+        (-token_logprobs(model, ids, mask, 1.0)[0][mask[:, 1:].bool()].mean()).backward()
+        grads[mode] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["selective"].keys() == grads["full"].keys() and any("gate" in n for n in grads["full"])
+    for name, grad in grads["full"].items():
+        torch.testing.assert_close(grads["selective"][name], grad, rtol=1e-5, atol=1e-7, msg=name)
