@@ -1,7 +1,8 @@
 """Reading a plan file where a job starts (`python -m runtime`, `python -m runtime.sft`): one reader for both.
 
 The plan is parsed, checked against this build's own capability table (a plan compiled by another build of
-molt-compile may ask for more) and its `${env:NAME}` references are resolved (never written back into the plan).
+molt-compile may ask for more) and against the optional packages it needs (`runtime/packages.py`), and its
+`${env:NAME}` references are resolved (never written back into the plan).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def read_plan(path: Path) -> tuple[Plan, dict[str, str]]:
     problems = startup_problems(plan)
     if problems:
         raise PlanUnusable(f"{path}: this plan cannot run on this build of the runtime: {'; '.join(problems)}")
+    from runtime.packages import missing_packages
+
+    missing = missing_packages(plan)
+    if missing:
+        raise PlanUnusable(f"{path}: this plan cannot run in this environment: {'; '.join(missing)}")
     try:
         return plan, driver_env(plan, os.environ)
     except UnsetReference as exc:

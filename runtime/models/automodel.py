@@ -38,6 +38,7 @@ from runtime import moe
 from runtime.logprobs import attach
 from runtime.models import hf
 from runtime.models.base import Meshes
+from runtime.packages import DISPATCHER_PACKAGES
 
 if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan
@@ -136,10 +137,6 @@ def _built_on_cpu():
     finally:
         torch.cuda.current_device = current  # type: ignore[assignment]
         auto_model.apply_model_infrastructure = infrastructure
-
-
-DISPATCHER_PACKAGES = {"deepep": "deep_ep", "hybridep": "deep_ep", "uccl_ep": "uccl"}
-"""The package each of nemo-automodel's CUDA token dispatchers imports (its `GroupedExpertsDeepEP` buffers)."""
 
 
 def check_dispatcher(dispatcher: str | None, device: torch.device, world: int) -> None:
