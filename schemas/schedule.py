@@ -120,10 +120,19 @@ def interleaved_rows(lengths: list[int], probs: list[float], seed: int) -> tuple
     return last + 1, f"interleaved (all_exhausted, seed {seed}, probabilities {list(probs)}): {last + 1} rows"
 
 
+def _ceil_times(steps: int, ratio: float) -> int:
+    """ceil(steps × ratio) in float arithmetic, as Molt computes it (ceil(120 × 0.1) is 12); exactly when the step
+    count has no float (past 2**1024: a recipe's huge epoch count must be a number, not an OverflowError)."""
+    try:
+        return math.ceil(steps * ratio)
+    except OverflowError:
+        return math.ceil(Fraction(steps) * Fraction(ratio))
+
+
 def _warmup(role: str, steps: int, ratio: float) -> Value:
     return (
         f"{role}.warmup_steps",
-        math.ceil(Fraction(steps) * Fraction(ratio)),  # exact: a step count past 2**1024 has no float
+        _ceil_times(steps, ratio),
         f"ceil({steps} × warmup_ratio {ratio})",
         (f"{role}.scheduler_steps", f"{role}.optimizer.warmup_ratio"),
     )
