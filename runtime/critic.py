@@ -3,8 +3,9 @@
 One `CriticWorker` per rank (`runtime/ranks.py`), placed as the plan's `critic` role says: colocated, each rank shares
 the bundle of the policy rank of the same index (time-sliced, `reference/molt_rules.md` §3.2), or in an actor-sized
 group of its own. The model is the policy's architecture with a scalar head, built from `critic.path` by the plan's
-backend (`build_value_model`: transformers' token classifier on `hf`, nemo-automodel's causal LM on `automodel`). It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of
-`train.micro_batch_size` rows or of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
+backend (`build_value_model`: transformers' token classifier on `hf`, nemo-automodel's causal LM on `automodel`).
+It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of `train.micro_batch_size` rows or
+of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
 
 - `values`: V(s_t) at collection time, (B, T-1) aligned like the log-probs: position t is the value of the state
   that ends with token t, before the action token t+1.
