@@ -244,16 +244,21 @@ class _Tree:
             return
         for key, target in entries:
             p = layer.values.get(key) or layer.values.get("extends") or Pos(layer.file, None, None)
+
+            def at_entry(
+                code: str, message: str, help: str, related: tuple[Related, ...] = (), at: Pos = p
+            ) -> Diagnostic:
+                """A diagnostic at this `extends` entry."""
+                return diagnostic(
+                    code, message, file=layer.file, line=at.line, col=at.col, path="extends", help=help, related=related
+                )
+
             if "\0" in target:  # no file name holds one (the OS refuses the path before looking)
                 self.diags.append(
-                    diagnostic(
+                    at_entry(
                         "LOAD006",
                         f"`extends` target {target!r} holds a NUL character: it cannot name a file",
-                        file=layer.file,
-                        line=p.line,
-                        col=p.col,
-                        path="extends",
-                        help="remove the `\\0` escape from the path",
+                        "remove the `\\0` escape from the path",
                     )
                 )
                 continue
@@ -262,14 +267,10 @@ class _Tree:
             chain = [f for _, f in stack]
             if any(target_real == s for s, _ in stack):
                 self.diags.append(
-                    diagnostic(
+                    at_entry(
                         "LOAD005",
                         f"`extends: {target}` makes a cycle: {' -> '.join(chain + [display_path(target_path)])}",
-                        file=layer.file,
-                        line=p.line,
-                        col=p.col,
-                        path="extends",
-                        help="remove this entry, or move the shared keys into a base that extends nothing",
+                        "remove this entry, or move the shared keys into a base that extends nothing",
                         related=tuple(Related("extends", f, None, None, "in the chain") for f in chain[:-1]),
                     )
                 )
@@ -285,25 +286,13 @@ class _Tree:
                     else "is not a `.yaml` recipe file"
                 )
                 self.diags.append(
-                    diagnostic(
-                        "LOAD011",
-                        f"`extends` target `{target}` {why}; it was not read",
-                        file=layer.file,
-                        line=p.line,
-                        col=p.col,
-                        path="extends",
-                        help=_ROOTS_HELP,
-                    )
+                    at_entry("LOAD011", f"`extends` target `{target}` {why}; it was not read", _ROOTS_HELP)
                 )
                 continue
-            missing = diagnostic(
+            missing = at_entry(
                 "LOAD006",
                 f"`extends` target `{target}` is not a file (looked for `{display_path(target_path)}`)",
-                file=layer.file,
-                line=p.line,
-                col=p.col,
-                path="extends",
-                help="paths in `extends` are relative to the file that contains them",
+                "paths in `extends` are relative to the file that contains them",
             )
             self.targets.append(target_real)
             self.load(target_path, stack, missing)

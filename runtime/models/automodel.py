@@ -172,6 +172,8 @@ def load(model_plan: ModelPlan, path: str, device: torch.device):
     from nemo_automodel import NeMoAutoModelForCausalLM
 
     check_dispatcher(model_plan.moe_dispatcher, device, dist.get_world_size() if dist.is_initialized() else 1)
+    if model_plan.gradient_checkpoint == "selective":
+        _fsdp_hooks_outside_selective_replay()
     with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
         model = NeMoAutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
                                                          use_liger_kernel=False, backend=backend_config(model_plan))
@@ -192,8 +194,6 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
     initialisation), its routers in their own unit, sharded and checkpointed like the policy (`hf.shard`), over the
     critic's data-parallel mesh (the plan gives the critic no expert mesh)."""
     model = load(model_plan, path, device)
-    if model_plan.gradient_checkpoint == "selective":
-        _fsdp_hooks_outside_selective_replay()
     model.lm_head = value_head(model.config).to(device)
     return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, True, False, None, offload)
 
@@ -237,8 +237,6 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism,
     and `freeze_visual_encoder` is an hf-backend setting (the capability table keeps both off this one)."""
     model = load(model_plan, path, device)
-    if model_plan.gradient_checkpoint == "selective":
-        _fsdp_hooks_outside_selective_replay()
     if meshes.moe is None:
         return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
     from runtime.fsdp import offload_policy
