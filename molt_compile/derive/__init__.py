@@ -20,6 +20,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `cluster.cpus_per_node` * | CPUs Ray may use per node: recipe, GPU catalog node profile, else None (lower sizes it) | J5 |
 | `model.backend` | the training backend that runs: hf when set, or when the architecture has no AutoModel custom class | H9 |
 | `model.attn` * | only where it is not the recipe's: sdpa for model.attn outside te/sdpa/flex/tilelang on an AutoModel custom model without packing (`model_attn` reads either) | B20 |
+| `model.compile_layers` * | the recipe's; unset: on for a dense text model on the hf backend on GPUs without LoRA, else off | |
 | `dist.backend` * | torch.distributed backend: gloo (cpu), nccl, or "cuda:nccl,cpu:gloo" with offload full | B26 |
 | `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
@@ -101,7 +102,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from molt_compile.derive.algo import DISTILL_AGENT_PATH, derive_algo, is_band, kl_ref_of
-from molt_compile.derive.cluster import CUSTOM_NATIVE_ATTN, derive_attention, derive_backend, derive_cluster, model_attn
+from molt_compile.derive.cluster import (
+    CUSTOM_NATIVE_ATTN,
+    derive_attention,
+    derive_backend,
+    derive_cluster,
+    derive_compile_layers,
+    model_attn,
+)
 from molt_compile.derive.roles import COLOCATED_GPU_FRACTION, derive_actor_extras, derive_rl_roles
 from molt_compile.derive.rollout import derive_gpu_totals, derive_rollout
 from molt_compile.derive.schedule import DEFERRED, derive_rl_eval_ckpt, derive_rl_schedule
@@ -138,6 +146,7 @@ def derive(recipe: RlRecipe | SftRecipe, source: SourceMap | None = None) -> Der
     else:
         derive_rl(b, recipe, source)
     derive_attention(b, recipe, source)
+    derive_compile_layers(b, recipe, source)
     return Derived(b.items)
 
 

@@ -175,7 +175,7 @@ def model_plan(r: RlRecipe | SftRecipe, d: Derived, source: SourceMap | None) ->
         dtype=_DTYPES[m.param_dtype],
         attn=model_attn(r, d),  # the attention that runs (B20)
         gradient_checkpoint=m.gradient_checkpoint,
-        compile_layers=m.compile_layers,
+        compile_layers=d.value("model.compile_layers"),
         disable_fast_tokenizer=m.disable_fast_tokenizer,
         router_dtype=_DTYPES[m.router_dtype],
         moe_dispatcher=None if dense else moe_dispatcher(r),

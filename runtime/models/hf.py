@@ -117,7 +117,37 @@ def compile_layers(layers, checkpoint_mode: str = "none") -> None:
         forward = layer.forward
         if checkpoint_mode != "none":
             forward = functools.partial(checkpoint, forward, **_checkpoint_kwargs(checkpoint_mode))
-        layer.forward = torch.compile(forward)
+        layer.forward = _batch_shape_dynamic(torch.compile(forward))
+
+
+def _batch_shape_dynamic(compiled):
+    """`compiled` with its inputs' batch and sequence dimensions marked dynamic before each call, so the first
+    compile is the shape-generic graph: a later batch of another length or row count runs it without the recompile
+    torch's automatic dynamic shapes would do at the first new shape (17 s on an H200 for a 1.4B model, in the
+    middle of a run). A dimension is the batch's or the sequence's when its size is the hidden states' (rows,
+    tokens) and it is not a 3-D tensor's trailing feature dimension (hidden size, rotary width); torch may still
+    specialize one it cannot keep generic (`maybe_mark_dynamic`)."""
+    import functools
+
+    from torch._dynamo import maybe_mark_dynamic
+
+    def mark(t: object, sizes: tuple[int, ...]) -> None:
+        if isinstance(t, (tuple, list)):
+            for x in t:
+                mark(x, sizes)
+        elif isinstance(t, torch.Tensor):
+            for dim, n in enumerate(t.shape):
+                if n in sizes and n > 1 and not (t.dim() == 3 and dim == 2):
+                    maybe_mark_dynamic(t, dim)
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
+        hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+        mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
+        return compiled(*args, **kwargs)
+
+    return run
 
 
 def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,

@@ -69,9 +69,10 @@ def _batch(lengths: list[int], vocab: int, width: int):
     return batch
 
 
-def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out) -> dict:
+def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profile, out, new_shape=None) -> dict:
     """Best of `steps` optimizer steps (after one warm-up, which also compiles) of a fresh `PolicyWorker` on
-    `batch`."""
+    `batch`; with `new_shape` (a batch of another length), also the first step on it (a recompile, if any) and the
+    next one."""
     import torch
 
     from runtime.trainer import PolicyWorker
@@ -82,21 +83,35 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
                          rollout_log_probs=torch.zeros(mask.shape))
     if not DRY_RUN:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, times_all = [], []
     for i in range(steps + 1):
         sync()
         t0 = time.perf_counter()
         worker.train(step_batch, 0.0)
         sync()
+        times_all.append(time.perf_counter() - t0)
         if i > 0 or DRY_RUN:
-            times.append(time.perf_counter() - t0)
+            times.append(times_all[-1])
+    first_s = times_all[0]
+    shape_change = {}
+    if new_shape is not None:
+        other = replace(new_shape, old_log_probs=torch.zeros(new_shape.action_mask.shape),
+                        advantages=new_shape.action_mask.float(),
+                        rollout_log_probs=torch.zeros(new_shape.action_mask.shape))
+        for key in ("new_shape_first_step_s", "new_shape_next_step_s"):
+            sync()
+            t0 = time.perf_counter()
+            worker.train(other, 0.0)
+            sync()
+            shape_change[key] = time.perf_counter() - t0
     if profile:
         train = worker.train
         (out / "profile_trainer.txt").write_text(_profiled(lambda: train(step_batch, 0.0), sync))
     best = min(times)
     real = int(batch.attention_mask.sum())
     run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
-           "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS}
+           "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS,
+           "first_step_s": first_s, **shape_change}
     if not DRY_RUN:
         run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     worker.shutdown()
@@ -118,6 +133,21 @@ def _kept_after_forward(on: bool):
         fsdp_module.fully_shard = real
 
 
+@contextlib.contextmanager
+def _automatic_dynamic(on: bool):
+    """While `on`: compiled layers without their batch shape marked dynamic (the `-automatic` run: torch's
+    automatic dynamic shapes alone, the runtime before issue 29's change)."""
+    from runtime.models import hf
+
+    real = hf._batch_shape_dynamic
+    if on:
+        hf._batch_shape_dynamic = lambda compiled: compiled
+    try:
+        yield
+    finally:
+        hf._batch_shape_dynamic = real
+
+
 def _profiled(step, sync) -> str:
     """The 40 costliest ops of one `step` under the torch profiler (self device time), as a table."""
     from torch.profiler import ProfilerActivity, profile
@@ -131,6 +161,9 @@ def _profiled(step, sync) -> str:
 
 
 def main() -> int:
+    # every compile cold, as on a fresh node: no inductor / autograd cache hit from an earlier run of this process
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
     import torch
     from loop_support import trainer_rl
 
@@ -175,6 +208,7 @@ def main() -> int:
     uniform = _batch([seq] * rows, cfg.vocab_size, seq)
     skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
     skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
+    shorter = _batch([seq - seq // 4] * rows, cfg.vocab_size, seq - seq // 4)  # a new batch shape mid-run
     def worker_args(batch, packing: bool, ckpt: str, attn: str, compiled: bool):
         n = batch.batch_size
         return trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": attn,
@@ -190,7 +224,11 @@ def main() -> int:
     port = free_port()
     runs = [  # (name, batch, packing, activation checkpointing, attention, model.compile_layers)
         ("uniform/padded", uniform, False, "full", "sdpa", False),
+        # torch's automatic dynamic shapes alone (the layers' batch shape not marked dynamic): static graph first,
+        # a recompile at the first new shape
+        ("uniform/padded-compiled-automatic", uniform, False, "full", "sdpa", True),
         ("uniform/padded-compiled", uniform, False, "full", "sdpa", True),
+        ("uniform/padded-selective-compiled", uniform, False, "selective", "sdpa", True),
         ("uniform/padded-none-compiled", uniform, False, "none", "sdpa", True),
         ("uniform/padded-selective", uniform, False, "selective", "sdpa", False),
         ("uniform/padded-none", uniform, False, "none", "sdpa", False),
@@ -206,6 +244,7 @@ def main() -> int:
         ("skewed/packed-varlen", skewed, True, "full", "flash_attention_2", False),
         ("skewed/packed-varlen-selective", skewed, True, "selective", "flash_attention_2", False),
         ("skewed/packed-varlen-none-compiled", skewed, True, "none", "flash_attention_2", True),
+        ("skewed/packed-varlen-compiled", skewed, True, "full", "flash_attention_2", True),
         # an experiment, not a runtime setting: FSDP2 units keep their gathered bf16 parameters between the forward
         # and the backward (reshard_after_forward=False), so world 1 skips the cast-copies of the recomputation
         ("uniform/padded-keep", uniform, False, "full", "sdpa", False),
@@ -217,10 +256,12 @@ def main() -> int:
     for name, batch, packing, ckpt, attn, compiled in runs:
         if only and name not in only:
             continue
+        torch._dynamo.reset()  # each run compiles cold (its own graphs; no cache-size limit carried over)
         try:
-            with _kept_after_forward(name.endswith("-keep")):
+            with _kept_after_forward(name.endswith("-keep")), _automatic_dynamic(name.endswith("-automatic")):
                 run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg,
-                                   n_params, seq, plain, port, name == profiled, out)
+                                   n_params, seq, plain, port, name == profiled, out,
+                                   new_shape=shorter if name.startswith("uniform/") else None)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
             run = {"error": repr(exc)[:2000]}
         port += 1

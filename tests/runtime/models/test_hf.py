@@ -80,3 +80,28 @@ def test_compiled_layers_leave_gradients_unchanged(runs, mode):
     assert grads.keys() == plain.keys()
     for name, g in grads.items():
         torch.testing.assert_close(g, plain[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # one inductor compile (~10-40 s on two cores)
+def test_compiled_layers_compile_once_for_every_batch_shape():
+    """Batches of other lengths and row counts run the first graph: no recompile in the middle of a run (torch's
+    automatic dynamic shapes alone compile three graphs for these shapes), and the log-probs are the eager ones."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    eager = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    compile_layers(model.model.layers, "full")
+    g = torch.Generator().manual_seed(2)
+    for rows, length in [(2, 30), (2, 47), (3, 61), (4, 20)]:
+        ids = torch.randint(5, model.config.vocab_size, (rows, length), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, -3:] = 0  # a right-padded row: the 4-D mask has the sequence in two dimensions
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        logits.sum().backward()
+        with torch.no_grad():
+            expected = eager(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(logits.detach(), expected, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # the forward; its backward is part of the same graph
