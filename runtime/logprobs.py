@@ -89,6 +89,19 @@ def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> 
     return out
 
 
+def mrope_positions(backbone, input_ids: Tensor, attention_mask: Tensor | None,
+                    vision: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The (3, b, w) M-RoPE position ids of rows with images, from the backbone's own `get_rope_index`: the ones
+    transformers' backbone derives itself, given explicitly because nemo-automodel's own VLM implementations hand
+    transformers' forward embeddings without ids, from which it cannot derive them (it would fall back to text
+    positions). Rows without images need none (text positions, in both)."""
+    if "image_grid_thw" not in vision or not hasattr(backbone, "get_rope_index"):
+        return {}
+    positions, _ = backbone.get_rope_index(input_ids, mm_token_type_ids=vision["mm_token_type_ids"],
+                                           image_grid_thw=vision["image_grid_thw"], attention_mask=attention_mask)
+    return {"position_ids": positions}
+
+
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                       temperature: float, with_entropy: bool, chunk_tokens: int,
                       vision: dict[str, Tensor] | None = None,
@@ -103,7 +116,8 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
         raise ValueError("a packed row never carries a 2-D attention mask")
     if vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                             **vision).last_hidden_state
+                             **mrope_positions(model.model, input_ids, attention_mask, vision), **vision
+                             ).last_hidden_state
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model

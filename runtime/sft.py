@@ -27,7 +27,9 @@ rows with a warning; they train nothing, so dropping them changes no gradient).
 
 Several datasets are read one after the other, or with `data.dataset_probs` interleaved as Molt blends them
 (`datasets.interleave_datasets`, all_exhausted, seeded with `train.seed`; the compiler counted the same rows).
-What this job does not do (images, Muon, mesh axes it does not shard over, the automodel rows `sft-automodel-*`)
+Rows with images (`data.image_key`, VLM SFT: `runtime/sft_vlm.py`) carry their pixel values and grids into the
+VLM forward; they are never packed (the compiler refuses packing on them, DATA002).
+What this job does not do (Muon, mesh axes it does not shard over, the automodel rows `sft-automodel-*`)
 the compiler refuses (CAP001, the `sft-*` rows of schemas/capabilities.py) and `runtime.plan_file` checks again at
 start. SIGTERM (torchrun forwards it) stops after the current optimizer step, saves a
 DCP checkpoint when the plan has a checkpoint cadence, and exits 130. With an eval set, the last step is
@@ -48,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp, models, moe
+from runtime import fsdp, models, moe, vlm
 from runtime.sft_data import SftError, collate, load_examples, reply_logprobs
 from schemas.plan import Plan
 
@@ -88,6 +90,7 @@ class SftJob:
         self.first_loss = self.last_loss = self.eval_loss = None
         self.step_times: list[float] = []
         self.hf_dir = None
+        self.image_token_id: int | None = None  # VLM rows: the checkpoint's image placeholder id (`setup`)
 
     # ----------------------------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -106,7 +109,9 @@ class SftJob:
         self.backend = models.backend(s.model)
         self.model = self.backend.build(s.model, s.model.path, self.backend.device_mesh(s.device, self.world, t.mesh),
                                         self.device, freeze_router=t.freeze_moe_router, lora=t.lora,
-                                        offload=t.offload)
+                                        freeze_visual_encoder=t.freeze_visual_encoder, offload=t.offload)
+        # VLM rows: the image placeholder id marks the backbone's image tokens (a fact of the checkpoint)
+        self.image_token_id = self.model.config.image_token_id if s.data.image_key else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
@@ -145,7 +150,10 @@ class SftJob:
         from transformers import AutoTokenizer
 
         s, t, d, sched = self.s, self.s.trainer, self.s.data, self.s.schedule
-        tok = AutoTokenizer.from_pretrained(s.model.path, use_fast=not s.model.disable_fast_tokenizer)
+        # a VLM run tokenizes with its processor's tokenizer: the processor expands the image placeholders
+        self.processor = vlm.load_processor(s.model.path) if d.image_key else None
+        tok = (self.processor.tokenizer if self.processor is not None
+               else AutoTokenizer.from_pretrained(s.model.path, use_fast=not s.model.disable_fast_tokenizer))
         if d.chat_template:
             tok.chat_template = (Path(d.chat_template).read_text() if d.chat_template.endswith(".jinja")
                                  else d.chat_template)
@@ -154,7 +162,8 @@ class SftJob:
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         data_kw = dict(input_key=d.input_key, output_key=d.output_key, max_len=d.max_len,
-                       last_turn_only=d.train_on_last_turn_only)
+                       last_turn_only=d.train_on_last_turn_only,
+                       images=(d.image_key, d.max_images_per_prompt, self.processor) if d.image_key else None)
         self.data = load_examples(d.dataset, tok, max_samples=d.max_samples, split=d.split, probs=d.probs,
                                   seed=t.seed, **data_kw)
         evals = (load_examples([s.eval_dataset], tok, max_samples=d.max_samples, split=s.eval_split, **data_kw)
@@ -236,16 +245,16 @@ class SftJob:
 
         t = self.s.trainer
         t0 = time.perf_counter()
-        micro = [collate(rows[m:m + t.micro_batch_size], self.pad_id)
-                 for m in range(0, self.window, t.micro_batch_size)]
+        chunks = [rows[m:m + t.micro_batch_size] for m in range(0, self.window, t.micro_batch_size)]
+        micro = [collate(chunk, self.pad_id) for chunk in chunks]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
         loss_sum = 0.0
         top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
         aux = t.aux_loss_coef > 1e-8 and top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
-        for ids, attn, mask in micro:
+        for (ids, attn, mask), chunk in zip(micro, chunks, strict=True):
             ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
             with moe.collect_logits(self.model) if aux else contextlib.nullcontext() as router:
-                lp = reply_logprobs(self.model, ids, attn, packed=t.packing)
+                lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(chunk, ids))
             loss = sft_loss(lp, mask[:, 1:], global_num_tokens=global_tokens, dp_size=self.world)
             loss_sum += float(loss.detach()) / self.world  # train/loss: the reply-token NLL, without the aux term
             if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
@@ -261,6 +270,14 @@ class SftJob:
         self.last_loss = step_loss
         return {"train/loss": step_loss, "train/tokens": global_tokens, "train/grad_norm": float(grad_norm),
                 "train/lr": lr, "train/epoch": epoch, "timing/step": self.step_times[-1]}, stop_votes > 0
+
+    def _vision(self, rows: list, ids: torch.Tensor) -> dict | None:
+        """The VLM forward's image inputs of a micro-batch's rows (None: a text run)."""
+        if self.image_token_id is None:
+            return None
+        from runtime.logprobs import vision_inputs
+
+        return vision_inputs([e.mm for e in rows], ids, self.image_token_id, self.device)
 
     def _log_step(self, record: dict, epoch: int) -> None:
         if self.sink is None:
@@ -284,7 +301,7 @@ class SftJob:
         for b in range(n_batches):
             part = mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] or evals.examples[:1]
             ids, attn, mask = (x.to(self.device) for x in collate(part, self.pad_id))
-            lp = reply_logprobs(self.model, ids, attn, packed=t.packing)
+            lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(part, ids))
             weight = 1.0 if mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] else 0.0
             nll += weight * float((-lp * mask[:, 1:]).sum())
             tokens += weight * float(mask[:, 1:].sum())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime import sft_vlm
 from runtime.datasource import DataError, interleave_order, open_rows
 from runtime.logprobs import token_logprobs
 
@@ -26,6 +27,7 @@ class SftError(Exception):
 class Example:
     input_ids: list[int]
     loss_mask: list[int]   # 1 where the token is part of a supervised assistant reply
+    mm: dict | None = None  # VLM rows: the images' {pixel_values, image_grid_thw} (`runtime/sft_vlm.py`)
 
 
 @dataclass
@@ -83,11 +85,12 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int, last_turn
 
 def load_examples(paths: list[str], tokenizer, *, input_key: str, output_key: str | None, max_len: int,
                   max_samples: int, last_turn_only: bool, split: str, probs: list[float] | None = None,
-                  seed: int = 0) -> LoadedData:
+                  seed: int = 0, images: tuple[str, int, object] | None = None) -> LoadedData:
     """Tokenized examples of every source (any format runtime/datasource.py reads), at most `max_samples` rows:
     the sources one after the other, or with `probs` interleaved as Molt blends them (`interleave_order`), each
-    source first capped at `max_samples`."""
-    columns = [k for k in (input_key, output_key) if k]
+    source first capped at `max_samples`. `images`: (image column, max images per row, processor) of a VLM run
+    (`runtime/sft_vlm.py`; relative image paths are relative to the dataset file's directory)."""
+    columns = [k for k in (input_key, output_key, images[0] if images else None) if k]
     out = LoadedData([])
     if probs:
         sources = [_open(path, split, max_samples, columns) for path in paths]
@@ -95,13 +98,15 @@ def load_examples(paths: list[str], tokenizer, *, input_key: str, output_key: st
         encoded: dict[tuple[int, int], Example | str] = {}  # a row drawn again (all_exhausted wraps) is reused
         for s, i in order:
             if (s, i) not in encoded:
-                encoded[(s, i)] = _encode_row(sources[s], i, tokenizer, input_key, output_key, max_len, last_turn_only)
+                encoded[(s, i)] = _encode_row(sources[s], i, tokenizer, input_key, output_key, max_len, last_turn_only,
+                                              _with_dir(images, paths[s]))
             _keep(out, encoded[(s, i)])
         return out
     for path in paths:
         rows = _open(path, split, max_samples - out.rows, columns)
         for i in range(len(rows)):
-            _keep(out, _encode_row(rows, i, tokenizer, input_key, output_key, max_len, last_turn_only))
+            _keep(out, _encode_row(rows, i, tokenizer, input_key, output_key, max_len, last_turn_only,
+                                   _with_dir(images, path)))
         if out.rows >= max_samples:
             break
     return out
@@ -114,9 +119,16 @@ def _open(path: str, split: str, limit: int, columns: list[str]):
         raise SftError(str(exc)) from None
 
 
+def _with_dir(images: tuple | None, path: str) -> tuple | None:
+    from pathlib import Path
+
+    return None if images is None else (*images, Path(path).parent if Path(path).is_file() else None)
+
+
 def _encode_row(rows, i: int, tokenizer, input_key: str, output_key: str | None, max_len: int,
-                last_turn_only: bool) -> Example | str:
-    """Row i as an example, or why it is dropped (`no_reply`, `reply_beyond_max_len`)."""
+                last_turn_only: bool, images: tuple | None = None) -> Example | str:
+    """Row i as an example, or why it is dropped (`no_reply`, `reply_beyond_max_len`; VLM rows also
+    `too_many_images`, `vlm_truncation`)."""
     row = rows[i]
     if input_key not in row or row[input_key] is None:
         raise SftError(f"{rows.where(i)}: no column {input_key!r} (data.input_key); "
@@ -126,7 +138,16 @@ def _encode_row(rows, i: int, tokenizer, input_key: str, output_key: str | None,
     messages = prompt + (reply or [])
     if not any(m["role"] == "assistant" for m in messages):
         return "no_reply"
-    ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
+    if images is not None:
+        key, max_images, processor, base_dir = images
+        try:
+            out = sft_vlm.encode(processor, messages, sft_vlm.image_refs(row, key), base_dir, max_len, max_images,
+                                 lambda m: encode_conversation(processor.tokenizer, m, 1 << 30, last_turn_only))
+        except sft_vlm.ImageMismatch as exc:
+            raise SftError(f"{rows.where(i)}: {exc}") from None
+        ex = Example(*out) if isinstance(out, tuple) else out
+    else:
+        ex = encode_conversation(tokenizer, messages, max_len, last_turn_only)
     return "reply_beyond_max_len" if ex is None else ex
 
 
@@ -152,8 +173,10 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, attn, mask
 
 
-def reply_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, packed: bool = False) -> torch.Tensor:
+def reply_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, packed: bool = False,
+                   vision: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """(B, T-1) log p(ids[:, t+1] | ids[:, :t+1]); the lm_head runs in chunks (`runtime/logprobs.py`), and with
-    `packed` the rows run as one packed row (no padding computed; 0 past each row's end)."""
-    return token_logprobs(model, ids, attn.bool(), 1.0, packed=packed)[0]
+    `packed` the rows run as one packed row (no padding computed; 0 past each row's end). `vision`
+    (`logprobs.vision_inputs`): the rows' images, a VLM forward (never packed: the compiler refuses it, DATA002)."""
+    return token_logprobs(model, ids, attn.bool(), 1.0, packed=packed, vision=vision)[0]
 

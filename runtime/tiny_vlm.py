@@ -122,6 +122,53 @@ def build_tiny_vlm(
     return out
 
 
+def build_tiny_moe_vlm(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
+                       vocab_size: int = 1000) -> Path:
+    """A tiny random Qwen3.5-MoE VLM (the architecture of the Qwen3.6 launch recipes, which nemo-automodel builds
+    with its own implementation: a gated-delta-net and a full-attention layer, routed and shared experts, a ViT)
+    in the hub's layout (fused expert tensors: what nemo-automodel's state-dict adapter reads; transformers'
+    `save_pretrained` would split them per expert), with the tokenizer and a Qwen3-VL processor (16-pixel patches:
+    a 64x64 image is 4x4 patches, 4 placeholder tokens after the 2x2 merge)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from runtime.tiny_model import default_corpus
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_vlm_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size=vocab_size)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    config = Qwen3_5MoeConfig(
+        text_config=dict(
+            vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=32, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
+            tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False, architectures=["Qwen3_5MoeForConditionalGeneration"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5MoeForConditionalGeneration(config).to(torch.float32)
+    model.config.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    no_torchvision.allow()
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=64 * 64, patch_size=16, merge_size=2,
+                                               temporal_patch_size=2)
+    save_processor(Qwen3VLProcessor(image_processor=image_processor, tokenizer=tok,
+                                    video_processor=no_torchvision.NoVideoProcessor(),
+                                    chat_template=VLM_CHAT_TEMPLATE), out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 

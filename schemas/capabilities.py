@@ -119,6 +119,10 @@ def _rl_ep_rows() -> tuple[Capability, ...]:
 _DEEPEP_DISPATCHERS = ("deepep", "hybridep", "uccl_ep")
 
 
+_DISPATCHER_NOT_RUN = (
+    "nemo-automodel's DeepEP / UCCL-EP token dispatch in this trainer (no multi-GPU machine lent, and deep_ep / uccl "
+    "are not installed on the one-GPU machine)"
+)
 _SELECTIVE_NOT_RUN = (
     "selective checkpointing of nemo-automodel's layers on CUDA (checked against full checkpointing on CPU only)"
 )
@@ -126,6 +130,36 @@ _COMPILE_NOT_RUN = (
     "nemo-automodel's decoder layers under torch.compile on CUDA (compiled and checked against eager on CPU only; "
     "transformers' layers were measured compiled on the H200)"
 )
+
+
+_AUTOMODEL_ATTN = ("sdpa", "te")
+"""Attentions the automodel backend hands to nemo-automodel's own layers (`BackendConfig.attn`,
+runtime/models/automodel.py `backend_config`)."""
+_ATTN_WHY = (
+    "flex: nemo-automodel 0.7.0's FlexAttention has no backward on CPU (torch 2.13), its Qwen3-MoE attention does not "
+    "pass enable_gqa (a GQA model fails at its first forward) and it builds causal masks only (no padding or document "
+    "mask); flash_attention_2/3 and eager: on a model with an AutoModel class the compiler runs them as sdpa unpacked "
+    "(B20, the plan's model.attn) and Molt refuses them packed (PACK002), so they reach the plan only for a model it "
+    "cannot read; tilelang: its DSA kernels are not in this build"
+)
+_TE_WHY = (
+    "nemo-automodel's te path (BackendConfig attn te: transformer_engine's DotProductAttention, padding_causal from "
+    "the padded rows' mask); the job's package check (runtime/packages.py) stops it at start without transformer_engine"
+)
+_TE_NOT_RUN = (
+    "transformer_engine's DotProductAttention in nemo-automodel's layers (transformer_engine is installed neither on "
+    "the CPU machines nor on the H200 machine)"
+)
+_TE_PACKED_WHY = (
+    "nemo-automodel's te path takes packed rows only as THD with cu_seqlens; this trainer sends a packed row as one "
+    "(1, N) row with a 4-D document mask (runtime/logprobs.py `packed_row_masks`), which its te path rejects"
+)
+
+
+def _packed(plan: Plan) -> bool:
+    """The plan's trainer packs its rows (actor.packing)."""
+    trainer = plan.rl.trainer if plan.kind == "rl" else plan.sft.trainer
+    return trainer is not None and trainer.packing
 
 
 def _automodel_rows() -> tuple[Capability, ...]:
@@ -153,18 +187,39 @@ def _automodel_rows() -> tuple[Capability, ...]:
         row(
             "rl-automodel-images",
             "data.max_images_per_prompt",
-            "image prompts on the automodel backend",
-            lambda p: p.rl.data.max_images_per_prompt > 0,
-            "model.backend: hf (VLMs load as transformers' image-text-to-text models)",
-            "the backend builds causal LMs only",
+            "image prompts with expert parallelism on the automodel backend",
+            lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.trainer is not None and p.rl.trainer.mesh.ep > 1,
+            "actor.mesh.ep: 1 (a VLM builds as nemo-automodel's image-text-to-text model, sharded like the hf "
+            "backend's), or model.backend: hf",
+            "at ep 1 the log-probs and optimizer step of image prompts equal the hf backend's on CPU "
+            "(tests/runtime/models/test_automodel_vlm.py); nemo-automodel's MoE parallelizer on a VLM (the "
+            "language model's experts over ep) has not run",
         ),
         row(
             "rl-automodel-attn",
             "model.attn",
-            "an attention other than sdpa on the automodel backend",
-            lambda p: p.rl.model.attn != "sdpa",
+            "an attention other than sdpa or te on the automodel backend",
+            lambda p: p.rl.model.attn not in _AUTOMODEL_ATTN,
             "model.attn: sdpa",
-            "te and tilelang kernels are not in this build, and flex is untested on nemo-automodel's layers",
+            _ATTN_WHY,
+        ),
+        row(
+            "rl-automodel-te",
+            "model.attn",
+            "attention te (transformer_engine) on the automodel backend",
+            lambda p: p.rl.model.attn == "te" and not _packed(p),
+            "model.attn: sdpa",
+            _TE_WHY,
+            unverified=frozenset({"cuda"}),
+            not_run=_TE_NOT_RUN,
+        ),
+        row(
+            "rl-automodel-te-packed",
+            "actor.packing",
+            "packed rows with attention te on the automodel backend",
+            lambda p: p.rl.model.attn == "te" and _packed(p),
+            "actor.packing: false (te then runs on padded rows)",
+            _TE_PACKED_WHY,
         ),
         row(
             "rl-automodel-compile",
@@ -204,8 +259,7 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "on CUDA the plan's dispatcher goes to its BackendConfig and the job stops at start when the package "
             "does not import (runtime/models/automodel.py `backend_config`)",
             unverified=frozenset({"cuda"}),
-            not_run="nemo-automodel's DeepEP / UCCL-EP token dispatch in this trainer (no multi-GPU machine lent, "
-            "and deep_ep / uccl are not installed on the one-GPU machine)",
+            not_run=_DISPATCHER_NOT_RUN,
         ),
     )
 
@@ -256,10 +310,28 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
         row(
             "sft-automodel-attn",
             "model.attn",
-            "an attention other than sdpa on the automodel backend",
-            lambda p: p.sft.model.attn != "sdpa",
+            "an attention other than sdpa or te on the automodel backend",
+            lambda p: p.sft.model.attn not in _AUTOMODEL_ATTN,
             "model.attn: sdpa",
-            "te and tilelang kernels are not in this build, and flex is untested on nemo-automodel's layers",
+            _ATTN_WHY,
+        ),
+        row(
+            "sft-automodel-te",
+            "model.attn",
+            "attention te (transformer_engine) on the automodel backend",
+            lambda p: p.sft.model.attn == "te" and not _packed(p),
+            "model.attn: sdpa",
+            _TE_WHY,
+            unverified=frozenset({"cuda"}),
+            not_run=_TE_NOT_RUN,
+        ),
+        row(
+            "sft-automodel-te-packed",
+            "actor.packing",
+            "packed rows with attention te on the automodel backend",
+            lambda p: p.sft.model.attn == "te" and _packed(p),
+            "actor.packing: false (te then runs on padded rows)",
+            _TE_PACKED_WHY,
         ),
         row(
             "sft-automodel-compile",
@@ -290,7 +362,10 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
             "a DeepEP token dispatcher (deepep, hybridep, uccl_ep) for a trainer of more than one rank",
             lambda p: (p.sft.model.moe_dispatcher or "") in _DEEPEP_DISPATCHERS and p.sft.trainer.world > 1,
             "model.moe_dispatcher: torch",
-            "DeepEP is not in this build (at world 1 nemo-automodel keeps its local grouped experts)",
+            "the RL build's (rl-automodel-dispatcher): SFT loads through the same `automodel.load`, whose "
+            "`check_dispatcher` stops the job at start off CUDA or without the package",
+            unverified=frozenset({"cuda"}),
+            not_run=_DISPATCHER_NOT_RUN,
         ),
     )
 
@@ -390,15 +465,6 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
-    Capability(
-        "sft-images",
-        "sft",
-        "data.image_key",
-        "image inputs (VLM SFT)",
-        lambda p: p.sft.data.image_key is not None,
-        "no `data.image_key`",
-        tracked="issue 17",
-    ),
     Capability(
         "sft-muon",
         "sft",

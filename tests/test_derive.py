@@ -439,3 +439,23 @@ def test_default_attention_on_an_automodel_custom_model_runs_as_sdpa() -> None:
     assert "model.attn" not in derive(sft(model={**moe, "attn": "te"}))
     assert "model.attn" not in derive(sft(model={**moe, "backend": "hf"}))
     assert "model.attn" not in derive(rl())
+
+
+# ------------------------------------------------------------------------------ model.compile_layers (issue 29)
+@pytest.mark.parametrize(
+    "recipe, sets, expected, why",
+    [
+        ("recipes/qwen3_4b_math.yaml", (), True, "on (a dense text model on the hf backend on GPUs)"),
+        ("recipes/sft_qwen3_4b.yaml", (), True, "on (a dense text model"),
+        ("recipes/qwen3_4b_math.yaml", ("model.compile_layers=false",), False, "set in the recipe"),
+        ("recipes/qwen3_4b_math.yaml", ("actor.lora.dim=8",), False, "LoRA layers are not measured"),
+        ("recipes/demo_math.yaml", (), False, "CPU cluster"),
+        ("recipes/demo_math.yaml", ("model.compile_layers=true",), True, "set in the recipe"),
+        ("recipes/qwen3_6_35b_geo3k.yaml", (), False, "automodel backend"),
+        ("recipes/qwen3_6_35b_geo3k.yaml", ("model.backend=hf",), False, "MoE / VLM layers are not measured"),
+    ],
+)
+def test_compiled_layers_default_on_where_measured(recipe, sets, expected, why) -> None:
+    _, d, _ = from_file(ROOT / recipe, sets)
+    assert d.value("model.compile_layers") is expected
+    assert why in d["model.compile_layers"].reason

@@ -64,13 +64,10 @@ NOT_FOR_THE_RUNTIME = {
     "rl.critic.value_clip": "the critic is refused by rl-critic",
     "rl.critic.freeze_moe_router": "the critic is refused by rl-critic",
     "rl.trainer.freezing_steps": "actor freezing steps exist only with a critic (DEAD002), refused by rl-critic",
-    "sft.data.image_key": "images: refused by sft-images",
-    "sft.data.max_images_per_prompt": "images: refused by sft-images (with data.image_key)",
     # MoE and VLM knobs: the compiler warns when they are set on a model without such modules (DEAD005, DEAD008);
     # MoE models train through nemo-automodel (issue 16)
     "rl.trainer.loss.aux_loss_coef": "MoE aux loss: MoE training is issue 16 (DEAD005 on dense models)",
     "rl.trainer.freeze_moe_router": "MoE: issue 16 (DEAD005 on dense models)",
-    "sft.trainer.freeze_visual_encoder": "VLM: issue 17",
     # performance knobs without an effect in this runtime (known gaps, not silent correctness changes)
     "rl.trainer.shuffle_microbatches": "known gap: micro-batches keep their order (G11 shuffling, issue 11)",
     "rl.engines.router_balance_abs": "known gap: cache_aware is served as consistent_hash (runtime/engines/router.py)",

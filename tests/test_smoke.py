@@ -191,3 +191,17 @@ def test_a_recipe_outside_the_repository_smoke_runs_from_another_directory(tmp_p
     assert "smoke math.yaml phase 2: resumed from " in err and "phase 2: step 2/2  reward " in err, err[-3000:]
     progress = [line for line in err.splitlines() if line.startswith("smoke math.yaml phase") and "(log: " not in line]
     assert len(progress) >= 6 and all(len(line) <= 120 for line in progress), err
+
+
+def test_a_deepep_dispatcher_becomes_torch_on_cpu_ranks():
+    # DeepEP has no CPU form: the smoke run keeps the MoE's expert parallelism (a feature) on nemo-automodel's
+    # torch dispatcher, so the dispatcher row (rl-automodel-dispatcher, CAP001 on cpu) never refuses it
+    real = _real(ROOT / "recipes/omni3_30b_geo3k.yaml")
+    assert real.recipe.model.moe_dispatcher == "hybridep"
+    sp = smoke_plan(real.recipe, real.derived, real.source, ROOT)
+    change = next(c for c in sp.changes if c.key == "model.moe_dispatcher")
+    assert (change.old, change.new) == ("hybridep", "torch") and "CUDA" in change.why
+    with contextlib.chdir(ROOT):
+        result = compile_recipe(Path("recipes/omni3_30b_geo3k.yaml"), sp.sets(1))
+    assert result.recipe.model.moe_dispatcher == "torch"
+    assert not [d for d in result.diagnostics if d.path == "model.moe_dispatcher" and d.severity != "info"]

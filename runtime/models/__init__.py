@@ -7,8 +7,8 @@ step for the gradient norm over its mesh.
 
 - `hf` (`runtime/models/hf.py`): transformers models under FSDP2 over a 1-D `dp` mesh (dense and MoE: routers in
   their own fp32 unit).
-- `automodel` (`runtime/models/automodel.py`): nemo-automodel's `NeMoAutoModelForCausalLM` builds the model (its own
-  MoE layers); at `mesh.ep` 1 the same FSDP2 wrapping as `hf` shards it, at `mesh.ep` > 1 nemo-automodel's own
+- `automodel` (`runtime/models/automodel.py`): nemo-automodel's `NeMoAutoModelForCausalLM` (a VLM:
+  `NeMoAutoModelForImageTextToText`) builds the model (its own MoE layers); at `mesh.ep` 1 the same FSDP2 wrapping as `hf` shards it, at `mesh.ep` > 1 nemo-automodel's own
   device mesh and parallelizer (experts sharded over `ep`, FSDP2 over the data-parallel ranks). What it does not do
   yet is in the capability table (rows rl-automodel-*, sft-automodel-*).
 """

@@ -3,13 +3,13 @@
 nemo-automodel (pinned in the `automodel` extra) picks its own implementation of the architecture from its model
 registry: for the MoE families the compiler sends here (`model.backend: automodel` on an architecture with an
 AutoModel class, Molt H9), its MoE layers (`Gate` routers, grouped experts) built with the `BackendConfig` Molt uses
-for custom models (B19): torch linear layers, `torch_mm` experts, fp32 RMSNorm, no rope fusion, the plan's router
-dtype as the gate precision and the plan's token dispatcher. The model then goes through the same FSDP2 wrapping as
-the `hf` backend (`hf.shard`: routers their own unit in the router dtype, one unit per decoder layer, the root), over
-this rank's 1-D `dp` mesh at `mesh.ep` 1. At `mesh.ep` > 1 nemo-automodel's own device mesh (`MeshContext`: ep
-carved out of the data-parallel ranks) and its MoE parallelizer (`parallelize_model`: each rank holds
-experts/ep of every MoE layer, the plan's token dispatcher moves the tokens, FSDP2 shards the rest over dp) place
-the model; tp and cp stay refused by the capability table (not wired here).
+for custom models (B19): the plan's attention (sdpa or te), torch linear layers, `torch_mm` experts, fp32 RMSNorm,
+no rope fusion, the plan's router dtype as the gate precision and the plan's token dispatcher. The model then goes
+through the same FSDP2 wrapping as the `hf` backend (`hf.shard`: routers their own unit in the router dtype, one
+unit per decoder layer, the root), over this rank's 1-D `dp` mesh at `mesh.ep` 1. At `mesh.ep` > 1
+nemo-automodel's own device mesh (`MeshContext`: ep carved out of the data-parallel ranks) and its MoE parallelizer
+(`parallelize_model`: each rank holds experts/ep of every MoE layer, the plan's token dispatcher moves the tokens,
+FSDP2 shards the rest over dp) place the model; tp and cp stay refused by the capability table (not wired here).
 
 On CPU nemo-automodel runs too, its MoE layers included (they match transformers' Qwen3-MoE logits to 3e-7 here),
 once three of its CUDA assumptions are answered for the build (`_built_on_cpu`): its build reads
@@ -19,8 +19,13 @@ keeps it for buffers it makes at the first forward. `reference/environment.md` Â
 The engines and the HF export see transformers' names and layouts (`hf_weights`, `hf_state_dict`): nemo-automodel's
 grouped experts hold (experts, in, out) matrices where transformers' fused experts hold (experts, out, in), so the
 two expert parameters of each MoE layer travel transposed under transformers' names; every other parameter has the
-same name and layout in both (checked against transformers' model of the same checkpoint in
-tests/runtime/models/test_automodel.py).
+same layout, and the same name but for nemo-automodel's module renames (`renames`: its fp32 holder of the
+gated-delta-net parameters, Qwen3.5/3.6-MoE's `shared_experts`) (checked against transformers' model of the same
+checkpoint in tests/runtime/models/test_automodel.py and test_automodel_vlm.py).
+
+A VLM builds as nemo-automodel's image-text-to-text model (`NeMoAutoModelForImageTextToText`: its own Qwen3.5/3.6-MoE
+implementation, say) and is sharded as the hf backend shards one (`build`); its image prompts' log-probs and
+optimizer steps equal the hf backend's (tests/runtime/models/test_automodel_vlm.py).
 
 Its gates' own load-balancing loss is switched off (`aux_loss_coeff = 0`): the trainer adds the recipe's
 load-balancing and z-loss itself from the gates' logits (`runtime/moe.py`), once.
@@ -62,8 +67,26 @@ def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
 _EXPERTS = {".experts.gate_and_up_projs": ".experts.gate_up_proj", ".experts.down_projs": ".experts.down_proj"}
 
 
-def hf_name(name: str) -> tuple[str, bool]:
-    """(transformers' name of a nemo-automodel parameter, whether its last two dims are swapped there)."""
+# nemo-automodel's other names that transformers spells otherwise: its gated-delta-net layers keep their fp32
+# parameters in a `_fp32_params` holder (every architecture), and some of its implementations rename modules (its
+# state-dict adapter's `internal_to_hf_map`: Qwen3.5/3.6-MoE's and Qwen3-Next's `shared_experts` are transformers'
+# `shared_expert`; `renames`). Expert renames stay `_EXPERTS`' (they also transpose).
+_FP32_HOLDER = {"._fp32_params.": "."}
+_export_renames: dict[str, str] = dict(_FP32_HOLDER)
+"""The trained model's renames, for the export (`hf_state_dict` sees only a state dict): set by `build`."""
+
+
+def renames(model) -> dict[str, str]:
+    """nemo-automodel's module renames of `model` (its adapter's, expert entries left to `_EXPERTS`)."""
+    mapping = getattr(getattr(model, "state_dict_adapter", None), "internal_to_hf_map", None) or {}
+    return {**_FP32_HOLDER, **{k: v for k, v in mapping.items() if "experts." not in k or "shared_experts" in k}}
+
+
+def hf_name(name: str, names: dict[str, str] = _FP32_HOLDER) -> tuple[str, bool]:
+    """(transformers' name of a nemo-automodel parameter, whether its last two dims are swapped there); `names`:
+    the model's `renames`."""
+    for nemo, transformers_name in names.items():
+        name = name.replace(nemo, transformers_name)
     for nemo, transformers_name in _EXPERTS.items():
         if name.endswith(nemo):
             return name[: -len(nemo)] + transformers_name, True
@@ -103,8 +126,9 @@ def hf_weights(model) -> list[tuple[str, Any]]:
     else:
         named = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
     out: list[tuple[str, Any]] = []
+    names = renames(model)
     for name, p in named:
-        name, swapped = hf_name(name)
+        name, swapped = hf_name(name, names)
         out.append((name, TransposedExperts(p) if swapped else p))
     return out
 
@@ -113,7 +137,7 @@ def hf_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full nemo-automodel state dict under transformers' names and layouts (the HF export)."""
     out = {}
     for name, t in state.items():
-        name, swapped = hf_name(name)
+        name, swapped = hf_name(name, _export_renames)
         out[name] = t.transpose(1, 2).contiguous() if swapped else t
     return out
 
@@ -157,26 +181,38 @@ def check_dispatcher(dispatcher: str | None, device: torch.device, world: int) -
 
 
 def backend_config(model_plan: ModelPlan):
-    """The `BackendConfig` of nemo-automodel's own implementations (Molt B19), from the plan."""
+    """The `BackendConfig` of nemo-automodel's own implementations (Molt B19), from the plan. `attn` is the plan's
+    `model.attn`, sdpa or te (the capability table refuses the others on this backend): nemo-automodel's own
+    attention paths, its te one being transformer_engine's DotProductAttention (the job's package check,
+    `runtime.packages`, stops a te plan at start without it). flash_attention_2 never reaches here: unpacked, the
+    compiler runs it as sdpa (B20: the plan says sdpa; on CUDA torch's sdpa picks its own flash kernel for the
+    unmasked causal rows), and packed Molt refuses it on these models (PACK002); nemo-automodel's flex is refused
+    (`rl-automodel-attn` says why)."""
     from nemo_automodel.components.models.common.utils import BackendConfig
 
     # a dense model has no dispatcher (None in the plan): nemo-automodel's default stands, unused
     dispatcher = {"dispatcher": model_plan.moe_dispatcher} if model_plan.moe_dispatcher else {}
-    return BackendConfig(attn="sdpa", linear="torch", experts="torch_mm", rms_norm="torch_fp32", rope_fusion=False,
-                         gate_precision=getattr(torch, model_plan.router_dtype), **dispatcher)
+    return BackendConfig(attn=model_plan.attn, linear="torch", experts="torch_mm", rms_norm="torch_fp32",
+                         rope_fusion=False, gate_precision=getattr(torch, model_plan.router_dtype), **dispatcher)
 
 
 def load(model_plan: ModelPlan, path: str, device: torch.device):
-    """`path` as nemo-automodel builds it, fp32 master weights, unsharded, on `device`."""
+    """`path` as nemo-automodel builds it, fp32 master weights, unsharded, on `device`. A VLM (`hf.is_vlm`) builds
+    as nemo-automodel's image-text-to-text model (`NeMoAutoModelForImageTextToText`, as its VLM recipes do): its
+    own implementation where it has one (the Qwen3.5/3.6-MoE and omni families), else transformers' class with its
+    checkpointing mixin. The `BackendConfig` goes only to its own implementations: its fallback forwards every
+    keyword into transformers' constructor, which takes no `backend`."""
     import torch.distributed as dist
-    from nemo_automodel import NeMoAutoModelForCausalLM
+    from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
 
     check_dispatcher(model_plan.moe_dispatcher, device, dist.get_world_size() if dist.is_initialized() else 1)
     if model_plan.gradient_checkpoint == "selective":
         _fsdp_hooks_outside_selective_replay()
+    auto = NeMoAutoModelForImageTextToText if hf.is_vlm(path) else NeMoAutoModelForCausalLM
+    backend = {"backend": backend_config(model_plan)} if auto is NeMoAutoModelForCausalLM or _native(path) else {}
     with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
-        model = NeMoAutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
-                                                         use_liger_kernel=False, backend=backend_config(model_plan))
+        model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", use_liger_kernel=False,
+                                     **backend)
     model.to(device)
     for module in model.modules():
         if isinstance(getattr(module, "device", None), torch.device) and module.device != device:
@@ -194,7 +230,7 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
     initialisation), its routers in their own unit, sharded and checkpointed like the policy (`hf.shard`), over the
     critic's data-parallel mesh (the plan gives the critic no expert mesh)."""
     model = load(model_plan, path, device)
-    model.lm_head = value_head(model.config).to(device)
+    model.lm_head = value_head(model.config.get_text_config()).to(device)  # a VLM keeps its sizes in text_config
     return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, True, False, None, offload)
 
 
@@ -221,9 +257,19 @@ def _fsdp_hooks_outside_selective_replay() -> None:
     ensure_fsdp_ops_sac_ignored()
 
 
+def _native(path: str) -> bool:
+    """nemo-automodel has its own implementation of the checkpoint's architecture (its model registry)."""
+    from nemo_automodel._transformers.registry import ModelRegistry
+    from transformers import AutoConfig
+
+    return any(ModelRegistry.has_custom_model(a) for a in AutoConfig.from_pretrained(path).architectures or ())
+
+
 def decoder_layers(model) -> list:
-    """nemo-automodel's decoder layers (a ModuleDict in its own implementations, a ModuleList in transformers')."""
-    layers = model.model.layers
+    """nemo-automodel's decoder layers (a ModuleDict in its own implementations, a ModuleList in transformers'); a
+    VLM's are its language model's (the Qwen-VL layout, `model.model.language_model`, in both)."""
+    backbone = model.model
+    layers = backbone.language_model.layers if hasattr(backbone, "language_model") else backbone.layers
     return list(layers.values()) if isinstance(layers, torch.nn.ModuleDict) else list(layers)
 
 
@@ -234,9 +280,17 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     the `dp` mesh (`hf.shard`: routers in their own unit in the router dtype, frozen with `freeze_router`, matched
     by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
     parallelizer (`expert_parallel`).
-    `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism,
-    and `freeze_visual_encoder` is an hf-backend setting (the capability table keeps both off this one)."""
+    `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism
+    (the capability table keeps it off this one).
+    A VLM is sharded as the hf backend shards one: its language-model layers are the FSDP units and the vision
+    tower stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the
+    same collectives); `freeze_visual_encoder` stops the tower's gradients."""
     model = load(model_plan, path, device)
+    if trainable:  # the export's names are the trained model's (a reference or teacher is never exported)
+        _export_renames.clear()
+        _export_renames.update(renames(model))
+    if freeze_visual_encoder and hasattr(model.model, "visual"):
+        model.model.visual.requires_grad_(False)
     if meshes.moe is None:
         return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
     from runtime.fsdp import offload_policy

@@ -55,3 +55,16 @@ def test_the_shipped_demos_need_only_what_the_test_setup_installs():
     for recipe in ("recipes/demo_math.yaml", "recipes/demo_math_hf.yaml", "recipes/demo_tool.yaml",
                    "recipes/demo_sft.yaml", "recipes/demo_vlm.yaml", "recipes/demo_moe.yaml"):
         assert missing_packages(compile_plan(recipe)) == [], recipe
+
+
+def test_a_te_plan_without_transformer_engine_stops_at_start(tmp_path):
+    # rl-automodel-te: te on the automodel backend compiles for GPUs with a CAP002 warning; transformer_engine is not
+    # installed here (nor on the H200 machine), so the job stops before Ray with the package and the setting
+    result = compile_recipe(ROOT / "tests/capability/rl-automodel-te.yaml")
+    assert result.plan is not None and result.plan.rl.model.attn == "te"
+    assert {d.code for d in result.diagnostics if d.severity != "info"} == {"CAP002"}
+    path = tmp_path / "plan.json"
+    path.write_text(result.plan.to_json())
+    with pytest.raises(PlanUnusable, match=r"`transformer_engine` package does not import here, and model.attn: te "
+                                           r"needs it"):
+        read_plan(path)
