@@ -75,43 +75,51 @@ def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan
             f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
             tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)",
         )
-        for axis in (("tp", "cp") if kind == "rl" else ("tp", "cp", "ep"))
+        for axis in ("tp", "cp")
     )
 
 
-def _ep_over_every_rank(plan: Plan) -> bool:
-    """The RL trainer's expert parallelism that runs: the automodel backend, ep = the trainer's ranks (every rank
-    holds experts/ep of each MoE layer; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py)."""
-    t = plan.rl.trainer
-    return t is not None and plan.rl.model.backend == "automodel" and t.mesh.ep == t.world
+def _ep_rows(kind: str) -> tuple[Capability, ...]:
+    """The trainer's expert parallelism that runs (RL and SFT alike): the automodel backend, ep = the trainer's ranks
+    (every rank holds experts/ep of each MoE layer; nemo-automodel's mesh and parallelizer,
+    runtime/models/automodel.py), on CPU ranks."""
 
+    def trainer(plan: Plan) -> TrainerPlan | SftTrainerPlan | None:
+        return plan.rl.trainer if kind == "rl" else plan.sft.trainer
 
-def _rl_ep_rows() -> tuple[Capability, ...]:
     def asks_ep(plan: Plan) -> bool:
-        return plan.rl.trainer is not None and plan.rl.trainer.mesh.ep > 1
+        t = trainer(plan)
+        return t is not None and t.mesh.ep > 1
 
+    def over_every_rank(plan: Plan) -> bool:
+        t = trainer(plan)
+        backend = plan.rl.model.backend if kind == "rl" else plan.sft.model.backend
+        return t is not None and backend == "automodel" and t.mesh.ep == t.world
+
+    test = (
+        "tests/runtime/models/test_expert_parallel.py" if kind == "rl" else "tests/runtime/test_sft_expert_parallel.py"
+    )
     return (
         Capability(
-            "rl-trainer-ep-layout",
-            "rl",
+            f"{kind}-trainer-ep-layout",
+            kind,
             "actor.mesh.ep",
             "expert parallelism in the trainer other than the automodel backend's with ep = the trainer's ranks",
-            lambda p: asks_ep(p) and not _ep_over_every_rank(p),
+            lambda p: asks_ep(p) and not over_every_rank(p),
             "model.backend: automodel with actor.mesh.ep equal to the trainer's ranks (actor.nodes x "
             "actor.gpus_per_node), or actor.mesh.ep: 1",
             tracked="issue 27: the hf backend has no expert parallelism; ep below the ranks (ep_shard > 1) is "
             "nemo-automodel's too, but the weight sync gathers only shards spanning the trainer's ranks",
         ),
         Capability(
-            "rl-trainer-ep-cuda",
-            "rl",
+            f"{kind}-trainer-ep-cuda",
+            kind,
             "actor.mesh.ep",
             "expert parallelism in the trainer on GPUs (NCCL)",
-            lambda p: asks_ep(p) and _ep_over_every_rank(p),
+            lambda p: asks_ep(p) and over_every_rank(p),
             "actor.mesh.ep: 1 on GPUs",
             devices=frozenset({"cpu"}),
-            tracked="issue 27: run on 2 gloo ranks (tests/runtime/models/test_expert_parallel.py), not yet on "
-            "several GPUs",
+            tracked=f"issue 27: run on 2 gloo ranks ({test}), not yet on several GPUs",
         ),
     )
 
@@ -308,6 +316,16 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
 
     return (
         row(
+            "sft-automodel-images",
+            "data.image_key",
+            "image inputs with expert parallelism on the automodel backend",
+            lambda p: p.sft.data.image_key is not None and p.sft.trainer.mesh.ep > 1,
+            "actor.mesh.ep: 1 (a VLM builds as nemo-automodel's image-text-to-text model, sharded like the hf "
+            "backend's), or model.backend: hf",
+            "the RL build's (rl-automodel-images): at ep 1 VLM SFT on automodel equals hf on CPU "
+            "(tests/runtime/test_sft_vlm.py); nemo-automodel's MoE parallelizer on a VLM has not run",
+        ),
+        row(
             "sft-automodel-attn",
             "model.attn",
             "an attention other than sdpa or te on the automodel backend",
@@ -394,7 +412,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 21 (multi-GPU)",
     ),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
-    *_rl_ep_rows(),
+    *_ep_rows("rl"),
     Capability(
         "rl-routing-replay",
         "rl",
@@ -465,6 +483,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
+    *_ep_rows("sft"),
     Capability(
         "sft-muon",
         "sft",

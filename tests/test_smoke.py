@@ -91,9 +91,9 @@ def test_unreadable_data_names_the_key_and_the_fix():
 
 
 def test_a_capability_refusal_is_reported_at_compile_time_before_anything_runs():
-    verdict, _, _ = prepare(Path("recipes/sft_qwen3_6_35b.yaml"), (), ROOT)
+    verdict, _, _ = prepare(Path("recipes/sft_omni3_30b.yaml"), (), ROOT)
     assert verdict.status == "refused" and verdict.phase == "compile"
-    assert "actor.mesh.ep" in verdict.detail and "CAP001" in verdict.detail
+    assert "actor.mesh.cp" in verdict.detail and "CAP001" in verdict.detail
 
 
 def test_a_verdict_of_zero_rewards_from_truncated_rollouts_says_why():

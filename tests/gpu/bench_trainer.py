@@ -24,6 +24,12 @@ Measured 2026-12-02 on one H200 (same runs' plain baseline 23.7k tokens/s, MFU 0
 skewed batch packed: sdpa full 1.68x, flash_attention_2 through torch's varlen kernel (no flash-attn package) full
 1.90x, selective 1.33x, none + compiled 2.66x; flex none + compiled 3.34x. `-keep` (no resharding between forward and
 backward): full 0.85x, selective 0.92x, varlen full 1.91x: resharding costs ~2 %, not the gap.
+Measured 2026-12-03 on one H200 (plain 0.691 s/step, MFU 0.352, same run; every compile cold): full eager 0.93x;
+full + compiled layers (the default on GPUs since issue 29) 1.37x (MFU 0.48), first step 10.0 s, a new batch shape
+0.39 s; `-automatic` (the layers' shape not marked dynamic) 1.39x but a 9.4 s recompile at the new shape; selective
++ compiled 1.54x (MFU 0.54, peak 50 GiB); none + compiled 1.57x (MFU 0.55, 61 GiB); skewed batch packed
+flash_attention_2 (torch varlen): full 1.63x, full + compiled 1.79x, none + compiled 3.04x; flex none + compiled
+3.74x (its first step compiles for 73 s).
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 

@@ -16,6 +16,8 @@ Measured 2026-12-02 on one H200 (64 rows, 64.5k real of 252k padded tokens; the 
 sdpa padded, sdpa packed 0.109 nats / 4.9 % (the bf16 floor), flash_attention_2 (torch varlen) padded / packed /
 dynamic 0.126 / 5.8 % each, flex packed / dynamic 0.117 / 5.6-6.1 %; step speed vs sdpa padded: varlen packed 1.73x,
 dynamic 2.50x, flex dynamic 2.60x, sdpa dynamic 1.62x.
+Run again 2026-12-03 under the current criterion: passed (no run beyond the tolerance of 0.164 nats / 7.4 %);
+varlen packed 1.63x, dynamic 2.53x; flex packed 1.43x, dynamic 2.50x; sdpa dynamic 1.59x.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 

@@ -73,4 +73,4 @@ def test_a_plan_from_another_build_is_refused_in_one_line_with_exit_2(tmp_path):
     assert proc.returncode == 2
     line = proc.stderr.strip()
     assert line.startswith(f"{plan_file}: this plan cannot run on this build of the runtime: actor.mesh.ep")
-    assert "capability sft-trainer-ep" in line and "\n" not in line
+    assert "capability sft-trainer-ep-layout" in line and "\n" not in line
