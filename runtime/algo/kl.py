@@ -44,9 +44,9 @@ def kl_estimate(log_probs: Tensor, ref_log_probs: Tensor, estimator: str, action
     elif estimator == "k2":
         kl = (r.pow(2) / 2).clamp(-KL_CLAMP, KL_CLAMP)
     elif estimator == "k3" and ref == "rollout":
-        kl = (torch.exp(r) - 1 - r).clamp(-KL_CLAMP, KL_CLAMP)
+        kl = (torch.expm1(r) - r).clamp(-KL_CLAMP, KL_CLAMP)  # expm1: never below 0 in floats (exp - 1 cancels)
     elif estimator == "k3":
-        kl = (torch.exp(-r) - 1 + r).clamp(-KL_CLAMP, KL_CLAMP)
+        kl = (torch.expm1(-r) + r).clamp(-KL_CLAMP, KL_CLAMP)
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     return kl if action_mask is None else kl * action_mask.float()
