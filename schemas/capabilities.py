@@ -170,6 +170,43 @@ def _packed(plan: Plan) -> bool:
     return trainer is not None and trainer.packing
 
 
+def _attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capability, ...]:
+    """The automodel backend's attention rows of `kind` (rl | sft), built by that kind's `row`: sdpa and te go to
+    nemo-automodel's layers (`BackendConfig.attn`), te written but not run; the rest refused."""
+
+    def attn(p: Plan) -> str:
+        return p.rl.model.attn if kind == "rl" else p.sft.model.attn
+
+    return (
+        row(
+            f"{kind}-automodel-attn",
+            "model.attn",
+            "an attention other than sdpa or te on the automodel backend",
+            lambda p: attn(p) not in _AUTOMODEL_ATTN,
+            "model.attn: sdpa",
+            _ATTN_WHY,
+        ),
+        row(
+            f"{kind}-automodel-te",
+            "model.attn",
+            "attention te (transformer_engine) on the automodel backend",
+            lambda p: attn(p) == "te" and not _packed(p),
+            "model.attn: sdpa",
+            _TE_WHY,
+            unverified=frozenset({"cuda"}),
+            not_run=_TE_NOT_RUN,
+        ),
+        row(
+            f"{kind}-automodel-te-packed",
+            "actor.packing",
+            "packed rows with attention te on the automodel backend",
+            lambda p: attn(p) == "te" and _packed(p),
+            "actor.packing: false (te then runs on padded rows)",
+            _TE_PACKED_WHY,
+        ),
+    )
+
+
 def _automodel_rows() -> tuple[Capability, ...]:
     """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
     backend implements, and nemo-automodel's DeepEP token dispatchers."""
@@ -203,32 +240,7 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "(tests/runtime/models/test_automodel_vlm.py); nemo-automodel's MoE parallelizer on a VLM (the "
             "language model's experts over ep) has not run",
         ),
-        row(
-            "rl-automodel-attn",
-            "model.attn",
-            "an attention other than sdpa or te on the automodel backend",
-            lambda p: p.rl.model.attn not in _AUTOMODEL_ATTN,
-            "model.attn: sdpa",
-            _ATTN_WHY,
-        ),
-        row(
-            "rl-automodel-te",
-            "model.attn",
-            "attention te (transformer_engine) on the automodel backend",
-            lambda p: p.rl.model.attn == "te" and not _packed(p),
-            "model.attn: sdpa",
-            _TE_WHY,
-            unverified=frozenset({"cuda"}),
-            not_run=_TE_NOT_RUN,
-        ),
-        row(
-            "rl-automodel-te-packed",
-            "actor.packing",
-            "packed rows with attention te on the automodel backend",
-            lambda p: p.rl.model.attn == "te" and _packed(p),
-            "actor.packing: false (te then runs on padded rows)",
-            _TE_PACKED_WHY,
-        ),
+        *_attention_rows("rl", row),
         row(
             "rl-automodel-compile",
             "model.compile_layers",
@@ -325,32 +337,7 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
             "the RL build's (rl-automodel-images): at ep 1 VLM SFT on automodel equals hf on CPU "
             "(tests/runtime/test_sft_vlm.py); nemo-automodel's MoE parallelizer on a VLM has not run",
         ),
-        row(
-            "sft-automodel-attn",
-            "model.attn",
-            "an attention other than sdpa or te on the automodel backend",
-            lambda p: p.sft.model.attn not in _AUTOMODEL_ATTN,
-            "model.attn: sdpa",
-            _ATTN_WHY,
-        ),
-        row(
-            "sft-automodel-te",
-            "model.attn",
-            "attention te (transformer_engine) on the automodel backend",
-            lambda p: p.sft.model.attn == "te" and not _packed(p),
-            "model.attn: sdpa",
-            _TE_WHY,
-            unverified=frozenset({"cuda"}),
-            not_run=_TE_NOT_RUN,
-        ),
-        row(
-            "sft-automodel-te-packed",
-            "actor.packing",
-            "packed rows with attention te on the automodel backend",
-            lambda p: p.sft.model.attn == "te" and _packed(p),
-            "actor.packing: false (te then runs on padded rows)",
-            _TE_PACKED_WHY,
-        ),
+        *_attention_rows("sft", row),
         row(
             "sft-automodel-compile",
             "model.compile_layers",
