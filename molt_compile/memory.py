@@ -13,9 +13,9 @@ the experts — together every parameter lives on exactly one rank of `world`, s
   `offload: optimizer` moves them to CPU (0 on the GPU); `offload: full` moves parameters, gradients and optimizer
   states to CPU (only the gathered bf16 layers stay).
 - host memory (per rank, counted apart from the GPU's; `runtime/fsdp.py`): `offload: optimizer` keeps the
-  optimizer states and reused host copies of the parameter and gradient shards there (4 + 4 + 8 B/param for AdamW,
-  over world); `offload: full` keeps FSDP2's parameter and gradient shards and the optimizer states (the same
-  16 B/param). A node holds `gpus_per_node` ranks of each trained role (actor, critic: counted as if on one node,
+  optimizer states there (8 B/param for AdamW, over world) and the host step's two chunk buffers (parameter and
+  gradient copies of `HOST_STEP_CHUNK_BYTES`, at least the largest shard: the fp32 embedding over world);
+  `offload: full` keeps FSDP2's parameter and gradient shards and the optimizer states (4 + 4 + 8 B/param). A node holds `gpus_per_node` ranks of each trained role (actor, critic: counted as if on one node,
   an upper bound when a separate critic lands on other nodes), held against the node's RAM from the GPU catalog
   (MEM008). Model loading, Ray and the engines' host memory are not counted.
 - the optimizer step adds nothing: the runtime's AdamW is fused on GPUs (the multi-tensor path would allocate an
@@ -65,6 +65,7 @@ ALLOCATOR_SLACK = 0.10
 ENGINE_OVERHEAD_BYTES = int(1.5 * GIB)
 TIGHT_FRACTION = 0.9
 LOGPROB_CHUNK_TOKENS = 1024
+HOST_STEP_CHUNK_BYTES = 1 << 30  # runtime/fsdp.py: `offload: optimizer` steps the parameters in chunks of this size
 """Positions per lm_head chunk in the runtime's log-prob computation (`runtime/logprobs.py`; a test holds them equal)."""
 LOGIT_TENSORS_ALIVE = 3.5
 ENGINE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
@@ -238,9 +239,13 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     grads = 4 * n / world if trains and offload != "full" else 0.0
     opt_bytes = 4 if a.optimizer.name == "muon" else 8
     optimizer = opt_bytes * n / world if trains and offload == "none" else 0.0
-    # offloaded: the parameter and gradient shards (FSDP2's under full, the host step's copies under optimizer)
-    # and the optimizer states
-    host = (4 + 4 + opt_bytes) * n / world if trains and offload != "none" else 0.0
+    # offloaded: the optimizer states, and FSDP2's parameter and gradient shards under full; under optimizer the
+    # host step's two chunk buffers instead (at least the largest shard: the embedding's, fp32, over the world)
+    host = 0.0
+    if trains and offload == "full":
+        host = (4 + 4 + opt_bytes) * n / world
+    elif trains and offload == "optimizer":
+        host = opt_bytes * n / world + 2 * max(HOST_STEP_CHUNK_BYTES, 4 * facts.vocab * facts.hidden_size / world)
     return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts), host, a.gpus_per_node)
 
 

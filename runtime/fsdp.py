@@ -10,11 +10,10 @@ CPU offload, per the plan's level:
   in host memory, each unit's parameters are copied to the device for its all-gather, gradients come back to the
   host after the reduce-scatter, and AdamW steps on the host.
 - `optimizer`: the parameters and gradients stay on the device; the AdamW states live in host memory and the step
-  runs there (`HostStep`): before it, each parameter's and gradient's local shard is copied into a host buffer and
-  put in its place; after it, the updated shard is copied back into the device tensor FSDP2 all-gathers from.
-  The optimizer is an ordinary AdamW over the model's own parameters, so DCP checkpoints and the LR scheduler see
-  nothing different. The device shards are fp32 master weights, so nothing is kept on the host between steps
-  except the optimizer states and the reused buffers (a checkpoint load between steps needs no resync).
+  runs there, a chunk of parameters at a time (`HostAdamW`): each chunk's local shards are copied into two reused
+  host buffers, stepped there, and copied back into the device tensors FSDP2 all-gathers from. The device shards
+  are fp32 master weights, so nothing is kept on the host between steps except the optimizer states and the two
+  chunk buffers (a checkpoint load between steps needs no resync).
 On a CPU run both levels run these same code paths, with host and device the same memory.
 """
 
@@ -46,23 +45,29 @@ def _on_cuda(model) -> bool:
 
 def build_optimizer(opt: OptimizerPlan, model, offload: str = "none") -> tuple[torch.optim.Optimizer, object]:
     """AdamW and the plan's transformers scheduler (`warmup_steps` and `total_steps` exactly as the plan has them);
-    with `offload: optimizer` its states and step on the host (`HostStep`)."""
+    with `offload: optimizer` its states and step on the host (`HostAdamW`)."""
     from transformers import get_scheduler
 
     # Fused on GPUs: one kernel per parameter group and no fp32 temporary of the parameters' size (the multi-tensor
     # path allocates one: 4 B/param at the step's peak, measured by tests/gpu/check_memory.py). A host step is the
     # single-tensor path: its tensors are host shards of parameters that FSDP2 keeps on the device.
-    fused = _on_cuda(model) and offload == "none"
     params = [p for p in model.parameters() if p.requires_grad]  # under LoRA: the adapters only
-    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                  weight_decay=opt.weight_decay, fused=fused,
-                                  foreach=False if offload == "optimizer" else None)
+    adamw = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer: torch.optim.Optimizer
     if offload == "optimizer":
-        HostStep(optimizer, pin=_on_cuda(model))
+        optimizer = HostAdamW(params, pin=_on_cuda(model), **adamw)
+    else:
+        optimizer = torch.optim.AdamW(params, fused=_on_cuda(model) and offload == "none", **adamw)
     extra = {"min_lr_rate": opt.min_lr_ratio} if opt.scheduler == "cosine_with_min_lr" else None
     scheduler = get_scheduler(opt.scheduler, optimizer, num_warmup_steps=opt.warmup_steps,
                               num_training_steps=opt.total_steps, scheduler_specific_kwargs=extra)
     return optimizer, scheduler
+
+
+HOST_STEP_CHUNK_BYTES = 1 << 30
+"""`offload: optimizer` steps the parameters in chunks of about this many bytes of local shards (at least the
+largest shard); the host holds two such buffers (the chunk's parameter and gradient copies) besides the optimizer
+states. The compiler's host-memory estimate uses the same number (`molt_compile/memory.py`)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -79,55 +84,100 @@ def _set_local(t: torch.Tensor, local: torch.Tensor) -> None:
         t.data = local
 
 
-class HostStep:
-    """`actor.offload: optimizer`: the optimizer's step on host copies of the local shards, its states on the host.
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 63) // 64 * 64
 
-    Step pre-hook: copy each parameter's and gradient's local shard into its reused host buffer (pinned on CUDA),
-    point the parameter and the gradient at those; the optimizer creates and keeps its states next to them. Step
-    post-hook: copy the updated buffers back into the device tensors FSDP2 all-gathers from, and point the
-    parameters back at them. A state a checkpoint load put on the device (DCP restores states onto the parameter's
-    device) goes back to the host at the next step.
+
+class HostAdamW(torch.optim.AdamW):
+    """`actor.offload: optimizer`: AdamW whose states live in host memory and whose step runs there, a chunk of
+    parameters at a time.
+
+    For each chunk (parameters in order, about `chunk_bytes` of local shards): copy each parameter's and gradient's
+    local shard into views of two reused host buffers (pinned on CUDA), point the parameter and its gradient at
+    them, run AdamW's own step with every other gradient hidden (AdamW skips a parameter without one), copy the
+    updated shards back into the device tensors FSDP2 all-gathers from and point the parameters back. The states
+    are created next to the host copies, so they stay on the host; one a checkpoint load put on the device (DCP
+    restores states onto the parameter's device) goes back to the host at the next step. Host memory: the states
+    plus the two chunk buffers, not a host copy of every shard. It is an ordinary AdamW over the model's own
+    parameters, so DCP checkpoints and the LR scheduler see nothing different.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, pin: bool):
+    def __init__(self, params, *, pin: bool, **adamw):
+        super().__init__(params, foreach=False, fused=False, **adamw)
         self.pin = pin
-        self.buffers: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (host param, host grad)
-        self.swapped: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (param, device shard, grad shard)
-        optimizer.register_step_pre_hook(self._to_host)
-        optimizer.register_step_post_hook(self._to_device)
+        self.chunk_bytes = HOST_STEP_CHUNK_BYTES
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (parameters, gradients): flat host bytes
+        self.chunks_last_step = 0
 
-    def _host_buffers(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if p not in self.buffers:
-            local = _local(p)
+    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        chunks: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in params:
+            nbytes = _aligned(_local(p).nbytes)
+            if chunks[-1] and size + nbytes > self.capacity:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += nbytes
+        return chunks
+
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0].numel() if self.buffers is not None else 0
+
+    def _ensure_buffers(self, params: list[torch.Tensor]) -> None:
+        need = max([self.chunk_bytes] + [_aligned(_local(p).nbytes) for p in params])
+        if need > self.capacity:
             # Always fresh storage, also on a CPU run: the step must work on the copies, as it does on GPUs.
-            self.buffers[p] = tuple(torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=self.pin)
-                                    for _ in range(2))
-        return self.buffers[p]
+            self.buffers = tuple(torch.empty(need, dtype=torch.uint8, pin_memory=self.pin) for _ in range(2))
 
     @torch.no_grad()
-    def _to_host(self, optimizer, args, kwargs) -> None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                host_p, host_g = self._host_buffers(p)
-                shard, grad_shard = _local(p), _local(p.grad)
-                host_p.copy_(shard)
-                host_g.copy_(grad_shard)
-                self.swapped.append((p, shard, grad_shard))
-                _set_local(p, host_p)
-                _set_local(p.grad, host_g)
-                for value in optimizer.state.get(p, {}).values():
-                    if isinstance(value, torch.Tensor) and _local(value).device.type != "cpu":
-                        _set_local(value, _local(value).cpu())
+    def step(self, closure=None):
+        assert closure is None, "the trainer steps without a closure"
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return None
+        self._ensure_buffers(params)
+        grads = {p: p.grad for p in params}
+        for p in params:
+            p.grad = None
+        chunks = self._chunks(params)
+        try:
+            for chunk in chunks:
+                self._step_chunk(chunk, grads)
+        finally:
+            for p, g in grads.items():
+                p.grad = g
+        self.chunks_last_step = len(chunks)
+        return None
 
-    @torch.no_grad()
-    def _to_device(self, optimizer, args, kwargs) -> None:
-        for p, shard, grad_shard in self.swapped:
-            shard.copy_(_local(p))
+    def _step_chunk(self, chunk: list[torch.Tensor], grads: dict) -> None:
+        host_p, host_g = self.buffers
+        swapped = []
+        offset = 0
+        for p in chunk:
+            p.grad = grads[p]  # before the swap: the setter checks the gradient against the parameter
+            shard, grad_shard = _local(p), _local(p.grad)
+            views = [b[offset:offset + shard.nbytes].view(shard.dtype).view(shard.shape) for b in (host_p, host_g)]
+            offset += _aligned(shard.nbytes)
+            views[0].copy_(shard, non_blocking=True)
+            views[1].copy_(grad_shard, non_blocking=True)
+            swapped.append((p, shard, grad_shard))
+            _set_local(p, views[0])
+            _set_local(p.grad, views[1])
+            for value in self.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and _local(value).device.type != "cpu":
+                    _set_local(value, _local(value).cpu())
+        if self.pin:
+            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
+        super().step()
+        for p, shard, grad_shard in swapped:
+            shard.copy_(_local(p), non_blocking=True)
             _set_local(p, shard)
             _set_local(p.grad, grad_shard)
-        self.swapped = []
+            p.grad = None
+        if self.pin:
+            torch.cuda.current_stream().synchronize()  # the buffers are reused by the next chunk
 
 
 def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:

@@ -77,10 +77,12 @@ def test_the_estimate_holds_against_peaks_measured_on_an_h200(tmp_path):
     assert all(0.9 <= ratio <= 1.25 for *_, ratio in ratios), ratios
 
 
-def test_the_compiler_chunks_logits_as_the_runtime_does():
+def test_the_compiler_chunks_logits_and_the_host_step_as_the_runtime_does():
+    from runtime.fsdp import HOST_STEP_CHUNK_BYTES
     from runtime.logprobs import LOGPROB_CHUNK_TOKENS
 
     assert memory.LOGPROB_CHUNK_TOKENS == LOGPROB_CHUNK_TOKENS
+    assert memory.HOST_STEP_CHUNK_BYTES == HOST_STEP_CHUNK_BYTES
 
 
 def test_offload_and_colocation_change_the_sum(tmp_path):
@@ -108,8 +110,9 @@ def test_engine_share_weights_and_kv_by_hand():
 
 
 def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
-    """GPU and host memory apart: offloaded shards and optimizer states leave the GPU sum and land on the host, 16 B
-    per parameter over the world for AdamW, times the ranks of a node (held against the node's RAM, MEM008)."""
+    """GPU and host memory apart: offloaded shards and optimizer states leave the GPU sum and land on the host (AdamW:
+    full 16 B per parameter over the world; optimizer 8 B plus the host step's two chunk buffers), times the ranks
+    of a node (held against the node's RAM, MEM008)."""
     n, world, layers = 8_190_735_360, 4, 36
     totals = {}
     for level in ("none", "optimizer", "full"):
@@ -120,7 +123,9 @@ def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
         (actor,) = group.roles
         totals[level] = group.total
         assert report.host_capacity == 2048 * GIB                       # DGX H100's RAM, from the catalog
-        assert abs(actor.host - (0 if level == "none" else 16 * n / world)) < 1
+        chunks = 2 * max(memory.HOST_STEP_CHUNK_BYTES, 4 * 151_936 * 4096 / world)  # the host step's buffers
+        expected_host = {"none": 0, "optimizer": 8 * n / world + chunks, "full": 16 * n / world}[level]
+        assert abs(actor.host - expected_host) < 1
         assert abs(report.host_per_node - 4 * actor.host) < 1           # the actor's 4 ranks of the node
         if level == "full":
             assert abs(actor.params - 2 * 2 * n / layers) < 1 and actor.grads == 0 and actor.optimizer == 0

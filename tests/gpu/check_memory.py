@@ -1,13 +1,21 @@
-"""The compiler's memory estimate against the trainer rank's real peak, on one GPU (issue 11; not in `just test`).
+"""The compiler's memory estimate against the trainer rank's real peak, on one GPU (issues 11 and 28; not in
+`just test`).
 
-    python3 tests/gpu/check_memory.py OUT_DIR [CHECKPOINTING ...]      (only the configurations of these modes)
+    python3 tests/gpu/check_memory.py OUT_DIR [MODE ...]     MODE: full selective none (the checkpointing modes'
+                                                             configurations) or offload (CPU offload's)
 
-For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing): a random
-Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute, AdamW)
-trains two optimizer steps of two micro-batches each, and `torch.cuda.max_memory_reserved()` is the measured peak.
-The estimate is the compiler's (`molt_compile/memory.py`, through the MEM rules' own entry point) for
-`recipes/demo_gpu.yaml` with the same settings. Writes OUT_DIR/check_memory.json: per configuration the measured
-peaks (reserved, allocated), the estimate with its terms, and estimate / measured.
+For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing, `actor.offload`):
+a random Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute,
+AdamW) trains two optimizer steps of two micro-batches each, and `torch.cuda.max_memory_reserved()` is the measured
+GPU peak; the host memory the rank holds after the steps is its resident set minus the one after the worker was
+built, before its first step (the optimizer states and the host step's buffers under `offload: optimizer`; what
+model loading leaves resident is recorded apart). The estimate is the compiler's (`molt_compile/memory.py`, through the MEM rules' own entry point) for `recipes/demo_gpu.yaml` with the
+same settings. Writes OUT_DIR/check_memory.json: per configuration the measured peaks (reserved, allocated), the
+host memory, the step time, the estimate with its terms, and estimate / measured (GPU and host).
+
+The offload configurations are issue 28's: a Qwen3-8B shape (8.2 B parameters: fp32 weights, gradients and AdamW
+states are 131 GB, more than the GPU's 140 GiB minus activations) trains only with `offload: optimizer`; the 4B
+shape runs with and without it, for the step time the offload costs.
 """
 
 from __future__ import annotations
@@ -31,7 +39,15 @@ SHAPES = {  # Qwen3 dense shapes (vocabulary 151,936, tied embeddings as the sma
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
+OFFLOAD_CONFIGS = [  # (shape, rows, sequence length, gradient_checkpoint, actor.offload)
+    ("qwen3-4b", 2, 4096, "full", "none"),
+    ("qwen3-4b", 2, 4096, "full", "optimizer"),
+    ("qwen3-8b", 2, 4096, "full", "optimizer"),
+    ("qwen3-8b", 2, 4096, "full", "none"),  # expected: out of memory (and the compiler's MEM001 refuses it)
+]
 CONFIGS = [  # (shape, rows per micro-batch, sequence length, gradient_checkpoint)
     ("qwen3-1.7b", 4, 4096, "full"),
     ("qwen3-1.7b", 2, 4096, "full"),
@@ -60,19 +76,27 @@ def _batch(rows: int, seq: int, vocab: int):
                    rollout_log_probs=torch.zeros(mask.shape))
 
 
-def _estimate(model_dir: Path, rows: int, seq: int, ckpt: str) -> dict:
+def _estimate(model_dir: Path, rows: int, seq: int, ckpt: str, offload: str) -> dict:
     from molt_compile.compile import compile_recipe
     from molt_compile.memory import memory_report
 
     sets = [f"model.path={model_dir}", f"train.micro_batch_size={rows}", f"data.max_len={seq}",
-            f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16"]
+            f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16", f"actor.offload={offload}"]
     res = compile_recipe(ROOT / "recipes/demo_gpu.yaml", sets, lower=False, capabilities=False)
     report = memory_report(res.recipe, res.derived, res.loaded.source)
     group = report.fsdp_groups[0]
     actor = group.roles[0]
-    return {"total_gib": group.total / 2**30, "terms_gib": {
+    return {"total_gib": group.total / 2**30, "host_gib": actor.host / 2**30, "terms_gib": {
         "params": actor.params / 2**30, "grads": actor.grads / 2**30, "optimizer": actor.optimizer / 2**30,
         "activations": actor.activations / 2**30}, "breakdown": group.breakdown()}
+
+
+def _resident_gib() -> float:
+    """This process's resident host memory (VmRSS), pinned pages included."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def main() -> int:
@@ -86,38 +110,46 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(0), "runs": []}
     dirs: dict[str, Path] = {}
-    modes = set(sys.argv[2:]) or {c[3] for c in CONFIGS}
-    for shape, rows, seq, ckpt in (c for c in CONFIGS if c[3] in modes):
+    modes = set(sys.argv[2:]) or {c[3] for c in CONFIGS} | {"offload"}
+    configs = [(*c, "none") for c in CONFIGS if c[3] in modes] + (OFFLOAD_CONFIGS if "offload" in modes else [])
+    for shape, rows, seq, ckpt, offload in configs:
         if shape not in dirs:
             d = Path(tempfile.gettempdir()) / f"molt_gpu_mem_{shape}"
             if not (d / "config.json").exists():
                 torch.manual_seed(0)
                 cfg = Qwen3Config(vocab_size=151936, max_position_embeddings=32768, **SHAPES[shape])
-                Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+                with torch.device("cuda"):  # random init on the GPU: minutes faster for the 8B
+                    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+                torch.cuda.empty_cache()
             dirs[shape] = d
-        run: dict = {"shape": shape, "rows": rows, "seq": seq, "gradient_checkpoint": ckpt}
+        run: dict = {"shape": shape, "rows": rows, "seq": seq, "gradient_checkpoint": ckpt, "offload": offload}
         try:
-            run["estimate"] = _estimate(dirs[shape], rows, seq, ckpt)
+            run["estimate"] = _estimate(dirs[shape], rows, seq, ckpt, offload)
         except Exception as exc:  # record, measure anyway
             run["estimate_error"] = repr(exc)
         rl = trainer_rl(1, ref=False, model={"path": str(dirs[shape]), "attn": "sdpa", "dtype": "bfloat16",
                                              "gradient_checkpoint": ckpt},
                         trainer={"micro_batch_size": rows, "grad_accum": 2, "max_epochs": 1, "temperature": 1.0,
-                                 "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None},
+                                 "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
+                                 "offload": offload},
                         optimizer={"lr": 1e-6, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
                         kl={"use_loss": False}, is_correction={"level": "off"}, device="cuda", dist_backend="nccl")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_reserved()
+        host_base = _resident_gib()
         try:
             worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0,
                                   "127.0.0.1", free_port())
+            run["host_after_build_gib"] = _resident_gib() - host_base
             batch = _batch(2 * rows, seq, 151936)
-            t0 = time.perf_counter()
-            for _ in range(2):
-                worker.train(batch, 0.0)
+            worker.train(batch, 0.0)  # the first step: the states are created (on the host under offload)
             torch.cuda.synchronize()
-            run["step_s"] = (time.perf_counter() - t0) / 2
+            t0 = time.perf_counter()
+            worker.train(batch, 0.0)
+            torch.cuda.synchronize()
+            run["step_s"] = time.perf_counter() - t0
+            run["host_gib"] = _resident_gib() - host_base - run["host_after_build_gib"]
             run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             run["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
             run["reserved_before_gib"] = base / 2**30
@@ -129,6 +161,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         if "estimate" in run and "peak_reserved_gib" in run:
             run["estimate_over_measured"] = run["estimate"]["total_gib"] / run["peak_reserved_gib"]
+            if offload != "none":
+                run["host_estimate_over_measured"] = run["estimate"]["host_gib"] / run["host_gib"]
         report["runs"].append(run)
         print(json.dumps(run), flush=True)
     text = json.dumps(report, indent=1)

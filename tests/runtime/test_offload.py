@@ -6,9 +6,9 @@ trains each on the same rows (RL: one optimizer step of
 2 micro-batches per rank; SFT: two steps), and keeps the full weights after them. The offloaded runs must
 equal the plain one to 1e-6.
 
-What this verifies on CPUs: `optimizer` really steps on host copies (`HostStep`: a fresh buffer per parameter and
-gradient, the optimizer's states made next to them, the updated shard copied back into the tensor FSDP2
-all-gathers from); `full` runs FSDP2's `CPUOffloadPolicy` code path (every FSDP parameter has `offload_to_cpu`:
+What this verifies on CPUs: `optimizer` really steps on host copies (`HostAdamW`: chunk after chunk of parameter
+and gradient shards copied into two reused buffers, the optimizer's states made next to them, the updated shards
+copied back into the tensors FSDP2 all-gathers from; a small chunk size here, so a step takes many chunks); `full` runs FSDP2's `CPUOffloadPolicy` code path (every FSDP parameter has `offload_to_cpu`:
 the non-foreach all-gather copy-in, the gradient's copy to the host after the reduce-scatter, the AdamW step on
 the host shards). What it cannot: the device<->host transfers, pinned buffers and the NCCL+gloo process group of a
 GPU run (host and device are one memory here); the capability table says so for cuda.
@@ -46,26 +46,32 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 def _checks(worker, level: str) -> dict:
     """What the level changed in the built rank (asserted by the test)."""
-    from runtime.fsdp import HostStep
+    from runtime.fsdp import HostAdamW
 
     states = [fp.offload_to_cpu for m in worker.model.modules() if hasattr(m, "_get_fsdp_state")
               for fp in (m._get_fsdp_state()._fsdp_param_group.fsdp_params
                          if m._get_fsdp_state()._fsdp_param_group else [])]
-    hooks = [h for h in worker.optimizer._optimizer_step_pre_hooks.values() if isinstance(h.__self__, HostStep)]
-    out = {"offload_to_cpu": states, "host_steps": len(hooks)}
-    if hooks:
-        host = hooks[0].__self__
+    host = worker.optimizer if isinstance(worker.optimizer, HostAdamW) else None
+    out = {"offload_to_cpu": states, "host_steps": int(host is not None)}
+    if host is not None:
         params = [p for p in worker.model.parameters() if p.requires_grad]
-        state_ptrs = {v._local_tensor.data_ptr() for s in worker.optimizer.state.values() for v in s.values()
+        buffers = range(host.buffers[0].data_ptr(), host.buffers[0].data_ptr() + host.capacity)
+        state_ptrs = {v._local_tensor.data_ptr() for s in host.state.values() for v in s.values()
                       if hasattr(v, "_local_tensor")}
-        out.update(buffered=len(host.buffers) == len(params),
-                   restored=all(p._local_tensor.data_ptr() != host.buffers[p][0].data_ptr() for p in params),
-                   states_apart=not state_ptrs & {p._local_tensor.data_ptr() for p in params})
+        out.update(chunks=host.chunks_last_step,
+                   restored=all(p._local_tensor.data_ptr() not in buffers for p in params),
+                   states_apart=not state_ptrs & {p._local_tensor.data_ptr() for p in params},
+                   states_on_host=all(v._local_tensor.device.type == "cpu" for s in host.state.values()
+                                      for v in s.values() if hasattr(v, "_local_tensor")),
+                   stepped=all(p in host.state for p in params))
     return out
 
 
 def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
     torch.set_num_threads(1)
+    from runtime import fsdp
+
+    fsdp.HOST_STEP_CHUNK_BYTES = 1 << 16  # many chunks on the tiny model: each step streams chunk after chunk
     from runtime.critic import CriticWorker
     from runtime.sft import SftJob
     from runtime.trainer import PolicyWorker
@@ -139,7 +145,7 @@ def test_offloaded_steps_equal_plain_steps(tmp_path):
             assert steps_l == steps, (role, level)
             assert all(checks["offload_to_cpu"]) == (level == "full") and checks["offload_to_cpu"], (role, level)
             if level == "optimizer":
-                assert checks["host_steps"] == 1 and checks["buffered"] and checks["restored"], (role, checks)
-                assert checks["states_apart"], role
+                assert checks["host_steps"] == 1 and checks["chunks"] > 2 and checks["restored"], (role, checks)
+                assert checks["states_apart"] and checks["states_on_host"] and checks["stepped"], (role, checks)
             worst = max((weights[n] - plain[n]).abs().max().item() for n in plain)
             assert worst <= 1e-6, (role, level, worst)
