@@ -13,9 +13,10 @@ the experts — together every parameter lives on exactly one rank of `world`, s
   `offload: optimizer` moves them to CPU (0 on the GPU); `offload: full` moves parameters, gradients and optimizer
   states to CPU (only the gathered bf16 layers stay).
 - host memory (per rank, counted apart from the GPU's; `runtime/fsdp.py`): `offload: optimizer` keeps the
-  optimizer states there (8 B/param for AdamW, over world) and the host step's two chunk buffers (parameter and
-  gradient copies of `HOST_STEP_CHUNK_BYTES`, at least the largest shard: the fp32 embedding over world);
-  `offload: full` keeps FSDP2's parameter and gradient shards and the optimizer states (4 + 4 + 8 B/param). A node holds `gpus_per_node` ranks of each trained role (actor, critic: counted as if on one node,
+  optimizer states there (8 B/param for AdamW, over world) and the host step's four chunk buffers (two chunks'
+  parameter and gradient copies of `HOST_STEP_CHUNK_BYTES`, at least the largest shard: the fp32 embedding over
+  world); `offload: full` keeps FSDP2's parameter and gradient shards and the optimizer states (4 + 4 + 8
+  B/param). A node holds `gpus_per_node` ranks of each trained role (actor, critic: counted as if on one node,
   an upper bound when a separate critic lands on other nodes), held against the node's RAM from the GPU catalog
   (MEM008). Model loading, Ray and the engines' host memory are not counted.
 - the optimizer step adds nothing: the runtime's AdamW is fused on GPUs (the multi-tensor path would allocate an
@@ -240,12 +241,12 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     opt_bytes = 4 if a.optimizer.name == "muon" else 8
     optimizer = opt_bytes * n / world if trains and offload == "none" else 0.0
     # offloaded: the optimizer states, and FSDP2's parameter and gradient shards under full; under optimizer the
-    # host step's two chunk buffers instead (at least the largest shard: the embedding's, fp32, over the world)
+    # host step's four chunk buffers instead (at least the largest shard: the embedding's, fp32, over the world)
     host = 0.0
     if trains and offload == "full":
         host = (4 + 4 + opt_bytes) * n / world
     elif trains and offload == "optimizer":
-        host = opt_bytes * n / world + 2 * max(HOST_STEP_CHUNK_BYTES, 4 * facts.vocab * facts.hidden_size / world)
+        host = opt_bytes * n / world + 4 * max(HOST_STEP_CHUNK_BYTES, 4 * facts.vocab * facts.hidden_size / world)
     return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts), host, a.gpus_per_node)
 
 

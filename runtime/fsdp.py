@@ -10,10 +10,11 @@ CPU offload, per the plan's level:
   in host memory, each unit's parameters are copied to the device for its all-gather, gradients come back to the
   host after the reduce-scatter, and AdamW steps on the host.
 - `optimizer`: the parameters and gradients stay on the device; the AdamW states live in host memory and the step
-  runs there, a chunk of parameters at a time (`HostAdamW`): each chunk's local shards are copied into two reused
-  host buffers, stepped there, and copied back into the device tensors FSDP2 all-gathers from. The device shards
-  are fp32 master weights, so nothing is kept on the host between steps except the optimizer states and the two
-  chunk buffers (a checkpoint load between steps needs no resync).
+  runs there (torch's fused CPU AdamW), a chunk of parameters at a time (`HostAdamW`): each chunk's local shards
+  are copied into reused host buffers, stepped there, and copied back into the device tensors FSDP2 all-gathers
+  from, the copies of one chunk overlapping the step of the next. The device shards are fp32 master weights, so
+  nothing is kept on the host between steps except the optimizer states and the four chunk buffers (a checkpoint
+  load between steps needs no resync).
 On a CPU run both levels run these same code paths, with host and device the same memory.
 """
 
@@ -66,8 +67,8 @@ def build_optimizer(opt: OptimizerPlan, model, offload: str = "none") -> tuple[t
 
 HOST_STEP_CHUNK_BYTES = 1 << 30
 """`offload: optimizer` steps the parameters in chunks of about this many bytes of local shards (at least the
-largest shard); the host holds two such buffers (the chunk's parameter and gradient copies) besides the optimizer
-states. The compiler's host-memory estimate uses the same number (`molt_compile/memory.py`)."""
+largest shard); the host holds four such buffers (two chunks' parameter and gradient copies: one chunk arrives
+while the other steps) besides the optimizer states. The compiler's host-memory estimate uses the same number (`molt_compile/memory.py`)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -89,27 +90,39 @@ def _aligned(nbytes: int) -> int:
 
 
 class HostAdamW(torch.optim.AdamW):
-    """`actor.offload: optimizer`: AdamW whose states live in host memory and whose step runs there, a chunk of
-    parameters at a time.
+    """`actor.offload: optimizer`: AdamW whose states live in host memory and whose step runs there (torch's fused
+    CPU kernel), a chunk of parameters at a time.
 
-    For each chunk (parameters in order, about `chunk_bytes` of local shards): copy each parameter's and gradient's
-    local shard into views of two reused host buffers (pinned on CUDA), point the parameter and its gradient at
-    them, run AdamW's own step with every other gradient hidden (AdamW skips a parameter without one), copy the
-    updated shards back into the device tensors FSDP2 all-gathers from and point the parameters back. The states
-    are created next to the host copies, so they stay on the host; one a checkpoint load put on the device (DCP
-    restores states onto the parameter's device) goes back to the host at the next step. Host memory: the states
-    plus the two chunk buffers, not a host copy of every shard. It is an ordinary AdamW over the model's own
+    For each chunk (parameters in order, about `chunk_bytes` of local shards): its parameters' and gradients' local
+    shards are copied into views of a reused pair of host buffers (pinned on CUDA) and the parameters and gradients
+    pointed at them; AdamW's own step runs with every other gradient hidden (AdamW skips a parameter without one);
+    the updated shards are copied back into the device tensors FSDP2 all-gathers from and the parameters pointed
+    back. On CUDA the copies run on a side stream, double-buffered: the next chunk comes to the host while the CPU
+    steps this one, and this one goes back while the CPU steps the next. The states are created next to the host
+    copies (the step counters too, on the host, as the CPU kernel needs); one a checkpoint load put on the device
+    (DCP restores states onto the parameter's device) goes back to the host at the next step. Host memory: the
+    states plus four chunk buffers, not a host copy of every shard. It is an ordinary AdamW over the model's own
     parameters, so DCP checkpoints and the LR scheduler see nothing different.
     """
 
     def __init__(self, params, *, pin: bool, **adamw):
-        super().__init__(params, foreach=False, fused=False, **adamw)
+        super().__init__(params, foreach=False, fused=True, **adamw)
         self.pin = pin
         self.chunk_bytes = HOST_STEP_CHUNK_BYTES
-        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (parameters, gradients): flat host bytes
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # two slots of (parameters, gradients), bytes
+        self.copies = torch.cuda.Stream() if pin else None
         self.chunks_last_step = 0
 
+    @property
+    def capacity(self) -> int:
+        return self.buffers[0][0].numel() if self.buffers else 0
+
     def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        need = max([self.chunk_bytes] + [_aligned(_local(p).nbytes) for p in params])
+        if need > self.capacity:
+            # Always fresh storage, also on a CPU run: the step must work on the copies, as it does on GPUs.
+            self.buffers = [tuple(torch.empty(need, dtype=torch.uint8, pin_memory=self.pin) for _ in range(2))
+                            for _ in range(2)]
         chunks: list[list[torch.Tensor]] = [[]]
         size = 0
         for p in params:
@@ -121,63 +134,83 @@ class HostAdamW(torch.optim.AdamW):
             size += nbytes
         return chunks
 
-    @property
-    def capacity(self) -> int:
-        return self.buffers[0].numel() if self.buffers is not None else 0
-
-    def _ensure_buffers(self, params: list[torch.Tensor]) -> None:
-        need = max([self.chunk_bytes] + [_aligned(_local(p).nbytes) for p in params])
-        if need > self.capacity:
-            # Always fresh storage, also on a CPU run: the step must work on the copies, as it does on GPUs.
-            self.buffers = tuple(torch.empty(need, dtype=torch.uint8, pin_memory=self.pin) for _ in range(2))
-
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "the trainer steps without a closure"
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return None
-        self._ensure_buffers(params)
         grads = {p: p.grad for p in params}
         for p in params:
             p.grad = None
         chunks = self._chunks(params)
+        if self.copies is not None:
+            self.copies.wait_stream(torch.cuda.current_stream())  # the gradients are complete
         try:
-            for chunk in chunks:
-                self._step_chunk(chunk, grads)
+            pending = self._to_host(chunks[0], grads, self.buffers[0])
+            for k, chunk in enumerate(chunks):
+                arrived, swapped = pending
+                if k + 1 < len(chunks):  # the next chunk's copies overlap this chunk's step
+                    pending = self._to_host(chunks[k + 1], grads, self.buffers[(k + 1) % 2])
+                if arrived is not None:
+                    arrived.synchronize()
+                for p in chunk:
+                    p.grad = grads[p]
+                super().step()
+                for p in chunk:
+                    p.grad = None
+                self._to_device(swapped)
         finally:
             for p, g in grads.items():
                 p.grad = g
+        if self.copies is not None:
+            torch.cuda.current_stream().wait_stream(self.copies)  # the next forward reads the updated shards
         self.chunks_last_step = len(chunks)
         return None
 
-    def _step_chunk(self, chunk: list[torch.Tensor], grads: dict) -> None:
-        host_p, host_g = self.buffers
+    def _to_host(self, chunk: list[torch.Tensor], grads: dict, slot: tuple[torch.Tensor, torch.Tensor]):
+        """Copy the chunk's shards into the slot's buffers and point the parameters and gradients at the copies;
+        returns the event the copies complete at (None when synchronous) and what to swap back."""
         swapped = []
         offset = 0
-        for p in chunk:
-            p.grad = grads[p]  # before the swap: the setter checks the gradient against the parameter
-            shard, grad_shard = _local(p), _local(p.grad)
-            views = [b[offset:offset + shard.nbytes].view(shard.dtype).view(shard.shape) for b in (host_p, host_g)]
-            offset += _aligned(shard.nbytes)
-            views[0].copy_(shard, non_blocking=True)
-            views[1].copy_(grad_shard, non_blocking=True)
-            swapped.append((p, shard, grad_shard))
-            _set_local(p, views[0])
-            _set_local(p.grad, views[1])
-            for value in self.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and _local(value).device.type != "cpu":
-                    _set_local(value, _local(value).cpu())
-        if self.pin:
-            torch.cuda.current_stream().synchronize()  # the non-blocking device-to-host copies have landed
-        super().step()
-        for p, shard, grad_shard in swapped:
-            shard.copy_(_local(p), non_blocking=True)
-            _set_local(p, shard)
-            _set_local(p.grad, grad_shard)
-            p.grad = None
-        if self.pin:
-            torch.cuda.current_stream().synchronize()  # the buffers are reused by the next chunk
+        with torch.cuda.stream(self.copies) if self.copies is not None else _nothing():
+            for p in chunk:
+                shard, grad_shard = _local(p), _local(grads[p])
+                views = [b[offset:offset + shard.nbytes].view(shard.dtype).view(shard.shape) for b in slot]
+                offset += _aligned(shard.nbytes)
+                views[0].copy_(shard, non_blocking=True)
+                views[1].copy_(grad_shard, non_blocking=True)
+                swapped.append((p, grads[p], shard, grad_shard))
+                _set_local(p, views[0])
+                _set_local(grads[p], views[1])
+                state = self.state[p]
+                if not state:  # AdamW would put the step counter on the parameter's (device) mesh
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and _local(value).device.type != "cpu":
+                        _set_local(value, _local(value).cpu())
+            arrived = None
+            if self.copies is not None:
+                arrived = torch.cuda.Event()
+                arrived.record(self.copies)
+        return arrived, swapped
+
+    def _to_device(self, swapped) -> None:
+        """Copy the stepped shards back into the device tensors and point everything back at them (on CUDA the
+        copies are queued on the side stream, after this slot's arrival and before its next reuse)."""
+        with torch.cuda.stream(self.copies) if self.copies is not None else _nothing():
+            for p, grad, shard, grad_shard in swapped:
+                shard.copy_(_local(p), non_blocking=True)
+                _set_local(p, shard)
+                _set_local(grad, grad_shard)
+
+
+def _nothing():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:

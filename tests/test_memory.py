@@ -111,7 +111,7 @@ def test_engine_share_weights_and_kv_by_hand():
 
 def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
     """GPU and host memory apart: offloaded shards and optimizer states leave the GPU sum and land on the host (AdamW:
-    full 16 B per parameter over the world; optimizer 8 B plus the host step's two chunk buffers), times the ranks
+    full 16 B per parameter over the world; optimizer 8 B plus the host step's four chunk buffers), times the ranks
     of a node (held against the node's RAM, MEM008)."""
     n, world, layers = 8_190_735_360, 4, 36
     totals = {}
@@ -123,7 +123,7 @@ def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
         (actor,) = group.roles
         totals[level] = group.total
         assert report.host_capacity == 2048 * GIB                       # DGX H100's RAM, from the catalog
-        chunks = 2 * max(memory.HOST_STEP_CHUNK_BYTES, 4 * 151_936 * 4096 / world)  # the host step's buffers
+        chunks = 4 * max(memory.HOST_STEP_CHUNK_BYTES, 4 * 151_936 * 4096 / world)  # the host step's buffers
         expected_host = {"none": 0, "optimizer": 8 * n / world + chunks, "full": 16 * n / world}[level]
         assert abs(actor.host - expected_host) < 1
         assert abs(report.host_per_node - 4 * actor.host) < 1           # the actor's 4 ranks of the node

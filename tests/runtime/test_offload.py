@@ -7,7 +7,7 @@ trains each on the same rows (RL: one optimizer step of
 equal the plain one to 1e-6.
 
 What this verifies on CPUs: `optimizer` really steps on host copies (`HostAdamW`: chunk after chunk of parameter
-and gradient shards copied into two reused buffers, the optimizer's states made next to them, the updated shards
+and gradient shards copied into reused buffers, stepped by the fused CPU AdamW, the optimizer's states made next to them, the updated shards
 copied back into the tensors FSDP2 all-gathers from; a small chunk size here, so a step takes many chunks); `full` runs FSDP2's `CPUOffloadPolicy` code path (every FSDP parameter has `offload_to_cpu`:
 the non-foreach all-gather copy-in, the gradient's copy to the host after the reduce-scatter, the AdamW step on
 the host shards). What it cannot: the device<->host transfers, pinned buffers and the NCCL+gloo process group of a
@@ -55,15 +55,16 @@ def _checks(worker, level: str) -> dict:
     out = {"offload_to_cpu": states, "host_steps": int(host is not None)}
     if host is not None:
         params = [p for p in worker.model.parameters() if p.requires_grad]
-        buffers = range(host.buffers[0].data_ptr(), host.buffers[0].data_ptr() + host.capacity)
+        buffers = [range(b.data_ptr(), b.data_ptr() + host.capacity) for slot in host.buffers for b in slot]
         state_ptrs = {v._local_tensor.data_ptr() for s in host.state.values() for v in s.values()
                       if hasattr(v, "_local_tensor")}
         out.update(chunks=host.chunks_last_step,
-                   restored=all(p._local_tensor.data_ptr() not in buffers for p in params),
+                   restored=all(p._local_tensor.data_ptr() not in b for p in params for b in buffers),
                    states_apart=not state_ptrs & {p._local_tensor.data_ptr() for p in params},
                    states_on_host=all(v._local_tensor.device.type == "cpu" for s in host.state.values()
                                       for v in s.values() if hasattr(v, "_local_tensor")),
-                   stepped=all(p in host.state for p in params))
+                   stepped=all(p in host.state for p in params),
+                   fused=all(g["fused"] for g in host.param_groups))
     return out
 
 
@@ -147,5 +148,6 @@ def test_offloaded_steps_equal_plain_steps(tmp_path):
             if level == "optimizer":
                 assert checks["host_steps"] == 1 and checks["chunks"] > 2 and checks["restored"], (role, checks)
                 assert checks["states_apart"] and checks["states_on_host"] and checks["stepped"], (role, checks)
+                assert checks["fused"], role
             worst = max((weights[n] - plain[n]).abs().max().item() for n in plain)
             assert worst <= 1e-6, (role, level, worst)
