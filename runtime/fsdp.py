@@ -121,8 +121,7 @@ class HostAdamW(torch.optim.AdamW):
         need = max([self.chunk_bytes] + [_aligned(_local(p).nbytes) for p in params])
         if need > self.capacity:
             # Always fresh storage, also on a CPU run: the step must work on the copies, as it does on GPUs.
-            self.buffers = [tuple(torch.empty(need, dtype=torch.uint8, pin_memory=self.pin) for _ in range(2))
-                            for _ in range(2)]
+            self.buffers = [(_host_buffer(need, self.pin), _host_buffer(need, self.pin)) for _ in range(2)]
         chunks: list[list[torch.Tensor]] = [[]]
         size = 0
         for p in params:
@@ -205,6 +204,20 @@ class HostAdamW(torch.optim.AdamW):
                 shard.copy_(_local(p), non_blocking=True)
                 _set_local(p, shard)
                 _set_local(grad, grad_shard)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """`nbytes` of host memory, page-locked on CUDA by registering it: torch's pinned allocator would round each
+    buffer up to a power of two (a 2.5 GB buffer takes 4 GiB)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if pin:
+        import weakref
+
+        cudart = torch.cuda.cudart()
+        if cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0) != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host buffer failed")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
+    return buffer
 
 
 def _nothing():

@@ -4,7 +4,9 @@ Each rank builds, for each level (none, optimizer, full) in turn and from the sa
 (`PolicyWorker`, hf backend), the critic (`CriticWorker`) and the SFT job (`SftJob` on the SFT demo's plan),
 trains each on the same rows (RL: one optimizer step of
 2 micro-batches per rank; SFT: two steps), and keeps the full weights after them. The offloaded runs must
-equal the plain one to 1e-6.
+equal the plain one to 1e-6. The policy also saves a DCP checkpoint after its step, takes a second one, and a fresh
+rank loaded from the checkpoint must take the same second step (the optimizer states restored, and stepped on the
+host again under `optimizer`).
 
 What this verifies on CPUs: `optimizer` really steps on host copies (`HostAdamW`: chunk after chunk of parameter
 and gradient shards copied into reused buffers, stepped by the fused CPU AdamW, the optimizer's states made next to them, the updated shards
@@ -86,7 +88,18 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         results.setdefault(("policy", "start"), _full(policy.model))
         stats = policy.train(batch, kl_coef=0.0)
         results[("policy", level)] = (_full(policy.model), stats["optimizer_steps"], _checks(policy, level))
+        # a DCP checkpoint after the first step resumes exactly: the second step after a load equals the second
+        # step of the rank that kept going (the optimizer states come back and step on the host again)
+        ckpt = os.path.join(out_dir, f"ckpt-{level}")
+        policy.save_checkpoint(ckpt)
+        policy.train(batch, kl_coef=0.0)
+        kept_going = _full(policy.model)
         policy.shutdown()
+        resumed = PolicyWorker(t, rl.model, None, rl.algo, "cpu", "gloo", rank, "127.0.0.1", next(ports))
+        resumed.load_checkpoint(ckpt)
+        resumed.train(batch, kl_coef=0.0)
+        results[("policy-resume", level)] = (_full(resumed.model), kept_going, _checks(resumed, level))
+        resumed.shutdown()
         critic = CriticWorker(rl.critic, t, rl.model, "cpu", "gloo", rank, "127.0.0.1", next(ports))
         results.setdefault(("critic", "start"), _full(critic.model))
         stats = critic.train(batch)
@@ -130,7 +143,7 @@ def test_offloaded_steps_equal_plain_steps(tmp_path):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        mp.spawn(_rank_main, args=([free_port() for _ in range(3 * len(LEVELS))], str(tmp_path), rl, sft_plan),
+        mp.spawn(_rank_main, args=([free_port() for _ in range(4 * len(LEVELS))], str(tmp_path), rl, sft_plan),
                  nprocs=2, join=True)
     finally:
         os.chdir(cwd)
@@ -151,3 +164,9 @@ def test_offloaded_steps_equal_plain_steps(tmp_path):
                 assert checks["fused"], role
             worst = max((weights[n] - plain[n]).abs().max().item() for n in plain)
             assert worst <= 1e-6, (role, level, worst)
+    for level in LEVELS:
+        resumed, kept_going, checks = results[("policy-resume", level)]
+        assert max((resumed[n] - kept_going[n]).abs().max().item() for n in resumed) <= 1e-7, level
+        assert max((kept_going[n] - results[("policy", level)][0][n]).abs().max().item() for n in resumed) > 1e-4
+        if level == "optimizer":  # the loaded states went back to the host and stepped there
+            assert checks["states_on_host"] and checks["restored"] and checks["stepped"], checks
