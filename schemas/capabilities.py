@@ -285,29 +285,32 @@ def _automodel_rows() -> tuple[Capability, ...]:
 
 
 def _offload_rows() -> tuple[Capability, ...]:
-    """CPU offload (runtime/fsdp.py): run on CPUs by tests/runtime/test_offload.py (FSDP2's CPUOffloadPolicy code
-    path and the host optimizer step, equal to no offload); on CUDA written, not run."""
+    """CPU offload (runtime/fsdp.py): both levels run on CPUs by tests/runtime/test_offload.py (FSDP2's
+    CPUOffloadPolicy code path and the host optimizer step, equal to no offload, a checkpoint resumes exactly);
+    `optimizer` ran on an H200 (tests/gpu/check_memory.py: a Qwen3-8B shape, a checkpoint resume), so only `full`
+    is written and not run on CUDA."""
 
     def asks(kind: str) -> Callable[[Plan], bool]:
         def check(plan: Plan) -> bool:
             trainer = plan.rl.trainer if kind == "rl" else plan.sft.trainer
-            return trainer is not None and trainer.offload != "none"
+            return trainer is not None and trainer.offload == "full"
 
         return check
 
     return tuple(
         Capability(
-            f"{kind}-offload",
+            f"{kind}-offload-full",
             kind,
             "actor.offload",
-            "CPU offload of the optimizer or parameters",
+            "CPU offload of the parameters (actor.offload: full)",
             asks(kind),
-            "actor.offload: none",
+            "actor.offload: optimizer",
             devices=frozenset({"cpu"}),
             unverified=frozenset({"cuda"}),
-            not_run="the device-host copies, pinned host buffers and the cuda:nccl,cpu:gloo process group (the CPU "
-            "test runs the same code with host and device one memory)",
-            tracked="issue 28 (the H200 run of a Qwen3-8B shape with actor.offload: optimizer)",
+            not_run="FSDP2's CPUOffloadPolicy on CUDA: the per-unit device-host copies, pinned shards and the "
+            "cuda:nccl,cpu:gloo process group (the CPU test runs the same code with host and device one memory; "
+            "actor.offload: optimizer ran on an H200)",
+            tracked="issue 28 (a multi-GPU run with actor.offload: full)",
         )
         for kind in ("rl", "sft")
     )

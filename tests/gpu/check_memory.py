@@ -2,7 +2,8 @@
 `just test`).
 
     python3 tests/gpu/check_memory.py OUT_DIR [MODE ...]     MODE: full selective none (the checkpointing modes'
-                                                             configurations) or offload (CPU offload's)
+                                                             configurations), offload (CPU offload's) or resume
+                                                             (only the offloaded checkpoint resume)
 
 For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing, `actor.offload`):
 a random Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute,
@@ -103,7 +104,8 @@ def _resident_gib() -> float:
 
 def _resume(worker, rl, batch) -> dict:
     """A DCP checkpoint of the offloaded rank resumes on the GPU: save, take a step, load into a fresh rank, take
-    the same step; the weights must agree (to 1 % of what the step moved) and the restored states be on the host."""
+    the same step; the two updates must agree (5 % relative, over all weights) and the restored states be on the
+    host."""
     import torch
 
     from runtime.trainer import PolicyWorker, free_port
@@ -118,17 +120,21 @@ def _resume(worker, rl, batch) -> dict:
                          free_port())
     fresh.load_checkpoint(path)
     fresh.train(batch, 0.0)
-    worst = max((p.detach().full_tensor().float().cpu() - kept[n]).abs().max().item()
-                for n, p in fresh.model.named_parameters())
+    resumed = {n: p.detach().full_tensor().float().cpu() for n, p in fresh.model.named_parameters()}
+    worst = max((resumed[n] - kept[n]).abs().max().item() for n in kept)
     on_host = all(v._local_tensor.device.type == "cpu" for s in fresh.optimizer.state.values() for v in s.values()
                   if hasattr(v, "_local_tensor"))
     fresh.shutdown()
     torch.cuda.synchronize()
     moved = max((kept[n] - before[n]).abs().max().item() for n in kept)  # what the step itself changed
-    # GPU kernels may differ in the last bits between two runs of one step; a lost optimizer state changes Adam's
-    # update by its own order
-    return {"max_abs_diff": worst, "step_moved": moved, "states_on_host": on_host,
-            "passed": worst <= 0.01 * moved and on_host}
+    # The two updates, resumed against kept going, over all weights: two runs of one bf16 step on the GPU differ in
+    # their last bits (Adam normalizes tiny gradients, so those differences reach the update), while a lost
+    # optimizer state changes Adam's update by its own order
+    update = torch.cat([(kept[n] - before[n]).flatten() for n in kept])
+    resumed_update = torch.cat([(resumed[n] - before[n]).flatten() for n in kept])
+    relative = ((resumed_update - update).norm() / update.norm()).item()
+    return {"max_abs_diff": worst, "step_moved": moved, "update_relative_diff": relative,
+            "states_on_host": on_host, "passed": relative <= 0.05 and on_host}
 
 
 def main() -> int:
@@ -144,6 +150,8 @@ def main() -> int:
     dirs: dict[str, Path] = {}
     modes = set(sys.argv[2:]) or {c[3] for c in CONFIGS} | {"offload"}
     configs = [(*c, "none") for c in CONFIGS if c[3] in modes] + (OFFLOAD_CONFIGS if "offload" in modes else [])
+    if "resume" in modes:
+        configs += OFFLOAD_CONFIGS[:1]
     for shape, rows, seq, ckpt, offload in configs:
         if shape not in dirs:
             d = Path(tempfile.gettempdir()) / f"molt_gpu_mem_{shape}"
