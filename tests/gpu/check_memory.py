@@ -18,6 +18,14 @@ The offload configurations are issue 28's: a Qwen3-8B shape (8.2 B parameters: f
 states are 131 GB, more than the GPU's 140 GiB minus activations) trains only with `offload: optimizer`; the 4B
 shape runs with and without it, for the step time the offload costs; on the 0.6B shape a DCP checkpoint of the
 offloaded rank must resume exactly (`_resume`).
+Measured 2026-12-03 on one H200 (2 x 4096 tokens per micro-batch, full checkpointing; second step):
+- Qwen3-8B shape, `offload: optimizer`: 5.04 s per step against 2.55 s without offload in the same run (1.98x);
+  GPU peak 80.4 GiB reserved (estimate 76.1: 0.946), host 70.1 GiB (estimate 70.3: 1.003). Without offload the 8B
+  still fits at this batch: 137.0 GiB of the GPU's 139.8 (the compiler estimates 143.2 and refuses it, MEM001).
+- Qwen3-4B shape: 2.97 s with `offload: optimizer` against 1.66 s without (1.79x); host estimate 1.000.
+- The host step before it was fused and overlapped (single-tensor AdamW, synchronous copies): 17.4 s for the 8B
+  (6.5x its no-offload step), 8.3 s for the 4B.
+- A checkpoint resume of the 0.6B shape: the resumed update equals the kept-going one to 0.4 % (relative norm).
 """
 
 from __future__ import annotations
