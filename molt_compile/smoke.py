@@ -77,6 +77,9 @@ class SmokePlan:
     has_eval: bool = False
     root: Path = field(default_factory=Path.cwd)
     """The job root: where the plan's relative paths start, the job's working directory."""
+    text_only: str | None = None
+    """Why the smoke model of this VLM recipe is text-only (no tiny vision tower is built for its architecture):
+    its images (DATA004 on the smoke model) make the smoke run a refusal, as CAP001 does; None otherwise."""
 
     def sets(self, phase: int) -> list[str]:
         return [c.as_set() for c in [*self.changes, *self.phase_changes[phase]]]
@@ -112,7 +115,14 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     else:
         phases = _rl(change, recipe, world, work, str(model_dir))
     has_eval = recipe.eval.dataset is not None
-    return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root)
+    facts = model_facts(recipe, source)
+    text_only = None
+    if own is None and facts is not None and facts.is_vlm:
+        text_only = (
+            f"the smoke model stands for {facts.architecture} text-only (no tiny vision tower is built for "
+            "it yet), and the recipe asks for images"
+        )
+    return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root, text_only)
 
 
 def _world(recipe: Any) -> int:

@@ -112,13 +112,18 @@ def prepare(
     for result in phases.values():
         if result.plan is None:
             codes = {d.code for d in result.diagnostics if d.severity == "error"}
-            verdict.status = "refused" if codes == {"CAP001"} else "invalid"
+            refusals = {"CAP001", "DATA004"} if sp.text_only else {"CAP001"}
+            verdict.status = "refused" if codes <= refusals else "invalid"
             verdict.phase, verdict.compile_result = "compile", result
-            keys = sorted({d.path for d in result.diagnostics if d.severity == "error"})
+            keys = sorted({d.path for d in result.diagnostics if d.severity == "error" and d.code == "CAP001"})
+            reasons = [f"the runtime does not implement what {', '.join(keys)} ask for (CAP001)"] if keys else []
+            if "DATA004" in codes and sp.text_only:
+                reasons.append(f"{sp.text_only} (DATA004)")
+            all_keys = sorted({d.path for d in result.diagnostics if d.severity == "error"})
             verdict.detail = (
-                f"the runtime does not implement what {', '.join(keys)} ask for (CAP001)"
+                "; ".join(reasons)
                 if verdict.status == "refused"
-                else f"the smoke recipe has errors ({', '.join(sorted(codes))} at {', '.join(keys)})"
+                else f"the smoke recipe has errors ({', '.join(sorted(codes))} at {', '.join(all_keys)})"
             )
             return verdict, sp, phases
     missing = _unreadable_data(real)

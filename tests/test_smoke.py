@@ -62,7 +62,9 @@ def test_the_smoke_recipe_compiles_with_the_ordinary_passes(path):
         with contextlib.chdir(ROOT):
             result = compile_recipe(path.relative_to(ROOT), sp.sets(phase))
         errors = [f"{d.code} {d.path}: {d.message}" for d in result.diagnostics if d.severity == "error"]
-        assert all(e.startswith("CAP001") for e in errors), errors
+        # a VLM's text-only smoke model refuses its images (DATA004) as the capability table refuses (CAP001)
+        refusals = ("CAP001", "DATA004") if sp.text_only else ("CAP001",)
+        assert all(e.startswith(refusals) for e in errors), errors
         if result.plan is not None:
             assert result.plan.cluster.device == "cpu" and result.plan.name == sp.name
             assert result.plan.fingerprint != compile_recipe(path, capabilities=False).plan.fingerprint
@@ -91,9 +93,18 @@ def test_unreadable_data_names_the_key_and_the_fix():
 
 
 def test_a_capability_refusal_is_reported_at_compile_time_before_anything_runs():
-    verdict, _, _ = prepare(Path("recipes/sft_omni3_30b.yaml"), (), ROOT)
+    verdict, _, _ = prepare(Path("recipes/glm5_ep256.yaml"), (), ROOT)
     assert verdict.status == "refused" and verdict.phase == "compile"
     assert "actor.mesh.cp" in verdict.detail and "CAP001" in verdict.detail
+
+
+def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
+    # No tiny vision tower is built for the omni3 architecture: its smoke model would be text-only, and images on a
+    # text-only model are an error (DATA004: the job would die loading the image processor), so a refusal that says so
+    verdict, sp, _ = prepare(Path("recipes/sft_omni3_30b.yaml"), (), ROOT)
+    assert sp is not None and sp.text_only and "NemotronH_Nano_Omni" in sp.text_only
+    assert verdict.status == "refused" and verdict.phase == "compile"
+    assert "no tiny vision tower" in verdict.detail and "DATA004" in verdict.detail
 
 
 def test_a_verdict_of_zero_rewards_from_truncated_rollouts_says_why():

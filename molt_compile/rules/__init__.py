@@ -99,7 +99,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("DATA001", "prompt-probs-count-mismatch", "error", data_sources.prompt_probs_count_mismatch, BOTH),
     Code("DATA002", "packing-with-vlm", "error", data_sources.packing_with_vlm, BOTH),
     Code("DATA003", "local-data-file-missing", "warning", data_sources.local_data_file_missing, BOTH),
-    Code("DATA004", "images-on-text-model", "warning", data_sources.images_on_text_model, BOTH),
+    Code("DATA004", "images-on-text-model", "error", data_sources.images_on_text_model, BOTH),
     Code("DATA005", "local-model-path-missing", "warning", data_sources.local_model_path_missing, BOTH),
     Code("DATA006", "chat-rows-without-chat-template", "error", data_rows.chat_rows_without_chat_template),
     Code("DATA007", "data-key-missing-from-rows", "error", data_rows.data_key_missing_from_rows, BOTH),

@@ -182,7 +182,9 @@ def images_on_text_model(recipe: RlRecipe | SftRecipe, derived: Derived, source:
     Images enabled (`data.max_images_per_prompt > 0`, SFT `data.image_key`) for a model that has no vision encoder.
 
     ## Why it matters
-    vLLM rejects `limit_mm_per_prompt` for a text-only model at engine start, and the trainer has no vision tower.
+    vLLM rejects `limit_mm_per_prompt` for a text-only model at engine start, and the trainer has no vision tower;
+    SFT loads the model's image processor for `image_key`, which a text-only model does not have (Molt raises
+    `ValueError` at job start, H15). An error here, not a job that dies at step 0.
 
     ## Example
     ```yaml
