@@ -229,17 +229,6 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "the adapters are patched in before FSDP2 sharding (runtime/models/hf.py `shard`); nemo-automodel's "
             "expert-parallel build (`expert_parallel`) does not patch them yet",
         ),
-        row(
-            "rl-automodel-images",
-            "data.max_images_per_prompt",
-            "image prompts with expert parallelism on the automodel backend",
-            lambda p: p.rl.data.max_images_per_prompt > 0 and p.rl.trainer is not None and p.rl.trainer.mesh.ep > 1,
-            "actor.mesh.ep: 1 (a VLM builds as nemo-automodel's image-text-to-text model, sharded like the hf "
-            "backend's), or model.backend: hf",
-            "at ep 1 the log-probs and optimizer step of image prompts equal the hf backend's on CPU "
-            "(tests/runtime/models/test_automodel_vlm.py); nemo-automodel's MoE parallelizer on a VLM (the "
-            "language model's experts over ep) has not run",
-        ),
         *_attention_rows("rl", row),
         row(
             "rl-automodel-compile",
@@ -330,16 +319,6 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
         return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}", **written)  # type: ignore[arg-type]
 
     return (
-        row(
-            "sft-automodel-images",
-            "data.image_key",
-            "image inputs with expert parallelism on the automodel backend",
-            lambda p: p.sft.data.image_key is not None and p.sft.trainer.mesh.ep > 1,
-            "actor.mesh.ep: 1 (a VLM builds as nemo-automodel's image-text-to-text model, sharded like the hf "
-            "backend's), or model.backend: hf",
-            "the RL build's (rl-automodel-images): at ep 1 VLM SFT on automodel equals hf on CPU "
-            "(tests/runtime/test_sft_vlm.py); nemo-automodel's MoE parallelizer on a VLM has not run",
-        ),
         *_attention_rows("sft", row),
         row(
             "sft-automodel-compile",

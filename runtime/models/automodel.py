@@ -25,7 +25,10 @@ checkpoint in tests/runtime/models/test_automodel.py and test_automodel_vlm.py).
 
 A VLM builds as nemo-automodel's image-text-to-text model (`NeMoAutoModelForImageTextToText`: its own Qwen3.5/3.6-MoE
 implementation, say) and is sharded as the hf backend shards one (`build`); its image prompts' log-probs and
-optimizer steps equal the hf backend's (tests/runtime/models/test_automodel_vlm.py).
+optimizer steps equal the hf backend's (tests/runtime/models/test_automodel_vlm.py). At `mesh.ep` > 1 the same
+parallelizer places its language model's experts over ep, with the hf backend's FSDP2 units (`_RootUnit`); its
+log-probs and optimizer step equal ep 1's (tests/runtime/models/test_automodel_vlm_ep.py, and in SFT
+tests/runtime/test_sft_vlm_expert_parallel.py).
 
 Its gates' own load-balancing loss is switched off (`aux_loss_coeff = 0`): the trainer adds the recipe's
 load-balancing and z-loss itself from the gates' logits (`runtime/moe.py`), once.
@@ -284,7 +287,8 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     (the capability table keeps it off this one).
     A VLM is sharded as the hf backend shards one: its language-model layers are the FSDP units and the vision
     tower stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the
-    same collectives); `freeze_visual_encoder` stops the tower's gradients."""
+    same collectives), under expert parallelism too (`_RootUnit`); `freeze_visual_encoder` stops the tower's
+    gradients."""
     model = load(model_plan, path, device)
     if trainable:  # the export's names are the trained model's (a reference or teacher is never exported)
         _export_renames.clear()
@@ -302,7 +306,8 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     """nemo-automodel's `parallelize_model` on its meshes: the experts of each MoE layer Shard(0) over `ep` (its
     `ExpertParallel` style), everything else FSDP2 over the data-parallel ranks (its `apply_fsdp`: one unit per
     decoder layer, the experts ignored when ep_shard is 1), in the plan's compute dtype with fp32 gradient
-    reduction. Its gates compute in the router dtype through the `BackendConfig` (`gate_precision`).
+    reduction. Its gates compute in the router dtype through the `BackendConfig` (`gate_precision`). A VLM's experts
+    are its language model's (the parallelizer finds them there); its units are the hf backend's (`_RootUnit`).
 
     Gradients: FSDP2 averages the other parameters' gradients over dp; an expert's gradient arrives summed over the
     ep group's tokens (the dispatcher's all-gather backward) and averaged over ep_shard only, so a hook divides it
@@ -324,7 +329,7 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
                       ep_shard_axis_names=("ep_shard",) if "ep_shard" in names else None,
                       mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
                                                      reduce_dtype=torch.float32),
-                      offload_policy=policy)
+                      offload_policy=policy, model_parallelizer=_RootUnit.of(model))
     ep_shard = meshes.moe["ep_shard"].size() if "ep_shard" in names else 1
     ratio = meshes.dp / ep_shard
     if trainable and ratio != 1:
@@ -333,6 +338,38 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
                 p.register_hook(lambda g: g / ratio)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
+
+
+class _RootUnit:
+    """A VLM's FSDP2 units under nemo-automodel's MoE parallelizer: the decoder layers (their experts over ep) and
+    the lm_head units of their own, and, as in `hf.shard`, the vision tower (trained or frozen), the input
+    embeddings and the language model's own parameters in the root unit.
+
+    Its `apply_fsdp` would also make the trained tower, the input embeddings and the language model units of their
+    own, and nemo-automodel's VLM forward runs them in an order that depends on the micro-batch (with an image it
+    embeds the tokens before entering the language model, without one the language model embeds them): ranks whose
+    micro-batches differ would all-gather different units at the same step (a gloo size mismatch on CPU). This is
+    the `ModelParallelizer` hook `apply_fsdp` shards every unit through (`_fully_shard_module`); it leaves those
+    modules to the root."""
+
+    def __init__(self, kept: list[torch.nn.Module]):
+        self.kept = {id(m) for m in kept}
+
+    @classmethod
+    def of(cls, model) -> _RootUnit | None:
+        """None for a text model (nemo-automodel's own wrapping stands)."""
+        from nemo_automodel.components.distributed.multimodal_fsdp import iter_multimodal_modules
+
+        language = getattr(model.model, "language_model", None)
+        if language is None:
+            return None
+        towers = [module for _, module in iter_multimodal_modules(model)]
+        return cls([language, language.embed_tokens, *towers])
+
+    def _fully_shard_module(self, module: torch.nn.Module, **kwargs):
+        from torch.distributed.fsdp import fully_shard
+
+        return module if id(module) in self.kept else fully_shard(module, **kwargs)
 
 
 def _on_ep(p: torch.Tensor) -> bool:
