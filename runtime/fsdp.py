@@ -20,6 +20,7 @@ On a CPU run both levels run these same code paths, with host and device the sam
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -172,7 +173,7 @@ class HostAdamW(torch.optim.AdamW):
         returns the event the copies complete at (None when synchronous) and what to swap back."""
         swapped = []
         offset = 0
-        with torch.cuda.stream(self.copies) if self.copies is not None else _nothing():
+        with torch.cuda.stream(self.copies) if self.copies is not None else contextlib.nullcontext():
             for p in chunk:
                 shard, grad_shard = _local(p), _local(grads[p])
                 views = [b[offset:offset + shard.nbytes].view(shard.dtype).view(shard.shape) for b in slot]
@@ -199,7 +200,7 @@ class HostAdamW(torch.optim.AdamW):
     def _to_device(self, swapped) -> None:
         """Copy the stepped shards back into the device tensors and point everything back at them (on CUDA the
         copies are queued on the side stream, after this slot's arrival and before its next reuse)."""
-        with torch.cuda.stream(self.copies) if self.copies is not None else _nothing():
+        with torch.cuda.stream(self.copies) if self.copies is not None else contextlib.nullcontext():
             for p, grad, shard, grad_shard in swapped:
                 shard.copy_(_local(p), non_blocking=True)
                 _set_local(p, shard)
@@ -218,12 +219,6 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
             raise RuntimeError(f"cudaHostRegister of a {nbytes}-byte host buffer failed")
         weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
     return buffer
-
-
-def _nothing():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:
