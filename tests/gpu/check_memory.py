@@ -3,7 +3,11 @@
 
     python3 tests/gpu/check_memory.py OUT_DIR [MODE ...]     MODE: full selective none (the checkpointing modes'
                                                              configurations), offload (CPU offload's) or resume
-                                                             (only the offloaded checkpoint resume)
+                                                             (only the offloaded checkpoint resume); a shape
+                                                             name (qwen3-8b) keeps only that shape's runs
+
+The caching allocator runs as the process environment sets it (`PYTORCH_CUDA_ALLOC_CONF`; the launch recipes set
+`expandable_segments:True` through recipes/base/rl.yaml's `env`, demo_gpu.yaml does not); the report records it.
 
 For each configuration (model shape, micro-batch rows x sequence length, activation checkpointing, `actor.offload`):
 a random Qwen3 of that shape, this project's `PolicyWorker` (FSDP2 world 1, fp32 master weights, bf16 compute,
@@ -18,20 +22,25 @@ The offload configurations are issue 28's: a Qwen3-8B shape (8.2 B parameters: f
 states are 131 GB, more than the GPU's 140 GiB minus activations) trains only with `offload: optimizer`; the 4B
 shape runs with and without it, for the step time the offload costs; on the 0.6B shape a DCP checkpoint of the
 offloaded rank must resume exactly (`_resume`).
-Measured 2026-12-03 on one H200 (2 x 4096 tokens per micro-batch, full checkpointing; second step):
-- Qwen3-8B shape, `offload: optimizer`: 5.04 s per step against 2.55 s without offload in the same run (1.98x);
-  GPU peak 80.4 GiB reserved (estimate 76.1: 0.946), host 70.1 GiB (estimate 70.3: 1.003). Without offload the 8B
-  still fits at this batch: 137.0 GiB of the GPU's 139.8 (the compiler estimates 143.2 and refuses it, MEM001).
-- Qwen3-4B shape: 2.97 s with `offload: optimizer` against 1.66 s without (1.79x); host estimate 1.000.
-- The host step before it was fused and overlapped (single-tensor AdamW, synchronous copies): 17.4 s for the 8B
-  (6.5x its no-offload step), 8.3 s for the 4B.
-- A checkpoint resume of the 0.6B shape: the resumed update equals the kept-going one to 0.4 % (relative norm).
+Measured 2026-12-04 on one H200 (2 x 4096 tokens per micro-batch, full checkpointing; second step), under the
+launch recipes' allocator setting (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`):
+- Qwen3-8B shape, `offload: optimizer`: 5.28 s per step against 2.53 s without offload in the same run (2.08x);
+  GPU peak 78.3 GiB reserved (estimate 76.1: 0.971), host 73.0 GiB (estimate 70.3: 0.963). Without offload the 8B
+  still fits at this batch: 138.0 GiB of the GPU's 139.8 (estimate 143.2: 1.037; the compiler refuses it, MEM001).
+- Qwen3-4B shape: 2.92 s with `offload: optimizer` against 1.84 s without (1.59x); GPU estimate 1.094 (1.097
+  without offload), host 1.000.
+- With the default allocator (no `PYTORCH_CUDA_ALLOC_CONF`, as demo_gpu.yaml runs) the 8B's reserved peak is 80.3
+  GiB (estimate 0.947: 10 GiB reserved beyond allocated against the estimate's 6.2 GiB of slack); 4.99 s per step.
+- 2026-12-03: the host step before it was fused and overlapped (single-tensor AdamW, synchronous copies) took 17.4 s
+  for the 8B (6.5x its no-offload step), 8.3 s for the 4B; a checkpoint resume of the 0.6B shape: the resumed update
+  equals the kept-going one to 0.4 % (relative norm).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -156,10 +165,13 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name(0), "runs": []}
     dirs: dict[str, Path] = {}
-    modes = set(sys.argv[2:]) or {c[3] for c in CONFIGS} | {"offload"}
+    shapes = {a for a in sys.argv[2:] if a in SHAPES}
+    modes = set(sys.argv[2:]) - shapes or {c[3] for c in CONFIGS} | {"offload"}
     configs = [(*c, "none") for c in CONFIGS if c[3] in modes] + (OFFLOAD_CONFIGS if "offload" in modes else [])
     if "resume" in modes:
         configs += OFFLOAD_CONFIGS[:1]
+    configs = [c for c in configs if not shapes or c[0] in shapes]
+    report["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     for shape, rows, seq, ckpt, offload in configs:
         if shape not in dirs:
             d = Path(tempfile.gettempdir()) / f"molt_gpu_mem_{shape}"
