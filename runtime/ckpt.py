@@ -30,16 +30,12 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
@@ -96,29 +92,37 @@ def load_sharded(path: str, model, optimizer, scheduler) -> None:
     scheduler.load_state_dict(torch.load(Path(path) / "scheduler.pt", weights_only=False))
 
 
-def export_hf(out_dir: str, model, to_hf: Callable[[dict], dict], model_path: str, rank: int) -> str | None:
-    """Gather full weights (collective) and, on rank 0, write an HF directory loadable by from_pretrained and vLLM;
-    `to_hf` (the model backend's `hf_state_dict`) puts them under transformers' names and layouts.
+def export_hf(out_dir: str, model, hf_weights: Callable[[Any], list], model_path: str, rank: int) -> str | None:
+    """Write an HF directory loadable by from_pretrained and vLLM (collective; rank 0 writes, and returns it): the
+    weights streamed out of their shards file by file (`runtime/hf_export.py`; `hf_weights`, the model backend's,
+    names and lays them out as transformers does), the checkpoint's config, generation config and tokenizer.
     Under LoRA: a PEFT adapter directory instead (Molt 0.2.1), loadable by `PeftModel.from_pretrained`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from runtime import hf_export
 
     if getattr(model, "molt_lora", None) is not None:
         from runtime import lora
 
         return lora.export_adapter(out_dir, model, model_path, rank)
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return None
-    sd = to_hf(sd)
     config = AutoConfig.from_pretrained(model_path)
     vlm = getattr(config, "vision_config", None) is not None
-    with torch.device("meta"):
-        hf_model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config,
-                                                                                              dtype=torch.float32)
-    hf_model.load_state_dict(sd, strict=False, assign=True)
-    hf_model.tie_weights()
-    hf_model.save_pretrained(out_dir)
+    meta_model = None
+    if rank == 0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        with torch.device("meta"):  # its on-disk conversions and generation config, no weights
+            meta_model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(
+                config, dtype=torch.float32)
+    # the collective's device: NCCL moves CUDA tensors (the shards may sit on the host under actor.offload: full)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    hf_export.write(out_dir, hf_weights(model), meta_model, rank, device)
+    if rank != 0:
+        return None
+    assert meta_model is not None
+    meta_model.config.save_pretrained(out_dir)
+    if meta_model.can_generate() and meta_model.generation_config is not None:
+        meta_model.generation_config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
     if vlm:  # the processor's files travel as they are (a torchvision-less processor cannot save itself whole)
         for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):

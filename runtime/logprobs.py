@@ -27,10 +27,14 @@ the order the backbone fills placeholders in.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from runtime.context_parallel import CpRows
 
 LOGPROB_CHUNK_TOKENS = 1024
 """Positions per lm_head chunk: at vocabulary 152k and fp32 that is 0.6 GB of logits, not tokens x 0.6 MB.
@@ -104,13 +108,21 @@ def mrope_positions(backbone, input_ids: Tensor, attention_mask: Tensor | None,
 
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                       temperature: float, with_entropy: bool, chunk_tokens: int,
-                      vision: dict[str, Tensor] | None = None,
-                      top_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                      vision: dict[str, Tensor] | None = None, top_ids: Tensor | None = None,
+                      labels: Tensor | None = None,
+                      padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy, and (B * (L-1), k) log-probs of `top_ids`,
     given as (B, L-1, k)): decoder once, lm_head in chunks.
 
+    With `labels` (a context-parallel shard, `runtime/context_parallel.py`): (B * L,) log-probs of `labels` (B, L),
+    the next token of every local position, with `top_ids` (B, L, k); no attention mask (torch's ring attention is
+    causal), `padding_mask` for nemo-automodel's routers.
+
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
+    if labels is not None:
+        return _shard_logprobs(model, input_ids, position_ids, labels, padding_mask, temperature, with_entropy,
+                               chunk_tokens, top_ids)
     if position_ids is not None and attention_mask is not None:
         # transformers builds the per-document mask only without one: with it, documents attend to each other
         raise ValueError("a packed row never carries a 2-D attention mask")
@@ -130,6 +142,23 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
                          with_entropy, chunk_tokens, flat_top)
+
+
+def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, labels: Tensor,
+                    padding_mask: Tensor | None, temperature: float, with_entropy: bool, chunk_tokens: int,
+                    top_ids: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`_decoder_logprobs` of a context-parallel shard: every local position scores its label."""
+    if hasattr(model, "get_decoder"):  # transformers-style layers: nemo-automodel's CP hooks make them causal
+        out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
+                                  use_cache=False)
+    else:
+        out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=None,
+                          padding_mask=padding_mask)
+    hidden = out if isinstance(out, Tensor) else out.last_hidden_state
+    n = labels.numel()
+    flat_top = None if top_ids is None else top_ids.reshape(n, top_ids.shape[-1])
+    return head_logprobs(model.get_output_embeddings(), hidden.reshape(n, hidden.shape[-1]), labels.reshape(-1),
+                         temperature, with_entropy, chunk_tokens, flat_top)
 
 
 def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
@@ -198,24 +227,37 @@ def pack_top_ids(top_ids: Tensor, attention_mask: Tensor) -> Tensor:
 
 def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False,
                    packed: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                   vision: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+                   vision: dict[str, Tensor] | None = None, cp: CpRows | None = None) -> tuple[Tensor, Tensor | None]:
     """(b, w-1) log π(sequences[:, t+1] | sequences[:, :t+1]) at logits / temperature, and optionally the entropy.
 
     `sequences` is right-padded (b, w) with its bool `attention_mask`; `packed` runs the rows as one packed row;
-    `vision` (`vision_inputs`) makes it a VLM forward (padded only).
+    `vision` (`vision_inputs`) makes it a VLM forward (padded only); `cp`: their context-parallel shard.
     """
     lp, ent, _ = token_top_logprobs(model, sequences, attention_mask, temperature, None, with_entropy, packed,
-                                    chunk_tokens, vision)
+                                    chunk_tokens, vision, cp)
     return lp, ent
 
 
 def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float,
                        top_ids: Tensor | None, with_entropy: bool = False, packed: bool = False,
                        chunk_tokens: int = LOGPROB_CHUNK_TOKENS, vision: dict[str, Tensor] | None = None,
-                       ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                       cp: CpRows | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`token_logprobs`, plus (b, w-1, k) log π(top_ids[:, t, j] | sequences[:, :t+1]) when `top_ids` (b, w-1, k)
-    is given (score centering): gathered from the same chunked log-softmax, so no extra lm_head pass."""
+    is given (score centering): gathered from the same chunked log-softmax, so no extra lm_head pass.
+
+    `cp`: these padded rows' context-parallel shard (`runtime/context_parallel.py`, the block it comes from open):
+    each cp rank scores its positions and the results come back in row order on every cp rank."""
     b, width = sequences.shape
+    if cp is not None:
+        if vision is not None or packed:
+            raise ValueError("context parallelism takes padded text rows (the capability table refuses the rest)")
+        local_top = None if top_ids is None else cp.shard(torch.nn.functional.pad(top_ids, (0, 0, 0, 1)))
+        n = cp.input_ids.shape[1]
+        outs = _call(model, cp.input_ids, None, cp.position_ids, temperature, with_entropy, chunk_tokens, None,
+                     local_top, cp.labels, cp.padding_mask)
+        # position w-1 scores no token (its label is a filler): dropped, as `Experience` aligns them
+        lp, ent, top = (None if x is None else cp.gather(x.view(b, n, *x.shape[1:]))[:, :-1] for x in outs)
+        return lp, ent, top
     if vision is not None and packed:
         raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
     if not packed:

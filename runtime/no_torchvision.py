@@ -36,6 +36,12 @@ class NoVideoProcessor(PushToHubMixin):
     """
 
     valid_kwargs = VideosKwargs
+    # vLLM's Qwen3-VL profiling sizes the largest video even when a prompt may hold none (limit 0): the smallest
+    # video its own defaults describe (one 64x64 frame pair of 16-pixel patches); no video is ever processed
+    size = {"shortest_edge": 64 * 64, "longest_edge": 64 * 64}
+    temporal_patch_size = 2
+    patch_size = 16
+    merge_size = 2
 
     def to_dict(self) -> dict:
         return {}

@@ -11,6 +11,7 @@ included, because each FSDP forward is a collective), and returns their indices 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -51,14 +52,36 @@ class FsdpRank:
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint; a
         # subclass sets it from its model's config once built).
         self.image_token_id: int | None = None
+        # Data parallelism over every rank; a group under context parallelism sets these from its mesh (`use_cp`).
+        self.dp, self.dp_rank, self.cp, self.cp_mesh = world, rank, 1, None
 
-    def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False):
+    def use_cp(self, cp_mesh, dp: int) -> None:
+        """Context parallelism over `cp_mesh` (None: none): the cp ranks of one of the plan's `dp` data-parallel
+        ranks take the same rows and split their sequences (`runtime/context_parallel.py`)."""
+        from runtime import context_parallel
+
+        if cp_mesh is None:
+            return
+        self.cp_mesh, self.cp, self.dp = cp_mesh, cp_mesh.size(), dp
+        self.dp_rank = context_parallel.dp_rank(self.rank, cp_mesh)
+
+    def cp_rows(self, part: Experience):
+        """The block a micro-batch's forward and backward run in: its context-parallel shard (or None)."""
+        from runtime import context_parallel
+
+        if self.cp_mesh is None:
+            return contextlib.nullcontext()
+        return context_parallel.sharded_rows(self.cp_mesh, part.sequences.to(self.device),
+                                             part.attention_mask.to(self.device))
+
+    def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False,
+                 cp=None):
         """`token_logprobs` of one micro-batch on this rank's device; a VLM's image inputs ride along on every
-        micro-batch, images or not (the same code path on all ranks)."""
-        return self.top_logprobs(model, part, temperature, packed, with_entropy, with_top=False)[:2]
+        micro-batch, images or not (the same code path on all ranks). `cp`: its `cp_rows`."""
+        return self.top_logprobs(model, part, temperature, packed, with_entropy, with_top=False, cp=cp)[:2]
 
     def top_logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False,
-                     with_top: bool = True):
+                     with_top: bool = True, cp=None):
         """`logprobs`, plus the (b, w-1, k) log-probs of the batch's sampler top-k ids (`rollout_top_ids`, score
         centering) from the same chunked forward when `with_top`."""
         vision = None
@@ -67,12 +90,14 @@ class FsdpRank:
                                    self.image_token_id, self.device)
         top_ids = part.rollout_top_ids.to(self.device) if with_top else None
         return token_top_logprobs(model, part.sequences.to(self.device), part.attention_mask.to(self.device),
-                                  temperature, top_ids, with_entropy=with_entropy, packed=packed, vision=vision)
+                                  temperature, top_ids, with_entropy=with_entropy, packed=packed, vision=vision,
+                                  cp=cp)
 
     def shard(self, batch: Experience, balanced: bool) -> tuple[torch.Tensor, Experience, torch.Tensor]:
-        """This rank's row indices into `batch`, those rows, and their token lengths."""
+        """This rank's row indices into `batch`, those rows, and their token lengths: its data-parallel rank's
+        (every cp rank of it takes the same)."""
         lengths = batch.attention_mask.sum(-1)
-        rows = microbatch.rank_rows(lengths, self.world, balanced=balanced)[self.rank]
+        rows = microbatch.rank_rows(lengths, self.dp, balanced=balanced)[self.dp_rank]
         return rows, batch.select(rows), lengths[rows]
 
     def same_count(self, batches: list[list[int]]) -> list[list[int] | None]:
@@ -98,11 +123,11 @@ class FsdpRank:
             yield mb, self.part(shard, mb)
 
     def window_tokens(self, shard: Experience, window: range) -> float:
-        """Action tokens of this optimizer-step window on every rank (one all-reduce): the global-token-mean
-        normaliser (`runtime/algo/losses.py`)."""
+        """Action tokens of this optimizer-step window on every data-parallel rank (one all-reduce): the
+        global-token-mean normaliser (`runtime/algo/losses.py`)."""
         total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())], device=self.device)
         dist.all_reduce(total)  # NCCL reduces device tensors only
-        return float(total.item())
+        return float(total.item()) / self.cp  # the cp ranks of a data-parallel rank hold the same rows
 
     def shutdown(self) -> None:
         if dist.is_initialized():

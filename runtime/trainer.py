@@ -13,7 +13,9 @@ longest row, and with `packing` its rows run as one packed row (`runtime/logprob
 Loss aggregation is Molt's global token mean (`reference/molt_rules.md` §6.4): inside an optimizer-step window,
 each rank sums its per-token losses and divides by the action-token count of the *whole* window (all micro-batches
 of all ranks, one all-reduce), times the dp size because FSDP averages gradients over ranks. The backward is not
-rescaled by the accumulation count.
+rescaled by the accumulation count. Under context parallelism the cp ranks of a data-parallel rank take its rows,
+split each micro-batch's sequences and put the log-probs back in row order (`runtime/context_parallel.py`): the
+token count and the dp factor are the data-parallel ranks', and the rest reads as without CP.
 
 What this module does not know: rollouts, engines, queues. It takes tensors and returns tensors and numbers.
 """
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from runtime import fsdp, microbatch, models, moe
+from runtime import context_parallel, fsdp, microbatch, models, moe
 from runtime.experience import Experience
 from runtime.logprobs import token_logprobs
 from runtime.ranks import FsdpRank, free_port, gather_rows, start_ranks
@@ -59,6 +61,7 @@ class PolicyWorker(FsdpRank):
         self.t, self.model_plan, self.algo = trainer, model, algo
         self.backend = backend = models.backend(model)
         self.meshes = backend.device_mesh(device, trainer.world, trainer.mesh)
+        self.use_cp(self.meshes.cp, trainer.dp)
         self.model = backend.build(model, model.path, self.meshes, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
                                    freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload)
@@ -78,20 +81,25 @@ class PolicyWorker(FsdpRank):
     def _shard(self, batch: Experience) -> tuple[torch.Tensor, Experience, torch.Tensor]:
         return self.shard(batch, balanced=self.t.dynamic_batch_max_tokens is not None)
 
-    def _logprobs(self, model, part: Experience, with_entropy: bool = False):
-        return self.logprobs(model, part, self.t.temperature, self.t.packing, with_entropy=with_entropy)
+    def _logprobs(self, model, part: Experience) -> torch.Tensor:
+        """(b, T-1) log-probs of a micro-batch (no grad), R3-replayed when the plan says so."""
+        with self.cp_rows(part) as cp, self._routing(model, part, cp=cp):
+            return self.logprobs(model, part, self.t.temperature, self.t.packing, cp=cp)[0]
 
     @contextlib.contextmanager
-    def _routing(self, model, part: Experience, aux: bool = False):
+    def _routing(self, model, part: Experience, aux: bool = False, cp=None):
         """Around a forward (and its backward: checkpointed layers re-route when recomputed): R3 replay of the
-        rollout's routing when the plan says so, and the router logits for the aux losses when `aux`."""
+        rollout's routing when the plan says so (under context parallelism the shard's positions', `cp`), and the
+        router logits for the aux losses when `aux`."""
         with contextlib.ExitStack() as stack:
             if self.t.routing_replay:
                 if part.routed_experts is None:
                     raise RuntimeError("train.routing_replay is on but the batch carries no routing: the engines "
                                        "returned none (EnginesPlan.routed_experts)")
                 state = stack.enter_context(moe.replay(model))
-                state.targets = moe.flat_targets(part.routed_experts, part.attention_mask, self.t.packing)
+                # the sharder's pad slots: not captured (-1), so they keep the live choice
+                routed = part.routed_experts if cp is None else cp.shard(part.routed_experts, fill=-1)
+                state.targets = moe.flat_targets(routed, part.attention_mask, self.t.packing)
                 self._replay_state = state
             yield stack.enter_context(moe.collect_logits(model)) if aux else None
 
@@ -107,15 +115,15 @@ class PolicyWorker(FsdpRank):
         whole = range(shard.batch_size)
         for mb, part in self.micro_parts(shard, lengths, whole, t.micro_batch_size, t.dynamic_batch_max_tokens):
             width = part.action_mask.shape[1]
-            with self._routing(self.model, part):
-                lp = self._logprobs(self.model, part)[0].cpu()
+            lp = self._logprobs(self.model, part).cpu()
             if mb is not None:
                 old[mb, :width] = lp
             if self.ref is not None:
-                with self._routing(self.ref, part):
-                    lp_ref = self._logprobs(self.ref, part)[0].cpu()
+                lp_ref = self._logprobs(self.ref, part).cpu()
                 if mb is not None:
                     ref[mb, :width] = lp_ref
+        if self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0:  # its cp rank 0 returns the rows
+            return rows[:0], old[:0], None if ref is None else ref[:0]
         return rows, old, ref
 
     @torch.no_grad()
@@ -152,6 +160,8 @@ class PolicyWorker(FsdpRank):
                     for k, v in self._micro_step(part, total, kl_coef, len(parts), stats).items():
                         sums[k] = sums.get(k, 0.0) + v
                 grad_norms.append(self._optimizer_step())
+        if self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0:  # its cp rank 0 counts the rows' tokens
+            sums = {k: 0.0 if k == "tokens" or k.endswith("_x_tokens") else v for k, v in sums.items()}
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         sums["optimizer_steps"] = float(len(grad_norms))
         sums["lr"] = self.scheduler.get_last_lr()[0]
@@ -168,15 +178,16 @@ class PolicyWorker(FsdpRank):
         local = aggregation.window_stats(shard.action_mask[rows], shard.group_ids[rows])
         parts: list = [None] * self.t.world
         dist.all_gather_object(parts, local)
-        return aggregation.merge(parts)
+        return aggregation.merge(parts[::self.cp])  # one per data-parallel rank (cp ranks are consecutive)
 
     def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int,
                     window=None) -> dict[str, float]:
-        with self._routing(self.model, part, aux=self.aux) as router_logits:
-            return self._micro_step_in(part, global_tokens, kl_coef, micro_batches, window, router_logits)
+        # under context parallelism the forward and the backward run inside the shard's ring-attention block
+        with self.cp_rows(part) as cp, self._routing(self.model, part, aux=self.aux, cp=cp) as router_logits:
+            return self._micro_step_in(part, global_tokens, kl_coef, micro_batches, window, router_logits, cp)
 
     def _micro_step_in(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int, window,
-                       router_logits) -> dict[str, float]:
+                       router_logits, cp) -> dict[str, float]:
         from runtime import algo
         from runtime.algo import aggregation, mismatch
         from runtime.algo.score_centering import centering
@@ -188,7 +199,7 @@ class PolicyWorker(FsdpRank):
         if centered and part.rollout_top_ids is None:  # Molt L6
             raise RuntimeError("score centering is on but the batch carries no top-k log-probs from the engines")
         logp, entropy, top_lp = self.top_logprobs(self.model, part, self.t.temperature, self.t.packing,
-                                                  with_entropy=ls.entropy_coef != 0, with_top=centered)
+                                                  with_entropy=ls.entropy_coef != 0, with_top=centered, cp=cp)
         # No old log-probs (Molt B28): π_old is this very forward, detached, so the ratio is exactly 1.
         old = logp.detach() if part.old_log_probs is None else part.old_log_probs.to(dev)
         rollout_lp = part.rollout_log_probs.to(dev)
@@ -203,7 +214,7 @@ class PolicyWorker(FsdpRank):
                                                                       part.group_ids, window).to(dev)
         out = algo.actor_loss(
             logp, old, part.advantages.to(dev), mask, mode=ls.mode, clip_low=ls.clip_low, clip_high=ls.clip_high,
-            global_num_tokens=global_tokens, dp_size=self.t.world, dual_clip=ls.dual_clip,
+            global_num_tokens=global_tokens, dp_size=self.t.dp, dual_clip=ls.dual_clip,
             is_coef=is_out.coef if isc.enabled else None,
             ref_log_probs=part.ref_log_probs.to(dev) if use_kl_loss else None,
             kl_coef=kl_coef if use_kl_loss else 0.0, kl_estimator=kl.estimator, kl_ref=kl.ref,
@@ -215,8 +226,10 @@ class PolicyWorker(FsdpRank):
             real = part.attention_mask.to(dev).reshape(-1) if not self.t.packing else None
             real = torch.ones(router_logits.logits[0].shape[0], device=dev) if real is None else real
             weight = (1.0 if bool(mask.any()) else 0.0) / micro_batches
-            balance = moe.load_balancing_loss(router_logits.logits, self.top_k, real)
-            z = moe.z_loss(router_logits.logits, real)
+            logits = (router_logits.logits if cp is None
+                      else context_parallel.gather_router_logits(cp, router_logits.logits))
+            balance = moe.load_balancing_loss(logits, self.top_k, real)
+            z = moe.z_loss(logits, real)
             loss = loss + weight * (ls.aux_loss_coef * balance + ls.router_z_loss_coef * z)
             moe_stats = {"moe/load_balancing_loss": balance.item(), "moe/router_z_loss": z.item()}
         loss.backward()
@@ -282,7 +295,7 @@ class PolicyWorker(FsdpRank):
     def export_hf(self, out_dir: str) -> str | None:
         from runtime.ckpt import export_hf
 
-        return export_hf(out_dir, self.model, self.backend.hf_state_dict, self.model_plan.path, self.rank)
+        return export_hf(out_dir, self.model, self.backend.hf_weights, self.model_plan.path, self.rank)
 
 
 

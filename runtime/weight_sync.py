@@ -12,10 +12,12 @@ The sender and the receivers agree on the stream without exchanging anything per
 `TensorMeta` list (names, wire dtypes, full shapes; taken once from rank 0's DTensor global shapes, no gather) and
 cut it into buckets with the same `bucket_layout`. Per sync:
 
-- rank 0 casts its own rows of one bucket's parameters straight into the bucket and every other trainer rank sends
-  its rows point to point, received directly into their place (`ShardGather`): the gather moves wire-dtype bytes,
-  writes each byte once, and no rank holds more than two buckets (never the whole model, never fp32 unless the
-  engine runs fp32);
+- rank 0 casts its own piece of each of one bucket's parameters straight into the bucket and every other trainer
+  rank sends its pieces point to point, received directly into their place (`ShardGather`; which rank holds which
+  box of a tensor is `runtime/shard_layout.py`'s, for FSDP2, HSDP and expert parallelism at any ep): the gather
+  moves wire-dtype bytes, writes each byte once (a piece that is not one run of its tensor, an expert's ep_shard
+  columns, is copied once more, from a piece-sized buffer), and no rank holds more than two buckets (never the
+  whole model, never fp32 unless the engine runs fp32);
 - rank 0 copies each full parameter into the current bucket and broadcasts a full bucket asynchronously, so the next
   bucket's gather overlaps the previous bucket's transfer (at most two buckets alive);
 - each receiver posts the next bucket's receive before loading the current one (again two buffers), and loads each
@@ -34,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 
+from runtime import shard_layout
 from runtime.weight_sync_ipc import IpcChannel, broadcast_from_rank0
 
 # A tied lm_head is one parameter in the trainer (named_parameters lists it once, as the embedding) but vLLM must
@@ -245,19 +248,14 @@ POOL = BufferPool()
 
 
 # ----------------------------------------------------------------------------------------------------- sender
-def _chunk_rows(n: int, world: int) -> list[int]:
-    """Rows of dim 0 per rank under FSDP2's Shard(0) (torch.chunk: equal ceil-sized chunks, the tail may be short
-    or missing)."""
-    size = -(-n // world) if n else 0
-    return [max(0, min(size, n - r * size)) for r in range(world)]
-
-
 class ShardGather:
-    """Fills one bucket from the FSDP2 shards, each byte written once, straight where it belongs: rank 0 casts its
-    own rows of every parameter into the bucket, every other rank sends its rows (cast to the wire dtype; in the
-    wire dtype already, the local shard itself, no copy) point to point and rank 0 receives them directly into
-    their place in the bucket. No gather buffer and no reorder pass: the collective gather copied every byte twice
-    more on rank 0 (gloo's flat temporary, then rank-major to full tensors), which on CPU cost more than the
+    """Fills one bucket from the trainer's shards, each byte written once: rank 0 casts its own piece of every
+    parameter into the bucket, every other rank sends its pieces (cast to the wire dtype; in the wire dtype
+    already, the local shard itself, no copy) point to point and rank 0 receives them straight into their place in
+    the bucket, or, for a piece that is not one run of the whole tensor (an expert's ep_shard columns), into a
+    piece-sized buffer it then copies into place. Which rank holds which piece is `shard_layout`'s (FSDP2, HSDP,
+    expert parallelism at any ep). No gather buffer and no reorder pass: the collective gather copied every byte
+    twice more on rank 0 (gloo's flat temporary, then rank-major to full tensors), which on CPU cost more than the
     broadcast. Every rank must call it for every bucket, in order."""
 
     def __init__(self, sources: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], gather_group, rank: int,
@@ -270,39 +268,22 @@ class ShardGather:
         self.dtype = getattr(torch, metas[0].dtype)
         self._sends: list = []  # a non-zero rank's sends in flight: (works, cast buffer, sent tensors)
 
-    def _local(self, p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """(this rank's piece, whether it is a Shard(0) piece); a replicated or plain parameter is whole here. A
-        sharded piece's mesh must span the gather group (FSDP2's dp, or expert parallelism's ep when ep is the
-        whole group): its rows are then the group's ranks' in order."""
-        if hasattr(p, "base") and hasattr(p, "local"):  # a LoRA-merged or transposed view: sharded like its base
-            self._check_mesh(p.base)
-            return p.local(), getattr(p.base, "placements", None) is not None and p.base.placements[0].is_shard(0)
-        placements = getattr(p, "placements", None)
-        if placements is None:
-            return p.detach(), False
-        self._check_mesh(p)
-        if len(placements) != 1 or not (placements[0].is_shard(0) or placements[0].is_replicate()):
-            raise NotImplementedError(f"weight sync: placement {placements} (FSDP2 Shard(0) or Replicate only)")
-        return p.detach().to_local(), placements[0].is_shard(0)  # type: ignore[attr-defined]  # a DTensor
-
-    def _check_mesh(self, p) -> None:
-        mesh = getattr(p, "device_mesh", None)
-        if mesh is not None and mesh.size() != self.world:
-            raise NotImplementedError(f"weight sync: a parameter sharded over {mesh.size()} of {self.world} ranks "
-                                      f"({mesh.mesh_dim_names}); the gather reads shards spanning the group")
-
     def _pieces(self, bucket: list[int]):
-        """(index, local piece, is Shard(0), rows per rank, bytes per row) of each parameter of the bucket."""
-        esize = torch.empty((), dtype=self.dtype).element_size()
+        """(index, this rank's piece in the engine layout or None when it sends none, every rank's boxes) of each
+        parameter of the bucket."""
         for i in bucket:
-            local, is_shard = self._local(self.params[i])
-            shape = self.metas[i].shape
-            row_bytes = esize * (self.metas[i].nbytes // (esize * shape[0]) if shape and shape[0] else 0)
-            rows = _chunk_rows(shape[0], self.world) if is_shard else []
-            if is_shard and local.shape[0] != rows[self.rank]:
-                raise RuntimeError(f"weight sync: {self.metas[i].name} shard has {local.shape[0]} rows, "
-                                   f"expected {rows[self.rank]} (FSDP2 chunking)")
-            yield i, local, is_shard, rows, row_bytes
+            p = self.params[i]
+            boxes = shard_layout.pieces(p, self.world)
+            mine = next((b for b in boxes if b.rank == self.rank), None)
+            if mine is None:
+                yield i, None, boxes
+                continue
+            local = p.local() if hasattr(p, "local") else p.detach()  # an engine view, or the parameter
+            local = local.to_local() if hasattr(local, "to_local") else local
+            if tuple(local.shape) != mine.shape:
+                raise RuntimeError(f"weight sync: {self.metas[i].name} piece is {tuple(local.shape)} here, its "
+                                   f"placement makes it {mine.shape}")
+            yield i, local, boxes
 
     @torch.no_grad()
     def __call__(self, bucket: list[int], buf: torch.Tensor | None) -> None:
@@ -312,29 +293,35 @@ class ShardGather:
             self._send(bucket, dist)
             return
         scratch = None
-        if buf is None:  # no engine to send to (no group): receive the other ranks' rows all the same
+        if buf is None:  # no engine to send to (no group): receive the other ranks' pieces all the same
             size = sum(self.metas[i].nbytes for i in bucket)
             scratch = POOL.take(size, self.device, at_least=self.bucket_bytes)
             buf = scratch[:size]
-        recvs, owns, at = [], [], 0
-        for i, local, is_shard, rows, row_bytes in self._pieces(bucket):
-            own = rows[0] * row_bytes if is_shard else self.metas[i].nbytes
-            owns.append((at, own, local))
-            if is_shard:
-                start = at + own
-                for r in range(1, self.world):
-                    k = rows[r] * row_bytes
-                    if k:  # tag: the tensor's index, so each receive pairs with its send
-                        recvs.append(dist.P2POp(dist.irecv, buf[start:start + k], group=self.group, group_peer=r,
-                                                tag=i))
-                    start += k
+        recvs, owns, strided, at = [], [], [], 0
+        for i, local, boxes in self._pieces(bucket):
+            shape = self.metas[i].shape
+            whole = buf[at:at + self.metas[i].nbytes].view(self.dtype)
+            for box in boxes:
+                if box.rank == 0:
+                    owns.append((box.view(whole.view(shape)), local))
+                    continue
+                run = box.run(shape)
+                if run is not None:
+                    into = whole[run[0]:run[0] + run[1]]
+                else:  # received whole, then copied into its strided place
+                    into = torch.empty(box.shape, dtype=self.dtype, device=self.device)
+                    strided.append((box.view(whole.view(shape)), into))
+                # tag: the tensor's index, so each receive pairs with its send
+                recvs.append(dist.P2POp(dist.irecv, into.view(-1).view(torch.uint8), group=self.group,
+                                        group_peer=box.rank, tag=i))
             at += self.metas[i].nbytes
         works = dist.batch_isend_irecv(recvs) if recvs else []  # posted first: they arrive while rank 0 copies
-        for at, own, local in owns:
-            if own:
-                buf[at:at + own].view(self.dtype).copy_(local.reshape(-1))
+        for place, local in owns:
+            place.copy_(local)
         for w in works:
             w.wait()
+        for place, piece in strided:
+            place.copy_(piece)
         if scratch is not None:
             del buf
             POOL.give(scratch)
@@ -343,8 +330,8 @@ class ShardGather:
         """A non-zero rank: send this rank's rows of each sharded parameter of the bucket to rank 0. The sends of
         the previous bucket are finished first, so at most two buckets' worth of cast shards are in flight."""
         self._finish_sends()
-        pieces = [(i, local, rows[self.rank] * row_bytes) for i, local, is_shard, rows, row_bytes
-                  in self._pieces(bucket) if is_shard and rows[self.rank]]
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        pieces = [(i, local, local.numel() * esize) for i, local, _ in self._pieces(bucket) if local is not None]
         # a shard in the wire dtype on this device goes out as it is; others (cast, or on the host under
         # actor.offload: full) are copied into a device buffer first
         direct = lambda t: t.dtype == self.dtype and t.is_contiguous() and t.device == self.device  # noqa: E731

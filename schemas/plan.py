@@ -263,6 +263,10 @@ class EnginesPlan(PlanModel):
     """Only the engine knobs the recipe set (attention_backend, block_size, ...), with vLLM's argument names."""
     routed_experts: bool
     """Engines return the experts each token was routed to (R3, `train.routing_replay`)."""
+    routing_hook: bool
+    """vLLM engines capture that routing in Molt's worker extension (a hook on each MoE router, kept per KV slot:
+    `runtime/engines/vllm_routing.py`) instead of vLLM's own `enable_return_routed_experts`, which only vLLM's Model
+    Runner V2 (CUDA, with Triton) implements: vLLM engines on CPU."""
 
 
 class AgentPlan(PlanModel):
@@ -426,6 +430,8 @@ class MeshPlan(PlanModel):
     """Expert parallel."""
     pp: int
     """Pipeline parallel."""
+    dp_replicate: int
+    """HSDP replicas of the data-parallel ranks (1: FSDP over all of them)."""
 
 
 class OptimizerPlan(PlanModel):

@@ -196,6 +196,11 @@ class FsdpMesh(Section):
     """Expert-parallel degree (a separate MoE mesh). Must be > 1 for MoE checkpoints."""
     pp: PositiveInt = 1
     """Pipeline-parallel degree. Molt's trainers support only 1."""
+    dp_replicate: PositiveInt = 1
+    """HSDP: replicas of the data-parallel ranks (nemo-automodel's `dp_replicate` axis; not in Molt). FSDP2
+    shards each parameter over dp / dp_replicate ranks and keeps dp_replicate copies of the shards, gradients
+    averaged across them: less gathering traffic across nodes, more memory per GPU. Expert parallelism is unchanged
+    (the experts shard over ep and world / ep)."""
 
 
 class RolloutMesh(Section):

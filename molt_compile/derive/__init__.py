@@ -25,6 +25,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `actor.world` * | actor.nodes × actor.gpus_per_node | §3.2 |
 | `actor.model_parallel` * | tp × cp (EP excluded) = ranks that receive the same samples | G2 |
 | `actor.dp` * | world / (tp × cp), None when not integral | G2, G3 |
+| `actor.device_mesh` | the trainer's meshes, nemo-automodel's layout: dp_replicate × dp_shard × cp × tp, and ep_shard × ep with experts; None when the sizes do not divide the ranks | §3.3 |
 | `actor.grad_accum` * | batch / (micro × dp); 1 under dynamic batching; None when not integral | G4, B25 |
 | `actor.packing` * | actor.packing as written (packing on a VLM run is DATA002, never rewritten) | B5 |
 | `actor.num_gpus` | GPU fraction each policy worker requests: 0.2 when colocated, else 1 | B33 |

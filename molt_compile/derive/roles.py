@@ -61,6 +61,8 @@ def fsdp_role(b: Builder, role: str, world_of: RoleWorld, split: BatchSplit) -> 
             f"{role}.dp", world // mp, f"world {world} / (tp × cp = {mp})", (f"{role}.world", f"{role}.model_parallel")
         )
     dp = b.v(f"{role}.dp")
+    if role == "actor":
+        _device_mesh(b, mesh, world, dp)
     inputs = (f"{train_key}.batch_size", f"{train_key}.micro_batch_size", f"{role}.dp")
     if dynamic:
         b.add(
@@ -85,6 +87,25 @@ def fsdp_role(b: Builder, role: str, world_of: RoleWorld, split: BatchSplit) -> 
             f"batch_size {batch} / (micro_batch_size {micro} × dp {dp})",
             inputs,
         )
+
+
+def _device_mesh(b: Builder, mesh: FsdpMesh, world: int, dp: int | None) -> None:
+    """The trainer's meshes as nemo-automodel lays them out (`explain` shows what each rank holds): the world mesh
+    (dp_replicate, dp_shard, cp, tp) and, with experts, the (ep_shard, ep) mesh carved out of the same ranks."""
+    inputs = ("actor.world", "actor.mesh.tp", "actor.mesh.cp", "actor.mesh.ep", "actor.mesh.dp_replicate")
+    if dp is None or dp % mesh.dp_replicate or world % mesh.ep:
+        b.add("actor.device_mesh", None, "the mesh sizes do not divide the actor's ranks", inputs)
+        return
+    layout = f"dp_replicate {mesh.dp_replicate} × dp_shard {dp // mesh.dp_replicate} × cp {mesh.cp} × tp {mesh.tp}"
+    if mesh.ep > 1:
+        layout += f"; experts: ep_shard {world // mesh.ep} × ep {mesh.ep}"
+    b.add(
+        "actor.device_mesh",
+        layout,
+        f"{world} ranks: FSDP2 shards over dp_shard (replicated over dp_replicate), cp splits each sequence, tp each "
+        "matrix; each MoE layer's experts split over ep and shard over ep_shard",
+        inputs,
+    )
 
 
 def actor_world(a: Actor | SftActor) -> RoleWorld:

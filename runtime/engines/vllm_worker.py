@@ -16,6 +16,8 @@ parameter *and buffer* of a layer as loadable, and RotaryEmbedding owns one comp
 the old cache back (which is correct: it depends on the config only). `_ignore_computed_buffers` marks such layers
 as having nothing to load, which takes the same put-back path without the warning.
 
+The same extension captures MoE routing for R3 where vLLM cannot return it (`vllm_routing`).
+
 Importing it also lets a Qwen-VL processor load without torchvision in that process (`runtime.no_torchvision`).
 
 Kept free of Ray: vLLM imports this module inside its own worker processes (`worker_extension_cls`).
@@ -31,6 +33,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from runtime import no_torchvision, weight_sync
+from runtime.engines.vllm_routing import RoutingCaptureExtension
 
 BACKEND = "molt_broadcast"
 
@@ -99,6 +102,7 @@ class MoltBroadcastEngine(WeightTransferEngine[weight_sync.JoinMessage, MoltBroa
 
         t0 = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        _prepack_cpu_experts(self.model)
         self.last_stats["load_s"] = self.last_stats.get("load_s", 0.0) + time.perf_counter() - t0
         if self.info is not None and self.info.check_unassigned:
             # what vLLM's own loader checks after a load from disk ("weights not initialized from checkpoint"),
@@ -125,12 +129,33 @@ def _ignore_computed_buffers(model: torch.nn.Module) -> None:
             info.load_numel_total = 0
 
 
+def _prepack_cpu_experts(model: torch.nn.Module) -> None:
+    """vLLM 0.32's CPU MoE experts keep their weights prepacked for their grouped GEMM, a step of the experts'
+    `process_weights_after_loading` that an unquantized MoE layer runs only when its kernel is first built
+    (`UnquantizedFusedMoEMethod._setup_kernel`), not on a weight update: after a reload the kernel read the weights
+    unpacked (every logprob off by ~0.1 on the tiny MoE, measured). Prepack the reloaded weights in place, as that
+    step does; its zero-padding of the intermediate size is not redone (checked only on sizes that need none)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod) or method.moe_kernel is None:
+            continue
+        experts = method.moe_kernel.fused_experts
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
+            for weight in (layer.w13_weight, layer.w2_weight):
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+
+
 if BACKEND not in WeightTransferEngineFactory._registry:
     WeightTransferEngineFactory.register_engine(BACKEND, MoltBroadcastEngine)
 
 
-class WeightSyncExtension:
-    """Mixed into every vLLM worker (`worker_extension_cls`); importing it registers the backend above."""
+class WeightSyncExtension(RoutingCaptureExtension):
+    """Mixed into every vLLM worker (`worker_extension_cls`); importing it registers the backend above. It also
+    carries the routing capture of R3 on engines without vLLM's own (`vllm_routing`)."""
 
     def molt_weight_sync_stats(self) -> dict[str, Any]:
         """The last sync's receive-side numbers on this worker (transfer, load seconds, bytes; with the check, the

@@ -6,22 +6,26 @@ AutoModel class, Molt H9), its MoE layers (`Gate` routers, grouped experts) buil
 for custom models (B19): the plan's attention (sdpa or te), torch linear layers, `torch_mm` experts, fp32 RMSNorm,
 no rope fusion, the plan's router dtype as the gate precision and the plan's token dispatcher. The model then goes
 through the same FSDP2 wrapping as the `hf` backend (`hf.shard`: routers their own unit in the router dtype, one
-unit per decoder layer, the root), over this rank's 1-D `dp` mesh at `mesh.ep` 1. At `mesh.ep` > 1
-nemo-automodel's own device mesh (`MeshContext`: ep carved out of the data-parallel ranks) and its MoE parallelizer
-(`parallelize_model`: each rank holds experts/ep of every MoE layer, the plan's token dispatcher moves the tokens,
-FSDP2 shards the rest over dp) place the model; tp and cp stay refused by the capability table (not wired here).
+unit per decoder layer, the root), over the `dp` mesh at `mesh.ep` 1 (HSDP's 2-D (dp_replicate, dp_shard) mesh at
+the plan's `mesh.dp_replicate`). At `mesh.ep` > 1 nemo-automodel's own device mesh (`MeshContext`: ep carved out of
+the data-parallel ranks, ep_shard = ranks / ep, dp_replicate as the plan says) and its MoE parallelizer
+(`parallelize_model`: each rank holds experts/ep of every MoE layer, FSDP2-sharded over its ep_shard group when ep is
+below the ranks; the plan's token dispatcher moves the tokens; FSDP2, or HSDP, shards the rest over dp) place the
+model; tp stays refused by the capability table (not wired here). The expert gradients' scaling to the global token
+mean is `expert_parallel`'s; the weight sync reads every one of these placements piece by piece
+(`runtime/shard_layout.py`).
 
 On CPU nemo-automodel runs too, its MoE layers included (they match transformers' Qwen3-MoE logits to 3e-7 here),
 once three of its CUDA assumptions are answered for the build (`_built_on_cpu`): its build reads
 `torch.cuda.current_device()` for a device index, its checkpoint load goes to that device, and the rotary embedding
 keeps it for buffers it makes at the first forward. `reference/environment.md` §2 documents the first.
 
-The engines and the HF export see transformers' names and layouts (`hf_weights`, `hf_state_dict`): nemo-automodel's
-grouped experts hold (experts, in, out) matrices where transformers' fused experts hold (experts, out, in), so the
-two expert parameters of each MoE layer travel transposed under transformers' names; every other parameter has the
-same layout, and the same name but for nemo-automodel's module renames (`renames`: its fp32 holder of the
-gated-delta-net parameters, Qwen3.5/3.6-MoE's `shared_experts`) (checked against transformers' model of the same
-checkpoint in tests/runtime/models/test_automodel.py and test_automodel_vlm.py).
+The engines and the HF export see transformers' names and layouts (`hf_weights`, and `hf_state_dict` for a whole
+state dict): nemo-automodel's grouped experts hold (experts, in, out) matrices where transformers' fused experts hold
+(experts, out, in), so the two expert parameters of each MoE layer travel transposed under transformers' names; every
+other parameter has the same layout, and the same name but for nemo-automodel's module renames (`renames`: its fp32
+holder of the gated-delta-net parameters, Qwen3.5/3.6-MoE's `shared_experts`) (checked against transformers' model of
+the same checkpoint in tests/runtime/models/test_automodel.py and test_automodel_vlm.py).
 
 A VLM builds as nemo-automodel's image-text-to-text model (`NeMoAutoModelForImageTextToText`: its own Qwen3.5/3.6-MoE
 implementation, say) and is sharded as the hf backend shards one (`build`); its image prompts' log-probs and
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime import moe
+from runtime import context_parallel, moe
 from runtime.logprobs import attach
 from runtime.models import hf
 from runtime.models.base import Meshes
@@ -54,16 +58,24 @@ if TYPE_CHECKING:
 
 
 def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
-    """`hf`'s 1-D `dp` mesh at ep 1 (or no mesh: the reference and critic groups); at ep > 1 nemo-automodel's
-    world mesh (pp, dp_replicate, dp_shard, cp, tp) and its (ep_shard, ep) expert mesh over the same ranks: every
-    rank is a data-parallel rank (ep is carved out of dp), so each takes its own rows of a batch."""
-    if mesh is None or mesh.ep == 1:
-        return hf.dp_meshes(device, world)
+    """`hf`'s `dp` mesh at ep 1 (HSDP's (dp_replicate, dp_shard) at the plan's dp_replicate; no mesh: the reference
+    and critic groups); at ep > 1 nemo-automodel's world mesh (pp, dp_replicate, dp_shard, cp, tp) and its
+    (ep_shard, ep) expert mesh over the same ranks (ep_shard = ranks / ep: 1 when ep spans them): every rank is a
+    data-parallel rank (ep is carved out of dp), so each takes its own rows of a batch. At cp > 1 the same world
+    mesh with its cp axis (`Meshes.cp`, runtime/context_parallel.py); at ep 1 FSDP2 then shards over its flattened
+    dp x cp ranks (`dp_shard_cp`)."""
+    if mesh is None or (mesh.ep == 1 and mesh.cp == 1):
+        return hf.dp_meshes(device, world, 1 if mesh is None else mesh.dp_replicate)
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+    from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
 
-    ctx = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=mesh.ep), world_size=world)
-    return Meshes(fsdp=ctx.device_mesh, moe=ctx.moe_mesh, dp=world)
+    sizes = ParallelismSizes(ep_size=mesh.ep, dp_replicate_size=mesh.dp_replicate, cp_size=mesh.cp)
+    ctx = MeshContext.build(FSDP2Config(), sizes, world_size=world)
+    cp = ctx.device_mesh["cp"] if mesh.cp > 1 else None
+    # ep 1: `hf.shard` takes nemo-automodel's FSDP mesh of the dp x cp ranks
+    fsdp = ctx.device_mesh if ctx.moe_mesh is not None else get_fsdp_dp_mesh(ctx.device_mesh)
+    return Meshes(fsdp=fsdp, moe=ctx.moe_mesh, dp=world, cp=cp)
 
 
 # nemo-automodel's grouped-experts parameters -> transformers' fused-experts names (both (experts, ., .), transposed)
@@ -76,7 +88,7 @@ _EXPERTS = {".experts.gate_and_up_projs": ".experts.gate_up_proj", ".experts.dow
 # `shared_expert`; `renames`). Expert renames stay `_EXPERTS`' (they also transpose).
 _FP32_HOLDER = {"._fp32_params.": "."}
 _export_renames: dict[str, str] = dict(_FP32_HOLDER)
-"""The trained model's renames, for the export (`hf_state_dict` sees only a state dict): set by `build`."""
+"""The trained model's renames, for `hf_state_dict` (it sees only a state dict): set by `build`."""
 
 
 def renames(model) -> dict[str, str]:
@@ -98,10 +110,11 @@ def hf_name(name: str, names: dict[str, str] = _FP32_HOLDER) -> tuple[str, bool]
 
 @dataclass
 class TransposedExperts:
-    """A grouped-experts parameter as transformers lays it out: (experts, out, in). FSDP2 shards the experts dim,
-    so each rank's rows stay its own."""
+    """A grouped-experts parameter as transformers lays it out: (experts, out, in); the weight sync's
+    `shard_layout` swaps its pieces' last two dims too (`swapped`: under ep_shard FSDP2 cuts the base's dim 1)."""
 
     base: torch.Tensor
+    swapped = True
 
     @property
     def shape(self) -> torch.Size:
@@ -119,7 +132,8 @@ class TransposedExperts:
 def hf_weights(model) -> list[tuple[str, Any]]:
     """(transformers' name, parameter, transposed view or merged LoRA weight) of every floating parameter, in module
     order: what a weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over
-    `ep` (whole experts per rank), which the sync gathers like an FSDP2 shard when ep spans the group. Under LoRA the
+    `ep` (whole experts per rank), and with ep below the ranks Shard(1) over `ep_shard` as well; the sync reads each
+    rank's box of it (`runtime/shard_layout.py`). Under LoRA the
     adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); peft adapts `nn.Linear` layers only, so
     the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
     if getattr(model, "molt_lora", None) is not None:
@@ -296,10 +310,14 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     if freeze_visual_encoder and hasattr(model.model, "visual"):
         model.model.visual.requires_grad_(False)
     if meshes.moe is None:
-        return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora, offload)
-    from runtime.fsdp import offload_policy
+        model = hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora,
+                         offload)
+    else:
+        from runtime.fsdp import offload_policy
 
-    return expert_parallel(model, model_plan, meshes, trainable, freeze_router, offload_policy(offload, device))
+        model = expert_parallel(model, model_plan, meshes, trainable, freeze_router, offload_policy(offload, device))
+    context_parallel.prepare(model, meshes.cp)
+    return model
 
 
 def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, freeze_router: bool, policy):
@@ -309,10 +327,13 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     reduction. Its gates compute in the router dtype through the `BackendConfig` (`gate_precision`). A VLM's experts
     are its language model's (the parallelizer finds them there); its units are the hf backend's (`_RootUnit`).
 
-    Gradients: FSDP2 averages the other parameters' gradients over dp; an expert's gradient arrives summed over the
-    ep group's tokens (the dispatcher's all-gather backward) and averaged over ep_shard only, so a hook divides it
-    by dp / ep_shard — the scaling nemo-automodel's own recipe applies before clipping
-    (`scale_grads_and_clip_grad_norm`) — and the trainer's global token mean holds for every parameter."""
+    Gradients: FSDP2 averages the other parameters' gradients over dp (HSDP: over its shards and replicas); an
+    expert's gradient arrives summed over the ep group's tokens (the dispatcher's all-gather backward), which is
+    dp / ep_shard times the mean — the factor nemo-automodel's own recipe divides out before clipping
+    (`scale_grads_and_clip_grad_norm`). With ep over every rank (ep_shard 1) the experts are no FSDP2 unit and a
+    hook on each divides by dp; with ep below the ranks they are FSDP2 units over ep_shard, whose sharded
+    parameters autograd never reaches, so their reduce-scatter divides by dp instead of ep_shard (a sum, then the
+    division: gloo has no pre-scaled sum). Either way the trainer's global token mean holds for every parameter."""
     from nemo_automodel.components.moe.parallelizer import parallelize_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -324,18 +345,29 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     if freeze_router:
         moe.freeze_routers(model)
     names = meshes.moe.mesh_dim_names
-    parallelize_model(model, meshes.fsdp, meshes.moe, dp_axis_names=("dp_shard_cp",), cp_axis_name="cp",
+    # HSDP (a dp_replicate axis over 1): nemo-automodel shards the rest over its 2-D (replicate, shard) mesh
+    hsdp = meshes.fsdp["dp_replicate"].size() > 1
+    # cp_axis_name None: its `apply_cp` sets up transformer_engine's or a model's own CP attention (te under CP is
+    # refused, `rl-trainer-cp-te`); torch's ring attention comes with the sharder (runtime/context_parallel.py)
+    parallelize_model(model, meshes.fsdp, meshes.moe, cp_axis_name=None,
+                      dp_axis_names=("dp_replicate", "dp_shard_cp") if hsdp else ("dp_shard_cp",),
                       tp_axis_name="tp", ep_axis_name="ep",
                       ep_shard_axis_names=("ep_shard",) if "ep_shard" in names else None,
                       mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
                                                      reduce_dtype=torch.float32),
                       offload_policy=policy, model_parallelizer=_RootUnit.of(model))
     ep_shard = meshes.moe["ep_shard"].size() if "ep_shard" in names else 1
-    ratio = meshes.dp / ep_shard
-    if trainable and ratio != 1:
+    if trainable and ep_shard > 1:
+        from nemo_automodel.components.moe.layers import MoE
+
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.experts.set_gradient_divide_factor(float(meshes.dp))
+                module.experts.set_force_sum_reduction_for_comms(True)
+    elif trainable and meshes.dp > 1:
         for p in model.parameters():
             if p.requires_grad and _on_ep(p):
-                p.register_hook(lambda g: g / ratio)
+                p.register_hook(lambda g: g / meshes.dp)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 

@@ -17,14 +17,17 @@ if TYPE_CHECKING:
 class Meshes:
     """A model group's device meshes, as its backend made them from the plan's mesh.
 
-    `fsdp`: the mesh the FSDP2 units shard over (the `hf` backend's 1-D `dp`; nemo-automodel's 5-D world mesh
-    (pp, dp_replicate, dp_shard, cp, tp) under expert parallelism); `moe`: nemo-automodel's (ep_shard, ep) mesh of
-    the experts, None without expert parallelism; `dp`: how many data-parallel ranks split each batch (the loss's
-    global token mean counts over them)."""
+    `fsdp`: the mesh the FSDP2 units shard over (the `hf` backend's 1-D `dp`, or HSDP's 2-D (dp_replicate,
+    dp_shard); nemo-automodel's 5-D world mesh (pp, dp_replicate, dp_shard, cp, tp) under expert parallelism);
+    `moe`: nemo-automodel's (ep_shard, ep) mesh of the experts, None without expert parallelism; `dp`: how many
+    data-parallel ranks split each batch (the loss's global token mean counts over them)."""
 
     fsdp: DeviceMesh
     moe: DeviceMesh | None
     dp: int
+    cp: DeviceMesh | None = None
+    """nemo-automodel's 1-D context-parallel axis, None at cp 1 (`runtime/context_parallel.py`): the batch splits
+    over dp / cp data-parallel ranks (the plan's `dp`), each split again over its cp ranks' sequences."""
 
 
 class ModelBackend(Protocol):
@@ -49,9 +52,10 @@ class ModelBackend(Protocol):
 
     def hf_weights(self, model: torch.nn.Module) -> list[tuple[str, Any]]:
         """(engine name, local parameter or view with `.local()`/`.base`) of every floating weight, in the order a
-        weight sync streams them: transformers' names and layouts, as the engines load them."""
+        weight sync and the HF export stream them: transformers' names and layouts, as the engines load them."""
         ...
 
     def hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A full state dict of the model under transformers' names and layouts (the HF export)."""
+        """A full state dict of the model under transformers' names and layouts (`hf_weights`' names, for a
+        whole state dict at hand)."""
         ...

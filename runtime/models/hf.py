@@ -19,17 +19,21 @@ if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
 
-def dp_meshes(device: str, world: int) -> Meshes:
-    """One `dp` axis over every rank (the process group must be initialised)."""
+def dp_meshes(device: str, world: int, replicate: int = 1) -> Meshes:
+    """One `dp` axis over every rank (the process group must be initialised); with `replicate` > 1 HSDP's 2-D
+    (dp_replicate, dp_shard) mesh instead: FSDP2 shards over dp_shard and all-reduces the gradients across the
+    replicas. Every rank is a data-parallel rank either way."""
     import torch.distributed as dist
 
-    return Meshes(fsdp=dist.device_mesh.init_device_mesh(device, (world,), mesh_dim_names=("dp",)), moe=None,
-                  dp=world)
+    shape, names = ((world,), ("dp",)) if replicate == 1 else ((replicate, world // replicate),
+                                                                ("dp_replicate", "dp_shard"))
+    return Meshes(fsdp=dist.device_mesh.init_device_mesh(device, shape, mesh_dim_names=names), moe=None, dp=world)
 
 
 def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
-    """FSDP2 data parallelism over every rank: the capability table keeps tp/cp/ep at 1 on this backend."""
-    return dp_meshes(device, world)
+    """FSDP2 data parallelism over every rank, HSDP at the plan's `dp_replicate`: the capability table keeps
+    tp/cp/ep at 1 on this backend."""
+    return dp_meshes(device, world, 1 if mesh is None else mesh.dp_replicate)
 
 
 def hf_weights(model) -> list:

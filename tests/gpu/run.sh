@@ -2,7 +2,8 @@
 # Every GPU check and benchmark, or the named ones, on a machine with one NVIDIA GPU (the H200 test machines):
 #   tests/gpu/run.sh OUT_DIR [NAME ...]     NAME: check_ray bench_ipc_sync run_loop check_memory bench_trainer
 #                                            check_packing bench_hf_engine bench_loop (default: these, in this
-#                                            order), or profile_trainer (torch profiler, slow), check_trainer (two GPUs)
+#                                            order), or profile_trainer (torch profiler, slow), check_trainer (two GPUs),
+#                                            check_expert_parallel (2 or 4 GPUs; check_context_parallel: torchrun)
 # Installs the carried wheels first (tests/gpu/setup_device.sh; build them with tests/gpu/make_carry.sh). Each
 # script writes its JSON report under OUT_DIR (named in its docstring) and OUT_DIR/NAME.log; the exit status is the
 # number of scripts that failed.

@@ -102,11 +102,37 @@ def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
     assert len(steps) == 3
 
 
-def test_shard_rows_follow_fsdp2_chunking():
-    for n in (0, 1, 5, 7, 8, 100, 1003):
+def test_shard_boxes_follow_fsdp2_chunking_and_dtensor_offsets():
+    """`shard_layout`'s box of each mesh coordinate: FSDP2's torch.chunk rows on one dim, and DTensor's own local
+    shape and offset for the placements of HSDP and of experts under ep below the ranks; a box is one run of the
+    whole tensor exactly when its elements are consecutive."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from runtime.shard_layout import Piece, _box
+
+    for n in (1, 5, 7, 8, 100, 1003):
         for world in (1, 2, 3, 4, 8):
-            chunks = [len(c) for c in torch.arange(n).chunk(world)] if n else []
-            assert weight_sync._chunk_rows(n, world) == chunks + [0] * (world - len(chunks)), (n, world)
+            chunks = [len(c) for c in torch.arange(n).chunk(world)]
+            rows = [_box(0, (r,), (world,), (Shard(0),), (n, 3)).shape[0] for r in range(world)]
+            assert rows == chunks + [0] * (world - len(chunks)), (n, world)
+    for shape, mesh, placements in [((6, 7, 5), (2, 3), (Shard(1), Shard(0))), ((5, 3), (2, 2), (Replicate(), Shard(0))),
+                                    ((3, 9, 4), (3, 2), (Shard(1), Shard(0)))]:
+        for coord in itertools.product(*(range(k) for k in mesh)):
+            box = _box(0, coord, mesh, placements, shape)
+            local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
+            assert box.shape == tuple(local) and box.offset == tuple(offset), (shape, placements, coord)
+    whole = (3, 4, 5)
+    full = torch.arange(60).reshape(whole)
+    for offset in itertools.product(*(range(k) for k in whole)):
+        for size in itertools.product(*(range(1, k - o + 1) for k, o in zip(whole, offset, strict=True))):
+            box = Piece(0, offset, size)
+            flat = box.view(full).reshape(-1)
+            run = box.run(whole)
+            assert (run is not None) == bool((flat.diff() == 1).all()), (offset, size)
+            assert run is None or run == (flat[0].item(), flat.numel())
 
 
 def test_buffer_pool_keeps_a_viewed_buffer_and_hands_it_out_once_free():

@@ -112,14 +112,16 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         sft = SftJob(plan)
         sft._init_process_group()
         sft.device = torch.device("cpu")
-        sft._load_data()
         from runtime import fsdp, models
 
         s = plan.sft
         backend = models.backend(s.model)
+        meshes = backend.device_mesh("cpu", 2, s.trainer.mesh)
+        # what `SftJob.setup` sets from the meshes (no context parallelism here)
+        sft.cp_mesh, sft.dp, sft.cp, sft.dp_rank = meshes.cp, s.trainer.dp, 1, rank
+        sft._load_data()
         torch.manual_seed(0)
-        sft.model = backend.build(s.model, s.model.path, backend.device_mesh("cpu", 2, s.trainer.mesh), sft.device,
-                                  offload=s.trainer.offload)
+        sft.model = backend.build(s.model, s.model.path, meshes, sft.device, offload=s.trainer.offload)
         sft.optimizer, sft.scheduler = fsdp.build_optimizer(s.trainer.optimizer, sft.model, s.trainer.offload)
         results.setdefault(("sft", "start"), _full(sft.model))
         losses = [sft.train_step(sft.data.examples[w * sft.window:(w + 1) * sft.window], 0)[0]["train/loss"]

@@ -64,7 +64,7 @@ def test_the_shipped_demos_are_accepted_and_start():
 
 
 def test_a_plan_from_another_build_is_refused_in_one_line_with_exit_2(tmp_path):
-    plan = _compile("recipes/sft_qwen3_6_35b.yaml", [], capabilities=False).plan
+    plan = _compile("recipes/sft_qwen3_4b.yaml", ["actor.optimizer.name=muon"], capabilities=False).plan
     assert plan is not None
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan.to_json())
@@ -72,5 +72,5 @@ def test_a_plan_from_another_build_is_refused_in_one_line_with_exit_2(tmp_path):
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2
     line = proc.stderr.strip()
-    assert line.startswith(f"{plan_file}: this plan cannot run on this build of the runtime: actor.mesh.ep")
-    assert "capability sft-trainer-ep-layout" in line and "\n" not in line
+    assert line.startswith(f"{plan_file}: this plan cannot run on this build of the runtime: actor.optimizer.name")
+    assert "capability sft-muon" in line and "\n" not in line

@@ -145,7 +145,7 @@ def test_weight_sync_and_export_see_transformers_names_and_layouts(world, checkp
     metas = weight_sync.wire_metas(automodel.hf_weights(model), "float32")
     assert sorted(m.name for m in metas) == sorted(theirs)
 
-    out = ckpt.export_hf(str(tmp_path / "hf"), model, automodel.hf_state_dict, checkpoint, rank=0)
+    out = ckpt.export_hf(str(tmp_path / "hf"), model, automodel.hf_weights, checkpoint, rank=0)
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     original = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     ids, _ = _batch()

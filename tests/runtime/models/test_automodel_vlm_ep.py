@@ -120,7 +120,8 @@ def _rank_main(rank: int, port: int, path: str, out: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    meshes = {ep: automodel.device_mesh("cpu", WORLD, MeshPlan(tp=1, cp=1, ep=ep, pp=1)) for ep in (1, 2)}
+    meshes = {ep: automodel.device_mesh("cpu", WORLD, MeshPlan(tp=1, cp=1, ep=ep, pp=1, dp_replicate=1))
+              for ep in (1, 2)}
     ids, mask, mm = _batch(path)
     other = _batch(path, ((0, 0, 250), (250, 250, 0)))[2]
     result: dict = {}

@@ -1,12 +1,18 @@
 """Expert parallelism on the automodel backend (`runtime/models/automodel.py`): nemo-automodel's own device mesh and
-MoE parallelizer, its `torch` token dispatcher, on 2 gloo ranks (fp32, a tiny Qwen3-MoE), through the real trainer
-(`PolicyWorker`).
+MoE parallelizer, its `torch` token dispatcher, on 2 and 4 gloo ranks (fp32, a tiny Qwen3-MoE), through the real
+trainer (`PolicyWorker`).
 
-The EP 2 run (each rank holds 2 of the 4 experts of each layer, and its own rows of the batch) gives the same old
-log-probs, loss statistics and gradients as the one-rank run of the same batch (FSDP2 over one rank), and three
-clipped optimizer steps keep the weights equal: the loss is the global token mean over dp (an expert's gradient,
-summed over the ep group's tokens by the dispatcher, is divided back to the mean), and the gradient norm is the whole
-mesh's (experts on `ep`, the rest on `dp_shard`).
+Each layout gives the same old log-probs, loss statistics and gradients as the one-rank run of the same batch (FSDP2
+over one rank), and three clipped optimizer steps keep the weights equal: the loss is the global token mean over dp
+(an expert's gradient, summed over the ep group's tokens by the dispatcher and averaged over ep_shard, is divided
+back to the mean), and the gradient norm is the whole mesh's. Then what a weight sync streams, the HF export and a
+DCP save / resume. The layouts:
+- EP 2 on 2 ranks: each rank holds 2 of the 4 experts of each layer (ep = the ranks), the rest FSDP2 over both;
+- EP 2 x dp 2 on 4 ranks: each expert's weights FSDP2-sharded over the 2 ranks of its ep_shard group (dim 1), the
+  rest over all 4 (`shard_layout`'s (Shard(1), Shard(0)) box, gathered into the engine's layout);
+- HSDP with EP 2 on the same 4 ranks (one spawn): dp_replicate 2 x dp_shard 2 for the non-expert parameters
+  ((Replicate, Shard(0))), the experts as above; and HSDP at ep 1 (the hf backend's FSDP2 units over its 2-D mesh,
+  the experts replicated and sharded like the rest).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from schemas.plan import MeshPlan
 
 ROWS = 8
 STEPS = 3
+DEVICE = os.environ.get("MOLT_PARALLEL_DEVICE", "cpu")
+"""`cuda`: the same layouts over NCCL, one GPU per rank (tests/gpu/check_expert_parallel.py)."""
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +41,21 @@ def moe_checkpoint(tmp_path_factory) -> str:
                                 experts_per_token=2, tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, ep: int):
-    # one optimizer-step window of the whole batch in both layouts: world 1 runs 4 micro-batches of 2 rows, each of
-    # the 2 ranks 2 micro-batches of 2 rows
+def _rl(world: int, path: str, mesh: MeshPlan):
+    # one optimizer-step window of the whole batch in every layout: world 1 runs 4 micro-batches of 2 rows, each of
+    # 2 ranks 2 micro-batches, each of 4 ranks one
     return trainer_rl(
         world, ref=False,
         model={"path": path, "backend": "automodel", "moe_dispatcher": "torch", "router_dtype": "float32"},
         trainer={"micro_batch_size": 2, "grad_accum": ROWS // 2 // world, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": MeshPlan(tp=1, cp=1, ep=ep, pp=1)},
+                 "mesh": mesh},
         # Adam's eps above fp32 noise: an element whose gradient is ~0 would turn rounding into a full step
         optimizer=dict(lr=1e-2, eps=1e-5, max_norm=0.5, scheduler="constant", warmup_steps=0, total_steps=10),
         loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, aux_loss_coef=0.0,
                   router_z_loss_coef=0.0),
-        kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"))
+        kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"),
+        device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
 
 
 def _batch():
@@ -84,11 +93,25 @@ def _synced(worker) -> dict[str, torch.Tensor] | None:
     return out if worker.rank == 0 else None
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, ep: int) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, meshes: list[MeshPlan]) -> None:
+    """Each layout in turn in the same processes (a spawn costs more than a layout's run), over one process group:
+    torch's meshes remember their groups by name, and a re-created default group reuses the names."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
+    if DEVICE == "cuda":  # one GPU per rank, as Ray pins them (before this process touches CUDA)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    init = dist.init_process_group
+    dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)  # type: ignore
+    for k, mesh in enumerate(meshes):
+        _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh)
+    dist.destroy_process_group()
+
+
+def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan) -> None:
     from runtime.trainer import PolicyWorker
 
-    rl = _rl(world, path, ep)
+    rl = _rl(world, path, mesh)
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
     grads: list[dict[str, torch.Tensor]] = []
     step = worker._optimizer_step
@@ -111,7 +134,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, ep: in
     out["weights"] = {n: _full(p) for n, p in worker.model.named_parameters()}
     out["synced"] = _synced(worker)
     out["hf_dir"] = worker.export_hf(os.path.join(out_dir, "hf"))
-    if ep > 1:  # DCP: save, train a step, load, train the same step again: the same weights
+    if world > 1:  # DCP: save, train a step, load, train the same step again: the same weights
         worker.save_checkpoint(os.path.join(out_dir, "dcp"))
         worker.train(trained, kl_coef=0.0)
         after = {n: _full(p) for n, p in worker.model.named_parameters()}
@@ -122,15 +145,27 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, ep: in
     out["placements"] = {n: str(getattr(p, "placements", None)) + str(getattr(p, "device_mesh", None))
                          for n, p in worker.model.named_parameters()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    worker.shutdown()
 
 
-def _run(world: int, ep: int, path: str, out_dir) -> list[dict]:
+def _run(world: int, meshes: list[MeshPlan], path: str, out_dir) -> list[list[dict]]:
+    """Per layout, every rank's results."""
     from runtime.trainer import free_port
 
-    os.makedirs(out_dir, exist_ok=True)
-    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, ep), nprocs=world, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    for k in range(len(meshes)):
+        os.makedirs(os.path.join(out_dir, str(k)), exist_ok=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, meshes), nprocs=world, join=True)
+    return [[torch.load(os.path.join(out_dir, str(k), f"rank{r}.pt")) for r in range(world)]
+            for k in range(len(meshes))]
+
+
+def _mesh(ep: int, dp_replicate: int = 1) -> MeshPlan:
+    return MeshPlan(tp=1, cp=1, ep=ep, pp=1, dp_replicate=dp_replicate)
+
+
+@pytest.fixture(scope="module")
+def single(moe_checkpoint, tmp_path_factory) -> dict:
+    """The one-rank run every layout is held against."""
+    return _run(1, [_mesh(1)], moe_checkpoint, tmp_path_factory.mktemp("single"))[0][0]
 
 
 FAILURES: list = []
@@ -144,14 +179,38 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, scale: float | None = No
         FAILURES.append((what, worst / max(scale, 1e-3)))
 
 
-def test_ep2_matches_one_rank(moe_checkpoint, tmp_path):
-    FAILURES.clear()
-    single = _run(1, 1, moe_checkpoint, tmp_path / "single")[0]
-    ep = _run(2, 2, moe_checkpoint, tmp_path / "ep")
+def test_ep2_matches_one_rank(moe_checkpoint, single, tmp_path):
+    ep = _run(2, [_mesh(2)], moe_checkpoint, tmp_path)[0]
     # nemo-automodel placed the experts over ep (2 of 4 per rank) and the rest over dp_shard
     placed = ep[0]["placements"]
     assert "ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
     assert "dp_shard_cp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    _check(single, ep)
+
+
+def test_ep2_by_dp2_and_hsdp_match_one_rank(moe_checkpoint, single, tmp_path):
+    ep_dp, hsdp, hsdp_only = _run(4, [_mesh(2), _mesh(2, dp_replicate=2), _mesh(1, dp_replicate=2)], moe_checkpoint,
+                                  tmp_path)
+    # ep 2 of 4 ranks: every expert's weights FSDP2-sharded over its ep_shard pair (dim 1), the rest over all 4
+    placed = ep_dp[0]["placements"]
+    assert "(shard(dim=1), shard(dim=0))" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
+    assert "ep_shard=2, ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
+    assert "dp_shard_cp=4" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    _check(single, ep_dp)
+    # HSDP: two replicas of dp_shard 2 for the rest
+    placed = hsdp[0]["placements"]
+    assert "(replicate(), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    assert "dp_replicate=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    _check(single, hsdp)
+    # HSDP without expert parallelism (the hf backend's FSDP2 units over its 2-D mesh): experts replicated too
+    placed = hsdp_only[0]["placements"]
+    assert "(replicate(), shard(dim=0))" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
+    _check(single, hsdp_only)
+
+
+def _check(single: dict, ep: list[dict]) -> None:
+    """`ep` (every rank's results) against the one-rank run; all differences are reported together."""
+    FAILURES.clear()
     mask = _batch().action_mask
     for s in range(STEPS):
         old = torch.zeros(mask.shape)
@@ -168,8 +227,8 @@ def test_ep2_matches_one_rank(moe_checkpoint, tmp_path):
         for name, g in single["grads"][s].items():  # relative to the step's largest gradient element
             _close(ep[0]["grads"][s][name], g, f"gradient of {name}, step {s}", largest)
     for name, w in single["weights"].items():
-        _close(ep[0]["weights"][name], w, f"{name} after {STEPS} steps")
-        _close(ep[1]["weights"][name], w, f"{name} after {STEPS} steps (rank 1)")
+        for rank, r in enumerate(ep):
+            _close(r["weights"][name], w, f"{name} after {STEPS} steps (rank {rank})")
     # weight sync: the engine receives the trained weights whole, under transformers' names and layouts
     from runtime.models import automodel
 
@@ -184,11 +243,11 @@ def test_ep2_matches_one_rank(moe_checkpoint, tmp_path):
 
     exported, single_exported = load_file(f"{ep[0]['hf_dir']}/model.safetensors"), load_file(
         f"{single['hf_dir']}/model.safetensors")
-    assert exported.keys() == single_exported.keys() and ep[1]["hf_dir"] is None
+    assert exported.keys() == single_exported.keys() and all(r["hf_dir"] is None for r in ep[1:])
     for name, t in exported.items():  # (transformers saves its fused experts one expert per key)
         _close(t, single_exported[name], f"exported {name}")
     # DCP resume: the checkpoint restored the weights and the step after it repeats exactly
     for name, w in ep[0]["weights"].items():
         assert torch.equal(ep[0]["restored"][name], w), name
-    assert all(ep[0]["resumed"].values()) and all(ep[1]["resumed"].values())
+    assert all(all(r["resumed"].values()) for r in ep)
     assert not FAILURES, sorted(FAILURES, key=lambda f: -f[1])[:10]

@@ -1,0 +1,126 @@
+"""Context parallelism in the trainer: nemo-automodel's sharder splits each micro-batch's sequence over the cp ranks.
+
+The mesh is nemo-automodel's (`MeshContext` with `ParallelismSizes(cp_size=...)`, runtime/models/automodel.py): its
+axes are (pp, dp_replicate, dp_shard, cp, tp), cp inside dp, so the cp ranks of one data-parallel rank are
+consecutive (`dp_rank`) and they take the same rows of every batch. FSDP2 shards the parameters over every rank
+(its `dp_shard_cp`), so gradients are averaged over dp x cp ranks.
+
+Per micro-batch (`sharded_rows`), inside the block that runs its forward *and* backward:
+- nemo-automodel's `ContextParallelSharder` (its generic strategy, `shard_batch_load_balanced`) pads the rows to a
+  multiple of 2 x cp and gives each cp rank two of the 2 x cp chunks (the head-tail pairing that evens out causal
+  attention work) of the token ids, the next-token labels, the position ids (kept global: a token keeps its row
+  position) and the padding mask (True on pads);
+- torch's `context_parallel` context it enters turns `scaled_dot_product_attention` into ring attention over the
+  cp group (causal only, no explicit mask: right padding sits after every real token, and the MoE routers take the
+  sharded padding mask). It has no CPU path (the CPU SDPA op has no sharding strategy): CP runs on CUDA only.
+
+The log-probs (entropy, score-centering top-k log-probs, router logits) of the local positions are then put back in
+row order by the sharder's differentiable all-gather (`CpRows.gather`), so every cp rank of a data-parallel rank
+holds the same whole rows and everything after the forward (IS correction, sequence-level GSPO ratios, the
+aggregation modes, the MoE aux losses) is the code of a run without CP. The loss is the global token mean over the
+data-parallel ranks, scaled by dp (not by the world): each cp rank computes the same loss, the all-gather's
+backward sums their cp gradients into each rank's own positions, and FSDP2's average over dp x cp leaves exactly the
+gradient of the single-rank loss (tests/runtime/test_context_parallel.py checks this on gloo ranks). Token counts
+are summed once per data-parallel rank (`FsdpRank.window_tokens` divides the world's sum by cp). What goes *into*
+the forward per position is cut like the tokens (`CpRows.shard`): the score-centering top-k ids, and the experts
+MoE routing replay imposes (the sharder's pad slots as not recorded, so they keep the live choice).
+
+Text models only: a VLM's CP is nemo-automodel's model-owned sharder (the image features spliced in before the
+cut), not wired here; the capability table refuses image prompts under CP and `prepare` a VLM checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def dp_rank(rank: int, cp_mesh: DeviceMesh | None) -> int:
+    """The data-parallel rank of global `rank`: cp is inside dp in nemo-automodel's mesh, so the cp ranks of one
+    data-parallel rank are consecutive (checked against the mesh)."""
+    if cp_mesh is None:
+        return rank
+    cp = cp_mesh.size()
+    if cp_mesh.get_local_rank() != rank % cp:
+        raise RuntimeError(f"rank {rank} is cp rank {cp_mesh.get_local_rank()} of nemo-automodel's mesh, not "
+                           f"{rank % cp}: its cp axis is no longer the one inside dp")
+    return rank // cp
+
+
+def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
+    """What nemo-automodel's own CP setup does to a sharded model: FSDP2 units a cp rank did not run still join the
+    reduce-scatter with zeros (its parallelizers' setting at cp > 1), and transformers-style attention layers drop
+    the attention mask for a causal SDPA call (`attach_context_parallel_hooks`: ring attention takes no mask)."""
+    if cp_mesh is None:
+        return
+    if getattr(model.config, "vision_config", None) is not None:  # the compiler sees image prompts, not the model
+        raise RuntimeError("actor.mesh.cp > 1 on a vision-language model: this trainer's context parallelism cuts "
+                           "text rows (a VLM's is nemo-automodel's own sharder, not wired); set actor.mesh.cp: 1")
+    from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
+    from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
+
+    configure_fsdp_unused_param_reduction(model)
+    if hasattr(model, "get_decoder"):  # nemo-automodel's MoE layers get no mask under CP (runtime/logprobs.py)
+        attach_context_parallel_hooks(model)
+
+
+@dataclass
+class CpRows:
+    """One micro-batch's padded rows as this cp rank holds them inside `sharded_rows`: (b, n) tensors, n = the
+    padded width / cp (valid inside the block only: torch's context_parallel restores the position ids in place
+    when it ends)."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    """Each token's position in its row (global, not local)."""
+    labels: Tensor
+    """The next token of each local position (0 past a row's end and on the sharder's pad slots)."""
+    padding_mask: Tensor
+    """True on padding (the row's own and the sharder's): what nemo-automodel's routers skip."""
+    sharder: Any
+    """nemo-automodel's `ContextParallelSharder` that cut them (its token verbs)."""
+
+    def shard(self, full: Tensor, fill: float | int = 0) -> Tensor:
+        """A (b, w, ...) per-token tensor of the rows cut like the inputs: (b, n, ...)."""
+        return self.sharder.shard_token_tensor(full, seq_dim=1, fill=fill)
+
+    def gather(self, local: Tensor) -> Tensor:
+        """(b, n, ...) values of the local positions -> (b, w, ...) in row order on every cp rank; differentiable
+        (its backward sums the cp ranks' gradients into each rank's own positions)."""
+        return self.sharder.gather_token_tensor(local, seq_dim=1, trim=True)
+
+
+@contextlib.contextmanager
+def sharded_rows(cp_mesh: DeviceMesh, sequences: Tensor, attention_mask: Tensor) -> Iterator[CpRows]:
+    """Within the block, this cp rank's share of right-padded (b, w) rows, and torch's ring attention over the cp
+    group in place of `scaled_dot_product_attention` (run the forward and the backward inside)."""
+    from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+
+    labels = torch.zeros_like(sequences)
+    labels[:, :-1] = sequences[:, 1:]
+    b, w = sequences.shape
+    # copies: torch's context_parallel cuts its buffers in place
+    batch = {"input_ids": sequences.clone(), "labels": labels,
+             "position_ids": torch.arange(w, device=sequences.device).expand(b, w).contiguous(),
+             "padding_mask": ~attention_mask.bool()}
+    sharder = ContextParallelSharder(None, cp_mesh, batch)  # no model: nemo-automodel's generic (torch) strategy
+    context, batch = sharder.shard(batch)
+    with context():
+        # its pad slots carry label -100 (its loss's ignore index); they are trimmed by `gather`
+        yield CpRows(batch["input_ids"], batch["position_ids"], batch["labels"].clamp(min=0), batch["padding_mask"],
+                     sharder)
+
+
+def gather_router_logits(rows: CpRows, logits: list[Tensor]) -> list[Tensor]:
+    """Each router's (b x n, experts) logits of the local positions -> (b x w, experts) in row order, so the aux
+    losses see the rows' whole sequences, as without CP."""
+    b, n = rows.input_ids.shape
+    return [rows.gather(layer.reshape(b, n, -1)).reshape(-1, layer.shape[-1]) for layer in logits]

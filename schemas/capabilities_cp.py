@@ -1,0 +1,86 @@
+"""The capability table's context-parallelism rows (`schemas/capabilities.py` lists them).
+
+The trainer's CP (runtime/context_parallel.py) is nemo-automodel's sharder cutting padded text rows for torch's ring
+attention, which has no CPU path (the CPU SDPA op has no sharding strategy): on GPUs it is written and not run (a
+CAP002 warning), on CPUs refused. What it does not take is refused everywhere, each by its own row at its own key.
+Packed rows never reach it: on the automodel backend they pack only with te or tilelang (PACK001, PACK002), which
+the te-packed and attention rows refuse, and the hf backend has no CP (PAR004).
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from schemas.capabilities import Capability
+    from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
+
+_NOT_RUN = (
+    "torch context_parallel's ring attention with nemo-automodel's sharder on several GPUs (the sharding, the "
+    "log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without attention, "
+    "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent)"
+)
+
+
+def cp_rows(
+    kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None], row: Callable[..., Capability]
+) -> tuple[Capability, ...]:
+    """`kind`'s (rl | sft) CP rows, made by `row` (the `Capability` class): the one that runs (written, not run on
+    cuda), then one per setting it does not take (exclusive of it: a plan gets one diagnostic per setting)."""
+
+    def cp(plan: Plan) -> bool:
+        trainer = section(plan)
+        return trainer is not None and trainer.mesh.cp > 1
+
+    def attn(plan: Plan) -> str:
+        return plan.rl.model.attn if kind == "rl" else plan.sft.model.attn
+
+    def images(plan: Plan) -> bool:
+        return (plan.rl.data.image_key if kind == "rl" else plan.sft.data.image_key) is not None
+
+    refused: list[tuple[str, str, str, Callable[[Plan], bool], str, str]] = [
+        (
+            "te",
+            "model.attn",
+            "attention te",
+            lambda p: attn(p) == "te",
+            "model.attn: sdpa",
+            "nemo-automodel's te CP takes THD rows with cu_seqlens and refuses a padding mask; this trainer sends "
+            "padded rows",
+        ),
+        (
+            "images",
+            "data.max_images_per_prompt" if kind == "rl" else "data.image_key",
+            "image prompts",
+            images,
+            "data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null",
+            "a VLM's CP is its own sharder in nemo-automodel (the vision splice before the cut), not wired here",
+        ),
+    ]
+    others = tuple(
+        row(
+            f"{kind}-trainer-cp-{suffix}",
+            kind,
+            key,
+            f"context parallelism (actor.mesh.cp > 1) with {what}",
+            lambda p, asks=asks: cp(p) and asks(p),
+            f"{instead}, or actor.mesh.cp: 1",
+            tracked=f"issue 27: {why}",
+        )
+        for suffix, key, what, asks, instead, why in refused
+    )
+    written = row(
+        f"{kind}-trainer-cp",
+        kind,
+        "actor.mesh.cp",
+        "context parallelism in the trainer (actor.mesh.cp > 1)",
+        lambda p: cp(p) and not any(r.asks(p) for r in others),
+        "actor.mesh.cp: 1",
+        unverified=frozenset({"cuda"}),
+        not_run=_NOT_RUN,
+        tracked="issue 27: torch's context_parallel has no CPU path (the CPU SDPA op has no sharding strategy), so "
+        "CP runs on GPUs only",
+    )
+    return (written, *others)

@@ -1,0 +1,277 @@
+"""Context parallelism (`runtime/context_parallel.py`) on gloo ranks: what runs on CPU.
+
+torch's ring attention has no CPU path (the CPU SDPA op has no sharding strategy), so no decoder with attention runs
+here under CP. What does: nemo-automodel's mesh with a cp axis (`automodel.device_mesh`), its sharder entering
+torch's `context_parallel` context (the rows cut and put back), and everything around the attention: the chunked
+lm_head log-probs, entropy and top-k log-probs of a per-token model (no attention) on the shards, and the trainer's
+loss and token-count math (global token mean over dp, dp factor, the cp ranks' gradients summed by the all-gather's
+backward, FSDP2's average over dp x cp), held against one rank on the same rows:
+- cp 2 on 2 ranks (dp 1), and dp 2 x cp 2 on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from runtime.experience import from_token_lists
+
+TOKENS = [[1, 5, 7, 2, 9, 4, 3], [6, 2, 8], [3, 3, 1, 7, 5], [9, 8, 7, 6, 5, 4, 3, 2], [4, 1, 2, 3],
+          [2, 2], [7, 6, 5, 4, 3, 2, 1], [1, 9, 1, 9, 1]]
+VOCAB = 12
+
+
+def _batch():
+    ranges = [[(1, len(t))] for t in TOKENS]
+    g = torch.Generator().manual_seed(3)
+    rollout = [(-torch.rand(len(t), generator=g)).tolist() for t in TOKENS]
+    batch = from_token_lists(TOKENS, ranges, rollout, pad_id=0)
+    shape = batch.action_mask.shape
+    batch.advantages = torch.randn(shape, generator=g)
+    batch.old_log_probs = batch.rollout_log_probs + 0.05 * torch.randn(shape, generator=g)
+    batch.ref_log_probs = batch.rollout_log_probs + 0.1 * torch.randn(shape, generator=g)
+    return batch
+
+
+class _Backbone(nn.Module):
+    """Token and position embeddings, no attention: every position's output depends on its token and position
+    alone, so the same numbers come out of a context-parallel shard."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(VOCAB, 8), nn.Embedding(width, 8)
+
+    def forward(self, input_ids, position_ids=None, use_cache=False, attention_mask=None, padding_mask=None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return torch.tanh(self.embed(input_ids) + self.pos(position_ids))
+
+
+class _TokenLM(nn.Module):
+    """The shape `runtime/logprobs.py` reads from nemo-automodel's own models: `model` and the lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model, self.lm_head = _Backbone(), nn.Linear(8, VOCAB)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def _loss(lp, part, tokens: float, dp: int, mode: str, level: str):
+    """The trainer's policy loss call (`PolicyWorker._micro_step_in`) on (b, T-1) log-probs."""
+    from runtime import algo
+
+    is_mode, low = ("mask", 0.5) if level in ("seq", "geo") else ("trunc", None)  # its rejection levels: mask
+    is_out = algo.is_correction(part.old_log_probs, part.rollout_log_probs, part.action_mask, level=level,
+                                mode=is_mode, low=low, high=2.0)
+    return algo.actor_loss(lp, part.old_log_probs, part.advantages, part.action_mask, mode=mode, clip_low=0.2,
+                           clip_high=0.28, global_num_tokens=tokens, dp_size=dp, is_coef=is_out.coef,
+                           ref_log_probs=part.ref_log_probs, kl_coef=0.1, kl_estimator="k3").loss
+
+
+CASES = (("ppo", "token"), ("gspo", "geo"))
+
+
+def _scatter_from_group_index() -> None:
+    """torch 2.13's gloo backward of the differentiable `all_gather` (`_AlltoAll`, NCCL reduce-scatters instead)
+    passes a group index as `dist.scatter`'s global `src`, which fails on a cp group without global rank 0 (the
+    second cp group of dp 2 x cp 2). Within this test process, every scatter gets its source as a group index."""
+    import torch.distributed as dist
+
+    scatter = dist.scatter
+
+    def by_group_index(tensor, scatter_list=None, src=None, group=None, async_op=False, group_src=None):
+        return scatter(tensor, scatter_list, group=group, async_op=async_op,
+                       group_src=src if group_src is None else group_src)
+
+    dist.scatter = by_group_index
+
+
+def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
+    from runtime.logprobs import token_top_logprobs
+    from runtime.models import automodel
+    from runtime.ranks import FsdpRank
+
+    torch.set_num_threads(1)
+    _scatter_from_group_index()
+    worker = FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
+    meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=cp, ep=1, pp=1, dp_replicate=1))
+    worker.use_cp(meshes.cp, world // cp)
+    out: dict = {"dp_rank": worker.dp_rank, "cp_rank": meshes.cp.get_local_rank(), "fsdp": meshes.fsdp.size()}
+    batch = _batch()
+    rows, shard, _ = worker.shard(batch, balanced=False)
+    out["rows"] = rows
+    part = shard.trim()
+    tokens = worker.window_tokens(shard, range(shard.batch_size))
+    out["tokens"] = tokens
+    seq, mask = part.sequences, part.attention_mask
+
+    # the sharder's cut, and its inverse
+    with worker.cp_rows(part) as rows_cp:
+        # copies: torch's context_parallel restores the position ids in place when the block ends
+        out["local_ids"], out["positions"] = rows_cp.input_ids.clone(), rows_cp.position_ids.clone()
+        out["labels"], out["padding"] = rows_cp.labels.clone(), rows_cp.padding_mask.clone()
+        out["indices"] = rows_cp.sharder._indices(rows_cp.sharder.shard_layout.padded_seq_len, torch.device("cpu"))
+        out["round_trip"] = rows_cp.gather(rows_cp.shard(seq.float()))
+        # MoE routing replay's recorded experts, cut like the tokens (the trainer's `_routing`)
+        out["routed"] = torch.arange(seq.numel() * 6).view(*seq.shape, 3, 2)
+        out["routed_local"] = rows_cp.shard(out["routed"], fill=-1)
+
+    # the loss from precomputed per-token log-probs: the shards are the leaves
+    g = torch.Generator().manual_seed(7)
+    full_lp = -torch.rand(batch.action_mask.shape, generator=g)
+    lp_rows = full_lp[rows][:, :seq.shape[1] - 1]
+    for mode, level in CASES:
+        with worker.cp_rows(part) as rows_cp:
+            local = rows_cp.shard(torch.nn.functional.pad(lp_rows, (0, 1))).requires_grad_()
+            loss = _loss(rows_cp.gather(local)[:, :-1], part, tokens, worker.dp, mode, level)
+            loss.backward()
+        out[f"loss_{mode}"], out[f"local_grad_{mode}"] = loss.detach(), local.grad
+
+    # a per-token model's log-probs, entropy and top-k log-probs on the shards, and its gradients
+    model = _TokenLM()
+    top_ids = torch.randint(0, VOCAB, (*mask.shape[:1], mask.shape[1] - 1, 3), generator=g)
+    with worker.cp_rows(part) as rows_cp:
+        lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, cp=rows_cp)
+        _loss(lp, part, tokens, worker.dp, "ppo", "token").backward()
+    for p in model.parameters():  # FSDP2's gradient average over dp x cp
+        torch.distributed.all_reduce(p.grad)
+        p.grad /= world
+    out.update(lp=lp.detach(), ent=ent.detach(), top=top.detach(), top_ids=top_ids,
+               grads={n: p.grad for n, p in model.named_parameters()})
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    worker.shutdown()
+
+
+def _run(world: int, cp: int, out_dir) -> list[dict]:
+    from runtime.ranks import free_port
+
+    mp.spawn(_rank_main, args=(world, cp, free_port(), str(out_dir)), nprocs=world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+def _padded(t: torch.Tensor, cp: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, (-t.shape[1]) % (2 * cp)))
+
+
+@pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 2)], ids=["cp2", "dp2xcp2"])
+def test_context_parallel_matches_one_rank(world, cp, tmp_path):
+    from runtime.logprobs import token_top_logprobs
+
+    outs = _run(world, cp, tmp_path)
+    dp = world // cp
+    batch = _batch()
+    g = torch.Generator().manual_seed(7)
+    full_lp = -torch.rand(batch.action_mask.shape, generator=g)
+    total = float(batch.action_mask.sum())
+    for rank, out in enumerate(outs):
+        # the mesh: cp inside dp (consecutive ranks), FSDP2 over every rank
+        assert (out["dp_rank"], out["cp_rank"], out["fsdp"]) == (rank // cp, rank % cp, world)
+        # the cp ranks of a data-parallel rank take its rows; the token count is the data-parallel ranks'
+        assert torch.equal(out["rows"], outs[(rank // cp) * cp]["rows"])
+        assert out["tokens"] == total
+        part = batch.select(out["rows"]).trim()
+        seq, mask = part.sequences, part.attention_mask
+        # the cut: nemo-automodel's head-tail chunk pair, global positions, next-token labels, padding
+        idx, width = out["indices"], seq.shape[1]
+        assert idx.numel() * cp == _padded(seq, cp).shape[1]
+        assert torch.equal(out["local_ids"], _padded(seq, cp)[:, idx])
+        real = idx < width
+        assert torch.equal(out["positions"][:, real], idx[real].expand(seq.shape[0], -1))
+        nxt = torch.nn.functional.pad(seq[:, 1:], (0, 1 + (-width) % (2 * cp)))
+        assert torch.equal(out["labels"], nxt[:, idx])
+        assert torch.equal(out["padding"][:, real], ~mask.bool()[:, idx[real]])
+        assert out["padding"][:, ~real].all()
+        assert torch.equal(out["round_trip"], seq.float())
+        pad = (-width) % (2 * cp)
+        routed = torch.nn.functional.pad(out["routed"], (0, 0, 0, 0, 0, pad), value=-1)
+        assert torch.equal(out["routed_local"], routed[:, idx])
+
+        # the loss on precomputed log-probs: the dp ranks' losses sum (over dp, /dp) to the one-rank loss, and
+        # each rank's gradient, averaged over dp x cp by FSDP2, is the one-rank gradient at its positions
+        for mode, level in CASES:
+            dp_losses = [outs[d * cp][f"loss_{mode}"] for d in range(dp)]
+            assert all(torch.equal(outs[d * cp + c][f"loss_{mode}"], dp_losses[d]) for d in range(dp)
+                       for c in range(cp))
+            whole = full_lp.clone().requires_grad_()
+            one = _loss(whole, batch, total, 1, mode, level)
+            one.backward()
+            torch.testing.assert_close(sum(dp_losses) / dp, one.detach(), rtol=1e-6, atol=1e-7)
+            expected = torch.nn.functional.pad(whole.grad[out["rows"]][:, :width - 1], (0, 1 + (-width) % (2 * cp)))
+            torch.testing.assert_close(out[f"local_grad_{mode}"] / world, expected[:, idx], rtol=1e-5, atol=1e-8)
+
+        # a per-token model: the same log-probs, entropy and top-k log-probs as one rank on the same rows
+        model = _TokenLM()
+        lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, out["top_ids"], with_entropy=True)
+        torch.testing.assert_close(out["lp"], lp.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out["ent"], ent.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out["top"], top.detach(), rtol=1e-6, atol=1e-6)
+
+    # its gradients: the one-rank run of the whole batch (each dp rank's own top ids)
+    model = _TokenLM()
+    total_loss = 0.0
+    for d in range(dp):
+        out = outs[d * cp]
+        part = batch.select(out["rows"]).trim()
+        lp, _, _ = token_top_logprobs(model, part.sequences, part.attention_mask, 0.7, out["top_ids"],
+                                      with_entropy=True)
+        total_loss = total_loss + _loss(lp, part, total, 1, "ppo", "token")
+    total_loss.backward()
+    for name, p in model.named_parameters():
+        for out in outs:
+            torch.testing.assert_close(out["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from runtime.models import automodel
+    from runtime.ranks import FsdpRank
+    from schemas.plan import ModelPlan
+
+    torch.set_num_threads(1)
+    FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
+    meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=world, ep=1, pp=1, dp_replicate=1))
+    out = {}
+    for path in paths:
+        plan = ModelPlan.model_construct(path=path, arch=None, backend="automodel", dtype="float32", attn="sdpa",
+                                         gradient_checkpoint="full", compile_layers=False,
+                                         disable_fast_tokenizer=False, router_dtype="float32",
+                                         moe_dispatcher="torch")
+        model = automodel.build(plan, path, meshes, torch.device("cpu"))
+        attn = [m for n, m in model.named_modules() if n.endswith("self_attn")]
+        out[path] = {"sharded": all(isinstance(p, DTensor) and p.device_mesh.size() == world
+                                    for p in model.parameters()),
+                     "hooked": all(m._forward_pre_hooks for m in attn), "native": not hasattr(model, "get_decoder"),
+                     "unused": [g.reduce_scatter_unused_params for m in model.modules() if isinstance(m, FSDPModule)
+                                for g in m._get_fsdp_state()._fsdp_param_groups]}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def test_the_automodel_build_under_cp(tmp_path):
+    """nemo-automodel's build at cp 2 on 2 gloo ranks (its mesh, FSDP2 over its dp x cp ranks, its CP setup on the
+    model: `context_parallel.prepare`), for the MoE demo's model (its own Qwen3-MoE: no attention mask under CP)
+    and the dense demo's (transformers-style attention: nemo-automodel's hook drops the mask for a causal SDPA)."""
+    from runtime.ranks import free_port
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "data")
+    paths = [os.path.abspath(os.path.join(root, name, "model")) for name in ("demo_moe", "demo_math")]
+    mp.spawn(_build_main, args=(2, free_port(), str(tmp_path), paths), nprocs=2, join=True)
+    for rank in range(2):
+        out = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+        moe, dense = out[paths[0]], out[paths[1]]
+        for model in (moe, dense):  # FSDP2 over both ranks; a unit a rank did not run joins with zeros
+            assert model["sharded"] and model["unused"] and all(model["unused"])
+        # nemo-automodel's own MoE takes no mask under CP (runtime/logprobs.py); the dense model's layers are
+        # transformers-style, and nemo-automodel's hook turns their masked SDPA into a causal one
+        assert moe["native"] and not moe["hooked"]
+        assert not dense["native"] and dense["hooked"]
