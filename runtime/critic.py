@@ -84,8 +84,7 @@ class CriticWorker(FsdpRank):
         self.model.eval()
         rows, shard, lengths = self._rows(batch)
         out = torch.zeros(shard.action_mask.shape)
-        for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), self.t.micro_batch_size,
-                                         self.t.dynamic_batch_max_tokens):
+        for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), self.t):
             v = self._values(part).float().cpu()
             if mb is not None:
                 out[mb, :v.shape[1]] = v
@@ -108,8 +107,7 @@ class CriticWorker(FsdpRank):
         for _ in range(c.max_epochs):
             for window in microbatch.windows(shard.batch_size, step_rows):
                 total = self.window_tokens(shard, window)
-                for _, part in self.micro_parts(shard, lengths, window, t.micro_batch_size,
-                                                t.dynamic_batch_max_tokens):
+                for _, part in self.micro_parts(shard, lengths, window, t):
                     mask = part.action_mask.to(self.device)
                     loss, clip_frac = algo.value_loss(
                         self._values(part), part.values.to(self.device), part.returns.to(self.device), mask,

@@ -109,9 +109,10 @@ class Experience:
         per_rank = self.batch_size // world
         return self.select(slice(rank * per_rank, (rank + 1) * per_rank))
 
-    def trim(self) -> Experience:
-        """Cut the time axis to the longest row (rows are right-padded), so no all-padding column is computed."""
-        width = int(self.attention_mask.sum(-1).max())
+    def trim(self, multiple: int = 1) -> Experience:
+        """Cut the time axis to the longest row rounded up to `multiple` (rows are right-padded, the batch to a
+        multiple already: `concat`), so no all-padding column beyond the alignment is computed."""
+        width = -(-int(self.attention_mask.sum(-1).max()) // multiple) * multiple
         if width >= self.sequences.shape[1]:
             return self
         return replace(self, **{k: v[:, :width if k in ("sequences", "attention_mask", "routed_experts") else width - 1]
@@ -119,8 +120,10 @@ class Experience:
                                 if v.dim() == 2 or k == "routed_experts" or k in TOP_K_FIELDS})
 
 
-def concat(parts: Sequence[Experience], pad_id: int) -> Experience:
-    width = max(p.sequences.shape[1] for p in parts)
+def concat(parts: Sequence[Experience], pad_id: int, width_multiple: int = 1) -> Experience:
+    """One batch of `parts`, right-padded to the longest rounded up to `width_multiple` (the plan's
+    `width_multiple`: micro-batches cut from it keep that alignment)."""
+    width = -(-max(p.sequences.shape[1] for p in parts) // width_multiple) * width_multiple
     parts = [p.pad_to(width, pad_id) for p in parts]
     keys = parts[0].tensors().keys()
     mm = None

@@ -139,7 +139,10 @@ class Generator:
                     results, batch, exhausted = self._replayed(produced + 1)
                 else:
                     results, exhausted = await self._locked(self._generate_batch(prompts))
-                    batch = concat([r.experience for r in results], self.pad_id) if results else None
+                    trainer = self.rl.trainer
+                    assert trainer is not None  # eval.only runs runtime/eval_only.py, not this loop
+                    batch = concat([r.experience for r in results], self.pad_id,
+                                   trainer.width_multiple) if results else None
                 if not results:                                # nothing to train on: hand the slot back
                     await self.slots.put_async(step)
                     reason = "data_exhausted"

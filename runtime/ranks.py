@@ -22,6 +22,7 @@ import torch.distributed as dist
 from runtime import microbatch
 from runtime.experience import Experience
 from runtime.logprobs import token_top_logprobs, vision_inputs
+from schemas.plan import TrainerPlan
 
 
 def _ray():
@@ -107,20 +108,23 @@ class FsdpRank:
         return microbatch.pad_to(batches, int(count.item()))
 
     @staticmethod
-    def part(shard: Experience, positions: list[int] | None) -> Experience:
-        """Rows of one micro-batch, cut to its longest row; None: a one-row filler that trains on nothing."""
+    def part(shard: Experience, positions: list[int] | None, width_multiple: int) -> Experience:
+        """Rows of one micro-batch, cut to its longest row rounded up to `width_multiple`; None: a one-row filler
+        that trains on nothing."""
         if positions is None:
             part = shard.select(torch.zeros(1, dtype=torch.long))
             part.action_mask = torch.zeros_like(part.action_mask)
         else:
             part = shard.select(torch.tensor(positions, dtype=torch.long))
-        return part.trim()
+        return part.trim(width_multiple)
 
-    def micro_parts(self, shard: Experience, lengths: torch.Tensor, window: range, micro: int,
-                    max_tokens: int | None) -> Iterator[tuple[list[int] | None, Experience]]:
-        """(positions or None, rows) of each micro-batch of `window`, the same count on every rank."""
-        for mb in self.same_count(microbatch.micro_batches(window, lengths, micro, max_tokens)):
-            yield mb, self.part(shard, mb)
+    def micro_parts(self, shard: Experience, lengths: torch.Tensor, window: range, t: TrainerPlan
+                    ) -> Iterator[tuple[list[int] | None, Experience]]:
+        """(positions or None, rows) of each micro-batch of `window` (`t`'s micro-batch size or token budget), the
+        same count on every rank."""
+        for mb in self.same_count(microbatch.micro_batches(window, lengths, t.micro_batch_size,
+                                                          t.dynamic_batch_max_tokens)):
+            yield mb, self.part(shard, mb, t.width_multiple)
 
     def window_tokens(self, shard: Experience, window: range) -> float:
         """Action tokens of this optimizer-step window on every data-parallel rank (one all-reduce): the

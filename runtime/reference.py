@@ -56,8 +56,7 @@ class ReferenceWorker(FsdpRank):
         t = self.t
         rows, shard, lengths = self.shard(batch, balanced=t.dynamic_batch_max_tokens is not None)
         out = torch.zeros(shard.action_mask.shape)
-        for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), t.micro_batch_size,
-                                         t.dynamic_batch_max_tokens):
+        for mb, part in self.micro_parts(shard, lengths, range(shard.batch_size), t):
             with self._replay(part):
                 lp, _ = self.logprobs(self.model, part, t.temperature, t.packing)
             if mb is not None:

@@ -253,7 +253,7 @@ class SftJob:
         t = self.s.trainer
         t0 = time.perf_counter()
         chunks = [rows[m:m + t.micro_batch_size] for m in range(0, self.window, t.micro_batch_size)]
-        micro = [collate(chunk, self.pad_id) for chunk in chunks]
+        micro = [collate(chunk, self.pad_id, t.width_multiple) for chunk in chunks]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
         global_tokens /= self.cp  # the cp ranks of a data-parallel rank hold the same rows
         loss_sum = 0.0
@@ -319,7 +319,7 @@ class SftJob:
         n_batches = math.ceil(math.ceil(len(evals.examples) / self.dp) / t.micro_batch_size)
         for b in range(n_batches):
             part = mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] or evals.examples[:1]
-            ids, attn, mask = (x.to(self.device) for x in collate(part, self.pad_id))
+            ids, attn, mask = (x.to(self.device) for x in collate(part, self.pad_id, t.width_multiple))
             with self._cp_rows(ids, attn) as cp:
                 lp = reply_logprobs(self.model, ids, attn, packed=t.packing, vision=self._vision(part, ids), cp=cp)
             weight = 1.0 if mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] else 0.0

@@ -159,9 +159,10 @@ def _keep(out: LoadedData, ex: Example | str) -> None:
         out.examples.append(ex)
 
 
-def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded (ids, attention_mask, loss_mask), each (B, T)."""
-    width = max(len(e.input_ids) for e in examples)
+def collate(examples: list[Example], pad_id: int, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+    """Right-padded (ids, attention_mask, loss_mask), each (B, T), T the longest rounded up to `width_multiple`."""
+    width = -(-max(len(e.input_ids) for e in examples) // width_multiple) * width_multiple
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(examples), width), dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.float32)

@@ -113,7 +113,7 @@ class PolicyWorker(FsdpRank):
         old = torch.zeros(shard.action_mask.shape)
         ref = torch.zeros(shard.action_mask.shape) if self.ref is not None else None
         whole = range(shard.batch_size)
-        for mb, part in self.micro_parts(shard, lengths, whole, t.micro_batch_size, t.dynamic_batch_max_tokens):
+        for mb, part in self.micro_parts(shard, lengths, whole, t):
             width = part.action_mask.shape[1]
             lp = self._logprobs(self.model, part).cpu()
             if mb is not None:
@@ -155,7 +155,7 @@ class PolicyWorker(FsdpRank):
             for window in microbatch.windows(shard.batch_size, step_rows):
                 total = self.window_tokens(shard, window)
                 stats = self._window_stats(shard, window)
-                parts = list(self.micro_parts(shard, lengths, window, t.micro_batch_size, t.dynamic_batch_max_tokens))
+                parts = list(self.micro_parts(shard, lengths, window, t))
                 for _, part in parts:
                     for k, v in self._micro_step(part, total, kl_coef, len(parts), stats).items():
                         sums[k] = sums.get(k, 0.0) + v

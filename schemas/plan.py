@@ -507,6 +507,9 @@ class FsdpTrainerPlan(PlanModel):
     """Global samples per optimizer step."""
     max_epochs: int
     """Epochs over each batch (RL: each rollout batch)."""
+    width_multiple: int
+    """Batches and micro-batches are right-padded to a multiple of this many positions (8 on GPUs: the SDPA mask
+    alignment, which compiled layers otherwise recompile on; 1 on CPUs)."""
     packing: bool
     """Sequence packing (actor.packing)."""
     sequence_parallel: bool

@@ -47,6 +47,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `critic.freeze_moe_router` | critic.freeze_moe_router or actor.freeze.moe_router | B9 |
 | `critic.scheduler_steps`, `critic.warmup_steps` | critic LR schedule | B10 |
 | `fsdp.colocate` | any FSDP role is colocated with the actor (one shared PACK group) | B8 |
+| `fsdp.width_multiple` | positions each batch and micro-batch is right-padded to a multiple of: 8 on GPUs (SDPA mask alignment; compiled layers keep one graph), 1 on CPUs | |
 | `fsdp.row_multiple` | lcm of the built FSDP worlds: every group of a step gets equal rows per rank | |
 | `fsdp.total_gpus` | GPUs of the FSDP groups (0 when eval.only) | §3.2, J4 |
 | `rollout.executor` | vLLM executor: set, or uni / mp / ray derived | B15 |

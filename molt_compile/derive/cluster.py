@@ -105,6 +105,7 @@ def derive_cluster(b: Builder, r: RlRecipe | SftRecipe) -> None:
         ("cluster.nodes", "cluster.gpus_per_node"),
     )
     _cpus_per_node(b, c)
+    _width_multiple(b, on_cpu)
     offload = r.actor.offload
     if on_cpu:
         b.add("dist.backend", "gloo", "CPU cluster: torch.distributed over gloo", ("cluster.gpu",))
@@ -114,6 +115,19 @@ def derive_cluster(b: Builder, r: RlRecipe | SftRecipe) -> None:
         )
     else:
         b.add("dist.backend", "nccl", "GPU cluster without full offload (B26)", ("cluster.gpu", "actor.offload"))
+
+
+def _width_multiple(b: Builder, on_cpu: bool) -> None:
+    """`fsdp.width_multiple`: batches and micro-batches are right-padded to a multiple of this many positions. On
+    GPUs 8: the SDPA kernels want the attention mask's rows 8-aligned (else each call copies it), and compiled
+    layers specialize on that alignment: an unaligned width recompiled them (about 11 s each on an H200 for a
+    Qwen3-1.7B shape, tests/gpu/bench_loop.py, issue 29). On CPUs 1: nothing to align."""
+    b.add(
+        "fsdp.width_multiple",
+        1 if on_cpu else 8,
+        "CPU cluster: no alignment" if on_cpu else "GPU cluster: the SDPA mask alignment, one compiled graph",
+        ("cluster.gpu",),
+    )
 
 
 def _cpus_per_node(b: Builder, c: Any) -> None:

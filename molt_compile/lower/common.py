@@ -161,6 +161,7 @@ def batching_fields(r: RlRecipe | SftRecipe, d: Derived) -> dict[str, Any]:
         "grad_accum": d.value("actor.grad_accum"),
         "batch_size": r.train.batch_size,
         "max_epochs": r.train.max_epochs,
+        "width_multiple": d.value("fsdp.width_multiple"),
     }
 
 

@@ -123,7 +123,17 @@ def compile_layers(layers, checkpoint_mode: str = "none") -> None:
         forward = layer.forward
         if checkpoint_mode != "none":
             forward = functools.partial(checkpoint, forward, **_checkpoint_kwargs(checkpoint_mode))
-        layer.forward = _batch_shape_dynamic(torch.compile(forward))
+        layer.forward = _batch_shape_dynamic(torch.compile(forward, options=_ONE_GRAPH_FOR_EVERY_SHAPE))
+
+
+_ONE_GRAPH_FOR_EVERY_SHAPE = {"triton.mix_order_reduction": False}
+"""Inductor options of the compiled layers. Inductor's mixed-order reduction fusion (the backward's norm-weight
+gradients) decides by the token count (rows x width >= 2560 for a 2048-wide model), and a symbolic token count turns
+that decision into a guard: a micro-batch on the other side of it recompiled the layers (about 11 s on an H200,
+mid-run). Off, the graph is the same for every shape; the steady step was the same (Qwen3-1.7B shape, 28 layers,
+16 rows x 64..424 positions: 0.069-0.180 s against 0.067-0.179 s with the fusion, tests/gpu/bench_loop.py's
+measurements of issue 29). The other shape guard (the SDPA mask's 8-alignment) is met by padding every width to
+the plan's `width_multiple`."""
 
 
 def _batch_shape_dynamic(compiled):
@@ -132,25 +142,33 @@ def _batch_shape_dynamic(compiled):
     torch's automatic dynamic shapes would do at the first new shape (17 s on an H200 for a 1.4B model, in the
     middle of a run). A dimension is the batch's or the sequence's when its size is the hidden states' (rows,
     tokens) and it is not a 3-D tensor's trailing feature dimension (hidden size, rotary width); torch may still
-    specialize one it cannot keep generic (`maybe_mark_dynamic`)."""
+    specialize one it cannot keep generic (`maybe_mark_dynamic`). The rows of the hidden states and of a 4-D
+    attention mask are unbacked instead: a backed size is specialized at 1 (a one-row micro-batch then recompiled,
+    7 s on an H200), an unbacked one is not; the rows decide no branch in a decoder layer. The sequence stays
+    backed: transformers' SDPA call branches on it (`q_length > 1`)."""
     import functools
 
     from torch._dynamo import maybe_mark_dynamic
+    from torch._dynamo.decorators import mark_unbacked
 
-    def mark(t: object, sizes: tuple[int, ...]) -> None:
+    def mark(t: object, sizes: tuple[int, ...], per_row: tuple[torch.Tensor, ...]) -> None:
         if isinstance(t, (tuple, list)):
             for x in t:
-                mark(x, sizes)
+                mark(x, sizes, per_row)
         elif isinstance(t, torch.Tensor):
             for dim, n in enumerate(t.shape):
-                if n in sizes and n > 1 and not (t.dim() == 3 and dim == 2):
+                if dim == 0 and any(t is r for r in per_row):
+                    mark_unbacked(t, 0, shape_id="rows")
+                elif n in sizes and n > 1 and not (t.dim() == 3 and dim == 2):
                     maybe_mark_dynamic(t, dim)
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-        mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
+        mask = kwargs.get("attention_mask")
+        per_row = (hidden, mask) if isinstance(mask, torch.Tensor) and mask.dim() == 4 else (hidden,)
+        mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]), per_row)
         return compiled(*args, **kwargs)
 
     return run

@@ -108,3 +108,19 @@ def test_chat_segments_record_the_versions_of_each_turn():
     seg = session.segments[0]
     assert seg.policy_versions == [-1, -1, 2, 3, -1, 3]
     assert len(seg.policy_versions) == len(seg.token_ids) == len(seg.rollout_log_probs)
+
+
+def test_widths_round_up_to_the_plans_multiple_and_keep_every_token():
+    """GPU plans pad batches and micro-batches to a multiple of 8 positions (`fsdp.width_multiple`): the SDPA mask
+    alignment, which compiled layers recompile on. The rounding adds padding only: tokens, masks and versions of the
+    real positions stay, and a micro-batch never outgrows its batch."""
+    exp = experience()  # rows of 7 and 3 tokens
+    batch = concat([exp], pad_id=0, width_multiple=8)
+    assert batch.sequences.shape == (2, 8) and batch.action_mask.shape == (2, 7)
+    assert batch.sequences[:, :7].tolist() == exp.sequences.tolist() and batch.sequences[:, 7].tolist() == [0, 0]
+    assert batch.policy_versions[:, :6].tolist() == exp.policy_versions.tolist()
+    assert batch.policy_versions[:, 6].tolist() == [-1, -1] and batch.action_mask[:, 6].tolist() == [0, 0]
+    short = batch.select(torch.tensor([1])).trim(8)  # 3 tokens: 8 positions, not 3
+    assert short.sequences.shape == (1, 8) and short.sequences[0, :3].tolist() == TOKENS[1]
+    assert batch.select(torch.tensor([1])).trim(1).sequences.shape == (1, 3)  # CPU plans: the longest row
+    assert batch.trim(8).sequences.shape == (2, 8)  # the longest row (7) rounds to the batch's own width

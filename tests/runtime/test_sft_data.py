@@ -141,11 +141,13 @@ def test_prompt_tokens_get_no_gradient_and_micro_batching_keeps_the_token_mean(t
     loss = sft_loss(lp, mask[:, 1:], global_num_tokens=mask[:, 1:].sum())
     loss.backward()
     assert torch.all(lp.grad[mask[:, 1:] == 0] == 0) and torch.all(lp.grad[mask[:, 1:] == 1] != 0)
-    # the same window as 3 micro-batches of 2 rows, each divided by the window's token count
+    # the same window as 3 micro-batches of 2 rows, each divided by the window's token count, each padded to a
+    # multiple of 8 positions as GPU plans pad them (`width_multiple`)
     total = mask[:, 1:].sum()
     parts = []
     for m in range(0, 6, 2):
-        i, a, k = collate(exs[m:m + 2], tok.pad_token_id)
+        i, a, k = collate(exs[m:m + 2], tok.pad_token_id, 8)
+        assert i.shape[1] % 8 == 0 and i.shape[1] - 8 < a.sum(-1).max() <= i.shape[1]
         parts.append(sft_loss(reply_logprobs(model, i, a), k[:, 1:], global_num_tokens=total))
     whole = -(reply_logprobs(model, ids, attn) * mask[:, 1:]).sum() / total
     assert torch.allclose(sum(parts), whole, rtol=1e-5)

@@ -1,0 +1,111 @@
+"""Compiled layers keep one graph over the RL loop's micro-batch shapes on one GPU (issue 29; not in `just test`).
+
+    python3 tests/gpu/check_compile_shapes.py OUT_DIR
+    MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/check_compile_shapes.py OUT_DIR     (CPU, tiny: checks the script)
+
+A random Qwen3-1.7B-shaped model (28 layers, bf16) under `runtime.models.hf.compile_layers` with full
+checkpointing, fed the shapes one RL run meets (16-row micro-batches of 64 to 424 positions, 8 and 3 rows, one row),
+each width padded to the plan's `width_multiple` (8 on GPUs) as the runtime pads it: forward, chunked lm_head
+log-probs (`runtime.logprobs.head_logprobs`) and backward, twice per shape. Passes when the decoder layers compiled
+one graph with no graph break and no recompile; records each shape's first and steady step against the same model
+eager (transformers' own checkpointing). Writes OUT_DIR/compile_shapes.json.
+Before the width padding, the inductor option and the unbacked row count (2026-12-04, one H200): 10 graphs for
+these shapes, each new one 10-14 s in the middle of the run (a 39 s training step at the loop's last, short batch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+DRY_RUN = os.environ.get("MOLT_GPU_CHECK_DRY_RUN") == "1"
+SHAPES = [(16, 420), (16, 388), (16, 300), (16, 232), (16, 200), (16, 141), (16, 100), (16, 64), (8, 333), (3, 150),
+          (1, 100)]
+WIDTH_MULTIPLE = 8  # the compiler's fsdp.width_multiple on GPUs (molt_compile/derive/cluster.py)
+
+
+def _model(compiled: bool):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from runtime.models.hf import compile_layers
+
+    size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=1000) if DRY_RUN else dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(max_position_embeddings=4096, tie_word_embeddings=True, **size))
+    model = model.to("cpu" if DRY_RUN else "cuda", torch.float32 if DRY_RUN else torch.bfloat16)
+    if compiled:
+        compile_layers(model.model.layers, "full")
+    else:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _steps(model) -> list[dict]:
+    import torch
+
+    from runtime.logprobs import head_logprobs
+
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    out = []
+    for rows, length in SHAPES:
+        width = -(-length // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        g = torch.Generator().manual_seed(rows * 1000 + length)
+        ids = torch.randint(5, 1000, (rows, width), generator=g).to(dev)
+        mask = (torch.arange(width, device=dev)[None, :] < length).long().expand(rows, width).clone()
+        mask[0, length - 5:] = 0  # rows of unequal length
+        times = []
+        for _ in range(2):
+            sync()
+            t0 = time.perf_counter()
+            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+            lp, _, _ = head_logprobs(model.lm_head, flat, ids[:, 1:].reshape(-1), 1.0, False)
+            (lp * mask[:, 1:].reshape(-1)).sum().backward()
+            sync()
+            times.append(time.perf_counter() - t0)
+        out.append({"rows": rows, "length": length, "width": width, "first_s": times[0], "steady_s": times[1]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main() -> int:
+    import torch
+    from torch._dynamo.utils import counters
+
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    eager = _steps(_model(compiled=False))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _steps(_model(compiled=True))
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from runtime import logprobs
+
+    # the decoder layers' graphs: all but the lm_head chunk's own (GPUs compile it apart: small graphs)
+    chunk_graphs = len(_debug_get_cache_entry_list(logprobs._chunk.__code__))
+    layer_graphs = counters["stats"]["unique_graphs"] - chunk_graphs
+    report = {
+        "layer_graphs": layer_graphs, "chunk_graphs": chunk_graphs, "graph_breaks": sum(counters["graph_break"].values()),
+        "eager": eager, "compiled": compiled,
+        "steady_vs_eager": sum(e["steady_s"] for e in eager) / sum(c["steady_s"] for c in compiled),
+    }
+    (out / "compile_shapes.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("eager", "compiled")}, indent=1))
+    ok = report["graph_breaks"] == 0 and layer_graphs == 1
+    print("compile_shapes:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
