@@ -65,10 +65,13 @@ def load_processor(path: str):
 
 def messages_with_images(prompt: Any, n_images: int) -> list[dict]:
     """Chat messages whose first user turn has `n_images` image parts: at each `<image>` marker, else first. A prompt
-    is text or chat messages (geo3k's: one user turn of text with a `<image>` marker); a turn already in parts keeps
-    its own."""
+    is text or chat messages (geo3k's: one user turn of text with a `<image>` marker); messages that already hold
+    image parts keep their own."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": _image_parts(prompt, n_images)}]
+    if any(isinstance(m["content"], list) and any(p.get("type") in ("image", "image_url") for p in m["content"])
+           for m in prompt):
+        return prompt
     out = [dict(m) for m in prompt]
     for m in out:
         if m["role"] == "user":

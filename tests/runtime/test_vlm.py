@@ -88,6 +88,8 @@ def test_a_chat_prompt_gets_its_image_at_the_marker_of_its_first_user_turn(proce
     text = vlm.render(processor, chat, 1)
     assert text.count(processor.image_token) == 1 and text.index(processor.image_token) < text.index("Find x.")
     assert vlm.encode(processor, text, [digit])[0].count(processor.image_token_id) == 4
+    parts = [{"role": "user", "content": "Look."}, {"role": "user", "content": [{"type": "image"}]}]
+    assert vlm.messages_with_images(parts, 1) is parts  # image parts of their own: kept as they are
     with pytest.raises(ValueError, match="0 image placeholders for its 1 images"):
         vlm.encode(processor, "no placeholder", [digit])
 
