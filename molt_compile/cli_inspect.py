@@ -167,7 +167,9 @@ def _explain_smoke(result: Any) -> int:
     console(pipe_width=200).print(table)
     for note in sp.notes:
         click.echo(f"note: {note}")
-    click.echo(f"model: {sp.model_spec['architecture']} {json.dumps(sp.model_spec['config'])} -> {sp.model_dir}")
+    spec = sp.model_spec  # a shrunk config, a tiny VLM builder's options, or the recipe's own model (none)
+    shape = spec.get("config", spec.get("options"))
+    click.echo(f"model: {spec['architecture']}{'' if shape is None else ' ' + json.dumps(shape)} -> {sp.model_dir}")
     click.echo(f"outputs: {sp.work_dir}; everything else is the recipe's own")
     return 0
 

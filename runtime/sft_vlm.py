@@ -21,17 +21,6 @@ from typing import Any
 from runtime import vlm
 
 
-def with_images(messages: list[dict], n_images: int) -> list[dict]:
-    """`messages` whose first user turn carries `n_images` image parts (a turn already in parts keeps its own)."""
-    out = [dict(m) for m in messages]
-    for m in out:
-        if m["role"] == "user":
-            if isinstance(m["content"], str):
-                m["content"] = vlm.messages_with_images(m["content"], n_images)[0]["content"]
-            break
-    return out
-
-
 class ImageMismatch(ValueError):
     """The processor's expanded image tokens do not line up with the rendered conversation."""
 
@@ -44,7 +33,7 @@ def encode(processor, messages: list[dict], refs: list, base_dir: Path | None, m
     if len(refs) > max_images:
         return "too_many_images"
     images = [vlm.load_image(ref, base_dir) for ref in refs]
-    messages = with_images(messages, len(images))
+    messages = vlm.messages_with_images(messages, len(images))
     rendered = render(messages)
     if rendered is None:
         return None

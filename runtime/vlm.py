@@ -64,18 +64,33 @@ def load_processor(path: str):
 
 
 def messages_with_images(prompt: Any, n_images: int) -> list[dict]:
-    """Chat messages whose user content has `n_images` image parts: at each `<image>` marker, else first."""
-    if not isinstance(prompt, str):
-        return prompt  # already chat messages with their own image parts
-    if IMAGE_MARKER in prompt:
+    """Chat messages whose first user turn has `n_images` image parts: at each `<image>` marker, else first. A prompt
+    is text or chat messages (geo3k's: one user turn of text with a `<image>` marker); messages that already hold
+    image parts keep their own."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": _image_parts(prompt, n_images)}]
+    if any(isinstance(m["content"], list) and any(p.get("type") in ("image", "image_url") for p in m["content"])
+           for m in prompt):
+        return prompt
+    out = [dict(m) for m in prompt]
+    for m in out:
+        if m["role"] == "user":
+            if isinstance(m["content"], str):
+                m["content"] = _image_parts(m["content"], n_images)
+            break
+    return out
+
+
+def _image_parts(text: str, n_images: int) -> list[dict]:
+    if IMAGE_MARKER in text:
         parts: list[dict] = []
-        for i, piece in enumerate(prompt.split(IMAGE_MARKER)):
+        for i, piece in enumerate(text.split(IMAGE_MARKER)):
             if i:
                 parts.append({"type": "image"})
             if piece:
                 parts.append({"type": "text", "text": piece})
-        return [{"role": "user", "content": parts}]
-    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}]
+        return parts
+    return [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
 
 
 def render(processor, prompt: Any, n_images: int, tools: list | None = None) -> str:
@@ -89,7 +104,13 @@ def encode(processor, text: str, images: list) -> tuple[list[int], dict | None]:
     if not images:
         return list(processor.tokenizer.encode(text, add_special_tokens=False)), None
     enc = processor(text=[text], images=images, return_tensors="pt")
-    return enc["input_ids"][0].tolist(), {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    ids = enc["input_ids"][0].tolist()
+    # the processor takes images whose placeholders the text lacks; vLLM then finds no place for them
+    per_image = enc["image_grid_thw"].prod(-1) // merge_size(processor) ** 2
+    if ids.count(image_token_id(processor)) != int(per_image.sum()):
+        raise ValueError(f"the rendered prompt holds {text.count(processor.image_token)} image placeholders for its "
+                         f"{len(images)} images")
+    return ids, {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
 
 
 def join_inputs(a: dict | None, b: dict | None) -> dict | None:

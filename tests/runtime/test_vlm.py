@@ -80,6 +80,20 @@ def test_processor_loads_without_torchvision_and_expands_placeholders(processor,
     assert collapsed.count(processor.image_token_id) == 1 and len(collapsed) == len(ids) - 3
 
 
+def test_a_chat_prompt_gets_its_image_at_the_marker_of_its_first_user_turn(processor, digit):
+    # geo3k's rows: chat messages whose user turn is text with a `<image>` marker (vLLM fails on a prompt whose
+    # image has no placeholder: "Failed to apply prompt replacement")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>\nFind x."},
+            {"role": "user", "content": "<image> stays text here"}]
+    text = vlm.render(processor, chat, 1)
+    assert text.count(processor.image_token) == 1 and text.index(processor.image_token) < text.index("Find x.")
+    assert vlm.encode(processor, text, [digit])[0].count(processor.image_token_id) == 4
+    parts = [{"role": "user", "content": "Look."}, {"role": "user", "content": [{"type": "image"}]}]
+    assert vlm.messages_with_images(parts, 1) is parts  # image parts of their own: kept as they are
+    with pytest.raises(ValueError, match="0 image placeholders for its 1 images"):
+        vlm.encode(processor, "no placeholder", [digit])
+
+
 def test_step_runner_sends_images_and_keeps_features_aligned(processor, digit):
     traj, client = _run(StepEnvRunner(OneTurn), processor, "<image>+1=", [digit])
     assert len(client.calls) == 1 and len(client.calls[0][1]) == 1
@@ -224,7 +238,7 @@ def test_hf_engine_generates_from_images_as_the_full_model_scores(processor):
             assert len(out.token_ids) == 5
             seq = torch.tensor([ids + out.token_ids])
             inputs = {} if img is None else {"mm_token_type_ids": (seq == processor.image_token_id).int(),
-                                             **vlm.encode(processor, "x", [img])[1]}
+                                             **vlm.encode(processor, vlm.render(processor, "<image>", 1), [img])[1]}
             logits = model(input_ids=seq, **inputs).logits[0, len(ids) - 1:-1]
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(out.logprobs), want, rtol=1e-4, atol=1e-4)
