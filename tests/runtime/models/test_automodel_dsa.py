@@ -14,6 +14,8 @@ rows: log-probs and each parameter's gradient agree to bf16 precision.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -161,3 +163,18 @@ def test_packed_thd_gradients_point_as_the_dense_padded_rows(models, cpu_kernels
     # bf16 gradients: each parameter's points the same way (cosine 0.999 at least here; wrong cu_seqlens: 0.32)
     cosine = {n: torch.nn.functional.cosine_similarity(got[n], expected[n], dim=0).item() for n in got}
     assert min(cosine.values()) > 0.995, sorted(cosine.items(), key=lambda kv: kv[1])[:3]
+
+
+def test_the_critics_packed_thd_values_equal_the_dense_padded_rows(models, cpu_kernels):
+    # the critic runs the whole model (nemo-automodel's forward squeezes the THD row itself) under a scalar head
+    from runtime.critic import token_values
+
+    critics = [copy.deepcopy(model) for model in models]
+    head = automodel.value_head(critics[0].config).to(torch.bfloat16)
+    for critic in critics:
+        critic.lm_head = copy.deepcopy(head)
+    ids, mask = _rows()
+    with torch.no_grad():
+        got = token_values(critics[0], ids, mask, packed=True)
+        expected = token_values(critics[1], ids, mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.01)  # values of about 0.1, in bf16
