@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 
-from runtime import logprobs, packed_thd
+from runtime import logprobs, moe, packed_thd
 from runtime.models import automodel
 from schemas.plan import ModelPlan
 
@@ -178,3 +178,24 @@ def test_the_critics_packed_thd_values_equal_the_dense_padded_rows(models, cpu_k
         got = token_values(critics[0], ids, mask, packed=True)
         expected = token_values(critics[1], ids, mask)
     torch.testing.assert_close(got, expected, rtol=0, atol=0.01)  # values of about 0.1, in bf16
+
+
+def test_routing_replay_reaches_the_thd_rows(models, cpu_kernels):
+    # the rollout's routing of the padded rows, replayed on the packed THD row: nemo-automodel's routers see its
+    # tokens in the packed order (`moe.flat_targets`), as on a (1, N) packed row
+    sparse, dense = models
+    ids, mask = _rows()
+    with moe.record(dense) as captured, torch.no_grad():
+        logprobs.token_logprobs(dense, ids, mask, 1.0)
+    routed = torch.stack([c.to(torch.int16) for c in captured], dim=1).view(*ids.shape, len(captured), -1)
+    targets = moe.flat_targets(routed, mask, packed=True)
+    trained = copy.deepcopy(sparse)
+    with torch.no_grad():  # its own top-k now disagrees with the rollout's
+        for gate in moe.routers(trained):
+            gate.weight.add_(torch.randn(gate.weight.shape, generator=torch.Generator().manual_seed(7)))
+    with moe.replay(trained) as state:
+        state.targets = targets
+        logprobs.token_logprobs(trained, ids, mask, 1.0, packed=True)[0].sum().backward()
+    assert state.known == targets.shape[0] == int(mask.sum()) and state.agreed < state.known
+    for layer, chosen in enumerate(state.selected):
+        assert torch.equal(chosen.sort(-1).values, targets[:, layer].long().sort(-1).values)
