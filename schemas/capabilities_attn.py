@@ -51,7 +51,8 @@ _TILELANG_NOT_RUN = (
     "nemo-automodel's TileLang lighting-indexer and sparse-MLA kernels, forward and backward, on CUDA (tilelang is "
     "installed on none of our machines): on CPU the same THD rows ran through nemo-automodel's GLM-5.2 layers with "
     "the indexer's logits and sparse MLA (forward and backward) replaced by torch references: log-probs, gradients "
-    "and critic values equal to its dense sdpa path to bf16 precision (tests/runtime/models/test_automodel_dsa.py)"
+    "and critic values equal to its dense sdpa path to bf16 precision, routing replay on the THD row "
+    "(tests/runtime/models/test_automodel_dsa.py)"
 )
 _TILELANG_PADDED_WHY = (
     "nemo-automodel's TileLang DSA indexer and sparse MLA take THD rows only and raise on a (b, w) batch; this trainer "
