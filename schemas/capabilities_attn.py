@@ -131,7 +131,7 @@ def attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capabilit
             "actor.mesh.cp",
             "context parallelism (actor.mesh.cp > 1) with attention tilelang",
             lambda p: attn(p) == "tilelang" and packed(p) and cp(p),
-            "actor.mesh.cp: 1 (or model.attn: sdpa, whose padded rows CP cuts)",
+            "actor.mesh.cp: 1",
             _TILELANG_CP_WHY,
         ),
     )
