@@ -13,7 +13,8 @@ Two layouts of the same rows:
   makes the mask block-diagonal causal: sdpa/eager get that explicit mask (CPU), flash_attention_2 goes through its
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
   computed. nemo-automodel's own implementations read no boundaries from position ids: they get the block-diagonal
-  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask).
+  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask), or, built with a THD-only attention
+  (tilelang), the row in THD form with cu_seqlens (`runtime/packed_thd.py`).
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
 Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
 each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
@@ -32,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from runtime import packed_thd
 
 if TYPE_CHECKING:
     from runtime.context_parallel import CpRows
@@ -133,10 +136,13 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
-        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                      **{"attention_mask": attention_mask, **masks})
-        hidden = out if isinstance(out, Tensor) else out.last_hidden_state
+        if position_ids is not None and packed_thd.takes_thd(model):  # its kernels take THD only
+            hidden = packed_thd.decoder_hidden(decoder, input_ids, position_ids)
+        else:
+            masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
+            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          **{"attention_mask": attention_mask, **masks})
+            hidden = packed_thd.hidden_states(out)
     b, length = input_ids.shape
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
@@ -165,9 +171,12 @@ def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str
     """What a packed row needs besides its position ids: nothing for transformers' models (they find the documents
     from the position ids); nemo-automodel's own implementations read no document boundaries from position ids
     (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
-    and no padding."""
+    and no padding; those built with a THD-only attention (`runtime.packed_thd`) take cu_seqlens instead."""
     if hasattr(model, "get_decoder"):
         return {}
+    if packed_thd.takes_thd(model):
+        thd = packed_thd.thd_batch(input_ids, position_ids)
+        return {k: v for k, v in thd.items() if k not in ("input_ids", "position_ids")}
     return {"attention_mask": document_mask(position_ids),
             "padding_mask": torch.zeros_like(input_ids, dtype=torch.bool)}
 

@@ -7,7 +7,8 @@ Slurm script and Ray Jobs start every node from the same environment). `importli
 imported here. What each package is needed for:
 - `vllm`: `rollout.engine: vllm`; `nemo_automodel`: `model.backend: automodel`; `peft`: `actor.lora`;
 - `wandb`: a `logging.wandb` section; `tensorboard`: `logging.tensorboard_dir`;
-- `transformer_engine`: `model.attn: te`;
+- `transformer_engine`: `model.attn: te`; `tilelang`: `model.attn: tilelang` (nemo-automodel's GLM-5.2 DSA kernels are
+  TileLang programs, compiled at their first call: without the package the job would fail at its first forward);
 - `deep_ep` / `uccl`: a DeepEP token dispatcher (`model.moe_dispatcher`) for a trainer of more than one rank (one rank
   keeps nemo-automodel's local grouped experts: `runtime/models/automodel.py` `check_dispatcher`).
 """
@@ -31,6 +32,7 @@ _INSTALL = {
     "wandb": "pip install wandb",
     "tensorboard": "pip install tensorboard",
     "transformer_engine": "pip install transformer_engine[pytorch]",
+    "tilelang": "pip install tilelang (CUDA machines)",
     "deep_ep": "build DeepEP (github.com/deepseek-ai/DeepEP) for this CUDA",
     "uccl": "pip install uccl",
 }
@@ -55,6 +57,7 @@ def _needs(plan: Plan) -> list[tuple[str, str]]:
         ("wandb", lambda: section.logging.wandb is not None, "logging.wandb"),
         ("tensorboard", lambda: section.logging.tensorboard_dir is not None, "logging.tensorboard_dir"),
         ("transformer_engine", lambda: model.attn == "te", "model.attn: te"),
+        ("tilelang", lambda: model.attn == "tilelang", "model.attn: tilelang"),
     ]
     out = [(package, why) for package, asks, why in checks if asks()]
     dispatcher = model.moe_dispatcher or ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schemas.capabilities_attn import attention_rows
 from schemas.capabilities_cp import cp_rows
 from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
@@ -149,73 +150,6 @@ _COMPILE_NOT_RUN = (
 )
 
 
-_AUTOMODEL_ATTN = ("sdpa", "te")
-"""Attentions the automodel backend hands to nemo-automodel's own layers (`BackendConfig.attn`,
-runtime/models/automodel.py `backend_config`)."""
-_ATTN_WHY = (
-    "flex: nemo-automodel 0.7.0's FlexAttention has no backward on CPU (torch 2.13), its Qwen3-MoE attention does not "
-    "pass enable_gqa (a GQA model fails at its first forward) and it builds causal masks only (no padding or document "
-    "mask); flash_attention_2/3 and eager: on a model with an AutoModel class the compiler runs them as sdpa unpacked "
-    "(B20, the plan's model.attn) and Molt refuses them packed (PACK002), so they reach the plan only for a model it "
-    "cannot read; tilelang: its DSA kernels are not in this build"
-)
-_TE_WHY = (
-    "nemo-automodel's te path (BackendConfig attn te: transformer_engine's DotProductAttention, padding_causal from "
-    "the padded rows' mask); the job's package check (runtime/packages.py) stops it at start without transformer_engine"
-)
-_TE_NOT_RUN = (
-    "transformer_engine's DotProductAttention in nemo-automodel's layers (transformer_engine is installed neither on "
-    "the CPU machines nor on the H200 machine)"
-)
-_TE_PACKED_WHY = (
-    "nemo-automodel's te path takes packed rows only as THD with cu_seqlens; this trainer sends a packed row as one "
-    "(1, N) row with a 4-D document mask (runtime/logprobs.py `packed_row_masks`), which its te path rejects"
-)
-
-
-def _packed(plan: Plan) -> bool:
-    """The plan's trainer packs its rows (actor.packing)."""
-    trainer = plan.rl.trainer if plan.kind == "rl" else plan.sft.trainer
-    return trainer is not None and trainer.packing
-
-
-def _attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capability, ...]:
-    """The automodel backend's attention rows of `kind` (rl | sft), built by that kind's `row`: sdpa and te go to
-    nemo-automodel's layers (`BackendConfig.attn`), te written but not run; the rest refused."""
-
-    def attn(p: Plan) -> str:
-        return p.rl.model.attn if kind == "rl" else p.sft.model.attn
-
-    return (
-        row(
-            f"{kind}-automodel-attn",
-            "model.attn",
-            "an attention other than sdpa or te on the automodel backend",
-            lambda p: attn(p) not in _AUTOMODEL_ATTN,
-            "model.attn: sdpa",
-            _ATTN_WHY,
-        ),
-        row(
-            f"{kind}-automodel-te",
-            "model.attn",
-            "attention te (transformer_engine) on the automodel backend",
-            lambda p: attn(p) == "te" and not _packed(p),
-            "model.attn: sdpa",
-            _TE_WHY,
-            unverified=frozenset({"cuda"}),
-            not_run=_TE_NOT_RUN,
-        ),
-        row(
-            f"{kind}-automodel-te-packed",
-            "actor.packing",
-            "packed rows with attention te on the automodel backend",
-            lambda p: attn(p) == "te" and _packed(p),
-            "actor.packing: false (te then runs on padded rows)",
-            _TE_PACKED_WHY,
-        ),
-    )
-
-
 def _automodel_rows() -> tuple[Capability, ...]:
     """What the automodel backend (runtime/models/automodel.py) does not do, on any device: settings only the hf
     backend implements, and nemo-automodel's DeepEP token dispatchers."""
@@ -238,7 +172,7 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "the adapters are patched in before FSDP2 sharding (runtime/models/hf.py `shard`); nemo-automodel's "
             "expert-parallel build (`expert_parallel`) does not patch them yet",
         ),
-        *_attention_rows("rl", row),
+        *attention_rows("rl", row),
         row(
             "rl-automodel-compile",
             "model.compile_layers",
@@ -328,7 +262,7 @@ def _sft_automodel_rows() -> tuple[Capability, ...]:
         return Capability(id_, "sft", key, what, on_automodel, instead, tracked=f"issue 28: {why}", **written)  # type: ignore[arg-type]
 
     return (
-        *_attention_rows("sft", row),
+        *attention_rows("sft", row),
         row(
             "sft-automodel-compile",
             "model.compile_layers",

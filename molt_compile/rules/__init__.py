@@ -243,6 +243,8 @@ ALL_RULES: tuple[Code, ...] = (
     ),
     Code("PACK003", "hf-model-with-automodel-attention", "error", packing.hf_model_with_automodel_attention, BOTH),
     Code("PACK004", "packing-architecture-without-thd", "error", packing.packing_architecture_without_thd, BOTH),
+    Code("PACK005", "tilelang-without-dsa-kernels", "error", packing.tilelang_without_dsa_kernels, BOTH),
+    Code("PACK006", "tilelang-not-bf16", "error", packing.tilelang_not_bf16, BOTH),
     Code("PAR001", "pipeline-parallel-trainer", "error", parallelism.pipeline_parallel_trainer, BOTH),
     Code(
         "PAR002",

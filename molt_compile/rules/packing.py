@@ -195,6 +195,91 @@ def packing_architecture_without_thd(
         )
 
 
+TILELANG_ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
+"""Architectures whose nemo-automodel 0.7.0 implementation has TileLang kernels that Molt's automodel backend runs
+(`components/models/glm_moe_dsa`: the DSA lighting indexer and sparse MLA)."""
+
+
+def tilelang_without_dsa_kernels(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `model.attn: tilelang` on the automodel backend for an architecture whose nemo-automodel implementation has no
+    TileLang kernels (all but GLM-5.2, `GlmMoeDsaForCausalLM`).
+
+    ## Why it matters
+    tilelang is not an attention of its own: it selects the DeepSeek-style sparse attention (DSA) kernels of
+    nemo-automodel's GLM-5.2 layers. Its other models build their attention from `BackendConfig.attn` through a
+    dense-attention factory that has no tilelang, so the job would fail when each actor builds its model.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: tilelang}
+    actor: {packing: true, mesh: {ep: 4}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-30B-A3B, arch: qwen3-30b-a3b, attn: te}
+    actor: {packing: true, mesh: {ep: 4}}
+    ```
+
+    ## References
+    molt_rules.md H5; nemo-automodel 0.7.0 `BackendConfig.attn` ("For GLM DSA, tilelang and cudnn select their
+    respective packed sparse-attention kernels")
+    """
+    facts = model_facts(recipe, source)
+    if (
+        recipe.model.attn == "tilelang"
+        and facts is not None
+        and dv(derived, "model.backend") != "hf"
+        and facts.architecture not in TILELANG_ARCHITECTURES
+    ):
+        yield diag(
+            source,
+            "model.attn",
+            f"attention tilelang selects nemo-automodel's GLM-5.2 sparse-attention kernels; {facts.key} "
+            f"({facts.architecture}) has none",
+            "set model.attn: te (packed) or sdpa",
+            ["model.arch"],
+        )
+
+
+def tilelang_not_bf16(recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `model.attn: tilelang` with `model.param_dtype` other than bf16.
+
+    ## Why it matters
+    nemo-automodel's TileLang DSA kernels run in bf16 only: its GLM-5.2 layers cast the latent query and key to
+    bf16 for them and hand their bf16 output to the output projection, which fails in any other compute dtype
+    (and its indexer refuses non-bf16 inputs).
+
+    ## Example
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2, attn: tilelang, param_dtype: fp32}
+    actor: {packing: true}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: zai-org/GLM-5.2, arch: glm-5.2, attn: tilelang, param_dtype: bf16}
+    actor: {packing: true}
+    ```
+
+    ## References
+    molt_rules.md H5 (tilelang is an AutoModel custom-model kernel); nemo-automodel 0.7.0
+    `glm_moe_dsa/optimized_kernels.py` (`should_use_tilelang`, require_bf16)
+    """
+    if recipe.model.attn == "tilelang" and recipe.model.param_dtype != "bf16":
+        yield diag(
+            source,
+            "model.param_dtype",
+            f"attention tilelang runs in bf16 only (nemo-automodel's DSA kernels), not {recipe.model.param_dtype}",
+            "set model.param_dtype: bf16",
+            ["model.attn"],
+        )
+
+
 def attention_replaced_by_sdpa(
     recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
 ) -> Iterator[Diagnostic]:

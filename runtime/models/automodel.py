@@ -199,9 +199,10 @@ def check_dispatcher(dispatcher: str | None, device: torch.device, world: int) -
 
 def backend_config(model_plan: ModelPlan):
     """The `BackendConfig` of nemo-automodel's own implementations (Molt B19), from the plan. `attn` is the plan's
-    `model.attn`, sdpa or te (the capability table refuses the others on this backend): nemo-automodel's own
-    attention paths, its te one being transformer_engine's DotProductAttention (the job's package check,
-    `runtime.packages`, stops a te plan at start without it). flash_attention_2 never reaches here: unpacked, the
+    `model.attn`, sdpa, te or tilelang (the capability table refuses the others on this backend): nemo-automodel's
+    own attention paths, its te one being transformer_engine's DotProductAttention, its tilelang one GLM-5.2's DSA
+    kernels, which take packed rows in THD form (`runtime.packed_thd`; the job's package check, `runtime.packages`,
+    stops a te or tilelang plan at start without its package). flash_attention_2 never reaches here: unpacked, the
     compiler runs it as sdpa (B20: the plan says sdpa; on CUDA torch's sdpa picks its own flash kernel for the
     unmasked causal rows), and packed Molt refuses it on these models (PACK002); nemo-automodel's flex is refused
     (`rl-automodel-attn` says why)."""

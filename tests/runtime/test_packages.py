@@ -68,3 +68,16 @@ def test_a_te_plan_without_transformer_engine_stops_at_start(tmp_path):
     with pytest.raises(PlanUnusable, match=r"`transformer_engine` package does not import here, and model.attn: te "
                                            r"needs it"):
         read_plan(path)
+
+
+def test_a_tilelang_plan_without_tilelang_stops_at_start(tmp_path):
+    # rl-automodel-tilelang: GLM-5.2's DSA kernels on packed rows compile for GPUs with a CAP002 warning; tilelang is
+    # not installed here (nor on the H200 machine), so the job stops before Ray with the package and the setting
+    result = compile_recipe(ROOT / "tests/capability/rl-automodel-tilelang.yaml")
+    assert result.plan is not None and result.plan.rl.model.attn == "tilelang" and result.plan.rl.trainer.packing
+    assert {d.code for d in result.diagnostics if d.severity != "info"} == {"CAP002"}
+    path = tmp_path / "plan.json"
+    path.write_text(result.plan.to_json())
+    with pytest.raises(PlanUnusable, match=r"`tilelang` package does not import here, and model.attn: tilelang needs "
+                                           r"it \(pip install tilelang"):
+        read_plan(path)
