@@ -3,14 +3,16 @@ own device mesh, its dense parallelizer and its Qwen3 tensor-parallel plan (q/k/
 down row-wise, the embedding and the lm_head vocabulary-parallel), on 2 gloo ranks (fp32, a tiny dense Qwen3),
 through the real trainer (`PolicyWorker`).
 
-TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows) gives the same old log-probs (the
+TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows), and TP 2 x dp 2 on 4 ranks (FSDP2 over the
+data-parallel pair cuts each tp shard again: `_StridedShard`), give the same old log-probs (the
 vocab-sharded logits gathered per chunk), loss statistics and gradients as the one-rank run of the same batch, and
 three clipped optimizer steps keep the weights equal (the gradient norm is the whole mesh's, each replicated piece
 counted once). Then what a weight sync streams (each rank's column / row shard of a matrix, `shard_layout`), the HF
-export and a DCP save / resume. The structure and the comparison are test_expert_parallel.py's.
+export and a DCP save / resume. The structure and the comparison are test_expert_parallel.py's (its rank loop runs
+this module's plan).
 
 Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
-TP path refuses them), and rule MOE-with-tensor-parallel refuses the recipe.
+TP path refuses them), and rule MOE002 refuses the recipe.
 """
 
 from __future__ import annotations
@@ -76,8 +78,13 @@ def _mesh(tp: int) -> MeshPlan:
     return MeshPlan(tp=tp, cp=1, ep=1, pp=1, dp_replicate=1)
 
 
-def test_tp2_matches_one_rank(dense_checkpoint, tmp_path):
-    single = _run(1, [_mesh(1)], dense_checkpoint, tmp_path / "single")[0][0]
+@pytest.fixture(scope="module")
+def single(dense_checkpoint, tmp_path_factory) -> dict:
+    """The one-rank run every layout is held against."""
+    return _run(1, [_mesh(1)], dense_checkpoint, tmp_path_factory.mktemp("single"))[0][0]
+
+
+def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
     tp = _run(2, [_mesh(2)], dense_checkpoint, tmp_path / "tp")[0]
     placed = tp[0]["placements"]
     # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
@@ -88,3 +95,17 @@ def test_tp2_matches_one_rank(dense_checkpoint, tmp_path):
     for s in range(ep_test.STEPS):
         assert tp[1]["stats"][s]["tokens"] == 0.0
     ep_test._check(single, tp)
+    # the export is a transformers checkpoint of the same names as the one trained from
+    from safetensors.torch import load_file
+
+    assert load_file(f"{tp[0]['hf_dir']}/model.safetensors").keys() == load_file(
+        f"{dense_checkpoint}/model.safetensors").keys()
+
+
+def test_tp2_by_dp2_matches_one_rank(dense_checkpoint, single, tmp_path):
+    tp_dp = _run(4, [_mesh(2)], dense_checkpoint, tmp_path / "tp_dp")[0]
+    # FSDP2 over the 2 data-parallel ranks cuts each tp rank's column shard again (a strided shard over dp)
+    placed = tp_dp[0]["placements"]
+    assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    assert "dp_shard=2, tp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    ep_test._check(single, tp_dp)
