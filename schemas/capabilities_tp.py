@@ -36,7 +36,8 @@ def tp_rows(
         return trainer is not None and trainer.mesh.tp > 1
 
     def compiled(plan: Plan) -> bool:
-        return (plan.rl.model if kind == "rl" else plan.sft.model).compile_layers
+        runtime = plan.rl if kind == "rl" else plan.sft
+        return runtime is not None and runtime.model.compile_layers
 
     test = (
         "tests/runtime/models/test_tensor_parallel.py" if kind == "rl" else "tests/runtime/test_sft_tensor_parallel.py"
@@ -57,8 +58,7 @@ def tp_rows(
             "context parallelism",
             lambda t, p: t.mesh.cp > 1,
             "actor.mesh.cp: 1",
-            "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both "
-            "(runtime/ranks.py)",
+            "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both (runtime/ranks.py)",
         ),
         (
             "sequence-parallel",
@@ -99,7 +99,7 @@ def tp_rows(
                 "critic",
                 "critic",
                 "a critic",
-                lambda t, p: p.rl.critic is not None,
+                lambda t, p: p.rl is not None and p.rl.critic is not None,
                 "a critic-free estimator (grpo, rloo, reinforce_baseline, ...)",
                 "the critic group is FSDP2 over all of its ranks; its plan's dp counts tp",
             )
