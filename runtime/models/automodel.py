@@ -11,7 +11,8 @@ the plan's `mesh.dp_replicate`). At `mesh.ep` > 1 nemo-automodel's own device me
 the data-parallel ranks, ep_shard = ranks / ep, dp_replicate as the plan says) and its MoE parallelizer
 (`parallelize_model`: each rank holds experts/ep of every MoE layer, FSDP2-sharded over its ep_shard group when ep is
 below the ranks; the plan's token dispatcher moves the tokens; FSDP2, or HSDP, shards the rest over dp) place the
-model; tp stays refused by the capability table (not wired here). The expert gradients' scaling to the global token
+model. At `mesh.tp` > 1 (a dense Qwen2, Qwen3 or Llama: the compiler sends them here for it) nemo-automodel's mesh
+with its tp axis and its dense parallelizer with its TP plan (`tensor_parallel`). The expert gradients' scaling to the global token
 mean is `expert_parallel`'s; the weight sync reads every one of these placements piece by piece
 (`runtime/shard_layout.py`).
 
