@@ -28,7 +28,9 @@ trainer keeps dp_replicate copies of the non-expert state, `bytes × dp_replicat
   runtime, so T is cp times that), what autograd keeps per token and layer of a Qwen-style decoder in bf16 with fp32 RMSNorm
   upcasts (the norms, q/k/v, their per-head norms and rotary outputs, the attention output, the MLP's gate, up,
   activation and product): 16·h + 8·I + 12·(heads·head_dim) + 12·(kv_heads·head_dim) bytes, I the MLP width
-  (MoE: experts_per_token × the expert width), divided by tp;
+  (MoE: experts_per_token × the expert width); under tp its 8·I + 12·(heads·head_dim) + 12·(kv_heads·head_dim)
+  column / row-parallel part is divided by tp, its 16·h hidden-width part is not (without sequence parallelism
+  every tp rank holds the whole hidden states);
     * gradient_checkpoint full: the layer inputs are kept (2·T·h per layer; divided by tp with
       sequence_parallel) plus one layer's working set while it is recomputed;
     * selective: the runtime keeps each layer's input and the outputs of its matmuls and attention kernel and
@@ -38,7 +40,8 @@ trainer keeps dp_replicate copies of the non-expert state, `bytes × dp_replicat
     * the reference model runs forward only without grad: one layer's working set;
     * log-probs: the runtime computes the lm_head over chunks of `LOGPROB_CHUNK_TOKENS` positions
       (`runtime/logprobs.py`), so about 3.5 fp32 (chunk × vocab) tensors are alive at once (logits, their
-      softmax, the recomputed chunk and its gradient), divided by tp (not for the critic's scalar head).
+      softmax, the recomputed chunk and its gradient), under tp too (the runtime gathers a chunk's vocabulary-
+      parallel logits whole before the log-softmax).
 - allocator slack: 10 % of the static state (the caching allocator's fragmentation around FSDP2's per-layer
   all-gather and reduce-scatter buffers: reserved minus allocated memory grew with the model, not the batch).
 - runtime overhead: CUDA context and NCCL, 2 GiB (estimate).
@@ -274,10 +277,11 @@ def _widths(facts: Any) -> tuple[int, int, int, int]:
     return facts.hidden_size, mlp, facts.heads * facts.head_dim, facts.kv_heads * facts.head_dim
 
 
-def _layer_bytes_per_token(facts: Any) -> float:
-    """What autograd keeps per token for one decoder layer (bf16, fp32 norm upcasts; see the module docstring)."""
+def _layer_bytes_per_token(facts: Any, tp: int = 1) -> float:
+    """What autograd keeps per token for one decoder layer of a tp rank (bf16, fp32 norm upcasts; see the module
+    docstring): the hidden-width tensors whole, the attention and MLP widths split over tp."""
     h, mlp, q, kv = _widths(facts)
-    return 16 * h + 8 * mlp + 12 * q + 12 * kv
+    return 16 * h + (8 * mlp + 12 * q + 12 * kv) / tp
 
 
 def _selective_bytes_per_token(facts: Any) -> float:
@@ -295,7 +299,7 @@ def _activations(recipe: Any, role: str, facts: Any, cp: int) -> float:
     # the token budget is per data-parallel rank (max_tokens_per_gpu x cp x tp, G9), split over cp
     tokens = (dyn.max_tokens_per_gpu * a.mesh.cp if dyn is not None else t.micro_batch_size * recipe.data.max_len) / cp
     h, layers = facts.hidden_size, facts.layers
-    layer_set = _layer_bytes_per_token(facts) * tokens / tp
+    layer_set = _layer_bytes_per_token(facts, tp) * tokens
     if role == "ref":
         acts = layer_set
     elif recipe.model.gradient_checkpoint == "full":
@@ -306,7 +310,7 @@ def _activations(recipe: Any, role: str, facts: Any, cp: int) -> float:
     else:
         acts = layer_set * layers
     chunk = min(tokens, LOGPROB_CHUNK_TOKENS)
-    logits = 0.0 if role == "critic" else LOGIT_TENSORS_ALIVE * 4 * chunk * facts.vocab / tp
+    logits = 0.0 if role == "critic" else LOGIT_TENSORS_ALIVE * 4 * chunk * facts.vocab
     return acts + logits
 
 

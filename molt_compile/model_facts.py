@@ -44,6 +44,10 @@ NATIVE_ARCHITECTURES = frozenset(
         "GptOssForCausalLM",
     }
 )
+# Dense architectures nemo-automodel 0.7.0 builds with its own implementation and a registered tensor-parallel plan
+# (`optimized_tp_plans.PARALLELIZE_FUNCTIONS`): Molt trains them on HF transformers (above), except at actor tp > 1,
+# where they take the automodel backend for nemo-automodel's TP (runtime/models/automodel.py `tensor_parallel`).
+TP_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"})
 # Custom implementations known to consume THD packing kwargs (H4): DSA/MLA models with tilelang, DeepSeek/Qwen-MoE.
 THD_ARCHITECTURES = frozenset(
     {
@@ -209,6 +213,8 @@ def hf_fallback(recipe: Any, facts: Any) -> bool:
     """True when the trained models run on HF transformers: `model.backend: hf`, or no AutoModel custom class (H9)."""
     if recipe.model.backend == "hf":
         return True
+    if recipe.actor.mesh.tp > 1 and facts is not None and facts.architecture in TP_ARCHITECTURES:
+        return False  # nemo-automodel's own implementation and its TP plan (TP_ARCHITECTURES)
     return facts is not None and not facts.native_automodel
 
 

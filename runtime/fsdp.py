@@ -221,6 +221,17 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return buffer
 
 
+def sync_tp_replicas(model, tp_world) -> None:
+    """Under tensor parallelism (`tp_world`: nemo-automodel's world mesh; None: none), once per optimizer step
+    before the clip: nemo-automodel's reduction of the gradients of the parameters every tp rank holds whole
+    (`synchronize_tp_replica_gradients`, where its recipes call it): the q/k norms summed over tp (each rank's
+    heads are a part of them), the other norms averaged, so the replicas stay equal (a collective)."""
+    if tp_world is not None:
+        from nemo_automodel.components.distributed.tp_replicas import synchronize_tp_replica_gradients
+
+        synchronize_tp_replica_gradients([model], tp_world)
+
+
 def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:
     """Clip the gradient norm to `max_norm` (<= 0: no clipping), step optimizer and scheduler, zero the gradients;
     returns the norm before clipping (a collective: every rank calls it)."""
@@ -246,13 +257,14 @@ def clipped_step(model, optimizer, scheduler, max_norm: float) -> float:
 def world_grad_norm(params) -> float:
     """The L2 norm of the gradients of DTensor parameters placed on different meshes of one world: each rank's
     local pieces squared and summed, a piece replicated over mesh dims counted once (divided by their sizes), one
-    all-reduce over the world."""
+    all-reduce over the world. A mesh over part of the world (tensor parallelism's FSDP2 units over dp, one mesh per
+    tp coordinate) holds one copy per such mesh: divided by world / its size too."""
     import torch.distributed as dist
 
     total = torch.zeros((), dtype=torch.float64, device=params[0].grad.device)
     for p in params:
         g = p.grad
-        copies = 1
+        copies = dist.get_world_size() // g.device_mesh.size() if hasattr(g, "device_mesh") else 1
         for dim, placement in enumerate(getattr(g, "placements", ())):
             if placement.is_replicate():
                 copies *= g.device_mesh.size(dim)

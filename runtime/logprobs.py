@@ -46,7 +46,10 @@ A memory/speed knob of this module only; the numbers do not depend on it."""
 
 def _chunk(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
            top_ids: Tensor | None = None) -> tuple[Tensor, ...]:
-    logits = head(hidden).float() / temperature          # (n, V): one chunk only
+    logits = head(hidden)
+    if hasattr(logits, "full_tensor"):  # tensor parallelism's vocab-parallel head: the chunk's whole vocabulary
+        logits = logits.full_tensor()
+    logits = logits.float() / temperature          # (n, V): one chunk only
     logz = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
     out = [picked]

@@ -55,6 +55,7 @@ class FsdpRank:
         self.image_token_id: int | None = None
         # Data parallelism over every rank; a group under context parallelism sets these from its mesh (`use_cp`).
         self.dp, self.dp_rank, self.cp, self.cp_mesh = world, rank, 1, None
+        self.tp, self.tp_rank = 1, 0  # tensor parallelism (`use_tp`)
 
     def use_cp(self, cp_mesh, dp: int) -> None:
         """Context parallelism over `cp_mesh` (None: none): the cp ranks of one of the plan's `dp` data-parallel
@@ -65,6 +66,23 @@ class FsdpRank:
             return
         self.cp_mesh, self.cp, self.dp = cp_mesh, cp_mesh.size(), dp
         self.dp_rank = context_parallel.dp_rank(self.rank, cp_mesh)
+
+    def use_tp(self, tp_mesh, dp: int) -> None:
+        """Tensor parallelism over `tp_mesh` (None: none): the tp ranks of one of the plan's `dp` data-parallel ranks
+        take the same rows (tp is nemo-automodel's innermost mesh axis: they are consecutive; checked). Their
+        token counts and statistics are their tp rank 0's (`replicas`)."""
+        if tp_mesh is None:
+            return
+        self.tp, self.tp_rank, self.dp = tp_mesh.size(), tp_mesh.get_local_rank(), dp
+        if self.tp_rank != self.rank % self.tp:
+            raise RuntimeError(f"rank {self.rank} is tp rank {self.tp_rank} of nemo-automodel's mesh, not "
+                               f"{self.rank % self.tp}: its tp axis is no longer the innermost")
+        self.dp_rank = self.rank // self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Consecutive ranks that take the same rows: a data-parallel rank's cp x tp ranks."""
+        return self.cp * self.tp
 
     def cp_rows(self, part: Experience):
         """The block a micro-batch's forward and backward run in: its context-parallel shard (or None)."""
@@ -131,7 +149,7 @@ class FsdpRank:
         global-token-mean normaliser (`runtime/algo/losses.py`)."""
         total = torch.tensor([float(shard.action_mask[window.start:window.stop].sum())], device=self.device)
         dist.all_reduce(total)  # NCCL reduces device tensors only
-        return float(total.item()) / self.cp  # the cp ranks of a data-parallel rank hold the same rows
+        return float(total.item()) / self.replicas  # the cp x tp ranks of a data-parallel rank hold the same rows
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -108,6 +108,11 @@ class SftJob:
         self.cp_mesh, self.dp = meshes.cp, t.dp
         self.cp = 1 if meshes.cp is None else meshes.cp.size()
         self.dp_rank = context_parallel.dp_rank(self.rank, meshes.cp)
+        # and so do the tp ranks of one (consecutive: tp is nemo-automodel's innermost axis)
+        self.tp_world = None if meshes.tp is None else meshes.fsdp
+        self.replicas = self.cp * (1 if meshes.tp is None else meshes.tp.size())
+        if meshes.tp is not None:
+            self.dp_rank = self.rank // meshes.tp.size()
         torch.manual_seed(t.seed)
         if t.full_determinism:
             from transformers import enable_full_determinism
@@ -255,7 +260,7 @@ class SftJob:
         chunks = [rows[m:m + t.micro_batch_size] for m in range(0, self.window, t.micro_batch_size)]
         micro = [collate(chunk, self.pad_id, t.width_multiple) for chunk in chunks]
         (global_tokens,) = self.all_sum([sum(float(mask[:, 1:].sum()) for _, _, mask in micro)])
-        global_tokens /= self.cp  # the cp ranks of a data-parallel rank hold the same rows
+        global_tokens /= self.replicas  # the cp x tp ranks of a data-parallel rank hold the same rows
         loss_sum = 0.0
         top_k = moe.shape_of(self.model)[1]  # 0: a dense model, no aux loss
         aux = t.aux_loss_coef > 1e-8 and top_k > 0  # Molt B32: the MoE aux loss is on above 1e-8
@@ -275,6 +280,7 @@ class SftJob:
                     loss = loss + t.aux_loss_coef * moe.load_balancing_loss(logits, top_k, real) / len(micro)
                 loss.backward()
         lr = self.scheduler.get_last_lr()[0]
+        fsdp.sync_tp_replicas(self.model, self.tp_world)
         grad_norm = fsdp.clipped_step(self.model, self.optimizer, self.scheduler, t.optimizer.max_norm)
         self.step += 1
         (step_loss, stop_votes) = self.all_sum([loss_sum, float(self.stop_requested)])
@@ -325,7 +331,7 @@ class SftJob:
             weight = 1.0 if mine[b * t.micro_batch_size:(b + 1) * t.micro_batch_size] else 0.0
             nll += weight * float((-lp * mask[:, 1:]).sum())
             tokens += weight * float(mask[:, 1:].sum())
-        nll, tokens = (v / self.cp for v in self.all_sum([nll, tokens]))  # cp ranks hold the same rows
+        nll, tokens = (v / self.replicas for v in self.all_sum([nll, tokens]))  # cp x tp ranks: the same rows
         self.model.train()
         return nll / max(tokens, 1.0), tokens
 

@@ -7,8 +7,11 @@ mesh dim copies the box. The placements met here: FSDP2's Shard(0) over dp; HSDP
 (dp_replicate, dp_shard); nemo-automodel's experts Shard(0) over ep, and with ep below the ranks its FSDP2
 Shard(1) over ep_shard as well ((ep_shard, ep) mesh: (Shard(1), Shard(0))). One copy of each box is read, from the
 rank at coordinate 0 of every Replicate dim; a plain tensor is whole on every rank and read from rank 0.
-`_StridedShard` (FSDP2 over a dim that expert or tensor parallelism already cut) and `Partial` are not boxes:
-refused, with the placement.
+Tensor parallelism adds nemo-automodel's column / row shards (Shard(0) / Shard(1) over tp) under FSDP2's
+`_StridedShard` over dp ((dp, tp) mesh: FSDP2 cuts the tp rank's piece again, so the tp cut comes first: a strided
+shard is applied after the plain ones that cut the same dim, whose sizes multiply to its split factor), and
+parameters FSDP2 shards over the dp ranks alone (the norms: one mesh per tp coordinate, each holding a whole copy;
+the copy on rank 0's mesh is read). `Partial` is not a box: refused, with the placement.
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def pieces(p, world: int) -> list[Piece]:
         boxes = [Piece(0, (0,) * len(shape), shape)]
     else:
         mesh = base.device_mesh
-        if mesh.size() != world:
+        if world % mesh.size():
             raise NotImplementedError(f"weight sync: a parameter placed over {mesh.size()} of {world} ranks "
-                                      f"({mesh.mesh_dim_names}); the gather reads meshes spanning the group")
-        boxes = _grid(shape, tuple(placements), mesh)
+                                      f"({mesh.mesh_dim_names}); the gather reads meshes tiling the group")
+        # a mesh over part of the group holds a whole copy (the others hold the same): rank 0's mesh is read
+        boxes = _grid(shape, tuple(placements), mesh) if 0 in mesh.mesh else []
     if getattr(p, "swapped", False):  # the engine's layout swaps dims 1 and 2 (transformers' fused experts)
         boxes = [Piece(b.rank, _swap(b.offset), _swap(b.shape)) for b in boxes]
     return [b for b in boxes if math.prod(b.shape)]
@@ -78,12 +82,19 @@ def _box(rank: int, coord: tuple[int, ...], mesh_shape: tuple[int, ...], placeme
     from torch.distributed.tensor.placement_types import _StridedShard
 
     offset, size = [0] * len(shape), list(shape)
-    for placement, c, n in zip(placements, coord, mesh_shape, strict=True):
+    cuts = list(zip(placements, coord, mesh_shape, strict=True))
+    # a strided shard (FSDP2 over a tensor-parallel cut) cuts what the plain shards of its dim left
+    for placement, c, n in sorted(cuts, key=lambda cut: isinstance(cut[0], _StridedShard)):
         if placement.is_replicate():
             continue
-        if type(placement) is not Shard or isinstance(placement, _StridedShard):
+        if not isinstance(placement, Shard | _StridedShard):
             raise NotImplementedError(f"weight sync: placement {tuple(placements)} (Shard and Replicate only)")
         d = placement.dim
+        if isinstance(placement, _StridedShard):
+            before = math.prod(m for p, _, m in cuts if type(p) is Shard and p.dim == d)
+            if placement.split_factor != before:
+                raise NotImplementedError(f"weight sync: placement {tuple(placements)} (a strided shard after "
+                                          "the plain ones of its dim only)")
         chunk = -(-size[d] // n)
         start = min(c * chunk, size[d])
         offset[d] += start

@@ -62,6 +62,7 @@ class PolicyWorker(FsdpRank):
         self.backend = backend = models.backend(model)
         self.meshes = backend.device_mesh(device, trainer.world, trainer.mesh)
         self.use_cp(self.meshes.cp, trainer.dp)
+        self.use_tp(self.meshes.tp, trainer.dp)
         self.model = backend.build(model, model.path, self.meshes, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
                                    freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload)
@@ -159,8 +160,10 @@ class PolicyWorker(FsdpRank):
                 for _, part in parts:
                     for k, v in self._micro_step(part, total, kl_coef, len(parts), stats).items():
                         sums[k] = sums.get(k, 0.0) + v
+                fsdp.sync_tp_replicas(self.model, self.meshes.fsdp if self.meshes.tp is not None else None)
                 grad_norms.append(self._optimizer_step())
-        if self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0:  # its cp rank 0 counts the rows' tokens
+        # its cp (tp) rank 0 counts the rows' tokens
+        if (self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0) or self.tp_rank > 0:
             sums = {k: 0.0 if k == "tokens" or k.endswith("_x_tokens") else v for k, v in sums.items()}
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         sums["optimizer_steps"] = float(len(grad_norms))
@@ -178,7 +181,7 @@ class PolicyWorker(FsdpRank):
         local = aggregation.window_stats(shard.action_mask[rows], shard.group_ids[rows])
         parts: list = [None] * self.t.world
         dist.all_gather_object(parts, local)
-        return aggregation.merge(parts[::self.cp])  # one per data-parallel rank (cp ranks are consecutive)
+        return aggregation.merge(parts[::self.replicas])  # one per data-parallel rank (cp x tp ranks consecutive)
 
     def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int,
                     window=None) -> dict[str, float]:

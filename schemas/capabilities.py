@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from schemas.capabilities_attn import attention_rows
 from schemas.capabilities_cp import cp_rows
+from schemas.capabilities_tp import tp_rows
 from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
 DEVICES = ("cpu", "cuda")
@@ -56,29 +57,6 @@ def _colocated(plan: Plan) -> bool:
     """The engines share the actor's bundles (rollout.placement: colocate)."""
     roles = [r for r in plan.roles if r.name == "rollout.engine"]
     return bool(roles) and roles[0].placement_group != "rollout"
-
-
-def _mesh_rows(kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None]) -> tuple[Capability, ...]:
-    def asks(axis: str) -> Callable[[Plan], bool]:
-        def check(plan: Plan) -> bool:
-            trainer = section(plan)
-            return trainer is not None and getattr(trainer.mesh, axis) > 1
-
-        return check
-
-    names = {"tp": "tensor", "cp": "context", "ep": "expert"}
-    return tuple(
-        Capability(
-            f"{kind}-trainer-{axis}",
-            kind,
-            f"actor.mesh.{axis}",
-            f"{names[axis]} parallelism in the trainer (actor.mesh.{axis} > 1)",
-            asks(axis),
-            f"actor.mesh.{axis}: 1 (FSDP data parallelism only)",
-            tracked="issues 16 (MoE, nemo-automodel) and 21 (multi-GPU)",
-        )
-        for axis in ("tp",)
-    )
 
 
 def _ep_rows(kind: str) -> tuple[Capability, ...]:
@@ -323,7 +301,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         devices=frozenset({"cpu"}),
         tracked="issue 21 (multi-GPU)",
     ),
-    *_mesh_rows("rl", lambda p: p.rl.trainer),
+    *tp_rows("rl", lambda p: p.rl.trainer, Capability),
     *cp_rows("rl", lambda p: p.rl.trainer, Capability),
     *_ep_rows("rl"),
     Capability(
@@ -399,7 +377,7 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 13",
     ),
     # ---------------------------------------------------------------------------------------------------- SFT
-    *_mesh_rows("sft", lambda p: p.sft.trainer),
+    *tp_rows("sft", lambda p: p.sft.trainer, Capability),
     *cp_rows("sft", lambda p: p.sft.trainer, Capability),
     *_ep_rows("sft"),
     Capability(

@@ -140,3 +140,22 @@ def test_hsdp_keeps_dp_replicate_copies_of_the_state(tmp_path):
     (group,) = memory.estimate(r.recipe, r.derived, MODELS["qwen3-8b"], GPUS["h100-80gb"]).fsdp_groups
     (actor,) = group.roles
     assert abs(actor.grads - 4 * n * 2 / world) < 1 and abs(actor.optimizer - 8 * n * 2 / world) < 1
+
+
+def test_tensor_parallel_splits_the_state_and_the_attention_and_mlp_widths(tmp_path):
+    """TP 2 over the base's 4 ranks (dp 2): the fp32 state shards over all 4 ranks (tp x dp), a gathered layer is
+    half a layer, the hidden-width activations stay whole on each tp rank, q/k/v and MLP widths halve, and the
+    log-prob chunk's logits are gathered whole (runtime/logprobs.py)."""
+    n, world, layers = 8_190_735_360, 4, 36
+    (tmp_path / "r.yaml").write_text(f"extends: {BASE}\nactor: {{mesh: {{tp: 2}}}}\n")
+    r = compile_recipe(tmp_path / "r.yaml", lower=False, roots=[BASE.parent])
+    (group,) = memory.estimate(r.recipe, r.derived, MODELS["qwen3-8b"], GPUS["h100-80gb"]).fsdp_groups
+    (actor,) = group.roles
+    assert abs(actor.params - (4 * n / world + 2 * 2 * n / layers / 2)) < 1
+    assert abs(actor.grads - 4 * n / world) < 1 and abs(actor.optimizer - 8 * n / world) < 1
+    tokens, h, vocab = 1 * 2048, 4096, 151936
+    q, kv, mlp = 32 * 128, 8 * 128, 12288
+    kept = 2 * tokens * h * layers                                       # no sequence parallelism: whole
+    working = (16 * h + (8 * mlp + 12 * q + 12 * kv) / 2) * tokens
+    logits = 3.5 * 4 * 1024 * vocab
+    assert abs(actor.activations - (kept + working + logits)) < 1

@@ -24,6 +24,13 @@ def derive_backend(b: Builder, r: RlRecipe | SftRecipe, source: SourceMap | None
             f"{facts.key} has no AutoModel custom implementation: HF transformers (H9)",
             ("model.backend", "model.arch", "model.path"),
         )
+    elif facts is not None and not facts.native_automodel:
+        b.add(
+            "model.backend",
+            "automodel",
+            f"actor.mesh.tp {r.actor.mesh.tp}: {facts.key}'s nemo-automodel implementation and tensor-parallel plan",
+            ("model.backend", "model.arch", "actor.mesh.tp"),
+        )
     else:
         b.add("model.backend", "automodel", "model.backend: automodel", ("model.backend", "model.arch"))
 

@@ -258,6 +258,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("PAR005", "critic-with-sequence-parallel", "error", parallelism.critic_with_sequence_parallel),
     Code("PAR006", "actor-tp-does-not-split-heads", "error", shapes.actor_tp_does_not_split_the_model, BOTH),
     Code("PAR007", "dp-replicate-does-not-split-dp", "error", parallelism.dp_replicate_does_not_split_dp, BOTH),
+    Code("PAR008", "tensor-parallel-without-a-plan", "error", parallelism.tensor_parallel_without_a_plan, BOTH),
     Code("PEN001", "overlong-penalty-factor-invalid", "error", penalties.overlong_penalty_factor_invalid),
     Code("PEN002", "overlong-buffer-out-of-range", "error", penalties.overlong_buffer_out_of_range),
     Code("PEN003", "stop-properly-coef-above-one", "error", penalties.stop_properly_coef_above_one),

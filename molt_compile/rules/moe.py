@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.model_facts import model_facts, moe_dispatcher, role_facts
+from molt_compile.model_facts import TP_ARCHITECTURES, model_facts, moe_dispatcher, role_facts
 from molt_compile.rules._base import diag, dv, fsdp_roles, role_size_keys, runs_on_hf
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
@@ -66,8 +66,9 @@ def moe_with_tensor_parallel(recipe: RlRecipe | SftRecipe, derived: Derived, sou
     An MoE checkpoint with `actor.mesh.tp > 1`.
 
     ## Why it matters
-    AutoModel's custom MoE parallelizer asserts "Tensor parallelism not supported for custom MoE models" when the
-    actor builds its model.
+    nemo-automodel 0.7.0's MoE parallelizer takes tensor parallelism only from a TP plan registered for the model
+    class, and registers none for its own MoE implementations ("No safe tensor-parallel plan is registered for custom
+    MoE model ..."): the actor would die building its model. Dense models have TP (PAR006, the capability table).
 
     ## Example
     ```yaml
@@ -361,7 +362,8 @@ def tied_embeddings_on_automodel(
     nemo-automodel's implementations of every architecture the compiler sends to it (Qwen3-MoE, Qwen3-Next,
     Qwen3.5-MoE, DeepSeek-V3/V3.2, GLM-4.5 and GLM-5 MoE, Nemotron-H, Nemotron Omni, gpt-oss) keep separate
     embeddings and refuse to build a tied checkpoint ("... has separate input and output embeddings and does not
-    support tie_word_embeddings=True"): the run would die at trainer start-up.
+    support tie_word_embeddings=True"): the run would die at trainer start-up. Its dense Qwen2, Qwen3 and Llama, which
+    the compiler sends to it at actor tp > 1 only (tensor parallelism), take tied embeddings too.
 
     ## Example
     ```yaml
@@ -382,7 +384,8 @@ def tied_embeddings_on_automodel(
     molt_rules.md H9
     """
     facts = model_facts(recipe, source)
-    if facts is not None and facts.tie_embeddings and dv(derived, "model.backend") != "hf":
+    tied_ok = facts is not None and facts.architecture in TP_ARCHITECTURES
+    if facts is not None and facts.tie_embeddings and dv(derived, "model.backend") != "hf" and not tied_ok:
         yield diag(
             source,
             "model.path",

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
-from molt_compile.model_facts import model_facts
+from molt_compile.model_facts import TP_ARCHITECTURES, model_facts
 from molt_compile.rules._base import diag, dv, fsdp_roles, role_size_keys
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
@@ -138,7 +138,8 @@ def hf_fallback_with_model_parallel(
 ) -> Iterator[Diagnostic]:
     """## What it checks
     A model on the HF transformers path (`model.backend: hf`, or an architecture without an AutoModel custom class)
-    with `tp > 1`, `cp > 1`, or (dense model) `ep > 1`. MoE on the HF path is MOE005.
+    with `tp > 1`, `cp > 1`, or (dense model) `ep > 1`. MoE on the HF path is MOE005. At `tp > 1` a dense Qwen2,
+    Qwen3 or Llama takes the automodel backend unless `model.backend: hf` says otherwise (PAR008).
 
     ## Why it matters
     The HF fallback has no TP/CP plan of AutoModel's custom models (Molt's README: "text + flash_attention_2 +
@@ -147,7 +148,7 @@ def hf_fallback_with_model_parallel(
 
     ## Example
     ```yaml
-    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b}
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, backend: hf}
     actor: {mesh: {tp: 2}}
     train: {batch_size: 64}
     ```
@@ -256,3 +257,47 @@ def dp_replicate_does_not_split_dp(
         f"choose a divisor of {dp} below it, or actor.mesh.dp_replicate: 1",
         list(role_size_keys("actor")),
     )
+
+
+def tensor_parallel_without_a_plan(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `actor.mesh.tp > 1` on the automodel backend for a dense architecture for which nemo-automodel registers no
+    tensor-parallel plan (its plans: Qwen2, Qwen3 and Llama, `model_facts.TP_ARCHITECTURES`; MoE models are MOE002,
+    the HF path PAR004).
+
+    ## Why it matters
+    The trainer's tensor parallelism is nemo-automodel's dense parallelizer with the plan it registers for the model
+    class (`optimized_tp_plans`); without one it falls back to a generic llama-style plan that does not know the
+    architecture's layers (Nemotron-H's Mamba mixers), which this project has not run.
+
+    ## Example
+    ```yaml
+    model: {path: ./models/tiny-dense-native, arch: null, attn: sdpa}
+    actor: {mesh: {tp: 2}}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: ./models/tiny-dense-native, arch: null, attn: sdpa}
+    actor: {mesh: {tp: 1}}
+    ```
+
+    ## References
+    nemo_automodel 0.7.0 `components/distributed/optimized_tp_plans.py` (PARALLELIZE_FUNCTIONS); molt_rules.md H9
+    """
+    facts = model_facts(recipe, source)
+    tp = recipe.actor.mesh.tp
+    if tp == 1 or facts is None or facts.is_moe or dv(derived, "model.backend") != "automodel":
+        return
+    if facts.architecture not in TP_ARCHITECTURES:
+        yield diag(
+            source,
+            "actor.mesh.tp",
+            f"actor.mesh.tp {tp}: nemo-automodel registers no tensor-parallel plan for {facts.architecture}",
+            "set actor.mesh.tp: 1 and scale with data parallelism (tensor parallelism: "
+            + ", ".join(sorted(TP_ARCHITECTURES))
+            + ")",
+            ["model.arch", "model.path"],
+        )

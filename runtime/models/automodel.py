@@ -11,7 +11,8 @@ the plan's `mesh.dp_replicate`). At `mesh.ep` > 1 nemo-automodel's own device me
 the data-parallel ranks, ep_shard = ranks / ep, dp_replicate as the plan says) and its MoE parallelizer
 (`parallelize_model`: each rank holds experts/ep of every MoE layer, FSDP2-sharded over its ep_shard group when ep is
 below the ranks; the plan's token dispatcher moves the tokens; FSDP2, or HSDP, shards the rest over dp) place the
-model; tp stays refused by the capability table (not wired here). The expert gradients' scaling to the global token
+model. At `mesh.tp` > 1 (a dense Qwen2, Qwen3 or Llama: the compiler sends them here for it) nemo-automodel's mesh
+with its tp axis and its dense parallelizer with its TP plan (`tensor_parallel`). The expert gradients' scaling to the global token
 mean is `expert_parallel`'s; the weight sync reads every one of these placements piece by piece
 (`runtime/shard_layout.py`).
 
@@ -64,15 +65,19 @@ def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
     data-parallel rank (ep is carved out of dp), so each takes its own rows of a batch. At cp > 1 the same world
     mesh with its cp axis (`Meshes.cp`, runtime/context_parallel.py); at ep 1 FSDP2 then shards over its flattened
     dp x cp ranks (`dp_shard_cp`)."""
-    if mesh is None or (mesh.ep == 1 and mesh.cp == 1):
+    if mesh is None or (mesh.ep == 1 and mesh.cp == 1 and mesh.tp == 1):
         return hf.dp_meshes(device, world, 1 if mesh is None else mesh.dp_replicate)
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
     from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
 
-    sizes = ParallelismSizes(ep_size=mesh.ep, dp_replicate_size=mesh.dp_replicate, cp_size=mesh.cp)
+    sizes = ParallelismSizes(ep_size=mesh.ep, dp_replicate_size=mesh.dp_replicate, cp_size=mesh.cp,
+                             tp_size=mesh.tp)
     ctx = MeshContext.build(FSDP2Config(), sizes, world_size=world)
     cp = ctx.device_mesh["cp"] if mesh.cp > 1 else None
+    tp = ctx.device_mesh["tp"] if mesh.tp > 1 else None
+    if tp is not None:  # nemo-automodel's dense parallelizer takes the world mesh (`tensor_parallel`)
+        return Meshes(fsdp=ctx.device_mesh, moe=None, dp=world // mesh.tp, cp=cp, tp=tp)
     # ep 1: `hf.shard` takes nemo-automodel's FSDP mesh of the dp x cp ranks
     fsdp = ctx.device_mesh if ctx.moe_mesh is not None else get_fsdp_dp_mesh(ctx.device_mesh)
     return Meshes(fsdp=fsdp, moe=ctx.moe_mesh, dp=world, cp=cp)
@@ -310,7 +315,11 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
         _export_renames.update(renames(model))
     if freeze_visual_encoder and hasattr(model.model, "visual"):
         model.model.visual.requires_grad_(False)
-    if meshes.moe is None:
+    if meshes.tp is not None:
+        from runtime.fsdp import offload_policy
+
+        model = tensor_parallel(model, model_plan, meshes, trainable, offload_policy(offload, device))
+    elif meshes.moe is None:
         model = hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora,
                          offload)
     else:
@@ -370,6 +379,34 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
             if p.requires_grad and _on_ep(p):
                 p.register_hook(lambda g: g / meshes.dp)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
+    return model
+
+
+def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, policy):
+    """nemo-automodel's dense parallelizer (`fsdp2_strategy_parallelize`) on its world mesh: its tensor-parallel
+    plan of the architecture (`optimized_tp_plans`: for Qwen2/Qwen3 q/k/v, gate and up column-wise, o and down
+    row-wise, q/k norms replicated with their gradients summed over tp, the embedding and the lm_head
+    vocabulary-parallel: the head's logits stay vocab-sharded DTensors, gathered per log-prob chunk,
+    `runtime/logprobs.py`), then FSDP2 over the dp x cp ranks (its units: one per decoder layer, the root), in the
+    plan's compute dtype with fp32 gradient reduction. No sequence parallelism (the capability table keeps it off).
+
+    The tp ranks of one data-parallel rank run the same rows (`FsdpRank.use_tp`): the replicated parameters'
+    gradients come out equal on them (DTensor's backward sums the partial input gradients over tp), FSDP2 averages
+    over dp only, so the global token mean holds; the gradient norm is the whole mesh's (`fsdp.clip`: DTensor
+    norms over every placement)."""
+    from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if trainable and model_plan.gradient_checkpoint != "none":
+        hf.enable_checkpointing(model, model_plan.gradient_checkpoint, decoder_layers(model))
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
+    model = fsdp2_strategy_parallelize(
+        model, meshes.fsdp, mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
+                                                          reduce_dtype=torch.float32),
+        offload_policy=policy, sequence_parallel=False, activation_checkpointing=False)
+    attach(model)
     return model
 
 

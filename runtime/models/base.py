@@ -28,6 +28,9 @@ class Meshes:
     cp: DeviceMesh | None = None
     """nemo-automodel's 1-D context-parallel axis, None at cp 1 (`runtime/context_parallel.py`): the batch splits
     over dp / cp data-parallel ranks (the plan's `dp`), each split again over its cp ranks' sequences."""
+    tp: DeviceMesh | None = None
+    """nemo-automodel's 1-D tensor-parallel axis, None at tp 1: its ranks (consecutive, inside dp) run the same
+    rows (`runtime/models/automodel.py` `tensor_parallel`)."""
 
 
 class ModelBackend(Protocol):

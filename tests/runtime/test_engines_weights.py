@@ -124,6 +124,17 @@ def test_shard_boxes_follow_fsdp2_chunking_and_dtensor_offsets():
             box = _box(0, coord, mesh, placements, shape)
             local, offset = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
             assert box.shape == tuple(local) and box.offset == tuple(offset), (shape, placements, coord)
+    # tensor parallelism under FSDP2 ((dp, tp) mesh): FSDP2 chunks each tp rank's torch.chunk rows again (its
+    # storage; DTensor's _StridedShard offsets differ from it on uneven splits)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for n in (4, 7, 13, 300):
+        for dp, tp in ((1, 2), (2, 2), (3, 2), (2, 4)):
+            for d, t in itertools.product(range(dp), range(tp)):
+                box = _box(0, (d, t), (dp, tp), (_StridedShard(0, split_factor=tp), Shard(0)), (n, 3))
+                rows = list(torch.arange(n).chunk(tp)[t].chunk(dp)) if t < len(torch.arange(n).chunk(tp)) else []
+                want = rows[d].tolist() if d < len(rows) else []
+                assert list(range(box.offset[0], box.offset[0] + box.shape[0])) == want or not (want or box.shape[0])
     whole = (3, 4, 5)
     full = torch.arange(60).reshape(whole)
     for offset in itertools.product(*(range(k) for k in whole)):

@@ -1,0 +1,140 @@
+"""The capability table's tensor-parallelism rows (`schemas/capabilities.py` lists them).
+
+The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel plan of the architecture
+(runtime/models/automodel.py `tensor_parallel`; the compiler sends the dense architectures it has a plan for to the
+automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
+plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, and tp 2 x
+dp 2); over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere,
+each by its own row at its own key. Importable without torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from schemas.capabilities import Capability
+    from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
+
+_NOT_RUN = (
+    "nemo-automodel's tensor parallelism over NCCL on several GPUs: the same parallelizer, vocab-parallel log-probs, "
+    "TP-replica gradient sync, weight sync and DCP checkpoints as the gloo CPU ranks run, on no multi-GPU machine yet "
+    "(tests/gpu/check_tensor_parallel.py is the check to run on one)"
+)
+
+
+def tp_rows(
+    kind: str, section: Callable[[Plan], TrainerPlan | SftTrainerPlan | None], row: Callable[..., Capability]
+) -> tuple[Capability, ...]:
+    """`kind`'s (rl | sft) TP rows, made by `row` (the `Capability` class): the one that runs (written, not run on
+    cuda), then one per setting the TP build does not take (exclusive of it: a plan gets one diagnostic per
+    setting)."""
+
+    def tp(plan: Plan) -> bool:
+        trainer = section(plan)
+        return trainer is not None and trainer.mesh.tp > 1
+
+    def compiled(plan: Plan) -> bool:
+        runtime = plan.rl if kind == "rl" else plan.sft
+        return runtime is not None and runtime.model.compile_layers
+
+    test = (
+        "tests/runtime/models/test_tensor_parallel.py" if kind == "rl" else "tests/runtime/test_sft_tensor_parallel.py"
+    )
+    refused: list[tuple[str, str, str, Callable[[TrainerPlan | SftTrainerPlan, Plan], bool], str, str]] = [
+        (
+            "lora",
+            "actor.lora",
+            "LoRA adapters",
+            lambda t, p: t.lora is not None,
+            "actor.lora: null",
+            "the adapters are patched in by the FSDP2-only build (runtime/models/hf.py `shard`), not before "
+            "nemo-automodel's TP plan",
+        ),
+        (
+            "cp",
+            "actor.mesh.cp",
+            "context parallelism",
+            lambda t, p: t.mesh.cp > 1,
+            "actor.mesh.cp: 1",
+            "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both (runtime/ranks.py)",
+        ),
+        (
+            "sequence-parallel",
+            "actor.sequence_parallel",
+            "sequence parallelism",
+            lambda t, p: t.sequence_parallel,
+            "actor.sequence_parallel: false",
+            "the build asks nemo-automodel's plan without its sequence-parallel styles",
+        ),
+        (
+            "hsdp",
+            "actor.mesh.dp_replicate",
+            "HSDP",
+            lambda t, p: t.mesh.dp_replicate > 1,
+            "actor.mesh.dp_replicate: 1",
+            "nemo-automodel's (dp_replicate, dp_shard, tp) mesh is not run here with tp",
+        ),
+        (
+            "offload",
+            "actor.offload",
+            "CPU offload",
+            lambda t, p: t.offload != "none",
+            "actor.offload: none",
+            "offload is run with FSDP2 alone (tests/runtime/test_offload.py)",
+        ),
+        (
+            "compile",
+            "model.compile_layers",
+            "compiled decoder layers",
+            lambda t, p: compiled(p),
+            "model.compile_layers: false",
+            "the TP build does not compile the layers",
+        ),
+    ]
+    if kind == "rl":
+        refused.append(
+            (
+                "critic",
+                "critic",
+                "a critic",
+                lambda t, p: p.rl is not None and p.rl.critic is not None,
+                "a critic-free estimator (grpo, rloo, reinforce_baseline, ...)",
+                "the critic group is FSDP2 over all of its ranks; its plan's dp counts tp",
+            )
+        )
+
+    def refuses(check: Callable[[TrainerPlan | SftTrainerPlan, Plan], bool]) -> Callable[[Plan], bool]:
+        def asks(plan: Plan) -> bool:
+            trainer = section(plan)
+            return trainer is not None and trainer.mesh.tp > 1 and check(trainer, plan)
+
+        return asks
+
+    return (
+        row(
+            f"{kind}-trainer-tp-cuda",
+            kind,
+            "actor.mesh.tp",
+            "tensor parallelism in the trainer on GPUs (NCCL)",
+            tp,
+            "actor.mesh.tp: 1 on GPUs",
+            devices=frozenset({"cpu"}),
+            unverified=frozenset({"cuda"}),
+            not_run=_NOT_RUN,
+            tracked=f"issue 27: run on gloo ranks ({test}), not yet on several GPUs",
+        ),
+        *(
+            row(
+                f"{kind}-trainer-tp-{name}",
+                kind,
+                key,
+                f"{what} with tensor parallelism in the trainer",
+                refuses(check),
+                f"{instead}, or actor.mesh.tp: 1",
+                tracked=f"issue 27: {why}",
+            )
+            for name, key, what, check, instead, why in refused
+        ),
+    )

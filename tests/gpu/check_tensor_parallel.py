@@ -1,0 +1,60 @@
+"""GPU check: tensor parallelism on the automodel backend over NCCL, one GPU per rank (needs 2 or 4 GPUs; not part
+of `just test`, whose tests/runtime/models/test_tensor_parallel.py runs the same layouts on gloo CPU ranks).
+
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/check_tensor_parallel.py OUT_DIR
+
+The CPU test's own code with `MOLT_PARALLEL_DEVICE=cuda` (fp32, a tiny dense Qwen3, nemo-automodel's mesh, dense
+parallelizer and Qwen3 TP plan, the real `PolicyWorker`): the one-GPU run, then TP 2 on 2 GPUs and, with 4 GPUs,
+TP 2 x dp 2; each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
+optimizer steps (relative 1e-5), the same weights through a weight sync and the HF export, and a DCP checkpoint that
+resumes exactly. Writes OUT_DIR/tensor_parallel_gpu.json and prints it; exit 1 on any difference. Not run yet: no
+multi-GPU machine has been lent (the capability rows rl/sft-trainer-tp-cuda are CAP002 warnings until it passes on
+one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "runtime"), str(ROOT / "tests" / "runtime" / "models")]
+os.environ["MOLT_PARALLEL_DEVICE"] = "cuda"
+
+
+def main() -> int:
+    import test_expert_parallel as checks
+    import test_tensor_parallel as layouts
+    import torch
+
+    from runtime.tiny_model import build_tiny_model
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        print(f"needs 2 or more GPUs, found {gpus}", file=sys.stderr)
+        return 2
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="molt_tp_gpu_"))
+    path = str(build_tiny_model(work / "model", seed=0, vocab_size=300, tie_word_embeddings=False))
+    single = layouts._run(1, [layouts._mesh(1)], path, work / "single")[0][0]
+    runs = {"tp2": 2} | ({"tp2_dp2": 4} if gpus >= 4 else {})
+    report: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "layouts": {}}
+    for name, world in runs.items():
+        ranks = layouts._run(world, [layouts._mesh(2)], path, work / name)[0]
+        try:
+            checks._check(single, ranks)
+            report["layouts"][name] = "equal"
+        except AssertionError as exc:
+            report["layouts"][name] = str(exc)[:2000]
+    text = json.dumps(report, indent=1)
+    (out / "tensor_parallel_gpu.json").write_text(text)
+    print(text)
+    return 0 if all(v == "equal" for v in report["layouts"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

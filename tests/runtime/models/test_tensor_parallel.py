@@ -1,0 +1,111 @@
+"""Tensor parallelism on the automodel backend (`runtime/models/automodel.py` `tensor_parallel`): nemo-automodel's
+own device mesh, its dense parallelizer and its Qwen3 tensor-parallel plan (q/k/v, gate and up column-wise, o and
+down row-wise, the embedding and the lm_head vocabulary-parallel), on 2 gloo ranks (fp32, a tiny dense Qwen3),
+through the real trainer (`PolicyWorker`).
+
+TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows), and TP 2 x dp 2 on 4 ranks (FSDP2 over the
+data-parallel pair cuts each tp shard again: `_StridedShard`), give the same old log-probs (the
+vocab-sharded logits gathered per chunk), loss statistics and gradients as the one-rank run of the same batch, and
+three clipped optimizer steps keep the weights equal (the gradient norm is the whole mesh's, each replicated piece
+counted once). Then what a weight sync streams (each rank's column / row shard of a matrix, `shard_layout`), the HF
+export and a DCP save / resume. The structure and the comparison are test_expert_parallel.py's (its rank loop runs
+this module's plan).
+
+Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
+TP path refuses them), and rule MOE002 refuses the recipe.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_expert_parallel as ep_test
+import torch
+import torch.multiprocessing as mp
+from loop_support import trainer_rl
+
+from runtime.tiny_model import build_tiny_model
+from schemas.plan import MeshPlan
+
+DEVICE = ep_test.DEVICE
+"""`cuda`: the same layouts over NCCL, one GPU per rank (tests/gpu/check_tensor_parallel.py)."""
+
+
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory) -> str:
+    return str(build_tiny_model(tmp_path_factory.mktemp("dense") / "model", seed=0, vocab_size=300,
+                                tie_word_embeddings=False))
+
+
+def _rl(world: int, path: str, mesh: MeshPlan):
+    # one optimizer-step window of the whole batch: world 1 runs 4 micro-batches of 2 rows, and so does each tp
+    # rank (they take the same rows)
+    dp = world // mesh.tp
+    return trainer_rl(
+        world, ref=False,
+        model={"path": path, "backend": "automodel"},
+        trainer={"micro_batch_size": 2, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 1, "temperature": 1.0,
+                 "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
+                 "mesh": mesh, "dp": dp},
+        # Adam's eps further above fp32 noise than test_expert_parallel's: tensor parallelism sums each row-parallel
+        # matmul in two partial sums (gradients 5e-7 apart at the first step), which eps 1e-5 grows to 2e-5 of
+        # the weights in three steps through elements whose gradient is ~0
+        optimizer=dict(lr=1e-2, eps=1e-4, max_norm=0.5, scheduler="constant", warmup_steps=0, total_steps=10),
+        loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, aux_loss_coef=0.0,
+                  router_z_loss_coef=0.0),
+        kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"),
+        device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
+
+
+def _run(world: int, meshes: list[MeshPlan], path: str, out_dir) -> list[list[dict]]:
+    from runtime.trainer import free_port
+
+    ep_test._rl = _rl  # the layouts run through test_expert_parallel's rank loop with this module's plan
+    for k in range(len(meshes)):
+        os.makedirs(os.path.join(out_dir, str(k)), exist_ok=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, meshes), nprocs=world, join=True)
+    return [[torch.load(os.path.join(out_dir, str(k), f"rank{r}.pt")) for r in range(world)]
+            for k in range(len(meshes))]
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, meshes: list[MeshPlan]) -> None:
+    ep_test._rl = _rl
+    ep_test._rank_main(rank, world, port, out_dir, path, meshes)
+
+
+def _mesh(tp: int) -> MeshPlan:
+    return MeshPlan(tp=tp, cp=1, ep=1, pp=1, dp_replicate=1)
+
+
+@pytest.fixture(scope="module")
+def single(dense_checkpoint, tmp_path_factory) -> dict:
+    """The one-rank run every layout is held against."""
+    return _run(1, [_mesh(1)], dense_checkpoint, tmp_path_factory.mktemp("single"))[0][0]
+
+
+def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
+    tp = _run(2, [_mesh(2)], dense_checkpoint, tmp_path / "tp")[0]
+    placed = tp[0]["placements"]
+    # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
+    assert "shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    assert "shard(dim=1))" in placed["model.layers.0.self_attn.o_proj.weight"].lower()
+    assert "tp=2" in placed["lm_head.weight"].lower()
+    # the tp ranks ran the same rows: the one data-parallel rank's statistics are tp rank 0's
+    for s in range(ep_test.STEPS):
+        assert tp[1]["stats"][s]["tokens"] == 0.0
+    ep_test._check(single, tp)
+    # the export is a transformers checkpoint of the same names as the one trained from
+    from safetensors.torch import load_file
+
+    assert load_file(f"{tp[0]['hf_dir']}/model.safetensors").keys() == load_file(
+        f"{dense_checkpoint}/model.safetensors").keys()
+
+
+def test_tp2_by_dp2_matches_one_rank(dense_checkpoint, single, tmp_path):
+    tp_dp = _run(4, [_mesh(2)], dense_checkpoint, tmp_path / "tp_dp")[0]
+    # FSDP2 over the 2 data-parallel ranks cuts each tp rank's column shard again (a strided shard over dp)
+    placed = tp_dp[0]["placements"]
+    assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    assert "dp_shard=2, tp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    ep_test._check(single, tp_dp)
