@@ -1,6 +1,7 @@
 """The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N] [--checkpoint MODE]
+        [--samples PROMPTS]
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`);
@@ -79,11 +80,12 @@ def main() -> int:
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
     checkpoint = args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full"  # ours; plain: full
+    samples = int(args[args.index("--samples") + 1]) if "--samples" in args else 48  # prompts: ours runs samples/8 steps
     report: dict = {}
     big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
     if not (big / "config.json").exists():
         run_loop._big_model(big)
-    throughput = [f"model.path={big}", "data.max_samples=48", "data.max_len=320", "rollout.max_new_tokens=256",
+    throughput = [f"model.path={big}", f"data.max_samples={samples}", "data.max_len=320", "rollout.max_new_tokens=256",
                   "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
                   "train.micro_batch_size=16", f"model.gradient_checkpoint={checkpoint}"]
     ours = run_loop._run("ours", out, throughput, 540)
