@@ -142,33 +142,27 @@ def _batch_shape_dynamic(compiled):
     torch's automatic dynamic shapes would do at the first new shape (17 s on an H200 for a 1.4B model, in the
     middle of a run). A dimension is the batch's or the sequence's when its size is the hidden states' (rows,
     tokens) and it is not a 3-D tensor's trailing feature dimension (hidden size, rotary width); torch may still
-    specialize one it cannot keep generic (`maybe_mark_dynamic`). The rows of the hidden states and of a 4-D
-    attention mask are unbacked instead: a backed size is specialized at 1 (a one-row micro-batch then recompiled,
-    7 s on an H200), an unbacked one is not; the rows decide no branch in a decoder layer. The sequence stays
-    backed: transformers' SDPA call branches on it (`q_length > 1`)."""
+    specialize one it cannot keep generic (`maybe_mark_dynamic`): it does at one row (a one-row micro-batch compiles
+    a second graph once, 7 s on an H200). Unbacked row counts, which torch does not specialize, compiled on CPUs but
+    broke the graph on the H200 (the layers then ran eager: 0.91x of the eager model)."""
     import functools
 
     from torch._dynamo import maybe_mark_dynamic
-    from torch._dynamo.decorators import mark_unbacked
 
-    def mark(t: object, sizes: tuple[int, ...], per_row: tuple[torch.Tensor, ...]) -> None:
+    def mark(t: object, sizes: tuple[int, ...]) -> None:
         if isinstance(t, (tuple, list)):
             for x in t:
-                mark(x, sizes, per_row)
+                mark(x, sizes)
         elif isinstance(t, torch.Tensor):
             for dim, n in enumerate(t.shape):
-                if dim == 0 and any(t is r for r in per_row):
-                    mark_unbacked(t, 0, shape_id="rows")
-                elif n in sizes and n > 1 and not (t.dim() == 3 and dim == 2):
+                if n in sizes and n > 1 and not (t.dim() == 3 and dim == 2):
                     maybe_mark_dynamic(t, dim)
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-        mask = kwargs.get("attention_mask")
-        per_row = (hidden, mask) if isinstance(mask, torch.Tensor) and mask.dim() == 4 else (hidden,)
-        mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]), per_row)
+        mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
         return compiled(*args, **kwargs)
 
     return run
