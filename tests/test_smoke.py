@@ -196,15 +196,26 @@ SMOKE_TWINS = {
     "qwen3_4b_math_quickstart.yaml": "qwen3_4b_math.yaml",
     "sft_qwen3_4b_quickstart.yaml": "sft_qwen3_4b.yaml",
     "sft_qwen3_6_35b_quickstart.yaml": "sft_qwen3_6_35b.yaml",
+    "qwen3_6_35b_geo3k_quickstart.yaml": "qwen3_6_35b_geo3k.yaml",
 }
 TWIN_VALUES = re.compile(
     r"^((recipe\.)?name|fingerprint|source|recipe\.description|recipe\.extends(\.\d+)?|(recipe\.)?env\..*"
     r"|runtime_env\.env_vars\..*|recipe\.launch\.slurm\.time|(recipe\.actor|rl\.trainer|sft\.trainer)\.optimizer\.lr"
     r"|recipe\.train\.async\.queue_size|rl\.queue\.size|(recipe|rl|sft)\.ckpt\.(hf_)?dir|(rl|sft)\.logging\.out_dir"
-    r"|(recipe|rl|sft)\.logging\.wandb\.(project|run_name))$"
+    r"|(recipe|rl|sft)\.logging\.wandb\.(project|run_name)"
+    r"|(recipe\.actor|rl\.trainer|sft\.trainer)\.optimizer\.betas|recipe\.ignore\..*|derived\.\d+\.(reason|inputs)"
+    r"|(recipe|rl)\.agent\.max_turns|rl\.agent\.env\..*|roles\.\d+\.env\..*|derived\.agent\.max_turns"
+    r"|recipe\.rollout\.gpu_memory_utilization"
+    r"|rl\.engines\.gpu_memory_utilization|(recipe\.train|rl\.trainer)\.force_on_policy)$"
 )
-"""Plan keys a twin may differ in: names, text, environment variables, the Slurm time limit, the learning rate,
-the rollout queue's depth (1 and 2 both run in the e2e tests), and output paths."""
+"""Plan keys a twin may differ in: names, text (a derived value's reason), environment variables, the Slurm time
+limit, the optimizer's learning rate and betas, the rollout queue's depth (1 and 2 both run in the e2e tests),
+output paths, the agent's turn limit (a number the runner reads), the engines' memory share (a number vLLM reads),
+`ignore:` (compile time only), and `force_on_policy` when it changes no step: the test below also requires equal
+`old_logprob_pass` and equal optimizer steps per rollout batch, so the trainer runs the same windows."""
+TWIN_SAME_STEPS = re.compile(r"^(rl\.trainer\.old_logprob_pass|rl\.trainer\.(batch_size|max_epochs|grad_accum)"
+                             r"|rl\.schedule\.(total_steps|steps_per_episode))$")
+"""Keys a twin must share with its sibling when it differs in `force_on_policy`: the same optimizer steps."""
 SMOKED = [p for p in SHIPPED if p.name not in RUN_ELSEWHERE and p.name not in SMOKE_TWINS]
 
 
@@ -223,8 +234,18 @@ def _smoke_plan_keys(name: str) -> dict:
         sets = smoke_sets(compile_recipe(Path("recipes") / name, lower=False).recipe)
         _verdict, _sp, results = prepare(Path("recipes") / name, sets, ROOT)
     plans = {phase: r.plan for phase, r in results.items()}
-    return {f"{phase}:{k}": v for phase, plan in plans.items() if plan is not None
-            for k, v in _flat(plan.model_dump(mode="json")).items()}
+    keys = {}
+    for phase, plan in plans.items():
+        if plan is None:
+            continue
+        dumped = plan.model_dump(mode="json")
+        names = {str(i): d["name"] for i, d in enumerate(dumped.get("derived", []))}
+        for k, v in _flat(dumped).items():
+            parts = k.split(".")
+            if parts[0] == "derived" and parts[2] == "value":  # a derived value by its name, not its position
+                k = f"derived.{names[parts[1]]}"
+            keys[f"{phase}:{k}"] = v
+    return keys
 
 
 @pytest.mark.parametrize("twin", sorted(SMOKE_TWINS))
@@ -233,6 +254,9 @@ def test_a_quickstart_twin_left_out_of_the_table_differs_only_in_values(twin):
     assert mine and {k.split(":")[0] for k in mine} == {k.split(":")[0] for k in sibling}, "both compile, both phases"
     differ = sorted(k for k in mine.keys() | sibling.keys() if mine.get(k) != sibling.get(k))
     assert [k for k in differ if not TWIN_VALUES.match(k.split(":", 1)[1])] == []
+    assert [k for k in differ if TWIN_SAME_STEPS.match(k.split(":", 1)[1])] == []
+    assert {k.split(":", 1)[1] for k in mine if TWIN_SAME_STEPS.match(k.split(":", 1)[1])} >= {
+        "rl.trainer.old_logprob_pass", "rl.schedule.total_steps"} or not twin.startswith("qwen3_6_35b_geo3k")
 
 
 def test_what_the_smoke_table_leaves_out_is_run_elsewhere():
