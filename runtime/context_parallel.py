@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from runtime.logprobs import uses_te
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -58,7 +60,8 @@ def dp_rank(rank: int, cp_mesh: DeviceMesh | None) -> int:
 def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
     """What nemo-automodel's own CP setup does to a sharded model: FSDP2 units a cp rank did not run still join the
     reduce-scatter with zeros (its parallelizers' setting at cp > 1), and transformers-style attention layers drop
-    the attention mask for a causal SDPA call (`attach_context_parallel_hooks`: ring attention takes no mask)."""
+    the attention mask for a causal SDPA call (`attach_context_parallel_hooks`: ring attention takes no mask).
+    With te attention, its MoE parallelizer's `apply_cp` (`_te_context_parallel`)."""
     if cp_mesh is None:
         return
     if getattr(model.config, "vision_config", None) is not None:  # the compiler sees image prompts, not the model
@@ -70,6 +73,22 @@ def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
     configure_fsdp_unused_param_reduction(model)
     if hasattr(model, "get_decoder"):  # nemo-automodel's MoE layers get no mask under CP (runtime/logprobs.py)
         attach_context_parallel_hooks(model)
+    if uses_te(model):
+        _te_context_parallel(model, cp_mesh)
+
+
+def _te_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """te attention under CP, as nemo-automodel sets up its own models for it (its MoE parallelizer's `apply_cp`):
+    each transformer_engine `DotProductAttention` joins the cp group (`set_context_parallel_group`: its ring over
+    the cp ranks, p2p, all-gather for sliding windows), and a hybrid's other layers get their own CP (Mamba mixers
+    `MambaContextParallel`, gated-delta-net layers the cp mesh), the MoE layers the cp mesh. The rows stay the
+    sharder's: te's CP on BSHD rows takes the same 2 x cp head-tail chunks as torch's ring attention (nemo-automodel's
+    dispatch gives a te model's unpacked rows this same sharder), causal, with no padding mask (which te refuses
+    under CP; right padding sits after every real token). It imports transformer_engine, which a te plan has (the
+    job's package check)."""
+    from nemo_automodel.components.moe.parallelizer import apply_cp
+
+    apply_cp(model, cp_mesh)
 
 
 @dataclass

@@ -13,7 +13,8 @@ Two layouts of the same rows:
   makes the mask block-diagonal causal: sdpa/eager get that explicit mask (CPU), flash_attention_2 goes through its
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
   computed. nemo-automodel's own implementations read no boundaries from position ids: they get the block-diagonal
-  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask).
+  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask), or with te attention the row as THD with
+  its documents' cumulative lengths (`thd_row`, nemo-automodel's own conversion: its te path takes no 4-D mask).
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
 Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
 each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
@@ -134,10 +135,13 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
-        out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                      **{"attention_mask": attention_mask, **masks})
+        inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask, **masks}
+        if masks.get("qkv_format") == "thd":  # what nemo-automodel's causal LMs do before calling their backbone
+            inputs = thd_backbone_inputs(inputs)
+        out = decoder(use_cache=False, **inputs)
         hidden = out if isinstance(out, Tensor) else out.last_hidden_state
     b, length = input_ids.shape
+    hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
@@ -165,11 +169,48 @@ def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str
     """What a packed row needs besides its position ids: nothing for transformers' models (they find the documents
     from the position ids); nemo-automodel's own implementations read no document boundaries from position ids
     (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
-    and no padding."""
+    and no padding, or, with te attention, the row as THD (`thd_row`)."""
     if hasattr(model, "get_decoder"):
         return {}
+    if uses_te(model):
+        return thd_row(input_ids, position_ids)
     return {"attention_mask": document_mask(position_ids),
             "padding_mask": torch.zeros_like(input_ids, dtype=torch.bool)}
+
+
+def uses_te(model) -> bool:
+    """nemo-automodel built the model's attention as transformer_engine's (its `BackendConfig.attn`, the plan's
+    `model.attn`)."""
+    return getattr(getattr(model, "backend", None), "attn", None) == "te"
+
+
+def thd_row(input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
+    """A packed (1, N) row as nemo-automodel's te path takes packed rows: THD (`qkv_format="thd"`) with the
+    documents' cumulative lengths (`cu_seqlens`), their longest (`max_seqlen`) and no padding, made by its own
+    `process_input_for_thd` from the documents' lengths (a document starts where its position id is 0; no document
+    is padded: without CP te needs no multiple). Keyed as its causal LMs' forward takes them, each with the row's
+    batch dim 1 (`thd_backbone_inputs` squeezes them as those forwards do)."""
+    from nemo_automodel.components.distributed.thd_utils import process_input_for_thd
+
+    starts = torch.cat([(position_ids[0] == 0).nonzero().squeeze(1),
+                        torch.tensor([position_ids.shape[1]], device=position_ids.device)])
+    lengths = starts.diff()[None]
+    thd = process_input_for_thd({"input_ids": input_ids, "labels": input_ids, "position_ids": position_ids,
+                                 "seq_lens": lengths, "seq_lens_padded": lengths})
+    return {"qkv_format": "thd", "cu_seqlens": thd["cu_seqlens"][None], "max_seqlen": thd["max_seqlen"][None],
+            "padding_mask": thd["padding_mask"][None], "attention_mask": None}
+
+
+def thd_backbone_inputs(inputs: dict) -> dict:
+    """A THD row's backbone keywords as nemo-automodel's causal LMs hand them to their backbone: the batch dim
+    squeezed off every tensor, `max_seqlen` a number (its `squeeze_input_for_thd`), no attention mask."""
+    from nemo_automodel.components.utils.model_utils import squeeze_input_for_thd
+
+    attn = {k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids", "padding_mask", "attention_mask")}
+    input_ids, position_ids, padding_mask, attn = squeeze_input_for_thd(
+        inputs["input_ids"], inputs["position_ids"], inputs["padding_mask"], attn)
+    return {"input_ids": input_ids, "position_ids": position_ids, "padding_mask": padding_mask,
+            "attention_mask": None, **attn}
 
 
 def document_mask(position_ids: Tensor) -> Tensor:
