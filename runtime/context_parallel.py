@@ -64,9 +64,11 @@ def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
     With te attention, its MoE parallelizer's `apply_cp` (`_te_context_parallel`)."""
     if cp_mesh is None:
         return
-    if getattr(model.config, "vision_config", None) is not None:  # the compiler sees image prompts, not the model
-        raise RuntimeError("actor.mesh.cp > 1 on a vision-language model: this trainer's context parallelism cuts "
-                           "text rows (a VLM's is nemo-automodel's own sharder, not wired); set actor.mesh.cp: 1")
+    vlm = getattr(model.config, "vision_config", None) is not None
+    if vlm and not hasattr(model, "_embed_and_splice_for_cp"):  # the compiler knows the catalog's VLMs only
+        raise RuntimeError(f"actor.mesh.cp > 1 on {type(model).__name__}: this trainer's CP of a vision-language "
+                           "model is nemo-automodel's splice before the cut of its Qwen3.5/3.6-MoE VLMs "
+                           "(`_embed_and_splice_for_cp`), which this model has not; set actor.mesh.cp: 1")
     from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
     from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
 
@@ -75,6 +77,8 @@ def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
         attach_context_parallel_hooks(model)
     if uses_te(model):
         _te_context_parallel(model, cp_mesh)
+    else:
+        _layers_context_parallel(model, cp_mesh)
 
 
 def _te_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
@@ -89,6 +93,39 @@ def _te_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
     from nemo_automodel.components.moe.parallelizer import apply_cp
 
     apply_cp(model, cp_mesh)
+
+
+def _layers_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """nemo-automodel's `apply_cp` but for the te attention (which it imports first, so it cannot run without
+    transformer_engine): the attention is torch's ring here, and everything else is set as it sets it. The model and
+    its text module are marked CP (`_cp_enabled`: Qwen3.5/3.6-MoE's then drops the masks its layers cannot take and
+    cuts no packed GDN metadata), the model gets the cp mesh (`cp_mesh`: a VLM's vision tower then runs outside the
+    ring attention), and per decoder layer: a Mamba mixer its `MambaContextParallel`, a gated-delta-net layer the cp
+    mesh (its FLA context parallelism), an MoE layer the cp mesh (its router's statistics over the cp ranks)."""
+    from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
+    from nemo_automodel.components.distributed.pipelining.hf_utils import get_text_module
+    from nemo_automodel.components.moe.layers import MoE
+    from nemo_automodel.shared.model_utils import iter_transformer_and_mtp_blocks
+
+    inner = model.model if getattr(model, "model", None) is not None else model
+    model._cp_enabled = True  # type: ignore[assignment]
+    get_text_module(inner)._cp_enabled = True
+    model.cp_mesh = cp_mesh  # type: ignore[assignment]
+    for _, _, block in iter_transformer_and_mtp_blocks(model):
+        layer_type = getattr(block, "layer_type", getattr(block, "attention_type", "full_attention"))
+        if layer_type == "mamba":
+            mixer = block.self_attn
+            mixer.cp = MambaContextParallel(cp_group=cp_mesh.get_group(), num_heads=mixer.num_heads,
+                                            head_dim=mixer.head_dim, n_groups=mixer.n_groups,
+                                            d_state=mixer.ssm_state_size, mixer=mixer)
+        elif layer_type == "linear_attention":
+            if not hasattr(getattr(block, "linear_attn", None), "_cp_mesh"):
+                raise RuntimeError(f"layer {getattr(block, 'layer_idx', '?')} is linear attention without "
+                                   "nemo-automodel's CP-aware module: its CP would be wrong; set actor.mesh.cp: 1")
+            block.linear_attn._cp_mesh = cp_mesh
+        experts = block.moe if hasattr(block, "moe") else getattr(block, "mlp", None)
+        if isinstance(experts, MoE):
+            experts.cp_mesh = cp_mesh
 
 
 @dataclass
@@ -107,9 +144,10 @@ class CpRows:
     sharder: Any
     """nemo-automodel's `ContextParallelSharder` that cut them (its token verbs)."""
 
-    def shard(self, full: Tensor, fill: float | int = 0) -> Tensor:
-        """A (b, w, ...) per-token tensor of the rows cut like the inputs: (b, n, ...)."""
-        return self.sharder.shard_token_tensor(full, seq_dim=1, fill=fill)
+    def shard(self, full: Tensor, fill: float | int = 0, seq_dim: int = 1) -> Tensor:
+        """A (b, w, ...) per-token tensor of the rows cut like the inputs: (b, n, ...) (`seq_dim` 2: M-RoPE's
+        (3, b, w) positions)."""
+        return self.sharder.shard_token_tensor(full, seq_dim=seq_dim, fill=fill)
 
     def gather(self, local: Tensor) -> Tensor:
         """(b, n, ...) values of the local positions -> (b, w, ...) in row order on every cp rank; differentiable

@@ -22,12 +22,27 @@ _TE_NOT_RUN = (
     "in the cp group, a hybrid's Mamba / gated-delta-net layers' own CP) on the sharder's rows over several GPUs; "
     "the sharding, the log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without "
     "attention (tests/runtime/test_context_parallel.py); transformer_engine is installed on no machine of ours"
+    "; with image prompts, a Qwen3.5/3.6-MoE VLM's splice before the cut ran on a 1-rank cp mesh "
+    "(tests/runtime/models/test_automodel_vlm.py)"
 )
 _NOT_RUN = (
     "torch context_parallel's ring attention with nemo-automodel's sharder on several GPUs (the sharding, the "
     "log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without attention, "
-    "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent)"
+    "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent); with image prompts, a Qwen3.5/3.6-MoE "
+    "VLM's splice before the cut ran on a 1-rank cp mesh (tests/runtime/models/test_automodel_vlm.py)"
 )
+
+
+_SPLICE_VLMS = ("Qwen3_5MoeForConditionalGeneration",)
+"""The VLM classes whose CP this trainer runs: nemo-automodel's own, with its splice before the cut."""
+
+
+def _splices_before_the_cut(arch: str | None) -> bool:
+    """The catalog's architecture `arch` is a VLM whose CP is wired (`_SPLICE_VLMS`); unknown: not."""
+    from schemas.catalog import MODELS
+
+    spec = MODELS.get(arch) if arch is not None else None
+    return spec is not None and spec.architecture in _SPLICE_VLMS
 
 
 def cp_rows(
@@ -64,9 +79,11 @@ def cp_rows(
             "images",
             "data.max_images_per_prompt" if kind == "rl" else "data.image_key",
             "image prompts",
-            images,
+            lambda p: images(p) and not _splices_before_the_cut(p.rl.model.arch if kind == "rl" else p.sft.model.arch),
             "data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null",
-            "a VLM's CP is its own sharder in nemo-automodel (the vision splice before the cut), not wired here",
+            "a VLM's CP here is nemo-automodel's splice of the images into the whole rows before the cut, as its "
+            f"{' and '.join(_SPLICE_VLMS)} forward does it (`_embed_and_splice_for_cp`); another VLM's (the Nemotron "
+            "omni's media encoders inside its forward), or one outside the catalog (model.arch), is not wired",
         ),
     ]
     others = tuple(
