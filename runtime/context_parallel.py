@@ -25,13 +25,21 @@ are summed once per data-parallel rank (`FsdpRank.window_tokens` divides the wor
 the forward per position is cut like the tokens (`CpRows.shard`): the score-centering top-k ids, and the experts
 MoE routing replay imposes (the sharder's pad slots as not recorded, so they keep the live choice).
 
-Text models only: a VLM's CP is nemo-automodel's model-owned sharder (the image features spliced in before the
-cut), not wired here; the capability table refuses image prompts under CP and `prepare` a VLM checkpoint.
+With te attention the rows and the cut are the same (nemo-automodel gives a te model's unpacked rows this sharder):
+transformer_engine's own CP takes the 2 x cp head-tail chunks, causal and without a padding mask, once its
+`apply_cp` has put each attention in the cp group (`prepare`). Without te, `prepare` sets up the rest of what
+`apply_cp` sets (a hybrid's Mamba and gated-delta-net layers' own CP, the MoE layers' cp mesh). Packed rows are
+refused under CP (the capability table).
+
+A VLM (nemo-automodel's Qwen3.5/3.6-MoE) takes its images as nemo-automodel's VLM forward does under CP: spliced
+into the whole rows' embeddings, then cut like the tokens (`runtime/logprobs.py` `_vlm_shard_hidden`); other VLMs
+are refused (the capability table, and `prepare` for a checkpoint the compiler did not know).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -79,6 +87,12 @@ def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
         _te_context_parallel(model, cp_mesh)
     else:
         _layers_context_parallel(model, cp_mesh)
+    # at cp 1 its layers take their path without CP; above, stop at the build, not inside the first forward
+    gdn = any(getattr(m, "_cp_mesh", None) is cp_mesh for m in model.modules())
+    if gdn and cp_mesh.size() > 1 and importlib.util.find_spec("fla") is None:
+        raise RuntimeError("actor.mesh.cp > 1 on a gated-delta-net model: nemo-automodel's CP of its linear attention "
+                           "is flash-linear-attention's (the `fla` package), which does not import here; install it "
+                           "(pip install flash-linear-attention) or set actor.mesh.cp: 1")
 
 
 def _te_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
