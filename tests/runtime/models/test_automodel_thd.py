@@ -103,7 +103,8 @@ def test_packed_thd_rows_equal_padded_rows(checkpoint):
 def test_te_under_cp_joins_transformer_engines_cp_group(checkpoint, monkeypatch):
     """`context_parallel.prepare` of a te model hands the cp mesh to nemo-automodel's `apply_cp`, which puts every
     transformer_engine attention of the built model in the cp group (a 1-rank gloo cp mesh here; te's module stood
-    in for by a recorder: transformer_engine is not installed); an sdpa model's attention is left to torch's ring."""
+    in for by a recorder: transformer_engine is not installed); an sdpa model's attention is left to torch's ring,
+    its other layers set up as `apply_cp` sets them."""
     import os
     import sys
     import types
@@ -137,6 +138,8 @@ def test_te_under_cp_joins_transformer_engines_cp_group(checkpoint, monkeypatch)
         context_parallel.prepare(sdpa, cp_mesh)
         assert attentions and all(m.attn_module.cp == (cp_mesh.get_group(), [0], "cp-stream", "p2p")
                                   for m in attentions)
-        assert te.cp_mesh is cp_mesh and getattr(sdpa, "cp_mesh", None) is None
+        # both get the rest of apply_cp's setup; an sdpa model's attention has no te module (torch's ring)
+        assert te.cp_mesh is cp_mesh and sdpa.cp_mesh is cp_mesh
+        assert all(m.attn_module is None for n, m in sdpa.named_modules() if n.endswith("self_attn"))
     finally:
         dist.destroy_process_group()
