@@ -25,19 +25,29 @@ are summed once per data-parallel rank (`FsdpRank.window_tokens` divides the wor
 the forward per position is cut like the tokens (`CpRows.shard`): the score-centering top-k ids, and the experts
 MoE routing replay imposes (the sharder's pad slots as not recorded, so they keep the live choice).
 
-Text models only: a VLM's CP is nemo-automodel's model-owned sharder (the image features spliced in before the
-cut), not wired here; the capability table refuses image prompts under CP and `prepare` a VLM checkpoint.
+With te attention the rows and the cut are the same (nemo-automodel gives a te model's unpacked rows this sharder):
+transformer_engine's own CP takes the 2 x cp head-tail chunks, causal and without a padding mask, once its
+`apply_cp` has put each attention in the cp group (`prepare`). Without te, `prepare` sets up the rest of what
+`apply_cp` sets (a hybrid's Mamba and gated-delta-net layers' own CP, the MoE layers' cp mesh). Packed rows are
+refused under CP (the capability table).
+
+A VLM (nemo-automodel's Qwen3.5/3.6-MoE) takes its images as nemo-automodel's VLM forward does under CP: spliced
+into the whole rows' embeddings, then cut like the tokens (`runtime/logprobs.py` `_vlm_shard_hidden`); other VLMs
+are refused (the capability table, and `prepare` for a checkpoint the compiler did not know).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from runtime.logprobs import uses_te
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,18 +68,78 @@ def dp_rank(rank: int, cp_mesh: DeviceMesh | None) -> int:
 def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
     """What nemo-automodel's own CP setup does to a sharded model: FSDP2 units a cp rank did not run still join the
     reduce-scatter with zeros (its parallelizers' setting at cp > 1), and transformers-style attention layers drop
-    the attention mask for a causal SDPA call (`attach_context_parallel_hooks`: ring attention takes no mask)."""
+    the attention mask for a causal SDPA call (`attach_context_parallel_hooks`: ring attention takes no mask).
+    With te attention, its MoE parallelizer's `apply_cp` (`_te_context_parallel`)."""
     if cp_mesh is None:
         return
-    if getattr(model.config, "vision_config", None) is not None:  # the compiler sees image prompts, not the model
-        raise RuntimeError("actor.mesh.cp > 1 on a vision-language model: this trainer's context parallelism cuts "
-                           "text rows (a VLM's is nemo-automodel's own sharder, not wired); set actor.mesh.cp: 1")
+    vlm = getattr(model.config, "vision_config", None) is not None
+    if vlm and not hasattr(model, "_embed_and_splice_for_cp"):  # the compiler knows the catalog's VLMs only
+        raise RuntimeError(f"actor.mesh.cp > 1 on {type(model).__name__}: this trainer's CP of a vision-language "
+                           "model is nemo-automodel's splice before the cut of its Qwen3.5/3.6-MoE VLMs "
+                           "(`_embed_and_splice_for_cp`), which this model has not; set actor.mesh.cp: 1")
     from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
     from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
 
     configure_fsdp_unused_param_reduction(model)
     if hasattr(model, "get_decoder"):  # nemo-automodel's MoE layers get no mask under CP (runtime/logprobs.py)
         attach_context_parallel_hooks(model)
+    if uses_te(model):
+        _te_context_parallel(model, cp_mesh)
+    else:
+        _layers_context_parallel(model, cp_mesh)
+    # at cp 1 its layers take their path without CP; above, stop at the build, not inside the first forward
+    gdn = any(getattr(m, "_cp_mesh", None) is cp_mesh for m in model.modules())
+    if gdn and cp_mesh.size() > 1 and importlib.util.find_spec("fla") is None:
+        raise RuntimeError("actor.mesh.cp > 1 on a gated-delta-net model: nemo-automodel's CP of its linear attention "
+                           "is flash-linear-attention's (the `fla` package), which does not import here; install it "
+                           "(pip install flash-linear-attention) or set actor.mesh.cp: 1")
+
+
+def _te_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """te attention under CP, as nemo-automodel sets up its own models for it (its MoE parallelizer's `apply_cp`):
+    each transformer_engine `DotProductAttention` joins the cp group (`set_context_parallel_group`: its ring over
+    the cp ranks, p2p, all-gather for sliding windows), and a hybrid's other layers get their own CP (Mamba mixers
+    `MambaContextParallel`, gated-delta-net layers the cp mesh), the MoE layers the cp mesh. The rows stay the
+    sharder's: te's CP on BSHD rows takes the same 2 x cp head-tail chunks as torch's ring attention (nemo-automodel's
+    dispatch gives a te model's unpacked rows this same sharder), causal, with no padding mask (which te refuses
+    under CP; right padding sits after every real token). It imports transformer_engine, which a te plan has (the
+    job's package check)."""
+    from nemo_automodel.components.moe.parallelizer import apply_cp
+
+    apply_cp(model, cp_mesh)
+
+
+def _layers_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> None:
+    """nemo-automodel's `apply_cp` but for the te attention (which it imports first, so it cannot run without
+    transformer_engine): the attention is torch's ring here, and everything else is set as it sets it. The model and
+    its text module are marked CP (`_cp_enabled`: Qwen3.5/3.6-MoE's then drops the masks its layers cannot take and
+    cuts no packed GDN metadata), the model gets the cp mesh (`cp_mesh`: a VLM's vision tower then runs outside the
+    ring attention), and per decoder layer: a Mamba mixer its `MambaContextParallel`, a gated-delta-net layer the cp
+    mesh (its FLA context parallelism), an MoE layer the cp mesh (its router's statistics over the cp ranks)."""
+    from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
+    from nemo_automodel.components.distributed.pipelining.hf_utils import get_text_module
+    from nemo_automodel.components.moe.layers import MoE
+    from nemo_automodel.shared.model_utils import iter_transformer_and_mtp_blocks
+
+    inner = model.model if getattr(model, "model", None) is not None else model
+    model._cp_enabled = True  # type: ignore[assignment]
+    get_text_module(inner)._cp_enabled = True
+    model.cp_mesh = cp_mesh  # type: ignore[assignment]
+    for _, _, block in iter_transformer_and_mtp_blocks(model):
+        layer_type = getattr(block, "layer_type", getattr(block, "attention_type", "full_attention"))
+        if layer_type == "mamba":
+            mixer = block.self_attn
+            mixer.cp = MambaContextParallel(cp_group=cp_mesh.get_group(), num_heads=mixer.num_heads,
+                                            head_dim=mixer.head_dim, n_groups=mixer.n_groups,
+                                            d_state=mixer.ssm_state_size, mixer=mixer)
+        elif layer_type == "linear_attention":
+            if not hasattr(getattr(block, "linear_attn", None), "_cp_mesh"):
+                raise RuntimeError(f"layer {getattr(block, 'layer_idx', '?')} is linear attention without "
+                                   "nemo-automodel's CP-aware module: its CP would be wrong; set actor.mesh.cp: 1")
+            block.linear_attn._cp_mesh = cp_mesh
+        experts = block.moe if hasattr(block, "moe") else getattr(block, "mlp", None)
+        if isinstance(experts, MoE):
+            experts.cp_mesh = cp_mesh
 
 
 @dataclass
@@ -88,9 +158,10 @@ class CpRows:
     sharder: Any
     """nemo-automodel's `ContextParallelSharder` that cut them (its token verbs)."""
 
-    def shard(self, full: Tensor, fill: float | int = 0) -> Tensor:
-        """A (b, w, ...) per-token tensor of the rows cut like the inputs: (b, n, ...)."""
-        return self.sharder.shard_token_tensor(full, seq_dim=1, fill=fill)
+    def shard(self, full: Tensor, fill: float | int = 0, seq_dim: int = 1) -> Tensor:
+        """A (b, w, ...) per-token tensor of the rows cut like the inputs: (b, n, ...) (`seq_dim` 2: M-RoPE's
+        (3, b, w) positions)."""
+        return self.sharder.shard_token_tensor(full, seq_dim=seq_dim, fill=fill)
 
     def gather(self, local: Tensor) -> Tensor:
         """(b, n, ...) values of the local positions -> (b, w, ...) in row order on every cp rank; differentiable

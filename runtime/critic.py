@@ -48,7 +48,7 @@ def token_values(model, sequences: Tensor, attention_mask: Tensor, packed: bool 
     flat, positions = pack(sequences, lengths)
     values = model(input_ids=flat, position_ids=positions, use_cache=False, **packed_row_masks(model, flat, positions)
                    ).logits[..., 0]
-    return unpack(values, lengths, sequences.shape[1])
+    return unpack(values.reshape(flat.shape), lengths, sequences.shape[1])  # THD (te): (N,) values
 
 
 # --------------------------------------------------------------------------------------------------- worker

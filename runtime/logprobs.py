@@ -13,8 +13,9 @@ Two layouts of the same rows:
   makes the mask block-diagonal causal: sdpa/eager get that explicit mask (CPU), flash_attention_2 goes through its
   varlen kernel from the same position ids (`modeling_flash_attention_utils._is_packed_sequence`). No padding token is
   computed. nemo-automodel's own implementations read no boundaries from position ids: they get the block-diagonal
-  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask), or, built with a THD-only attention
-  (tilelang), the row in THD form with cu_seqlens (`runtime/packed_thd.py`).
+  mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask), or, built with a THD-only attention,
+  the row as THD with its documents' cumulative lengths, made by nemo-automodel's own conversion: tilelang
+  (`runtime/packed_thd.py`, GLM-5.2's DSA kernels) and te (`thd_row`: its te path takes no 4-D mask).
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
 Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
 each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
@@ -22,7 +23,8 @@ each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more nu
 Vision-language rows (padded only: the compiler turns packing off for VLM runs, Molt's B5) run the whole multimodal
 backbone (`model.model`: vision tower, features scattered into the image placeholders, M-RoPE positions) instead of
 the text decoder; `vision_inputs` concatenates the rows' `pixel_values` / `image_grid_thw` in row order, which is
-the order the backbone fills placeholders in.
+the order the backbone fills placeholders in. Under context parallelism the images are spliced into the whole rows'
+embeddings before the cut, as nemo-automodel's VLMs do (`_vlm_shard_hidden`).
 """
 
 from __future__ import annotations
@@ -115,20 +117,22 @@ def mrope_positions(backbone, input_ids: Tensor, attention_mask: Tensor | None,
 def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor | None,
                       temperature: float, with_entropy: bool, chunk_tokens: int,
                       vision: dict[str, Tensor] | None = None, top_ids: Tensor | None = None,
-                      labels: Tensor | None = None,
-                      padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                      labels: Tensor | None = None, padding_mask: Tensor | None = None,
+                      cp: CpRows | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Flat (B * (L-1),) log-probs of input_ids[:, 1:] (and entropy, and (B * (L-1), k) log-probs of `top_ids`,
     given as (B, L-1, k)): decoder once, lm_head in chunks.
 
     With `labels` (a context-parallel shard, `runtime/context_parallel.py`): (B * L,) log-probs of `labels` (B, L),
     the next token of every local position, with `top_ids` (B, L, k); no attention mask (torch's ring attention is
-    causal), `padding_mask` for nemo-automodel's routers.
+    causal), `padding_mask` for nemo-automodel's routers. A VLM's shard (`vision` and `cp` given) takes the whole
+    (B, W) rows and their mask instead (`_vlm_shard_hidden`).
 
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
     if labels is not None:
+        hidden = None if cp is None else _vlm_shard_hidden(model, input_ids, attention_mask, vision or {}, cp)
         return _shard_logprobs(model, input_ids, position_ids, labels, padding_mask, temperature, with_entropy,
-                               chunk_tokens, top_ids)
+                               chunk_tokens, top_ids, hidden)
     if position_ids is not None and attention_mask is not None:
         # transformers builds the per-document mask only without one: with it, documents attend to each other
         raise ValueError("a packed row never carries a 2-D attention mask")
@@ -139,14 +143,17 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        if position_ids is not None and packed_thd.takes_thd(model):  # its kernels take THD only
+        if position_ids is not None and packed_thd.takes_thd(model):  # tilelang: its kernels take THD only
             hidden = packed_thd.decoder_hidden(decoder, input_ids, position_ids)
         else:
             masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
-            out = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          **{"attention_mask": attention_mask, **masks})
-            hidden = packed_thd.hidden_states(out)
+            inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+                      **masks}
+            if masks.get("qkv_format") == "thd":  # te: what nemo-automodel's causal LMs do before their backbone
+                inputs = thd_backbone_inputs(inputs)
+            hidden = packed_thd.hidden_states(decoder(use_cache=False, **inputs))
     b, length = input_ids.shape
+    hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
@@ -155,9 +162,13 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
 
 def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, labels: Tensor,
                     padding_mask: Tensor | None, temperature: float, with_entropy: bool, chunk_tokens: int,
-                    top_ids: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """`_decoder_logprobs` of a context-parallel shard: every local position scores its label."""
-    if hasattr(model, "get_decoder"):  # transformers-style layers: nemo-automodel's CP hooks make them causal
+                    top_ids: Tensor | None,
+                    hidden: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """`_decoder_logprobs` of a context-parallel shard: every local position scores its label (`hidden`: the
+    shard's decoder output, when already computed)."""
+    if hidden is not None:
+        out = hidden
+    elif hasattr(model, "get_decoder"):  # transformers-style layers: nemo-automodel's CP hooks make them causal
         out = model.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=None,
                                   use_cache=False)
     else:
@@ -170,18 +181,74 @@ def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, label
                          temperature, with_entropy, chunk_tokens, flat_top)
 
 
+def _vlm_shard_hidden(model, sequences: Tensor, attention_mask: Tensor, vision: dict[str, Tensor],
+                      cp: CpRows) -> Tensor:
+    """A VLM's decoder output on this cp rank's positions, in the order nemo-automodel's own VLM forward takes under
+    CP (Qwen3.5/3.6-MoE's `forward`, its `prepare_model_inputs_for_cp` hook): the M-RoPE positions of the whole rows
+    (its hook: `get_rope_index`, images or not), the embeddings of the whole rows with the image features spliced
+    in (`_embed_and_splice_for_cp`: the vision tower runs outside the ring attention), then both cut like the tokens
+    (the sharder's head-tail chunks, its differentiable index_select: gradients reach the embeddings and the tower),
+    and the language model on the cut embeddings."""
+    grid = {"image_grid_thw": vision["image_grid_thw"]} if "image_grid_thw" in vision else {}
+    positions = model.prepare_model_inputs_for_cp({"input_ids": sequences, "attention_mask": attention_mask.long(),
+                                                   **grid})["position_ids"]
+    embeds = model._embed_and_splice_for_cp(sequences, pixel_values=vision.get("pixel_values"),
+                                            pixel_values_videos=None, video_grid_thw=None, **grid)
+    out = model.model(inputs_embeds=cp.shard(embeds), position_ids=cp.shard(positions, seq_dim=2),
+                      padding_mask=cp.padding_mask, attention_mask=None, use_cache=False)
+    return out.last_hidden_state
+
+
 def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
     """What a packed row needs besides its position ids: nothing for transformers' models (they find the documents
     from the position ids); nemo-automodel's own implementations read no document boundaries from position ids
     (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
-    and no padding; those built with a THD-only attention (`runtime.packed_thd`) take cu_seqlens instead."""
+    and no padding; built with a THD-only attention they take the row as THD: tilelang `runtime.packed_thd`, te
+    `thd_row`."""
     if hasattr(model, "get_decoder"):
         return {}
     if packed_thd.takes_thd(model):
         thd = packed_thd.thd_batch(input_ids, position_ids)
         return {k: v for k, v in thd.items() if k not in ("input_ids", "position_ids")}
+    if uses_te(model):
+        return thd_row(input_ids, position_ids)
     return {"attention_mask": document_mask(position_ids),
             "padding_mask": torch.zeros_like(input_ids, dtype=torch.bool)}
+
+
+def uses_te(model) -> bool:
+    """nemo-automodel built the model's attention as transformer_engine's (its `BackendConfig.attn`, the plan's
+    `model.attn`)."""
+    return getattr(getattr(model, "backend", None), "attn", None) == "te"
+
+
+def thd_row(input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
+    """A packed (1, N) row as nemo-automodel's te path takes packed rows: THD (`qkv_format="thd"`) with the
+    documents' cumulative lengths (`cu_seqlens`), their longest (`max_seqlen`) and no padding, made by its own
+    `process_input_for_thd` from the documents' lengths (a document starts where its position id is 0; no document
+    is padded: without CP te needs no multiple). Keyed as its causal LMs' forward takes them, each with the row's
+    batch dim 1 (`thd_backbone_inputs` squeezes them as those forwards do)."""
+    from nemo_automodel.components.distributed.thd_utils import process_input_for_thd
+
+    starts = torch.cat([(position_ids[0] == 0).nonzero().squeeze(1),
+                        torch.tensor([position_ids.shape[1]], device=position_ids.device)])
+    lengths = starts.diff()[None]
+    thd = process_input_for_thd({"input_ids": input_ids, "labels": input_ids, "position_ids": position_ids,
+                                 "seq_lens": lengths, "seq_lens_padded": lengths})
+    return {"qkv_format": "thd", "cu_seqlens": thd["cu_seqlens"][None], "max_seqlen": thd["max_seqlen"][None],
+            "padding_mask": thd["padding_mask"][None], "attention_mask": None}
+
+
+def thd_backbone_inputs(inputs: dict) -> dict:
+    """A THD row's backbone keywords as nemo-automodel's causal LMs hand them to their backbone: the batch dim
+    squeezed off every tensor, `max_seqlen` a number (its `squeeze_input_for_thd`), no attention mask."""
+    from nemo_automodel.components.utils.model_utils import squeeze_input_for_thd
+
+    attn = {k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids", "padding_mask", "attention_mask")}
+    input_ids, position_ids, padding_mask, attn = squeeze_input_for_thd(
+        inputs["input_ids"], inputs["position_ids"], inputs["padding_mask"], attn)
+    return {"input_ids": input_ids, "position_ids": position_ids, "padding_mask": padding_mask,
+            "attention_mask": None, **attn}
 
 
 def document_mask(position_ids: Tensor) -> Tensor:
@@ -261,12 +328,16 @@ def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, tempera
     each cp rank scores its positions and the results come back in row order on every cp rank."""
     b, width = sequences.shape
     if cp is not None:
-        if vision is not None or packed:
-            raise ValueError("context parallelism takes padded text rows (the capability table refuses the rest)")
+        if packed:
+            raise ValueError("context parallelism takes padded rows (the capability table refuses packed ones)")
         local_top = None if top_ids is None else cp.shard(torch.nn.functional.pad(top_ids, (0, 0, 0, 1)))
         n = cp.input_ids.shape[1]
-        outs = _call(model, cp.input_ids, None, cp.position_ids, temperature, with_entropy, chunk_tokens, None,
-                     local_top, cp.labels, cp.padding_mask)
+        if vision is not None:  # a VLM: the whole rows go in, its images spliced in before the cut
+            outs = _call(model, sequences, attention_mask, None, temperature, with_entropy, chunk_tokens, vision,
+                         local_top, cp.labels, cp.padding_mask, cp)
+        else:
+            outs = _call(model, cp.input_ids, None, cp.position_ids, temperature, with_entropy, chunk_tokens, None,
+                         local_top, cp.labels, cp.padding_mask)
         # position w-1 scores no token (its label is a filler): dropped, as `Experience` aligns them
         lp, ent, top = (None if x is None else cp.gather(x.view(b, n, *x.shape[1:]))[:, :-1] for x in outs)
         return lp, ent, top

@@ -38,8 +38,13 @@ _TE_NOT_RUN = (
     "the CPU machines nor on the H200 machine)"
 )
 _TE_PACKED_WHY = (
-    "nemo-automodel's te path takes packed rows only as THD with cu_seqlens; this trainer sends a te model's packed "
-    "row as one (1, N) row with a 4-D document mask (runtime/logprobs.py `packed_row_masks`), which its te path rejects"
+    "packed rows go to nemo-automodel's te path as THD (its `process_input_for_thd`: cu_seqlens, max_seqlen; "
+    "runtime/logprobs.py `thd_row`), which only transformer_engine's kernel runs"
+)
+_TE_PACKED_NOT_RUN = (
+    "transformer_engine's DotProductAttention on THD rows in nemo-automodel's layers (the THD conversion of packed "
+    "rows and nemo-automodel's model on it ran on CPU with a stand-in for the kernel, "
+    "tests/runtime/models/test_automodel_thd.py; transformer_engine is installed on no machine of ours)"
 )
 _TILELANG_WHY = (
     "nemo-automodel 0.7.0's GLM-5.2 layers with BackendConfig attn tilelang (the plan's model.attn), fed the packed "
@@ -107,6 +112,8 @@ def attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capabilit
             lambda p: attn(p) == "te" and packed(p),
             "actor.packing: false (te then runs on padded rows)",
             _TE_PACKED_WHY,
+            unverified=frozenset({"cuda"}),
+            not_run=_TE_PACKED_NOT_RUN,
         ),
         row(
             f"{kind}-automodel-tilelang",

@@ -1,10 +1,10 @@
 """The capability table's context-parallelism rows (`schemas/capabilities.py` lists them).
 
 The trainer's CP (runtime/context_parallel.py) is nemo-automodel's sharder cutting padded text rows for torch's ring
-attention, which has no CPU path (the CPU SDPA op has no sharding strategy): on GPUs it is written and not run (a
-CAP002 warning), on CPUs refused. What it does not take is refused everywhere, each by its own row at its own key.
-Packed rows never reach it: on the automodel backend they pack only with te or tilelang (PACK001, PACK002), which
-the te-packed and attention rows refuse, and the hf backend has no CP (PAR004).
+attention, which has no CPU path (the CPU SDPA op has no sharding strategy), or with te attention for
+transformer_engine's own CP (CUDA-only): on GPUs it is written and not run (a CAP002 warning), on CPUs refused. What
+it does not take is refused everywhere, each by its own row at its own key: packed rows (on the automodel backend
+they pack only with te or tilelang, PACK001, PACK002) and image prompts. The hf backend has no CP (PAR004).
 Importable without torch.
 """
 
@@ -17,11 +17,32 @@ if TYPE_CHECKING:
     from schemas.capabilities import Capability
     from schemas.plan import Plan, SftTrainerPlan, TrainerPlan
 
+_TE_NOT_RUN = (
+    "transformer_engine's context parallelism in nemo-automodel's layers (its `apply_cp`: each DotProductAttention "
+    "in the cp group, a hybrid's Mamba / gated-delta-net layers' own CP) on the sharder's rows over several GPUs; "
+    "the sharding, the log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without "
+    "attention (tests/runtime/test_context_parallel.py); transformer_engine is installed on no machine of ours"
+    "; with image prompts, a Qwen3.5/3.6-MoE VLM's splice before the cut ran on a 1-rank cp mesh "
+    "(tests/runtime/models/test_automodel_vlm.py)"
+)
 _NOT_RUN = (
     "torch context_parallel's ring attention with nemo-automodel's sharder on several GPUs (the sharding, the "
     "log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without attention, "
-    "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent)"
+    "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent); with image prompts, a Qwen3.5/3.6-MoE "
+    "VLM's splice before the cut ran on a 1-rank cp mesh (tests/runtime/models/test_automodel_vlm.py)"
 )
+
+
+_SPLICE_VLMS = ("Qwen3_5MoeForConditionalGeneration",)
+"""The VLM classes whose CP this trainer runs: nemo-automodel's own, with its splice before the cut."""
+
+
+def _splices_before_the_cut(arch: str | None) -> bool:
+    """The catalog's architecture `arch` is a VLM whose CP is wired (`_SPLICE_VLMS`); unknown: not."""
+    from schemas.catalog import MODELS
+
+    spec = MODELS.get(arch) if arch is not None else None
+    return spec is not None and spec.architecture in _SPLICE_VLMS
 
 
 def cp_rows(
@@ -40,23 +61,29 @@ def cp_rows(
     def images(plan: Plan) -> bool:
         return (plan.rl.data.image_key if kind == "rl" else plan.sft.data.image_key) is not None
 
+    def packed(plan: Plan) -> bool:
+        trainer = section(plan)
+        return trainer is not None and trainer.packing
+
     refused: list[tuple[str, str, str, Callable[[Plan], bool], str, str]] = [
         (
-            "te",
-            "model.attn",
-            "attention te",
-            lambda p: attn(p) == "te",
-            "model.attn: sdpa",
-            "nemo-automodel's te CP takes THD rows with cu_seqlens and refuses a padding mask; this trainer sends "
-            "padded rows",
+            "packed",
+            "actor.packing",
+            "packed rows",
+            lambda p: packed(p) and attn(p) != "tilelang",  # tilelang's CP: its own row (capabilities_attn.py)
+            "actor.packing: false",
+            "this trainer's CP cuts padded rows; nemo-automodel's CP of packed THD rows (te's cu_seqlens partition, "
+            "`make_cp_batch_for_te`) is not wired",
         ),
         (
             "images",
             "data.max_images_per_prompt" if kind == "rl" else "data.image_key",
             "image prompts",
-            images,
+            lambda p: images(p) and not _splices_before_the_cut(p.rl.model.arch if kind == "rl" else p.sft.model.arch),
             "data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null",
-            "a VLM's CP is its own sharder in nemo-automodel (the vision splice before the cut), not wired here",
+            "a VLM's CP here is nemo-automodel's splice of the images into the whole rows before the cut, as its "
+            f"{' and '.join(_SPLICE_VLMS)} forward does it (`_embed_and_splice_for_cp`); another VLM's (the Nemotron "
+            "omni's media encoders inside its forward), or one outside the catalog (model.arch), is not wired",
         ),
     ]
     others = tuple(
@@ -71,16 +98,27 @@ def cp_rows(
         )
         for suffix, key, what, asks, instead, why in refused
     )
+    te = row(
+        f"{kind}-trainer-cp-te",
+        kind,
+        "model.attn",
+        "context parallelism (actor.mesh.cp > 1) with attention te",
+        lambda p: cp(p) and attn(p) == "te" and not any(r.asks(p) for r in others),
+        "model.attn: sdpa, or actor.mesh.cp: 1",
+        unverified=frozenset({"cuda"}),
+        not_run=_TE_NOT_RUN,
+        tracked="issue 27: te's own CP has no CPU path (transformer_engine is CUDA-only)",
+    )
     written = row(
         f"{kind}-trainer-cp",
         kind,
         "actor.mesh.cp",
         "context parallelism in the trainer (actor.mesh.cp > 1)",
-        lambda p: cp(p) and not any(r.asks(p) for r in others),
+        lambda p: cp(p) and attn(p) != "te" and not any(r.asks(p) for r in others),
         "actor.mesh.cp: 1",
         unverified=frozenset({"cuda"}),
         not_run=_NOT_RUN,
         tracked="issue 27: torch's context_parallel has no CPU path (the CPU SDPA op has no sharding strategy), so "
         "CP runs on GPUs only",
     )
-    return (written, *others)
+    return (written, te, *others)

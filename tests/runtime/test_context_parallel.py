@@ -123,6 +123,15 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
         # MoE routing replay's recorded experts, cut like the tokens (the trainer's `_routing`)
         out["routed"] = torch.arange(seq.numel() * 6).view(*seq.shape, 3, 2)
         out["routed_local"] = rows_cp.shard(out["routed"], fill=-1)
+        # a VLM's cut (runtime/logprobs.py `_vlm_shard_hidden`): M-RoPE's (3, b, w) positions on their dim 2, and
+        # the spliced embeddings as nemo-automodel's own VLM forward cuts them (`shard_sequence_for_cp_round_robin`)
+        from nemo_automodel.components.distributed.context_parallel.sharder import shard_sequence_for_cp_round_robin
+
+        out["mrope"] = torch.arange(3 * seq.numel()).view(3, *seq.shape)
+        out["mrope_local"] = rows_cp.shard(out["mrope"], seq_dim=2)
+        embeds = torch.randn(*seq.shape, 4, generator=torch.Generator().manual_seed(5))
+        out["embeds_local"] = rows_cp.shard(embeds)
+        out["embeds_nemo"] = shard_sequence_for_cp_round_robin(meshes.cp, embeds)[0]
 
     # the loss from precomputed per-token log-probs: the shards are the leaves
     g = torch.Generator().manual_seed(7)
@@ -193,6 +202,8 @@ def test_context_parallel_matches_one_rank(world, cp, tmp_path):
         pad = (-width) % (2 * cp)
         routed = torch.nn.functional.pad(out["routed"], (0, 0, 0, 0, 0, pad), value=-1)
         assert torch.equal(out["routed_local"], routed[:, idx])
+        assert torch.equal(out["mrope_local"], torch.nn.functional.pad(out["mrope"], (0, pad))[:, :, idx])
+        assert torch.equal(out["embeds_local"], out["embeds_nemo"])
 
         # the loss on precomputed log-probs: the dp ranks' losses sum (over dp, /dp) to the one-rank loss, and
         # each rank's gradient, averaged over dp x cp by FSDP2, is the one-rank gradient at its positions
@@ -230,6 +241,7 @@ def test_context_parallel_matches_one_rank(world, cp, tmp_path):
 
 
 def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]) -> None:
+    from nemo_automodel.components.moe.layers import MoE
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -248,8 +260,11 @@ def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]
                                          moe_dispatcher="torch")
         model = automodel.build(plan, path, meshes, torch.device("cpu"))
         attn = [m for n, m in model.named_modules() if n.endswith("self_attn")]
+        moe = [m for m in model.modules() if isinstance(m, MoE)]
         out[path] = {"sharded": all(isinstance(p, DTensor) and p.device_mesh.size() == world
                                     for p in model.parameters()),
+                     "moe_cp": bool(moe) and all(m.cp_mesh is meshes.cp for m in moe),
+                     "cp_mesh": getattr(model, "cp_mesh", None) is meshes.cp,
                      "hooked": all(m._forward_pre_hooks for m in attn), "native": not hasattr(model, "get_decoder"),
                      "unused": [g.reduce_scatter_unused_params for m in model.modules() if isinstance(m, FSDPModule)
                                 for g in m._get_fsdp_state()._fsdp_param_groups]}
@@ -275,3 +290,6 @@ def test_the_automodel_build_under_cp(tmp_path):
         # transformers-style, and nemo-automodel's hook turns their masked SDPA into a causal one
         assert moe["native"] and not moe["hooked"]
         assert not dense["native"] and dense["hooked"]
+        # the rest of nemo-automodel's CP setup (`apply_cp` but for te attention): the model and its MoE layers
+        # hold the cp mesh (their routers' statistics over the cp ranks)
+        assert moe["cp_mesh"] and moe["moe_cp"] and dense["cp_mesh"] and not dense["moe_cp"]

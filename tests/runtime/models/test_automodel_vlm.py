@@ -136,3 +136,38 @@ def test_weight_sync_and_export_see_transformers_names(world, checkpoint):
         assert torch.equal(mine[name], value), name
     state = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
     assert automodel.hf_state_dict(state).keys() == theirs.keys()
+
+
+def test_context_parallel_splices_the_images_before_the_cut(world, checkpoint):
+    """A VLM under CP (`context_parallel.prepare`, `logprobs._vlm_shard_hidden`): nemo-automodel's M-RoPE positions
+    of the whole rows (its `prepare_model_inputs_for_cp`), its splice of the image features into the whole rows'
+    embeddings (`_embed_and_splice_for_cp`), both cut by the sharder, the language model on the cut (its masks
+    dropped as nemo-automodel's CP drops them). On a 1-rank cp mesh (torch's ring attention has no CPU path) the
+    cut is the identity, so the log-probs and every gradient (vision tower included) equal the VLM forward's
+    without CP; tests/runtime/test_context_parallel.py checks the cut itself on 2 and 4 gloo ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime import context_parallel
+
+    cp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
+    ids, mask, mm = _batch(checkpoint)
+    plain = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    under_cp = automodel.build(_plan(checkpoint, "automodel"), checkpoint, world, torch.device("cpu"))
+    context_parallel.prepare(under_cp, cp_mesh)
+    assert under_cp.cp_mesh is cp_mesh
+    assert [m._cp_mesh for n, m in under_cp.named_modules() if n.endswith("linear_attn")] == [cp_mesh]
+    real = mask[:, 1:]
+    want = _logprobs(plain, ids, mask, mm)
+    (-want[real].mean()).backward()
+    vision = vision_inputs(mm, ids, under_cp.config.image_token_id, torch.device("cpu"))
+    splice, spliced = under_cp._embed_and_splice_for_cp, []
+    under_cp._embed_and_splice_for_cp = lambda input_ids, **kw: spliced.append(input_ids) or splice(input_ids, **kw)
+    with context_parallel.sharded_rows(cp_mesh, ids, mask) as rows:
+        got = token_logprobs(under_cp, ids, mask, 1.0, vision=vision, cp=rows)[0]
+        (-got[real].mean()).backward()
+    assert len(spliced) == 1 and torch.equal(spliced[0], ids)  # the whole rows, once
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+    grads = {n: p.grad.full_tensor() for n, p in plain.named_parameters() if p.grad is not None}
+    assert any(n.startswith("model.visual.") for n in grads)
+    for name, p in under_cp.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name], rtol=0, atol=1e-5, msg=name)
