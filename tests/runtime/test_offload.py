@@ -117,8 +117,9 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         s = plan.sft
         backend = models.backend(s.model)
         meshes = backend.device_mesh("cpu", 2, s.trainer.mesh)
-        # what `SftJob.setup` sets from the meshes (no context parallelism here)
+        # what `SftJob.setup` sets from the meshes (no context or tensor parallelism here)
         sft.cp_mesh, sft.dp, sft.cp, sft.dp_rank = meshes.cp, s.trainer.dp, 1, rank
+        sft.tp_world, sft.replicas = None, 1
         sft._load_data()
         torch.manual_seed(0)
         sft.model = backend.build(s.model, s.model.path, meshes, sft.device, offload=s.trainer.offload)
