@@ -57,27 +57,20 @@ def test_the_shipped_demos_need_only_what_the_test_setup_installs():
         assert missing_packages(compile_plan(recipe)) == [], recipe
 
 
-def test_a_te_plan_without_transformer_engine_stops_at_start(tmp_path):
-    # rl-automodel-te: te on the automodel backend compiles for GPUs with a CAP002 warning; transformer_engine is not
-    # installed here (nor on the H200 machine), so the job stops before Ray with the package and the setting
-    result = compile_recipe(ROOT / "tests/capability/rl-automodel-te.yaml")
-    assert result.plan is not None and result.plan.rl.model.attn == "te"
+@pytest.mark.parametrize("case, attn, message", [
+    # te on the automodel backend, padded rows; tilelang: GLM-5.2's DSA kernels on packed rows
+    ("rl-automodel-te", "te", r"`transformer_engine` package does not import here, and model.attn: te needs it"),
+    ("rl-automodel-tilelang", "tilelang",
+     r"`tilelang` package does not import here, and model.attn: tilelang needs it \(pip install tilelang"),
+])
+def test_a_plan_without_its_attention_package_stops_at_start(tmp_path, case, attn, message):
+    # the plan compiles for GPUs with a CAP002 warning; the package is not installed here (nor on the H200 machine),
+    # so the job stops before Ray, naming the package and the setting
+    result = compile_recipe(ROOT / f"tests/capability/{case}.yaml")
+    assert result.plan is not None and result.plan.rl.model.attn == attn
+    assert result.plan.rl.trainer.packing == (attn == "tilelang")  # tilelang's kernels take packed (THD) rows only
     assert {d.code for d in result.diagnostics if d.severity != "info"} == {"CAP002"}
     path = tmp_path / "plan.json"
     path.write_text(result.plan.to_json())
-    with pytest.raises(PlanUnusable, match=r"`transformer_engine` package does not import here, and model.attn: te "
-                                           r"needs it"):
-        read_plan(path)
-
-
-def test_a_tilelang_plan_without_tilelang_stops_at_start(tmp_path):
-    # rl-automodel-tilelang: GLM-5.2's DSA kernels on packed rows compile for GPUs with a CAP002 warning; tilelang is
-    # not installed here (nor on the H200 machine), so the job stops before Ray with the package and the setting
-    result = compile_recipe(ROOT / "tests/capability/rl-automodel-tilelang.yaml")
-    assert result.plan is not None and result.plan.rl.model.attn == "tilelang" and result.plan.rl.trainer.packing
-    assert {d.code for d in result.diagnostics if d.severity != "info"} == {"CAP002"}
-    path = tmp_path / "plan.json"
-    path.write_text(result.plan.to_json())
-    with pytest.raises(PlanUnusable, match=r"`tilelang` package does not import here, and model.attn: tilelang needs "
-                                           r"it \(pip install tilelang"):
+    with pytest.raises(PlanUnusable, match=message):
         read_plan(path)
