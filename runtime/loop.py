@@ -17,7 +17,7 @@ Algorithm, exactly (`reference/molt_rules.md` §4; the plan decides every number
   packed: runtime/trainer.py) with the global token-mean loss and the IS correction against the
   engines' logprobs, then streams the weights to every engine under the engine lock (engines paused, buckets
   broadcast from trainer rank 0 over the weight-sync group, resumed), checks them with a probe (engine vs trainer
-  logprobs on a fixed sequence), logs, evaluates when the generator sends an eval round, and checkpoints.
+  logprobs on a fixed sequence) before the lock goes back, logs, evaluates when the generator sends an eval round, and checkpoints.
 - Every wait goes through the supervisor (runtime/supervisor.py): a dead actor (engine, trainer rank, generator,
   queue, lock) or a phase past `train.stall_timeout_s` ends the run with `RunAborted` (actor, phase, likely recipe
   key, prompt books); after SIGINT/SIGTERM the current phase gets `train.stop_timeout_s`. Every exit path tears down
@@ -425,26 +425,31 @@ runtime/generator.py) of the prompts trained at that step: what an exact resume 
 # ---------------------------------------------------------------------------------------------------- steps
 def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int,
                  sup: Supervisor, timings: dict[str, float]) -> dict[str, float]:
-    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe. Timed
-    phases: `weight_sync_total` (lock wait, pause, `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe`.
+    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe, still
+    under the engine lock: released first, the generator starts its next batch at once and the probe's engine call
+    waits behind it (1.5 s a step on one H200, issue 29). Timed phases: `weight_sync_total` (lock wait, pause,
+    `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe` (the engines and the trainer at once).
 
     `lock` is None only before the generator exists (resume), when nothing can be generating.
     """
-    with sup.phase("weight_sync_total", "trainer rank 0 and the engines", "rollout.engine", timings):
-        if lock is not None:
-            with sup.phase("weight_sync_lock_wait", "generator (holds the engine lock)", "agent.episode_timeout_s",
-                           timings):
-                sup.get(lock.acquire.remote())
-        try:
+    locked = False
+    try:
+        with sup.phase("weight_sync_total", "trainer rank 0 and the engines", "rollout.engine", timings):
+            if lock is not None:
+                with sup.phase("weight_sync_lock_wait", "generator (holds the engine lock)",
+                               "agent.episode_timeout_s", timings):
+                    sup.get(lock.acquire.remote())
+                locked = True
             sup.get([e.pause.remote() for e in engines])
             stats = link.sync(version)
             sup.get([e.resume.remote() for e in engines])
-        finally:
-            if lock is not None:
-                ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
-    with sup.phase("probe", "trainer rank 0 and the engines", "rollout.engine", timings):
-        trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
-        engine_lp = [torch.tensor(lp) for lp in sup.get([e.score.remote(probe_ids) for e in engines])]
+        with sup.phase("probe", "trainer rank 0 and the engines", "rollout.engine", timings):
+            engine_refs = [e.score.remote(probe_ids) for e in engines]
+            trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
+            engine_lp = [torch.tensor(lp) for lp in sup.get(engine_refs)]
+    finally:
+        if locked:
+            ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
     diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
     return {**stats, "weight_sync/logprob_diff_max": float(diffs.max()),
             "weight_sync/logprob_diff_mean": float(diffs.mean())}

@@ -141,7 +141,7 @@ METRICS: dict[str, str] = {
     "timing/weight_sync_load": "longest engine time spent loading received buckets into its model",
     "timing/weight_sync_lock_wait": "time waiting for the engine lock before the weight sync",
     "timing/weight_sync_total": "lock wait + pause + timing/weight_sync + resume",
-    "timing/probe": "post-sync probe: engine score + trainer forward",
+    "timing/probe": "post-sync probe, under the engine lock: engine score and trainer forward at once",
     "timing/ckpt": "checkpoint save",
     "timing/step_total": "wall time of the whole step, from the previous step's end",
     "timing/eval": "wall time of an eval round",
