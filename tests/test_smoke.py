@@ -187,6 +187,8 @@ RUN_ELSEWHERE = {
     "demo_math_hf.yaml": "tests/runtime/test_e2e_hf.py; resumed on the hf engine by the outside-recipe smoke below",
     "demo_math_flash.yaml": "tests/runtime/test_e2e_molt021.py",
     "demo_math_distill.yaml": "tests/runtime/test_e2e_distill.py",
+    "demo_math_gae.yaml": "tests/runtime/test_e2e_gae.py (saves the critic with the policy); the critic's restore is "
+                          "tests/runtime/test_critic.py's, the loop's resume (one line for the critic) test_e2e_reliability's",
     "demo_sft.yaml": "tests/runtime/test_sft_torchrun.py (resumes) and test_sft_slurm.py",
     "demo_tool.yaml": "tests/runtime/test_e2e_tool.py",
 }
