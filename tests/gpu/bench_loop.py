@@ -1,7 +1,7 @@
 """The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
 
-    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N] [--checkpoint MODE]
-        [--samples PROMPTS]
+    source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
+        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`);
@@ -9,7 +9,9 @@
    plain PyTorch + transformers so it needs nothing missing on the machine: `model.generate` of the same number of
    rollouts and response tokens (min = max new tokens = our mean response length), then one GRPO optimizer step on
    them (bf16 weights, full activation checkpointing, fused AdamW, the same micro-batch rows), synchronously.
-Both count generated tokens per second of a warm step; the ratio is ours / plain. Writes OUT_DIR/bench_loop.json.
+Both count generated tokens per second of a warm step; the ratio is ours / plain, for each `--checkpoint` mode of
+ours (one run each, against one plain run); also ours' trainer phase (make_experience + policy_train, the engine
+generating beside it) over plain's training time. Writes OUT_DIR/bench_loop.json.
 Measured 2026-12-03 on one H200 (ours with compiled layers and full checkpointing, the GPU default; 128 rollouts of
 164 tokens on average): ours 7,416 tokens/s (step 2.83 s: generation 1.66 s and training 2.02 s overlapped, weight
 sync 0.29 s, no old-log-prob pass) against plain 3,051 (generation 5.10 s + training 1.79 s): 2.43x. Our training
@@ -79,34 +81,41 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
-    checkpoint = args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full"  # ours; plain: full
+    # ours: one run per mode (`full,none`: both in this call, against one plain run); plain: full checkpointing
+    modes = (args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full").split(",")
     samples = int(args[args.index("--samples") + 1]) if "--samples" in args else 48  # prompts: ours runs samples/8 steps
     report: dict = {}
     big = Path(tempfile.gettempdir()) / "molt_gpu_loop_1p7b"
     if not (big / "config.json").exists():
         run_loop._big_model(big)
-    throughput = [f"model.path={big}", f"data.max_samples={samples}", "data.max_len=320", "rollout.max_new_tokens=256",
-                  "eval.at_start=false", "eval.every=-1", "ckpt.every=-1", "ckpt.final_save=false",
-                  "train.micro_batch_size=16", f"model.gradient_checkpoint={checkpoint}"]
-    ours = run_loop._run("ours", out, throughput, 540)
-    ours.pop("log_tail", None) if ours.get("rc") == 0 else None
-    report["ours"] = ours
-    rows_file = out / "ours.metrics.jsonl"
-    if ours.get("rc") != 0 or not rows_file.exists():
-        print(json.dumps(report, indent=1, default=str))
-        return 1
-    steps_rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()]
-    steps_rows = [r for r in steps_rows if "timing/step_total" in r]
-    warm = steps_rows[1:] if len(steps_rows) > 1 else steps_rows
-    mean = lambda k: sum(r[k] for r in warm) / len(warm)  # noqa: E731
-    rollouts = int(round(mean("rollout/num_rollouts")))
-    resp = int(round(mean("rollout/response_length_mean")))
-    prompt = int(round(mean("rollout/prompt_length_mean"))) if "rollout/prompt_length_mean" in warm[0] else 64
-    ours["tokens_per_s"] = rollouts * mean("rollout/response_length_mean") / mean("timing/step_total")
-    report["plain"] = plain_loop(big, rollouts, prompt, resp, 16, steps)
-    report["ratio_tokens_per_s"] = ours["tokens_per_s"] / report["plain"]["tokens_per_s"]
-    report["ours_trainer_s"] = (ours["timing_mean_warm"].get("timing/make_experience") or 0.0,
-                                ours["timing_mean_warm"].get("timing/policy_train"))
+    for mode in modes:
+        throughput = [f"model.path={big}", f"data.max_samples={samples}", "data.max_len=320",
+                      "rollout.max_new_tokens=256", "eval.at_start=false", "eval.every=-1", "ckpt.every=-1",
+                      "ckpt.final_save=false", "train.micro_batch_size=16", f"model.gradient_checkpoint={mode}"]
+        ours = run_loop._run(f"ours_{mode}", out, throughput, 540)
+        ours.pop("log_tail", None) if ours.get("rc") == 0 else None
+        report[f"ours_{mode}"] = ours
+        rows_file = out / f"ours_{mode}.metrics.jsonl"
+        if ours.get("rc") != 0 or not rows_file.exists():
+            print(json.dumps(report, indent=1, default=str))
+            return 1
+        steps_rows = [json.loads(x) for x in rows_file.read_text().splitlines() if x.strip()]
+        steps_rows = [r for r in steps_rows if "timing/step_total" in r]
+        warm = steps_rows[1:] if len(steps_rows) > 1 else steps_rows
+        mean = lambda k, rows=warm: sum(r.get(k, 0.0) for r in rows) / len(rows)  # noqa: E731
+        ours["rollouts"] = int(round(mean("rollout/num_rollouts")))
+        ours["response_tokens"] = int(round(mean("rollout/response_length_mean")))
+        ours["prompt_tokens"] = int(round(mean("rollout/prompt_length_mean"))) if "rollout/prompt_length_mean" in \
+            warm[0] else 64
+        ours["tokens_per_s"] = ours["rollouts"] * mean("rollout/response_length_mean") / mean("timing/step_total")
+        ours["trainer_phase_s"] = mean("timing/make_experience") + mean("timing/policy_train")
+    first = report[f"ours_{modes[0]}"]
+    report["plain"] = plain = plain_loop(big, first["rollouts"], first["prompt_tokens"], first["response_tokens"], 16,
+                                         steps)
+    for mode in modes:
+        ours = report[f"ours_{mode}"]
+        report[f"ratio_tokens_per_s_{mode}"] = ours["tokens_per_s"] / plain["tokens_per_s"]
+        report[f"ratio_trainer_phase_to_plain_train_{mode}"] = ours["trainer_phase_s"] / plain["train_s"]
     text = json.dumps(report, indent=1, default=str)
     print(text)
     (out / "bench_loop.json").write_text(text)

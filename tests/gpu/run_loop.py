@@ -67,10 +67,12 @@ def _run(name: str, out: Path, sets: list[str], timeout_s: float) -> dict:
         split = {k: mean(k, warm) for k in ("timing/step_total", "timing/generation", "timing/policy_train",
                                              "timing/make_experience", "timing/weight_sync_total",
                                              "timing/vllm_idle_wait", "timing/actor_idle_wait",
+                                             "timing/weight_sync_lock_wait", "timing/probe",
                                              "timing/weight_sync", "timing/weight_sync_gather",
                                              "timing/weight_sync_transfer", "timing/weight_sync_load")}
         result["timing_mean_warm"] = split
         result["policy_train_per_step"] = [r.get("timing/policy_train") for r in steps]
+        result["step_total_per_step"] = [r.get("timing/step_total") for r in steps]
         result["router_agreement_mean"] = mean("train/moe/router_agreement")
         diffs = [r["weight_sync/logprob_diff_max"] for r in steps if "weight_sync/logprob_diff_max" in r]
         result["weight_sync_logprob_diff_max"] = max(diffs) if diffs else None
