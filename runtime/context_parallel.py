@@ -32,8 +32,10 @@ transformer_engine's own CP takes the 2 x cp head-tail chunks, causal and withou
 refused under CP (the capability table).
 
 A VLM (nemo-automodel's Qwen3.5/3.6-MoE) takes its images as nemo-automodel's VLM forward does under CP: spliced
-into the whole rows' embeddings, then cut like the tokens (`runtime/logprobs.py` `_vlm_shard_hidden`); other VLMs
-are refused (the capability table, and `prepare` for a checkpoint the compiler did not know).
+into the whole rows' embeddings, then cut like the tokens (`runtime/logprobs.py` `_vlm_shard_hidden`); its
+Nemotron-Omni does both inside its own forward (the whole rows in, its `cp_mesh`, which `prepare` sets, cutting the
+spliced embeddings with nemo-automodel's in-forward sharder: the same head-tail chunks). Other VLMs are refused (the
+capability table, and `prepare` for a checkpoint the compiler did not know).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from runtime.logprobs import uses_te
+from runtime.logprobs import splices_in_forward, uses_te
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -73,10 +75,12 @@ def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:
     if cp_mesh is None:
         return
     vlm = getattr(model.config, "vision_config", None) is not None
-    if vlm and not hasattr(model, "_embed_and_splice_for_cp"):  # the compiler knows the catalog's VLMs only
+    # the compiler knows the catalog's VLMs only
+    if vlm and not hasattr(model, "_embed_and_splice_for_cp") and not splices_in_forward(model):
         raise RuntimeError(f"actor.mesh.cp > 1 on {type(model).__name__}: this trainer's CP of a vision-language "
                            "model is nemo-automodel's splice before the cut of its Qwen3.5/3.6-MoE VLMs "
-                           "(`_embed_and_splice_for_cp`), which this model has not; set actor.mesh.cp: 1")
+                           "(`_embed_and_splice_for_cp`) or inside its Nemotron-Omni's forward, which this model "
+                           "has neither of; set actor.mesh.cp: 1")
     from nemo_automodel.components.distributed.context_parallel.utils import attach_context_parallel_hooks
     from nemo_automodel.components.distributed.parallelizer_utils import configure_fsdp_unused_param_reduction
 
@@ -114,7 +118,7 @@ def _layers_context_parallel(model: torch.nn.Module, cp_mesh: DeviceMesh) -> Non
     transformer_engine): the attention is torch's ring here, and everything else is set as it sets it. The model and
     its text module are marked CP (`_cp_enabled`: Qwen3.5/3.6-MoE's then drops the masks its layers cannot take and
     cuts no packed GDN metadata), the model gets the cp mesh (`cp_mesh`: a VLM's vision tower then runs outside the
-    ring attention), and per decoder layer: a Mamba mixer its `MambaContextParallel`, a gated-delta-net layer the cp
+    ring attention; Nemotron-Omni's forward cuts its spliced rows by it), and per decoder layer: a Mamba mixer its `MambaContextParallel`, a gated-delta-net layer the cp
     mesh (its FLA context parallelism), an MoE layer the cp mesh (its router's statistics over the cp ranks)."""
     from nemo_automodel.components.distributed.context_parallel.mamba import MambaContextParallel
     from nemo_automodel.components.distributed.pipelining.hf_utils import get_text_module

@@ -23,8 +23,9 @@ each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more nu
 Vision-language rows (padded only: the compiler turns packing off for VLM runs, Molt's B5) run the whole multimodal
 backbone (`model.model`: vision tower, features scattered into the image placeholders, M-RoPE positions) instead of
 the text decoder; `vision_inputs` concatenates the rows' `pixel_values` / `image_grid_thw` in row order, which is
-the order the backbone fills placeholders in. Under context parallelism the images are spliced into the whole rows'
-embeddings before the cut, as nemo-automodel's VLMs do (`_vlm_shard_hidden`).
+the order the backbone fills placeholders in. nemo-automodel's Nemotron-Omni runs its own forward instead (its media
+encoders and splice inside it, `splices_in_forward`). Under context parallelism the images are spliced into the
+whole rows' embeddings before the cut, as nemo-automodel's VLMs do (`_vlm_shard_hidden`).
 """
 
 from __future__ import annotations
@@ -91,14 +92,37 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
             torch.cat(top) if top_ids is not None else None)
 
 
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "imgs_sizes")
+"""A row's image inputs: pixel values and, per image, its grid (Qwen-VL) or its size in pixels (Nemotron-Omni)."""
+
+
 def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> dict[str, Tensor]:
-    """The backbone's image kwargs for a micro-batch: rows' pixel values and grids concatenated in row order."""
+    """The backbone's image kwargs for a micro-batch: rows' pixel values and grids (or sizes) concatenated in row
+    order."""
     rows = [m for m in mm_inputs if m is not None]
     out = {"mm_token_type_ids": (input_ids == image_token_id).int()}
-    if rows:
-        out["pixel_values"] = torch.cat([m["pixel_values"] for m in rows]).to(device)
-        out["image_grid_thw"] = torch.cat([m["image_grid_thw"] for m in rows]).to(device)
+    for key in _IMAGE_KEYS:
+        if rows and key in rows[0]:
+            out[key] = torch.cat([m[key] for m in rows]).to(device)
     return out
+
+
+def splices_in_forward(model) -> bool:
+    """nemo-automodel's Nemotron-Omni: its own forward embeds the rows, runs the media encoders and splices their
+    features in, then (under CP, its `cp_mesh` set) cuts the spliced embeddings itself; `_media_hidden` drives it."""
+    return hasattr(model, "extract_feature_dynamic")
+
+
+def _media_hidden(model, input_ids: Tensor, attention_mask: Tensor | None, vision: dict[str, Tensor],
+                  **cp_inputs: Tensor) -> Tensor:
+    """The decoder output of a model that `splices_in_forward`, from its own forward: images given as pixel values
+    and sizes (its dynamic-resolution path, vLLM's), the lm_head skipped (`compute_logits=False`: this module's
+    chunks score the final hidden states). `cp_inputs`: the cut's padding mask and positions (its language model is
+    RoPE-free; the positions go to its MTP head only)."""
+    media = {k: vision[k] for k in ("pixel_values", "imgs_sizes") if k in vision}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, compute_logits=False,
+                output_hidden_states=True, **media, **cp_inputs)
+    return out.hidden_states[-1]
 
 
 def mrope_positions(backbone, input_ids: Tensor, attention_mask: Tensor | None,
@@ -136,7 +160,9 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     if position_ids is not None and attention_mask is not None:
         # transformers builds the per-document mask only without one: with it, documents attend to each other
         raise ValueError("a packed row never carries a 2-D attention mask")
-    if vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
+    if vision is not None and splices_in_forward(model):
+        hidden = _media_hidden(model, input_ids, attention_mask, vision)
+    elif vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              **mrope_positions(model.model, input_ids, attention_mask, vision), **vision
                              ).last_hidden_state
@@ -188,7 +214,16 @@ def _vlm_shard_hidden(model, sequences: Tensor, attention_mask: Tensor, vision: 
     (its hook: `get_rope_index`, images or not), the embeddings of the whole rows with the image features spliced
     in (`_embed_and_splice_for_cp`: the vision tower runs outside the ring attention), then both cut like the tokens
     (the sharder's head-tail chunks, its differentiable index_select: gradients reach the embeddings and the tower),
-    and the language model on the cut embeddings."""
+    and the language model on the cut embeddings. A model that `splices_in_forward` (Nemotron-Omni) does the same
+    in its own forward: the whole rows embedded and spliced, cut by nemo-automodel's in-forward sharder
+    (`shard_sequence_for_cp_round_robin`, the same head-tail chunks as this sharder), its language model on the cut."""
+    if splices_in_forward(model):
+        hidden = _media_hidden(model, sequences, None, vision, padding_mask=cp.padding_mask,
+                               position_ids=cp.position_ids)
+        if hidden.shape[:2] != cp.labels.shape:  # its cut and this sharder's disagree: the labels would not align
+            raise RuntimeError(f"{type(model).__name__} cut its rows to {tuple(hidden.shape[:2])} positions, the "
+                               f"sharder to {tuple(cp.labels.shape)}")
+        return hidden
     grid = {"image_grid_thw": vision["image_grid_thw"]} if "image_grid_thw" in vision else {}
     positions = model.prepare_model_inputs_for_cp({"input_ids": sequences, "attention_mask": attention_mask.long(),
                                                    **grid})["position_ids"]

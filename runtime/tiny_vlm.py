@@ -172,6 +172,63 @@ def build_tiny_moe_vlm(out_dir: str | Path, seed: int = 0, corpus: Iterable[str]
     return out
 
 
+OMNI_TOKENS = ("<img>", "</img>", "<image>")
+"""Nemotron-Omni's image tokens: each image is `<img>`, one `<image>` per feature (after the 2x2 pixel shuffle),
+`</img>`."""
+
+
+def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
+                    vocab_size: int = 1000, layers: tuple[str, ...] = ("attention", "moe")) -> Path:
+    """A tiny random Nemotron-3-Nano-Omni (`NemotronH_Nano_Omni_Reasoning_V3`, the omni3 launch recipes'
+    architecture, which nemo-automodel builds with its own implementation: transformers' RADIO vision tower, the
+    pixel-shuffle projector, a Nemotron-H language model of `layers` blocks with routed and shared experts) in the
+    checkpoint's layout (nemo-automodel's own state-dict adapter writes it: the legacy RADIO names, fused QKV), with
+    its tokenizer. A 64x64 image is 4x4 patches of 16, 4 `<image>` features after the pixel shuffle. No Mamba block
+    by default: nemo-automodel's Mamba mixer runs mamba_ssm's Triton kernels only (CUDA). No processor: transformers'
+    Nemotron-Omni image processor needs torchvision, which does not load against our CPU torch."""
+    import torch
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.nemotron_omni.model import NemotronOmniForConditionalGeneration
+    from safetensors.torch import save_file
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from runtime import nemotron_omni
+    from runtime.tiny_model import build_tokenizer, default_corpus
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(default_corpus(seed) if corpus is None else corpus, vocab_size=vocab_size)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *OMNI_TOKENS]})
+    tok.chat_template = VLM_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    nemotron_omni.register()
+    config = CONFIG_MAPPING[nemotron_omni.MODEL_TYPE](
+        llm_config=dict(
+            vocab_size=len(tok), hidden_size=64, layers_block_type=list(layers), num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, num_experts_per_tok=2,
+            max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, torch_dtype="float32",
+        ),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
+                           max_img_size=256, num_cls_tokens=1, num_registers=1, summary_idxs=[0],
+                           video_temporal_patch_size=2),
+        img_context_token_id=tok.convert_tokens_to_ids("<image>"), vit_hidden_size=32, projector_hidden_size=64,
+        force_image_size=64, downsample_ratio=0.5, patch_size=16, ps_version="v2",
+        architectures=[nemotron_omni.ARCHITECTURE], tie_word_embeddings=False,
+    )
+    config.name_or_path = str(out)  # no modeling_radio.py there: nemo-automodel builds transformers' RadioModel
+    backend = BackendConfig(attn="sdpa", linear="torch", experts="torch_mm", rms_norm="torch_fp32", rope_fusion=False)
+    with torch.random.fork_rng(devices=[]), nemotron_omni.without_timm():
+        torch.manual_seed(seed)
+        model = NemotronOmniForConditionalGeneration(config, backend=backend)
+        model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    state = model.state_dict_adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 

@@ -4,7 +4,8 @@ The trainer's CP (runtime/context_parallel.py) is nemo-automodel's sharder cutti
 attention, which has no CPU path (the CPU SDPA op has no sharding strategy), or with te attention for
 transformer_engine's own CP (CUDA-only): on GPUs it is written and not run (a CAP002 warning), on CPUs refused. What
 it does not take is refused everywhere, each by its own row at its own key: packed rows (on the automodel backend
-they pack only with te or tilelang, PACK001, PACK002) and image prompts. The hf backend has no CP (PAR004).
+they pack only with te or tilelang, PACK001, PACK002) and image prompts of a VLM other than the catalog's
+Qwen3.5/3.6-MoE and Nemotron-Omni (nemo-automodel's own). The hf backend has no CP (PAR004).
 Importable without torch.
 """
 
@@ -22,19 +23,24 @@ _TE_NOT_RUN = (
     "in the cp group, a hybrid's Mamba / gated-delta-net layers' own CP) on the sharder's rows over several GPUs; "
     "the sharding, the log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without "
     "attention (tests/runtime/test_context_parallel.py); transformer_engine is installed on no machine of ours"
-    "; with image prompts, a Qwen3.5/3.6-MoE VLM's splice before the cut ran on a 1-rank cp mesh "
-    "(tests/runtime/models/test_automodel_vlm.py)"
+    "; with image prompts, a Qwen3.5/3.6-MoE VLM's splice before the cut and a Nemotron-Omni's splice and cut in "
+    "its own forward ran on a 1-rank cp mesh with sdpa (tests/runtime/models/test_automodel_vlm.py, "
+    "test_automodel_omni.py; the omni's Mamba mixers, mamba_ssm's CUDA kernels with their CP, on no machine)"
 )
 _NOT_RUN = (
     "torch context_parallel's ring attention with nemo-automodel's sharder on several GPUs (the sharding, the "
     "log-probs put back in row order and the loss over dp x cp ran on gloo CPU ranks without attention, "
     "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent); with image prompts, a Qwen3.5/3.6-MoE "
-    "VLM's splice before the cut ran on a 1-rank cp mesh (tests/runtime/models/test_automodel_vlm.py)"
+    "VLM's splice before the cut and a Nemotron-Omni's splice and cut in its own forward ran on a 1-rank cp mesh "
+    "(tests/runtime/models/test_automodel_vlm.py, test_automodel_omni.py; the omni's Mamba mixers, mamba_ssm's "
+    "CUDA kernels with their CP, on no machine)"
 )
 
 
-_SPLICE_VLMS = ("Qwen3_5MoeForConditionalGeneration",)
-"""The VLM classes whose CP this trainer runs: nemo-automodel's own, with its splice before the cut."""
+_SPLICE_VLMS = ("Qwen3_5MoeForConditionalGeneration", "NemotronH_Nano_Omni")
+"""The catalog architectures of the VLMs whose CP this trainer runs, nemo-automodel's own: Qwen3.5/3.6-MoE splices
+the images into the whole rows before the cut (`_embed_and_splice_for_cp`), Nemotron-Omni inside its own forward,
+which then cuts the spliced rows itself (the same head-tail chunks)."""
 
 
 def _splices_before_the_cut(arch: str | None) -> bool:
@@ -82,8 +88,8 @@ def cp_rows(
             lambda p: images(p) and not _splices_before_the_cut(p.rl.model.arch if kind == "rl" else p.sft.model.arch),
             "data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null",
             "a VLM's CP here is nemo-automodel's splice of the images into the whole rows before the cut, as its "
-            f"{' and '.join(_SPLICE_VLMS)} forward does it (`_embed_and_splice_for_cp`); another VLM's (the Nemotron "
-            "omni's media encoders inside its forward), or one outside the catalog (model.arch), is not wired",
+            f"own {' and '.join(_SPLICE_VLMS)} do it; another VLM's, or one outside the catalog (model.arch), is "
+            "not wired",
         ),
     ]
     others = tuple(

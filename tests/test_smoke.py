@@ -108,12 +108,13 @@ def test_a_smoke_plan_runs_without_context_parallelism():
 
 
 def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
-    # No tiny vision tower is built for the omni3 architecture: its smoke model would be text-only, and images on a
-    # text-only model are an error (DATA004: the job would die loading the image processor), so a refusal that says so
+    # No tiny vision tower of the omni3 architecture runs on CPU (its image processors need torchvision): its smoke
+    # model would be text-only, and images on a text-only model are an error (DATA004: the job would die loading the
+    # image processor), so a refusal that says so
     verdict, sp, _ = prepare(Path("recipes/sft_omni3_30b.yaml"), (), ROOT)
     assert sp is not None and sp.text_only and "NemotronH_Nano_Omni" in sp.text_only
     assert verdict.status == "refused" and verdict.phase == "compile"
-    assert "no tiny vision tower" in verdict.detail and "DATA004" in verdict.detail
+    assert "torchvision" in verdict.detail and "DATA004" in verdict.detail
 
 
 @pytest.mark.parametrize("recipe", ["qwen3_6_35b_geo3k.yaml", "qwen3_6_35b_geo3k_quickstart.yaml",

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime import context_parallel, moe
+from runtime import context_parallel, moe, nemotron_omni
 from runtime.logprobs import attach
 from runtime.models import hf
 from runtime.models.base import Meshes
@@ -228,12 +228,13 @@ def load(model_plan: ModelPlan, path: str, device: torch.device):
     import torch.distributed as dist
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
 
+    nemotron_omni.register()  # the omni checkpoint's config without its remote code (runtime/nemotron_omni.py)
     check_dispatcher(model_plan.moe_dispatcher, device, dist.get_world_size() if dist.is_initialized() else 1)
     if model_plan.gradient_checkpoint == "selective":
         _fsdp_hooks_outside_selective_replay()
     auto = NeMoAutoModelForImageTextToText if hf.is_vlm(path) else NeMoAutoModelForCausalLM
     backend = {"backend": backend_config(model_plan)} if auto is NeMoAutoModelForCausalLM or _native(path) else {}
-    with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext():
+    with _built_on_cpu() if device.type == "cpu" else contextlib.nullcontext(), nemotron_omni.without_timm():
         model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", use_liger_kernel=False,
                                      **backend)
     model.to(device)
@@ -315,6 +316,8 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
         _export_renames.update(renames(model))
     if freeze_visual_encoder and hasattr(model.model, "visual"):
         model.model.visual.requires_grad_(False)
+    if freeze_visual_encoder and hasattr(model, "vision_model"):  # Nemotron-Omni's RADIO tower (not its projector)
+        model.vision_model.requires_grad_(False)
     if meshes.tp is not None:
         from runtime.fsdp import offload_policy
 

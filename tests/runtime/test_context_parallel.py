@@ -124,7 +124,8 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
         out["routed"] = torch.arange(seq.numel() * 6).view(*seq.shape, 3, 2)
         out["routed_local"] = rows_cp.shard(out["routed"], fill=-1)
         # a VLM's cut (runtime/logprobs.py `_vlm_shard_hidden`): M-RoPE's (3, b, w) positions on their dim 2, and
-        # the spliced embeddings as nemo-automodel's own VLM forward cuts them (`shard_sequence_for_cp_round_robin`)
+        # the spliced embeddings as nemo-automodel's own VLM forward cuts them (`shard_sequence_for_cp_round_robin`,
+        # which Nemotron-Omni's forward runs on its spliced rows: its positions, padding mask and labels are these)
         from nemo_automodel.components.distributed.context_parallel.sharder import shard_sequence_for_cp_round_robin
 
         out["mrope"] = torch.arange(3 * seq.numel()).view(3, *seq.shape)
