@@ -25,13 +25,13 @@ FILES = sorted(CAP_DIR.glob("*.yaml"))
 LAUNCH_RECIPE_ROWS = {
     # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
     "glm5_ep256.yaml": {"rl-automodel-tilelang-cp"},
-    "omni3_30b_distill.yaml": set(),
-    "omni3_30b_geo3k.yaml": set(),
+    "omni3_30b_distill.yaml": {"rl-omni-images"},
+    "omni3_30b_geo3k.yaml": {"rl-omni-images"},
     "qwen3_4b_math.yaml": set(),
     "qwen3_4b_math_quickstart.yaml": set(),
     "qwen3_6_35b_geo3k.yaml": set(),
     "qwen3_6_35b_geo3k_quickstart.yaml": set(),
-    "sft_omni3_30b.yaml": set(),
+    "sft_omni3_30b.yaml": {"sft-omni-images"},
     "sft_qwen3_4b.yaml": set(),
     "sft_qwen3_4b_quickstart.yaml": set(),
     "sft_qwen3_6_35b.yaml": set(),
