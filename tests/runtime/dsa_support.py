@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from runtime import moe
 from runtime.models import automodel
 from schemas.plan import ModelPlan
 
@@ -44,6 +45,8 @@ def tiny_glm(attn: str):
         for name, weight in model.named_parameters():
             if ".self_attn." in name and weight.dim() == 2:
                 weight.mul_(2.0)
+    for gate in moe.routers(model):  # as the automodel backend loads them (runtime/models/automodel.py `load`)
+        gate.aux_loss_coeff, gate.use_routing_core = 0.0, True
     return model.eval()
 
 

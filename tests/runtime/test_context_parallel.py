@@ -14,6 +14,7 @@ all-gathering keys and values over the cp ranks, held against its one-rank packe
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import types
@@ -161,7 +162,7 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
     out.update(lp=lp.detach(), ent=ent.detach(), top=top.detach(), top_ids=top_ids,
                grads={n: p.grad for n, p in model.named_parameters()})
     if world == cp == 2:
-        out["glm"] = _glm_packed_cp(worker)
+        out["glm"] = _glm_packed_cp(worker, meshes.fsdp)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     worker.shutdown()
 
@@ -265,64 +266,70 @@ GLM_VOCAB = 96
 
 
 def _glm_inputs():
-    """GLM-5.2's micro-batch (3 rows, vocabulary 96), the sampler's top-3 ids per position (score centering) and the
-    rollout's (b, w, layers 2, k 2) routing (replay)."""
+    """GLM-5.2's micro-batch (3 rows, vocabulary 96), the sampler's top-3 ids per position (score centering) and a
+    rollout's (b, w, layers 1, k 2) routing that is not the model's own (replayed: R3)."""
     g = torch.Generator().manual_seed(1)
     part = _batch([torch.randint(1, GLM_VOCAB, (n,), generator=g).tolist() for n in GLM_LENGTHS])
     b, w = part.sequences.shape
     top_ids = torch.randint(0, GLM_VOCAB, (b, w - 1, 3), generator=g)
-    return part, top_ids, torch.arange(b * w * 4).view(b, w, 2, 2)
+    routed = torch.rand(b, w, 1, 4, generator=g).argsort(-1)[..., :2].to(torch.int16)  # 2 of its 4 experts
+    return part, top_ids, routed
 
 
-def _glm_packed_cp(worker) -> dict:
-    """GLM-5.2's packed THD row cut by its own CP (`cp_rows` packed): the cut, and what one forward and backward
-    give: log-probs, entropy, top-k log-probs, router logits, the trainer's loss and the gradients (averaged over
-    the ranks, as FSDP2 does)."""
+def _glm_packed_cp(worker, fsdp_mesh) -> dict:
+    """GLM-5.2 as the trainer holds it (FSDP2 over both ranks in bf16, full activation checkpointing, its CP set
+    up by `context_parallel.prepare`), one forward and backward of its packed THD row in training mode, the rollout's
+    routing replayed: at cp 1 (each rank the whole row, a data-parallel run of the same rows) and cut by its own CP
+    at cp 2 (`cp_rows` packed). Each gives its log-probs, entropy, top-k log-probs, router logits, the trainer's
+    loss and the gradients (FSDP2's average over the ranks)."""
     import dsa_support
 
     from runtime import context_parallel, moe
     from runtime.logprobs import token_top_logprobs
+    from runtime.models import automodel, hf
 
     dsa_support.use_cpu_kernels()
-    model = dsa_support.tiny_glm("tilelang").to(torch.bfloat16)
-    context_parallel.prepare(model, worker.cp_mesh)  # what the automodel build does at cp > 1
+    plan = dsa_support.model_plan("tilelang").model_copy(update={"dtype": "bfloat16", "gradient_checkpoint": "full"})
+    glm = dsa_support.tiny_glm("tilelang")
+    model = hf.shard(glm, automodel.decoder_layers(glm), plan, fsdp_mesh, True, False, None)
+    context_parallel.prepare(model, worker.cp_mesh)
+    model.train()
     part, top_ids, routed = _glm_inputs()
     seq, mask = part.sequences, part.attention_mask
-    with worker.cp_rows(part, model, packed=True) as rows, moe.collect_logits(model) as router:
-        lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, packed=True, cp=rows)
-        loss = _loss(lp, part, float(part.action_mask.sum()), worker.dp, "ppo", "token")
-        loss.backward()
-        logits = rows.gather_router_logits(router.logits)
-    for p in model.parameters():
-        if p.grad is not None:
-            torch.distributed.all_reduce(p.grad)
-            p.grad /= worker.world
-    return {"inputs": {k: v for k, v in rows.inputs.items() if isinstance(v, torch.Tensor)}, "labels": rows.labels,
-            "targets": rows.replay_targets(routed, mask), "lp": lp.detach(), "ent": ent.detach(),
-            "top": top.detach(), "loss": loss.detach(), "router": [layer.detach() for layer in logits],
-            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    out: dict = {}
+    for cp in (1, 2):
+        model.zero_grad()
+        block = worker.cp_rows(part, model, packed=True) if cp == 2 else contextlib.nullcontext()
+        with block as rows, moe.replay(model) as replay, moe.collect_logits(model) as router:
+            replay.targets = (moe.flat_targets(routed, mask, packed=True) if rows is None
+                              else rows.replay_targets(routed, mask))
+            lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, packed=True, cp=rows)
+            logits = list(router.logits) if rows is None else rows.gather_router_logits(router.logits)
+            loss = _loss(lp, part, float(part.action_mask.sum()), worker.dp, "ppo", "token")
+            loss.backward()
+        out[cp] = {"lp": lp.detach(), "ent": ent.detach(), "top": top.detach(), "loss": loss.detach(),
+                   "router": [layer.detach() for layer in logits], "replayed": replay.known,
+                   "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
+        if rows is not None:
+            out["inputs"] = {k: v for k, v in rows.inputs.items() if isinstance(v, torch.Tensor)}
+            out["labels"], out["targets"] = rows.labels, replay.targets
+    return out
 
 
-def test_glm_packed_thd_cp_matches_one_rank(runs, monkeypatch):
+def test_glm_packed_thd_cp_matches_one_rank(runs):
     """GLM-5.2's own CP of a packed THD row at cp 2 (nemo-automodel's `prepare_model_inputs_for_cp` sharder, its
-    DSA layers' K/V all-gather) against the same packed row on one rank (`runtime.packed_thd`)."""
-    import dsa_support
-
+    DSA layers' K/V all-gather) against the same packed row without CP (`runtime.packed_thd`), on the same FSDP2
+    model."""
     from runtime import moe
-    from runtime.logprobs import pack, token_top_logprobs
+    from runtime.logprobs import pack
 
     outs = [out["glm"] for out in runs(2, 2)]
-    dsa_support.use_cpu_kernels(monkeypatch.setattr)
-    model = dsa_support.tiny_glm("tilelang").to(torch.bfloat16)
-    part, top_ids, routed = _glm_inputs()
+    part, _, routed = _glm_inputs()
     seq, mask = part.sequences, part.attention_mask
-    with moe.collect_logits(model) as router:
-        lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, packed=True)
-    loss = _loss(lp, part, float(part.action_mask.sum()), 1, "ppo", "token")
-    loss.backward()
 
     # the cut: one THD stream padded to 236 (the pad slot extends the last document, marked padding), rank r its
-    # contiguous r-th half of the queries with the whole stream's cu_seqlens, positions and next-token labels
+    # contiguous r-th half of the queries with the whole stream's cu_seqlens, positions and next-token labels, and
+    # the replayed experts cut like the tokens (the pad slot: none, it keeps its own)
     flat, positions = pack(seq, mask.sum(-1))
     flat, labels = torch.nn.functional.pad(flat[0], (0, 1)), torch.nn.functional.pad(flat[0, 1:], (0, 2))
     targets = torch.nn.functional.pad(moe.flat_targets(routed, mask, packed=True), (0, 0, 0, 0, 0, 1), value=-1)
@@ -334,24 +341,32 @@ def test_glm_packed_thd_cp_matches_one_rank(runs, monkeypatch):
         assert torch.equal(inputs["input_ids"], flat[mine]) and torch.equal(out["labels"], labels[mine])
         assert torch.equal(inputs["position_ids"][:117], positions[0, mine][:117])
         assert torch.equal(inputs["padding_mask"], torch.arange(236)[mine] == 235)
-        assert torch.equal(out["targets"], targets[mine])  # the replayed experts, cut like the tokens
+        assert torch.equal(out["targets"], targets[mine])
+        # every token's rollout routing replayed, in the forward and in its recompute (full checkpointing)
+        assert (out[1]["replayed"], out[2]["replayed"]) == (2 * 235, 2 * (118 - rank))
 
-    # the same numbers as one rank, to bf16 precision (the kernels take bf16 latents, and CPU bf16 matmuls round
-    # differently on 118 rows than on 235): the log-probs, entropy, top-k log-probs and router logits every cp rank
-    # holds after the gather, the loss, and each parameter's gradient (all but the indexers': top-k carries none)
+    # the same numbers as without CP, to bf16 precision: the kernels take bf16 latents, and CPU bf16 matmuls round
+    # differently on 118 rows than on 235, enough to flip a few near-tied top-k keys (4 of the 235 queries in layer 0,
+    # 9 in layer 1): the log-probs, entropy, top-k log-probs and router logits every cp rank holds after the gather
+    # (mean differences 2e-4 to 6e-4; wrong cu_seqlens give 0.035, test_automodel_dsa.py), the loss, and each
+    # parameter's gradient (cosine 0.9996 at least, the difference 3 % of the norm at most: layer 1's attention)
     for out in outs:
-        for name, expected in (("lp", lp), ("ent", ent), ("top", top)):
-            difference = (out[name] - expected.detach()).abs()
-            assert difference.max() < 0.05 and difference.mean() < 0.005, (name, difference.max(), difference.mean())
-        for got, expected in zip(out["router"], router.logits, strict=True):
-            torch.testing.assert_close(got, expected.detach(), rtol=0, atol=0.05)
-        torch.testing.assert_close(out["loss"], loss.detach(), rtol=0.01, atol=1e-4)
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert out["grads"].keys() == grads.keys() and len(grads) == 30
-        for name, expected in grads.items():
-            got, expected = out["grads"][name].float().flatten(), expected.float().flatten()
+        one, cp = out[1], out[2]
+        for name in ("lp", "ent", "top"):
+            difference = (cp[name] - one[name]).abs()
+            assert difference.max() < 0.1 and difference.mean() < 0.002, (name, difference.max(), difference.mean())
+        for got, expected in zip(cp["router"], one["router"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0.05)
+        torch.testing.assert_close(cp["loss"], one["loss"], rtol=0.01, atol=1e-4)
+        assert cp["grads"].keys() == one["grads"].keys() and len(one["router"]) == 1
+        # the indexers' gradients: zeros (FSDP2 reduces unused parameters' at cp > 1, `prepare`), the same in both
+        trained = {n: g for n, g in one["grads"].items() if ".indexer." not in n}
+        assert len(trained) == 30 and not any(one["grads"][n].any() or cp["grads"][n].any() for n in
+                                              one["grads"].keys() - trained.keys())
+        for name, expected in trained.items():
+            got, expected = cp["grads"][name].flatten(), expected.flatten()
             assert torch.nn.functional.cosine_similarity(got, expected, dim=0) > 0.999, name
-            assert (got - expected).norm() < 0.05 * expected.norm(), name
+            assert (got - expected).norm() < 0.1 * expected.norm(), name
 
 
 def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]) -> None:
