@@ -72,11 +72,11 @@ _TILELANG_CP_WHY = (
 )
 _TILELANG_CP_NOT_RUN = (
     "nemo-automodel's TileLang lighting-indexer and sparse-MLA kernels under its GLM-5.2 context parallelism on "
-    "several GPUs (NCCL all-gathers, an FSDP2-sharded model, with expert parallelism), and no trainer step of it: "
-    "on 2 gloo CPU ranks its sharder's cut of the packed THD row, the K/V all-gather in its layers, and the "
-    "log-probs, entropy, top-k log-probs, router logits, loss and gradients put back ran with the kernels replaced "
-    "by torch references, equal to the one-rank packed THD run to bf16 precision "
-    "(tests/runtime/test_context_parallel.py); tilelang is installed on none of our machines"
+    "GPUs (tilelang is installed on none of our machines), its all-gathers over NCCL, with expert parallelism, and "
+    "a whole trainer step of it: on 2 gloo CPU ranks a tiny GLM-5.2 sharded by FSDP2 (bf16, full checkpointing, "
+    "routing replayed) ran its sharder's cut of the packed THD row and the K/V all-gather in its layers with the "
+    "kernels replaced by torch references, its log-probs, entropy, top-k log-probs, router logits, loss and "
+    "gradients equal to cp 1's to bf16 precision (tests/runtime/test_context_parallel.py)"
 )
 
 

@@ -105,7 +105,7 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
     from runtime.ranks import FsdpRank
 
     torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(300, exit=True)  # a rank stuck in a collective dumps its stack and exits
+    faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective dumps its stack and exits
     _scatter_from_group_index()
     worker = FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
     meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=cp, ep=1, pp=1, dp_replicate=1))
