@@ -28,8 +28,9 @@ MoE routing replay imposes (the sharder's pad slots as not recorded, so they kee
 With te attention the rows and the cut are the same (nemo-automodel gives a te model's unpacked rows this sharder):
 transformer_engine's own CP takes the 2 x cp head-tail chunks, causal and without a padding mask, once its
 `apply_cp` has put each attention in the cp group (`prepare`). Without te, `prepare` sets up the rest of what
-`apply_cp` sets (a hybrid's Mamba and gated-delta-net layers' own CP, the MoE layers' cp mesh). Packed rows are
-refused under CP (the capability table).
+`apply_cp` sets (a hybrid's Mamba and gated-delta-net layers' own CP, the MoE layers' cp mesh). Packed rows go to
+a model that owns their CP: GLM-5.2's packed THD row with tilelang attention, cut by its own sharder and its layers'
+K/V all-gather (`sharded_rows` packed, runtime/packed_cp.py); the capability table refuses the others.
 
 A VLM (nemo-automodel's Qwen3.5/3.6-MoE) takes its images as nemo-automodel's VLM forward does under CP: spliced
 into the whole rows' embeddings, then cut like the tokens (`runtime/logprobs.py` `_vlm_shard_hidden`); its
@@ -50,6 +51,7 @@ import torch
 from torch import Tensor
 
 from runtime.logprobs import splices_in_forward, uses_te
+from runtime.packed_cp import PackedCpRows, packed_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -172,12 +174,32 @@ class CpRows:
         (its backward sums the cp ranks' gradients into each rank's own positions)."""
         return self.sharder.gather_token_tensor(local, seq_dim=1, trim=True)
 
+    def replay_targets(self, routed: Tensor, attention_mask: Tensor) -> Tensor:
+        """The rollout's (b, w, layers, k) routing -> the local positions' (b x n, layers, k), in the order the
+        routers see them; the sharder's pad slots as not recorded (-1: they keep the live choice)."""
+        from runtime import moe
+
+        return moe.flat_targets(self.shard(routed, fill=-1), attention_mask, packed=False)
+
+    def gather_router_logits(self, logits: list[Tensor]) -> list[Tensor]:
+        """Each router's (b x n, experts) logits of the local positions -> (b x w, experts) in row order, so the aux
+        losses see the rows' whole sequences, as without CP."""
+        b, n = self.input_ids.shape
+        return [self.gather(layer.reshape(b, n, -1)).reshape(-1, layer.shape[-1]) for layer in logits]
+
 
 @contextlib.contextmanager
-def sharded_rows(cp_mesh: DeviceMesh, sequences: Tensor, attention_mask: Tensor) -> Iterator[CpRows]:
+def sharded_rows(cp_mesh: DeviceMesh, sequences: Tensor, attention_mask: Tensor, model=None,
+                 packed: bool = False) -> Iterator[CpRows | PackedCpRows]:
     """Within the block, this cp rank's share of right-padded (b, w) rows, and torch's ring attention over the cp
-    group in place of `scaled_dot_product_attention` (run the forward and the backward inside)."""
+    group in place of `scaled_dot_product_attention` (run the forward and the backward inside). `packed`: the rows
+    as one packed THD row cut by `model`'s own CP (runtime/packed_cp.py: GLM-5.2's tilelang attention; the
+    capability table takes packed rows under CP with it only), no ring attention."""
     from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
+
+    if packed:
+        yield packed_rows(cp_mesh, model, sequences, attention_mask)
+        return
 
     labels = torch.zeros_like(sequences)
     labels[:, :-1] = sequences[:, 1:]
@@ -192,10 +214,3 @@ def sharded_rows(cp_mesh: DeviceMesh, sequences: Tensor, attention_mask: Tensor)
         # its pad slots carry label -100 (its loss's ignore index); they are trimmed by `gather`
         yield CpRows(batch["input_ids"], batch["position_ids"], batch["labels"].clamp(min=0), batch["padding_mask"],
                      sharder)
-
-
-def gather_router_logits(rows: CpRows, logits: list[Tensor]) -> list[Tensor]:
-    """Each router's (b x n, experts) logits of the local positions -> (b x w, experts) in row order, so the aux
-    losses see the rows' whole sequences, as without CP."""
-    b, n = rows.input_ids.shape
-    return [rows.gather(layer.reshape(b, n, -1)).reshape(-1, layer.shape[-1]) for layer in logits]

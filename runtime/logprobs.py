@@ -149,12 +149,16 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     With `labels` (a context-parallel shard, `runtime/context_parallel.py`): (B * L,) log-probs of `labels` (B, L),
     the next token of every local position, with `top_ids` (B, L, k); no attention mask (torch's ring attention is
     causal), `padding_mask` for nemo-automodel's routers. A VLM's shard (`vision` and `cp` given) takes the whole
-    (B, W) rows and their mask instead (`_vlm_shard_hidden`).
+    (B, W) rows and their mask instead (`_vlm_shard_hidden`); a packed THD row's (`cp` without `vision`,
+    runtime/packed_cp.py) its model's own sharded THD inputs.
 
     Flat, not (B, L-1): under FSDP2 this is a forward whose outputs carry the pre-backward hook, and a view output
     could lose it to a later in-place op; the caller reshapes."""
     if labels is not None:
-        hidden = None if cp is None else _vlm_shard_hidden(model, input_ids, attention_mask, vision or {}, cp)
+        hidden = None
+        if cp is not None:  # a VLM's shard, or a packed THD row's (its model's own CP: its sharded THD inputs)
+            hidden = (_vlm_shard_hidden(model, input_ids, attention_mask, vision, cp) if vision is not None
+                      else cp.decoder_hidden(model))
         return _shard_logprobs(model, input_ids, position_ids, labels, padding_mask, temperature, with_entropy,
                                chunk_tokens, top_ids, hidden)
     if position_ids is not None and attention_mask is not None:
@@ -359,12 +363,19 @@ def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, tempera
     """`token_logprobs`, plus (b, w-1, k) log π(top_ids[:, t, j] | sequences[:, :t+1]) when `top_ids` (b, w-1, k)
     is given (score centering): gathered from the same chunked log-softmax, so no extra lm_head pass.
 
-    `cp`: these padded rows' context-parallel shard (`runtime/context_parallel.py`, the block it comes from open):
-    each cp rank scores its positions and the results come back in row order on every cp rank."""
+    `cp`: these rows' context-parallel shard (`runtime/context_parallel.py`, the block it comes from open; packed:
+    their packed THD row's, `runtime/packed_cp.py`): each cp rank scores its positions and the results come back in
+    row order on every cp rank."""
     b, width = sequences.shape
+    if cp is not None and packed:  # one packed THD row cut by its model's own CP (runtime/packed_cp.py)
+        lengths = attention_mask.sum(-1)
+        local_top = None if top_ids is None else cp.shard(pack_top_ids(top_ids, attention_mask)[0])
+        outs = _call(model, cp.input_ids[None], None, None, temperature, with_entropy, chunk_tokens, None,
+                     local_top, cp.labels[None], None, cp)
+        # the packed row's last position scores no token: dropped, as `unpack` expects (N-1) values
+        lp, ent, top = (None if x is None else unpack(cp.gather(x)[None, :-1], lengths, width) for x in outs)
+        return lp, ent, top
     if cp is not None:
-        if packed:
-            raise ValueError("context parallelism takes padded rows (the capability table refuses packed ones)")
         local_top = None if top_ids is None else cp.shard(torch.nn.functional.pad(top_ids, (0, 0, 0, 1)))
         n = cp.input_ids.shape[1]
         if vision is not None:  # a VLM: the whole rows go in, its images spliced in before the cut

@@ -84,14 +84,15 @@ class FsdpRank:
         """Consecutive ranks that take the same rows: a data-parallel rank's cp x tp ranks."""
         return self.cp * self.tp
 
-    def cp_rows(self, part: Experience):
-        """The block a micro-batch's forward and backward run in: its context-parallel shard (or None)."""
+    def cp_rows(self, part: Experience, model=None, packed: bool = False):
+        """The block a micro-batch's forward and backward run in: its context-parallel shard (or None); `packed`:
+        its rows as one packed row cut by `model`'s own CP."""
         from runtime import context_parallel
 
         if self.cp_mesh is None:
             return contextlib.nullcontext()
         return context_parallel.sharded_rows(self.cp_mesh, part.sequences.to(self.device),
-                                             part.attention_mask.to(self.device))
+                                             part.attention_mask.to(self.device), model, packed)
 
     def logprobs(self, model, part: Experience, temperature: float, packed: bool, with_entropy: bool = False,
                  cp=None):

@@ -274,9 +274,8 @@ class SftJob:
                 # train/loss: the reply-token NLL, without the aux term (summed over all dp x cp ranks)
                 loss_sum += float(loss.detach()) / self.world
                 if aux:  # each micro-batch adds coef x its load-balancing loss / micro-batches (Molt B32, as in RL)
-                    real = (attn.reshape(-1) if not t.packing
-                            else torch.ones(router.logits[0].shape[0], device=self.device))
-                    logits = router.logits if cp is None else context_parallel.gather_router_logits(cp, router.logits)
+                    logits = router.logits if cp is None else cp.gather_router_logits(router.logits)
+                    real = attn.reshape(-1) if not t.packing else torch.ones(logits[0].shape[0], device=self.device)
                     loss = loss + t.aux_loss_coef * moe.load_balancing_loss(logits, top_k, real) / len(micro)
                 loss.backward()
         lr = self.scheduler.get_last_lr()[0]
@@ -291,10 +290,11 @@ class SftJob:
                 "train/lr": lr, "train/epoch": epoch, "timing/step": self.step_times[-1]}, stop_votes > 0
 
     def _cp_rows(self, ids: torch.Tensor, attn: torch.Tensor):
-        """The block a micro-batch's forward (and backward) runs in: its context-parallel shard, or None."""
+        """The block a micro-batch's forward (and backward) runs in: its context-parallel shard, or None (packed:
+        one packed row cut by the model's own CP)."""
         if self.cp_mesh is None:
             return contextlib.nullcontext()
-        return context_parallel.sharded_rows(self.cp_mesh, ids, attn)
+        return context_parallel.sharded_rows(self.cp_mesh, ids, attn, self.model, self.s.trainer.packing)
 
     def _vision(self, rows: list, ids: torch.Tensor) -> dict | None:
         """The VLM forward's image inputs of a micro-batch's rows (None: a text run)."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from runtime import context_parallel, fsdp, microbatch, models, moe
+from runtime import fsdp, microbatch, models, moe
 from runtime.experience import Experience
 from runtime.logprobs import token_logprobs
 from runtime.ranks import FsdpRank, free_port, gather_rows, start_ranks
@@ -84,7 +84,7 @@ class PolicyWorker(FsdpRank):
 
     def _logprobs(self, model, part: Experience) -> torch.Tensor:
         """(b, T-1) log-probs of a micro-batch (no grad), R3-replayed when the plan says so."""
-        with self.cp_rows(part) as cp, self._routing(model, part, cp=cp):
+        with self.cp_rows(part, model, self.t.packing) as cp, self._routing(model, part, cp=cp):
             return self.logprobs(model, part, self.t.temperature, self.t.packing, cp=cp)[0]
 
     @contextlib.contextmanager
@@ -98,9 +98,9 @@ class PolicyWorker(FsdpRank):
                     raise RuntimeError("train.routing_replay is on but the batch carries no routing: the engines "
                                        "returned none (EnginesPlan.routed_experts)")
                 state = stack.enter_context(moe.replay(model))
-                # the sharder's pad slots: not captured (-1), so they keep the live choice
-                routed = part.routed_experts if cp is None else cp.shard(part.routed_experts, fill=-1)
-                state.targets = moe.flat_targets(routed, part.attention_mask, self.t.packing)
+                # under CP the shard's positions' (the sharder's pad slots: not captured, they keep the live choice)
+                state.targets = (moe.flat_targets(part.routed_experts, part.attention_mask, self.t.packing)
+                                 if cp is None else cp.replay_targets(part.routed_experts, part.attention_mask))
                 self._replay_state = state
             yield stack.enter_context(moe.collect_logits(model)) if aux else None
 
@@ -186,7 +186,8 @@ class PolicyWorker(FsdpRank):
     def _micro_step(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int,
                     window=None) -> dict[str, float]:
         # under context parallelism the forward and the backward run inside the shard's ring-attention block
-        with self.cp_rows(part) as cp, self._routing(self.model, part, aux=self.aux, cp=cp) as router_logits:
+        with (self.cp_rows(part, self.model, self.t.packing) as cp,
+              self._routing(self.model, part, aux=self.aux, cp=cp) as router_logits):
             return self._micro_step_in(part, global_tokens, kl_coef, micro_batches, window, router_logits, cp)
 
     def _micro_step_in(self, part: Experience, global_tokens: float, kl_coef: float, micro_batches: int, window,
@@ -226,11 +227,10 @@ class PolicyWorker(FsdpRank):
         loss, moe_stats = out.loss, {}
         if router_logits is not None:
             # Molt B32: coef * aux / micro-batches, so a window adds its micro-batches' mean; a filler adds 0.
-            real = part.attention_mask.to(dev).reshape(-1) if not self.t.packing else None
-            real = torch.ones(router_logits.logits[0].shape[0], device=dev) if real is None else real
             weight = (1.0 if bool(mask.any()) else 0.0) / micro_batches
-            logits = (router_logits.logits if cp is None
-                      else context_parallel.gather_router_logits(cp, router_logits.logits))
+            logits = router_logits.logits if cp is None else cp.gather_router_logits(router_logits.logits)
+            real = (part.attention_mask.to(dev).reshape(-1) if not self.t.packing
+                    else torch.ones(logits[0].shape[0], device=dev))
             balance = moe.load_balancing_loss(logits, self.top_k, real)
             z = moe.z_loss(logits, real)
             loss = loss + weight * (ls.aux_loss_coef * balance + ls.router_z_loss_coef * z)

@@ -3,8 +3,9 @@
 The plan's `model.attn` goes to nemo-automodel's own layers as `BackendConfig.attn` (runtime/models/automodel.py
 `backend_config`): sdpa runs everywhere; te is transformer_engine's DotProductAttention, written and not run (the
 package is on none of our machines); tilelang is nemo-automodel's GLM-5.2 (`glm_moe_dsa`) DSA kernels (its TileLang
-lighting indexer and sparse MLA), which take packed THD rows only (runtime/packed_thd.py hands them so), written and
-not run on CUDA (tilelang is on none of our machines), with no CPU path. The job's package check
+lighting indexer and sparse MLA), which take packed THD rows only (runtime/packed_thd.py hands them so; under CP
+GLM-5.2's own sharder cuts them, runtime/packed_cp.py), written and not run on CUDA (tilelang is on none of our
+machines), with no CPU path. The job's package check
 (runtime/packages.py) stops a te or tilelang plan at start without its package. Which models have the tilelang
 kernels and in which dtype they run are the compiler's rules (PACK005, PACK006).
 Importable without torch.
@@ -64,16 +65,25 @@ _TILELANG_PADDED_WHY = (
     "hands unpacked rows as (b, w) with a padding mask"
 )
 _TILELANG_CP_WHY = (
-    "nemo-automodel's GLM-5.2 context parallelism is its own packed-THD sharder (GlmMoeDsaForCausalLM."
-    "prepare_model_inputs_for_cp: shard_glm_dsa_packed_cp_batch, the K/V all-gather inside its DSA layers); "
-    "runtime/context_parallel.py cuts padded rows for torch's ring attention and does not call it"
+    "nemo-automodel's GLM-5.2 context parallelism of the packed THD row (runtime/packed_cp.py): its "
+    "prepare_model_inputs_for_cp sharder (shard_glm_dsa_packed_cp_batch) gives each cp rank a contiguous slice of "
+    "the row's queries with the whole stream's cu_seqlens, its DSA layers all-gather keys and latent values over "
+    "the cp group, and the log-probs come back in row order by the sharder's differentiable all-gather"
+)
+_TILELANG_CP_NOT_RUN = (
+    "nemo-automodel's TileLang lighting-indexer and sparse-MLA kernels under its GLM-5.2 context parallelism on "
+    "GPUs (tilelang is installed on none of our machines), its all-gathers over NCCL, with expert parallelism, and "
+    "a whole trainer step of it: on 2 gloo CPU ranks a tiny GLM-5.2 sharded by FSDP2 (bf16, full checkpointing, "
+    "routing replayed) ran its sharder's cut of the packed THD row and the K/V all-gather in its layers with the "
+    "kernels replaced by torch references, its log-probs, entropy, top-k log-probs, router logits, loss and "
+    "gradients equal to cp 1's to bf16 precision (tests/runtime/test_context_parallel.py)"
 )
 
 
 def attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capability, ...]:
     """The automodel backend's attention rows of `kind` (rl | sft), built by that kind's `row` (its backend filter):
-    sdpa runs; te unpacked and tilelang packed without CP are written but not run on cuda; the rest refused, each
-    setting by one row."""
+    sdpa runs; te unpacked and tilelang packed, with or without CP, are written but not run on cuda; the rest
+    refused, each setting by one row (tilelang's CP is this module's row, not `capabilities_cp`'s)."""
 
     def attn(p: Plan) -> str:
         return p.rl.model.attn if kind == "rl" else p.sft.model.attn
@@ -140,5 +150,7 @@ def attention_rows(kind: str, row: Callable[..., Capability]) -> tuple[Capabilit
             lambda p: attn(p) == "tilelang" and packed(p) and cp(p),
             "actor.mesh.cp: 1",
             _TILELANG_CP_WHY,
+            unverified=frozenset({"cuda"}),
+            not_run=_TILELANG_CP_NOT_RUN,
         ),
     )

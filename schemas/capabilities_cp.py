@@ -3,9 +3,11 @@
 The trainer's CP (runtime/context_parallel.py) is nemo-automodel's sharder cutting padded text rows for torch's ring
 attention, which has no CPU path (the CPU SDPA op has no sharding strategy), or with te attention for
 transformer_engine's own CP (CUDA-only): on GPUs it is written and not run (a CAP002 warning), on CPUs refused. What
-it does not take is refused everywhere, each by its own row at its own key: packed rows (on the automodel backend
-they pack only with te or tilelang, PACK001, PACK002) and image prompts of a VLM other than the catalog's
-Qwen3.5/3.6-MoE and Nemotron-Omni (nemo-automodel's own). The hf backend has no CP (PAR004).
+it does not take is refused everywhere, each by its own row at its own key: packed te rows (on the automodel backend
+rows pack only with te or tilelang, PACK001, PACK002) and image prompts of a VLM other than the catalog's
+Qwen3.5/3.6-MoE and Nemotron-Omni (nemo-automodel's own). Packed tilelang rows under CP are GLM-5.2's own CP
+(runtime/packed_cp.py), one row of `capabilities_attn` (so its `actor.mesh.cp` gets one diagnostic, not this
+module's too). The hf backend has no CP (PAR004).
 Importable without torch.
 """
 
@@ -120,7 +122,8 @@ def cp_rows(
         kind,
         "actor.mesh.cp",
         "context parallelism in the trainer (actor.mesh.cp > 1)",
-        lambda p: cp(p) and attn(p) != "te" and not any(r.asks(p) for r in others),
+        # tilelang's CP is GLM-5.2's own, one row of capabilities_attn.py at this key
+        lambda p: cp(p) and attn(p) not in ("te", "tilelang") and not any(r.asks(p) for r in others),
         "actor.mesh.cp: 1",
         unverified=frozenset({"cuda"}),
         not_run=_NOT_RUN,

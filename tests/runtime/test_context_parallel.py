@@ -1,16 +1,21 @@
 """Context parallelism (`runtime/context_parallel.py`) on gloo ranks: what runs on CPU.
 
-torch's ring attention has no CPU path (the CPU SDPA op has no sharding strategy), so no decoder with attention runs
-here under CP. What does: nemo-automodel's mesh with a cp axis (`automodel.device_mesh`), its sharder entering
+torch's ring attention has no CPU path (the CPU SDPA op has no sharding strategy), so no decoder with torch's
+attention runs here under CP. What does: nemo-automodel's mesh with a cp axis (`automodel.device_mesh`), its sharder entering
 torch's `context_parallel` context (the rows cut and put back), and everything around the attention: the chunked
 lm_head log-probs, entropy and top-k log-probs of a per-token model (no attention) on the shards, and the trainer's
 loss and token-count math (global token mean over dp, dp factor, the cp ranks' gradients summed by the all-gather's
 backward, FSDP2's average over dp x cp), held against one rank on the same rows:
 - cp 2 on 2 ranks (dp 1), and dp 2 x cp 2 on 4 ranks.
+At cp 2 the same ranks also run GLM-5.2's own CP of a packed THD row (`runtime/packed_cp.py`): nemo-automodel's
+tiny GLM-5.2 with its TileLang kernels replaced by torch references (tests/runtime/dsa_support.py), its layers
+all-gathering keys and values over the cp ranks, held against its one-rank packed THD run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import types
 
@@ -26,11 +31,11 @@ TOKENS = [[1, 5, 7, 2, 9, 4, 3], [6, 2, 8], [3, 3, 1, 7, 5], [9, 8, 7, 6, 5, 4, 
 VOCAB = 12
 
 
-def _batch():
-    ranges = [[(1, len(t))] for t in TOKENS]
+def _batch(tokens: list[list[int]] = TOKENS):
+    ranges = [[(1, len(t))] for t in tokens]
     g = torch.Generator().manual_seed(3)
-    rollout = [(-torch.rand(len(t), generator=g)).tolist() for t in TOKENS]
-    batch = from_token_lists(TOKENS, ranges, rollout, pad_id=0)
+    rollout = [(-torch.rand(len(t), generator=g)).tolist() for t in tokens]
+    batch = from_token_lists(tokens, ranges, rollout, pad_id=0)
     shape = batch.action_mask.shape
     batch.advantages = torch.randn(shape, generator=g)
     batch.old_log_probs = batch.rollout_log_probs + 0.05 * torch.randn(shape, generator=g)
@@ -100,6 +105,7 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
     from runtime.ranks import FsdpRank
 
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective dumps its stack and exits
     _scatter_from_group_index()
     worker = FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
     meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=cp, ep=1, pp=1, dp_replicate=1))
@@ -156,6 +162,8 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
         p.grad /= world
     out.update(lp=lp.detach(), ent=ent.detach(), top=top.detach(), top_ids=top_ids,
                grads={n: p.grad for n, p in model.named_parameters()})
+    if world == cp == 2:
+        out["glm"] = _glm_packed_cp(worker, meshes.fsdp)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     worker.shutdown()
 
@@ -167,15 +175,28 @@ def _run(world: int, cp: int, out_dir) -> list[dict]:
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`_run` of (world, cp), once per module (the cp 2 ranks serve two tests)."""
+    done: dict = {}
+
+    def run(world: int, cp: int) -> list[dict]:
+        if (world, cp) not in done:
+            done[world, cp] = _run(world, cp, tmp_path_factory.mktemp(f"cp{cp}_world{world}"))
+        return done[world, cp]
+
+    return run
+
+
 def _padded(t: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, (-t.shape[1]) % (2 * cp)))
 
 
 @pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 2)], ids=["cp2", "dp2xcp2"])
-def test_context_parallel_matches_one_rank(world, cp, tmp_path):
+def test_context_parallel_matches_one_rank(world, cp, runs):
     from runtime.logprobs import token_top_logprobs
 
-    outs = _run(world, cp, tmp_path)
+    outs = runs(world, cp)
     dp = world // cp
     batch = _batch()
     g = torch.Generator().manual_seed(7)
@@ -239,6 +260,114 @@ def test_context_parallel_matches_one_rank(world, cp, tmp_path):
     for name, p in model.named_parameters():
         for out in outs:
             torch.testing.assert_close(out["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+GLM_LENGTHS = (90, 70, 75)  # one packed row of 235 tokens: cp 2 pads it to 236, 118 queries per rank
+GLM_VOCAB = 96
+
+
+def _glm_inputs():
+    """GLM-5.2's micro-batch (3 rows, vocabulary 96), the sampler's top-3 ids per position (score centering) and a
+    rollout's (b, w, layers 1, k 2) routing that is not the model's own (replayed: R3)."""
+    g = torch.Generator().manual_seed(1)
+    part = _batch([torch.randint(1, GLM_VOCAB, (n,), generator=g).tolist() for n in GLM_LENGTHS])
+    b, w = part.sequences.shape
+    top_ids = torch.randint(0, GLM_VOCAB, (b, w - 1, 3), generator=g)
+    routed = torch.rand(b, w, 1, 4, generator=g).argsort(-1)[..., :2].to(torch.int16)  # 2 of its 4 experts
+    return part, top_ids, routed
+
+
+def _glm_packed_cp(worker, fsdp_mesh) -> dict:
+    """GLM-5.2 as the trainer holds it (FSDP2 over both ranks in bf16, full activation checkpointing, its CP set
+    up by `context_parallel.prepare`), one forward and backward of its packed THD row in training mode, the rollout's
+    routing replayed: at cp 1 (each rank the whole row, a data-parallel run of the same rows) and cut by its own CP
+    at cp 2 (`cp_rows` packed). Each gives its log-probs, entropy, top-k log-probs, router logits, the trainer's
+    loss and the gradients (FSDP2's average over the ranks)."""
+    import dsa_support
+
+    from runtime import context_parallel, moe
+    from runtime.logprobs import token_top_logprobs
+    from runtime.models import automodel, hf
+
+    dsa_support.use_cpu_kernels()
+    plan = dsa_support.model_plan("tilelang").model_copy(update={"dtype": "bfloat16", "gradient_checkpoint": "full"})
+    glm = dsa_support.tiny_glm("tilelang")
+    model = hf.shard(glm, automodel.decoder_layers(glm), plan, fsdp_mesh, True, False, None)
+    context_parallel.prepare(model, worker.cp_mesh)
+    model.train()
+    part, top_ids, routed = _glm_inputs()
+    seq, mask = part.sequences, part.attention_mask
+    out: dict = {}
+    for cp in (1, 2):
+        model.zero_grad()
+        block = worker.cp_rows(part, model, packed=True) if cp == 2 else contextlib.nullcontext()
+        with block as rows, moe.replay(model) as replay, moe.collect_logits(model) as router:
+            replay.targets = (moe.flat_targets(routed, mask, packed=True) if rows is None
+                              else rows.replay_targets(routed, mask))
+            lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, packed=True, cp=rows)
+            logits = list(router.logits) if rows is None else rows.gather_router_logits(router.logits)
+            loss = _loss(lp, part, float(part.action_mask.sum()), worker.dp, "ppo", "token")
+            loss.backward()
+        out[cp] = {"lp": lp.detach(), "ent": ent.detach(), "top": top.detach(), "loss": loss.detach(),
+                   "router": [layer.detach() for layer in logits], "replayed": replay.known,
+                   "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}}
+        if rows is not None:
+            out["inputs"] = {k: v for k, v in rows.inputs.items() if isinstance(v, torch.Tensor)}
+            out["labels"], out["targets"] = rows.labels, replay.targets
+    return out
+
+
+def test_glm_packed_thd_cp_matches_one_rank(runs):
+    """GLM-5.2's own CP of a packed THD row at cp 2 (nemo-automodel's `prepare_model_inputs_for_cp` sharder, its
+    DSA layers' K/V all-gather) against the same packed row without CP (`runtime.packed_thd`), on the same FSDP2
+    model."""
+    from runtime import moe
+    from runtime.logprobs import pack
+
+    outs = [out["glm"] for out in runs(2, 2)]
+    part, _, routed = _glm_inputs()
+    seq, mask = part.sequences, part.attention_mask
+
+    # the cut: one THD stream padded to 236 (the pad slot extends the last document, marked padding), rank r its
+    # contiguous r-th half of the queries with the whole stream's cu_seqlens, positions and next-token labels, and
+    # the replayed experts cut like the tokens (the pad slot: none, it keeps its own)
+    flat, positions = pack(seq, mask.sum(-1))
+    flat, labels = torch.nn.functional.pad(flat[0], (0, 1)), torch.nn.functional.pad(flat[0, 1:], (0, 2))
+    targets = torch.nn.functional.pad(moe.flat_targets(routed, mask, packed=True), (0, 0, 0, 0, 0, 1), value=-1)
+    for rank, out in enumerate(outs):
+        mine = slice(118 * rank, 118 * (rank + 1))
+        inputs = out["inputs"]
+        assert inputs["cu_seqlens"].tolist() == [0, 90, 160, 236]
+        assert torch.equal(inputs["glm_dsa_cp_query_indices"], torch.arange(236, dtype=torch.int32)[mine])
+        assert torch.equal(inputs["input_ids"], flat[mine]) and torch.equal(out["labels"], labels[mine])
+        assert torch.equal(inputs["position_ids"][:117], positions[0, mine][:117])
+        assert torch.equal(inputs["padding_mask"], torch.arange(236)[mine] == 235)
+        assert torch.equal(out["targets"], targets[mine])
+        # every token's rollout routing replayed, in the forward and in its recompute (full checkpointing)
+        assert (out[1]["replayed"], out[2]["replayed"]) == (2 * 235, 2 * (118 - rank))
+
+    # the same numbers as without CP, to bf16 precision: the kernels take bf16 latents, and CPU bf16 matmuls round
+    # differently on 118 rows than on 235, enough to flip a few near-tied top-k keys (4 of the 235 queries in layer 0,
+    # 9 in layer 1): the log-probs, entropy, top-k log-probs and router logits every cp rank holds after the gather
+    # (mean differences 2e-4 to 6e-4; wrong cu_seqlens give 0.035, test_automodel_dsa.py), the loss, and each
+    # parameter's gradient (cosine 0.9996 at least, the difference 3 % of the norm at most: layer 1's attention)
+    for out in outs:
+        one, cp = out[1], out[2]
+        for name in ("lp", "ent", "top"):
+            difference = (cp[name] - one[name]).abs()
+            assert difference.max() < 0.1 and difference.mean() < 0.002, (name, difference.max(), difference.mean())
+        for got, expected in zip(cp["router"], one["router"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0.05)
+        torch.testing.assert_close(cp["loss"], one["loss"], rtol=0.01, atol=1e-4)
+        assert cp["grads"].keys() == one["grads"].keys() and len(one["router"]) == 1
+        # the indexers' gradients: zeros (FSDP2 reduces unused parameters' at cp > 1, `prepare`), the same in both
+        trained = {n: g for n, g in one["grads"].items() if ".indexer." not in n}
+        assert len(trained) == 30 and not any(one["grads"][n].any() or cp["grads"][n].any() for n in
+                                              one["grads"].keys() - trained.keys())
+        for name, expected in trained.items():
+            got, expected = cp["grads"][name].flatten(), expected.flatten()
+            assert torch.nn.functional.cosine_similarity(got, expected, dim=0) > 0.999, name
+            assert (got - expected).norm() < 0.1 * expected.norm(), name
 
 
 def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]) -> None:
