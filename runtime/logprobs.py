@@ -15,7 +15,7 @@ Two layouts of the same rows:
   computed. nemo-automodel's own implementations read no boundaries from position ids: they get the block-diagonal
   mask explicitly (`document_mask`; their sdpa takes a 4-D boolean mask), or, built with a THD-only attention,
   the row as THD with its documents' cumulative lengths, made by nemo-automodel's own conversion: tilelang
-  (`runtime/packed_thd.py`, GLM-5.2's DSA kernels) and te (`thd_row`: its te path takes no 4-D mask).
+  (GLM-5.2's DSA kernels) and te (its te path takes no 4-D mask), both through `runtime/packed_thd.py`.
 Both return (b, w-1) tensors aligned like `Experience` (position t scores token t+1), zero past each row's end.
 Score centering (`token_top_logprobs`) also gathers, in the same chunks, the log-probs of the sampler's top-k ids of
 each position ((b, w-1, k) `rollout_top_ids`, packed like the labels): k more numbers per position, no extra pass.
@@ -173,15 +173,12 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     else:
         # nemo-automodel's own implementations have no get_decoder, and their backbone returns the hidden states
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        if position_ids is not None and packed_thd.takes_thd(model):  # tilelang: its kernels take THD only
+        if position_ids is not None and packed_thd.takes_thd(model):  # tilelang, te: a packed row as THD only
             hidden = packed_thd.decoder_hidden(decoder, input_ids, position_ids)
         else:
             masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
-            inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
-                      **masks}
-            if masks.get("qkv_format") == "thd":  # te: what nemo-automodel's causal LMs do before their backbone
-                inputs = thd_backbone_inputs(inputs)
-            hidden = packed_thd.hidden_states(decoder(use_cache=False, **inputs))
+            hidden = packed_thd.hidden_states(decoder(input_ids=input_ids, position_ids=position_ids,
+                                                      attention_mask=attention_mask, use_cache=False, **masks))
     b, length = input_ids.shape
     hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
@@ -242,15 +239,11 @@ def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str
     """What a packed row needs besides its position ids: nothing for transformers' models (they find the documents
     from the position ids); nemo-automodel's own implementations read no document boundaries from position ids
     (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
-    and no padding; built with a THD-only attention they take the row as THD: tilelang `runtime.packed_thd`, te
-    `thd_row`."""
+    and no padding; built with a THD-only attention (tilelang, te) they take the row as THD (`runtime.packed_thd`)."""
     if hasattr(model, "get_decoder"):
         return {}
     if packed_thd.takes_thd(model):
-        thd = packed_thd.thd_batch(input_ids, position_ids)
-        return {k: v for k, v in thd.items() if k not in ("input_ids", "position_ids")}
-    if uses_te(model):
-        return thd_row(input_ids, position_ids)
+        return packed_thd.thd_row(input_ids, position_ids)
     return {"attention_mask": document_mask(position_ids),
             "padding_mask": torch.zeros_like(input_ids, dtype=torch.bool)}
 
@@ -259,35 +252,6 @@ def uses_te(model) -> bool:
     """nemo-automodel built the model's attention as transformer_engine's (its `BackendConfig.attn`, the plan's
     `model.attn`)."""
     return getattr(getattr(model, "backend", None), "attn", None) == "te"
-
-
-def thd_row(input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor]:
-    """A packed (1, N) row as nemo-automodel's te path takes packed rows: THD (`qkv_format="thd"`) with the
-    documents' cumulative lengths (`cu_seqlens`), their longest (`max_seqlen`) and no padding, made by its own
-    `process_input_for_thd` from the documents' lengths (a document starts where its position id is 0; no document
-    is padded: without CP te needs no multiple). Keyed as its causal LMs' forward takes them, each with the row's
-    batch dim 1 (`thd_backbone_inputs` squeezes them as those forwards do)."""
-    from nemo_automodel.components.distributed.thd_utils import process_input_for_thd
-
-    starts = torch.cat([(position_ids[0] == 0).nonzero().squeeze(1),
-                        torch.tensor([position_ids.shape[1]], device=position_ids.device)])
-    lengths = starts.diff()[None]
-    thd = process_input_for_thd({"input_ids": input_ids, "labels": input_ids, "position_ids": position_ids,
-                                 "seq_lens": lengths, "seq_lens_padded": lengths})
-    return {"qkv_format": "thd", "cu_seqlens": thd["cu_seqlens"][None], "max_seqlen": thd["max_seqlen"][None],
-            "padding_mask": thd["padding_mask"][None], "attention_mask": None}
-
-
-def thd_backbone_inputs(inputs: dict) -> dict:
-    """A THD row's backbone keywords as nemo-automodel's causal LMs hand them to their backbone: the batch dim
-    squeezed off every tensor, `max_seqlen` a number (its `squeeze_input_for_thd`), no attention mask."""
-    from nemo_automodel.components.utils.model_utils import squeeze_input_for_thd
-
-    attn = {k: v for k, v in inputs.items() if k not in ("input_ids", "position_ids", "padding_mask", "attention_mask")}
-    input_ids, position_ids, padding_mask, attn = squeeze_input_for_thd(
-        inputs["input_ids"], inputs["position_ids"], inputs["padding_mask"], attn)
-    return {"input_ids": input_ids, "position_ids": position_ids, "padding_mask": padding_mask,
-            "attention_mask": None, **attn}
 
 
 def document_mask(position_ids: Tensor) -> Tensor:

@@ -55,10 +55,11 @@ def test_the_plans_tilelang_reaches_nemo_automodels_dsa_layers(models):
 def test_a_packed_row_becomes_nemo_automodels_thd_batch():
     ids, mask = _rows()
     flat, positions = logprobs.pack(ids, mask.sum(-1))
-    batch = packed_thd.thd_batch(flat, positions)
+    batch = packed_thd.backbone_inputs({"input_ids": flat, "position_ids": positions,
+                                        **packed_thd.thd_row(flat, positions)})
     assert batch["input_ids"].shape == (235,) and torch.equal(batch["position_ids"], positions[0])
     assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"].tolist() == [0, 90, 160, 235]
-    assert int(batch["max_seqlen"]) == 90 and not batch["padding_mask"].any() and batch["qkv_format"] == "thd"
+    assert batch["max_seqlen"] == 90 and not batch["padding_mask"].any() and batch["qkv_format"] == "thd"
 
 
 def test_packed_thd_log_probs_equal_the_dense_padded_rows(models, cpu_kernels):

@@ -1,4 +1,4 @@
-"""Packed rows with te attention on the automodel backend (runtime/logprobs.py `thd_row`): the packed row goes to
+"""Packed rows with te attention on the automodel backend (runtime/packed_thd.py `thd_row`): the packed row goes to
 nemo-automodel's model as THD (its `process_input_for_thd`: `qkv_format="thd"`, the documents' `cu_seqlens`,
 `max_seqlen`), the batch dim squeezed as its causal LMs squeeze it (`squeeze_input_for_thd`).
 
@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from runtime import critic, logprobs
+from runtime import critic, logprobs, packed_thd
 from runtime.models import automodel
 from runtime.tiny_model import build_tiny_model
 from schemas.plan import ModelPlan
@@ -64,11 +64,11 @@ def _load(path: str):
 def test_thd_row_is_nemo_automodels_packed_layout():
     ids = torch.tensor([[11, 12, 13, 21, 22, 31, 32, 33, 34]])
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    thd = logprobs.thd_row(ids, positions)
+    thd = packed_thd.thd_row(ids, positions)
     assert thd["qkv_format"] == "thd" and thd["attention_mask"] is None
     assert thd["cu_seqlens"].tolist() == [[0, 3, 5, 9]] and thd["max_seqlen"].tolist() == [4]
     assert not thd["padding_mask"].any() and thd["padding_mask"].shape == ids.shape
-    squeezed = logprobs.thd_backbone_inputs({"input_ids": ids, "position_ids": positions, **thd})
+    squeezed = packed_thd.backbone_inputs({"input_ids": ids, "position_ids": positions, **thd})
     assert squeezed["input_ids"].tolist() == ids[0].tolist() and squeezed["position_ids"].shape == (9,)
     assert squeezed["cu_seqlens"].tolist() == [0, 3, 5, 9] and squeezed["max_seqlen"] == 4
 
