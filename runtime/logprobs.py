@@ -177,8 +177,9 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
             hidden = packed_thd.decoder_hidden(decoder, input_ids, position_ids)
         else:
             masks = packed_row_masks(model, input_ids, position_ids) if position_ids is not None else {}
-            hidden = packed_thd.hidden_states(decoder(input_ids=input_ids, position_ids=position_ids,
-                                                      attention_mask=attention_mask, use_cache=False, **masks))
+            inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
+                      **masks}  # a packed row's document mask replaces the padding mask
+            hidden = packed_thd.hidden_states(decoder(use_cache=False, **inputs))
     b, length = input_ids.shape
     hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
