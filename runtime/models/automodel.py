@@ -139,8 +139,8 @@ def hf_weights(model) -> list[tuple[str, Any]]:
     order: what a weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over
     `ep` (whole experts per rank), and with ep below the ranks Shard(1) over `ep_shard` as well; the sync reads each
     rank's box of it (`runtime/shard_layout.py`). Under LoRA the
-    adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); peft adapts `nn.Linear` layers only, so
-    the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
+    adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); the adapters go on `nn.Linear` layers
+    only, so the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
     if getattr(model, "molt_lora", None) is not None:
         from runtime import lora
 
