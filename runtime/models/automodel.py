@@ -304,9 +304,10 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
     parallelizer (`expert_parallel`) or its tensor-parallel one (`tensor_parallel`).
     `lora`: nemo-automodel's adapters on the plan's linear layers (`lora.apply_automodel`), patched in before
-    whichever of the three builds places the model, as its recipes do: FSDP2 and expert parallelism shard them like the other
-    parameters (the grouped experts are never adapted: Molt L12), its tensor-parallel plan cuts each with its base
-    layer (LoRA-aware styles: a column-parallel layer's B by output rows, a row-parallel one's A by input columns).
+    whichever of the three builds places the model, as its recipes do: FSDP2 and expert parallelism shard them like
+    the other parameters (the grouped experts are never adapted: Molt L12), its tensor-parallel plan cuts each with
+    its base layer (LoRA-aware styles: a column-parallel layer's B by output rows, a row-parallel one's A by input
+    columns).
     A VLM is sharded as the hf backend shards one: its language-model layers are the FSDP units and the vision
     tower stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the
     same collectives), under expert parallelism too (`_RootUnit`); `freeze_visual_encoder` stops the tower's
