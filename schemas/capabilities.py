@@ -62,7 +62,8 @@ def _colocated(plan: Plan) -> bool:
 def _ep_rows(kind: str) -> tuple[Capability, ...]:
     """The trainer's expert parallelism and HSDP (RL and SFT alike), run on CPU ranks: the automodel backend at any
     ep dividing the trainer's ranks (each rank holds experts/ep of each MoE layer, FSDP2-sharded over the world / ep
-    ranks of its ep_shard group; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py), and HSDP
+    ranks of its ep_shard group; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py; with LoRA
+    adapters too, nemo-automodel's, patched in before the parallelizer), and HSDP
     (actor.mesh.dp_replicate) on either backend. The hf backend's expert parallelism is refused by rules (MOE005,
     PAR004)."""
 
@@ -141,15 +142,6 @@ def _automodel_rows() -> tuple[Capability, ...]:
         return Capability(id_, "rl", key, what, on_automodel, instead, tracked=f"issue 16: {why}", **written)  # type: ignore[arg-type]
 
     return (
-        row(
-            "rl-automodel-lora",
-            "actor.lora",
-            "LoRA adapters with expert parallelism on the automodel backend",
-            lambda p: p.rl.trainer is not None and p.rl.trainer.lora is not None and p.rl.trainer.mesh.ep > 1,
-            "actor.mesh.ep: 1 (the adapters are on the attention, which expert parallelism does not shard)",
-            "the adapters are patched in before FSDP2 sharding (runtime/models/hf.py `shard`); nemo-automodel's "
-            "expert-parallel build (`expert_parallel`) does not patch them yet",
-        ),
         *attention_rows("rl", row),
         row(
             "rl-automodel-compile",

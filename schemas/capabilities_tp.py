@@ -4,7 +4,8 @@ The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel 
 (runtime/models/automodel.py `tensor_parallel`; the compiler sends the dense architectures it has a plan for to the
 automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
 plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, and tp 2 x
-dp 2); over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere,
+dp 2; LoRA too: nemo-automodel's adapters, which its plan's LoRA-aware styles cut with their layers); over NCCL it is
+written and not run (a CAP002 warning). What the TP build does not take is refused everywhere,
 each by its own row at its own key. Importable without torch.
 """
 
@@ -43,15 +44,6 @@ def tp_rows(
         "tests/runtime/models/test_tensor_parallel.py" if kind == "rl" else "tests/runtime/test_sft_tensor_parallel.py"
     )
     refused: list[tuple[str, str, str, Callable[[TrainerPlan | SftTrainerPlan, Plan], bool], str, str]] = [
-        (
-            "lora",
-            "actor.lora",
-            "LoRA adapters",
-            lambda t, p: t.lora is not None,
-            "actor.lora: null",
-            "the adapters are patched in by the FSDP2-only build (runtime/models/hf.py `shard`), not before "
-            "nemo-automodel's TP plan",
-        ),
         (
             "cp",
             "actor.mesh.cp",

@@ -139,8 +139,8 @@ def hf_weights(model) -> list[tuple[str, Any]]:
     order: what a weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over
     `ep` (whole experts per rank), and with ep below the ranks Shard(1) over `ep_shard` as well; the sync reads each
     rank's box of it (`runtime/shard_layout.py`). Under LoRA the
-    adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); peft adapts `nn.Linear` layers only, so
-    the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
+    adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); the adapters go on `nn.Linear` layers
+    only, so the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
     if getattr(model, "molt_lora", None) is not None:
         from runtime import lora
 
@@ -303,9 +303,12 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     """`path` built by nemo-automodel, with `model_plan`'s checkpointing; without an expert mesh FSDP2-sharded over
     the `dp` mesh (`hf.shard`: routers in their own unit in the router dtype, frozen with `freeze_router`, matched
     by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
-    parallelizer (`expert_parallel`).
-    `lora`: peft's adapters on its linear layers, as on the hf backend (`hf.shard`); not under expert parallelism
-    (the capability table keeps it off this one).
+    parallelizer (`expert_parallel`) or its tensor-parallel one (`tensor_parallel`).
+    `lora`: nemo-automodel's adapters on the plan's linear layers (`lora.apply_automodel`), patched in before
+    whichever of the three builds places the model, as its recipes do: FSDP2 and expert parallelism shard them like
+    the other parameters (the grouped experts are never adapted: Molt L12), its tensor-parallel plan cuts each with
+    its base layer (LoRA-aware styles: a column-parallel layer's B by output rows, a row-parallel one's A by input
+    columns).
     A VLM is sharded as the hf backend shards one: its language-model layers are the FSDP units and the vision
     tower stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the
     same collectives), under expert parallelism too (`_RootUnit`); `freeze_visual_encoder` stops the tower's
@@ -318,12 +321,18 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
         model.model.visual.requires_grad_(False)
     if freeze_visual_encoder and hasattr(model, "vision_model"):  # Nemotron-Omni's RADIO tower (not its projector)
         model.vision_model.requires_grad_(False)
+    if lora is not None:
+        from runtime import lora as lora_adapters
+
+        lora_adapters.apply_automodel(model, lora)
+        if trainable and model_plan.gradient_checkpoint != "none":
+            hf.inputs_require_grads(model)
     if meshes.tp is not None:
         from runtime.fsdp import offload_policy
 
         model = tensor_parallel(model, model_plan, meshes, trainable, offload_policy(offload, device))
     elif meshes.moe is None:
-        model = hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, lora,
+        model = hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, None,
                          offload)
     else:
         from runtime.fsdp import offload_policy

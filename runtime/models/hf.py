@@ -218,7 +218,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
     if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint inside the compiled forward
         enable_checkpointing(model, model_plan.gradient_checkpoint, layers)
     if checkpointed and lora is not None:
-        _inputs_require_grads(model)
+        inputs_require_grads(model)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -238,7 +238,7 @@ def shard(model, layers, model_plan: ModelPlan, mesh, trainable: bool, freeze_ro
     return model
 
 
-def _inputs_require_grads(model) -> None:
+def inputs_require_grads(model) -> None:
     """Frozen embeddings under LoRA: checkpointed blocks still need a grad path into them. transformers' switch, or
     (nemo-automodel's own implementations have none) the same hook on the input embeddings."""
     if hasattr(model, "enable_input_require_grads"):

@@ -5,7 +5,7 @@ of `just test`, whose tests/runtime/models/test_tensor_parallel.py runs the same
 
 The CPU test's own code with `MOLT_PARALLEL_DEVICE=cuda` (fp32, a tiny dense Qwen3, nemo-automodel's mesh, dense
 parallelizer and Qwen3 TP plan, the real `PolicyWorker`): the one-GPU run, then TP 2 on 2 GPUs and, with 4 GPUs,
-TP 2 x dp 2; each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
+TP 2 x dp 2, each without and with LoRA (nemo-automodel's adapters under its LoRA-aware plan); each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
 optimizer steps (relative 1e-5), the same weights through a weight sync and the HF export, and a DCP checkpoint that
 resumes exactly. Writes OUT_DIR/tensor_parallel_gpu.json and prints it; exit 1 on any difference. Not run yet: no
 multi-GPU machine has been lent (the capability rows rl/sft-trainer-tp-cuda are CAP002 warnings until it passes on
@@ -40,16 +40,20 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="molt_tp_gpu_"))
     path = str(build_tiny_model(work / "model", seed=0, vocab_size=300, tie_word_embeddings=False))
-    single = layouts._run(1, [layouts._mesh(1)], path, work / "single")[0][0]
+    plain = [(layouts._mesh(1), None), (layouts._mesh(1), checks.LORA)]
+    singles = [ranks[0] for ranks in layouts._run(1, plain, path, work / "single")]
     runs = {"tp2": 2} | ({"tp2_dp2": 4} if gpus >= 4 else {})
     report: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "layouts": {}}
     for name, world in runs.items():
-        ranks = layouts._run(world, [layouts._mesh(2)], path, work / name)[0]
-        try:
-            checks._check(single, ranks)
-            report["layouts"][name] = "equal"
-        except AssertionError as exc:
-            report["layouts"][name] = str(exc)[:2000]
+        meshes = [(layouts._mesh(2), None), (layouts._mesh(2), checks.LORA)]
+        for k, (single, ranks) in enumerate(zip(singles, layouts._run(world, meshes, path, work / name),
+                                                strict=True)):
+            key = name + ("+lora" if k else "")
+            try:
+                checks._check(single, ranks)
+                report["layouts"][key] = "equal"
+            except AssertionError as exc:
+                report["layouts"][key] = str(exc)[:2000]
     text = json.dumps(report, indent=1)
     (out / "tensor_parallel_gpu.json").write_text(text)
     print(text)

@@ -217,10 +217,14 @@ def test_the_critic_is_nemo_automodels_model_with_transformers_values(world, che
                                    rtol=1e-4, atol=1e-5)
 
 
-def test_lora_on_automodel_trains_and_merges_as_lora_on_hf(world, checkpoint):
-    """peft's adapters on nemo-automodel's linear layers: with the same adapter weights the log-probs, two optimizer
-    steps and the merged weights a sync streams (transformers' names and layouts, experts transposed back) equal
-    LoRA on transformers' implementation of the same checkpoint; only the adapters move."""
+def test_lora_on_automodel_trains_and_merges_as_lora_on_hf(world, checkpoint, tmp_path):
+    """nemo-automodel's adapters (its LinearLoRA) on its linear layers: with the same adapter weights the log-probs,
+    two optimizer steps and the merged weights a sync streams (transformers' names and layouts, experts transposed
+    back) equal peft's LoRA on transformers' implementation of the same checkpoint; only the adapters move, and
+    the adapter export names them as peft does."""
+    from safetensors.torch import load_file
+
+    from runtime import lora as lora_adapters
     from runtime.models import automodel as am
     from schemas.plan import LoraPlan
 
@@ -228,7 +232,7 @@ def test_lora_on_automodel_trains_and_merges_as_lora_on_hf(world, checkpoint):
     plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": "full"})
     mine = am.build(plan, checkpoint, world, torch.device("cpu"), lora=lora)
     theirs = hf.build(plan.model_copy(update={"backend": "hf"}), checkpoint, world, torch.device("cpu"), lora=lora)
-    adapters = {n: p for n, p in theirs.named_parameters() if ".lora_" in n}
+    adapters = {n.replace(".default.", "."): p for n, p in theirs.named_parameters() if ".lora_" in n}
     assert adapters and {n for n, p in mine.named_parameters() if p.requires_grad} == set(adapters)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the same adapters on both, B not zero so that they change the model from step 0
@@ -254,6 +258,11 @@ def test_lora_on_automodel_trains_and_merges_as_lora_on_hf(world, checkpoint):
     assert merged.keys() == reference.keys() and not any(".lora_" in n for n in merged)
     for name in merged:
         torch.testing.assert_close(merged[name], reference[name], rtol=1e-4, atol=1e-5, msg=name)
+    exported = [load_file(f"{lora_adapters.export_adapter(str(tmp_path / n), m, checkpoint, 0)}/"
+                          "adapter_model.safetensors") for n, m in (("mine", mine), ("theirs", theirs))]
+    assert exported[0].keys() == exported[1].keys()
+    for name, t in exported[0].items():
+        torch.testing.assert_close(t, exported[1][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _local(weight) -> torch.Tensor:

@@ -13,6 +13,10 @@ DCP save / resume. The layouts:
 - HSDP with EP 2 on the same 4 ranks (one spawn): dp_replicate 2 x dp_shard 2 for the non-expert parameters
   ((Replicate, Shard(0))), the experts as above; and HSDP at ep 1 (the hf backend's FSDP2 units over its 2-D mesh,
   the experts replicated and sharded like the rest).
+LoRA (`LORA`: nemo-automodel's adapters on the attention, `runtime/lora.py` `apply_automodel`) runs as one more
+layout of the same spawns, at EP 2 and EP 2 x dp 2, against the one-rank LoRA run: the same checks, only the
+adapters training, the engines getting the merged weights (W + scale·B@A, the adapters left out) and the export being
+the PEFT adapter.
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ from loop_support import trainer_rl
 
 from runtime.experience import from_token_lists
 from runtime.tiny_model import build_tiny_model
-from schemas.plan import MeshPlan
+from schemas.plan import LoraPlan, MeshPlan
 
 ROWS = 8
 STEPS = 3
 DEVICE = os.environ.get("MOLT_PARALLEL_DEVICE", "cpu")
 """`cuda`: the same layouts over NCCL, one GPU per rank (tests/gpu/check_expert_parallel.py)."""
+LORA = LoraPlan(dim=4, alpha=8, scale=2.0,
+                target_modules=["*.self_attn.q_proj", "*.self_attn.o_proj", "*.mlp.down_proj"])
+"""The adapters of the LoRA layouts: a column-parallel (q) and row-parallel (o, down) layer under tensor
+parallelism; the MoE model has no dense down_proj (its experts are never adapted)."""
+Layout = tuple[MeshPlan, LoraPlan | None]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +50,7 @@ def moe_checkpoint(tmp_path_factory) -> str:
                                 experts_per_token=2, tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, mesh: MeshPlan):
+def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None):
     # one optimizer-step window of the whole batch in every layout: world 1 runs 4 micro-batches of 2 rows, each of
     # 2 ranks 2 micro-batches, each of 4 ranks one
     return trainer_rl(
@@ -49,13 +58,19 @@ def _rl(world: int, path: str, mesh: MeshPlan):
         model={"path": path, "backend": "automodel", "moe_dispatcher": "torch", "router_dtype": "float32"},
         trainer={"micro_batch_size": 2, "grad_accum": ROWS // 2 // world, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": mesh},
+                 "mesh": mesh, "lora": lora},
         # Adam's eps above fp32 noise: an element whose gradient is ~0 would turn rounding into a full step
-        optimizer=dict(lr=1e-2, eps=1e-5, max_norm=0.5, scheduler="constant", warmup_steps=0, total_steps=10),
+        optimizer=dict(lr=1e-2, eps=1e-5, max_norm=max_norm(lora), scheduler="constant", warmup_steps=0,
+                       total_steps=10),
         loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, aux_loss_coef=0.0,
                   router_z_loss_coef=0.0),
         kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"),
         device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
+
+
+def max_norm(lora: LoraPlan | None) -> float:
+    """Low enough that clipping acts at every step (the adapters' gradient norm is a few tenths)."""
+    return 0.5 if lora is None else 0.05
 
 
 def _batch():
@@ -93,7 +108,7 @@ def _synced(worker) -> dict[str, torch.Tensor] | None:
     return out if worker.rank == 0 else None
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, meshes: list[MeshPlan]) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[Layout]) -> None:
     """Each layout in turn in the same processes (a spawn costs more than a layout's run), over one process group:
     torch's meshes remember their groups by name, and a re-created default group reuses the names."""
     import torch.distributed as dist
@@ -103,15 +118,16 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, meshes
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     init = dist.init_process_group
     dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)  # type: ignore
-    for k, mesh in enumerate(meshes):
-        _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh)
+    for k, (mesh, lora) in enumerate(layouts):
+        _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh, lora)
     dist.destroy_process_group()
 
 
-def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan) -> None:
+def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan,
+            lora: LoraPlan | None) -> None:
     from runtime.trainer import PolicyWorker
 
-    rl = _rl(world, path, mesh)
+    rl = _rl(world, path, mesh, lora)
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
     grads: list[dict[str, torch.Tensor]] = []
     step = worker._optimizer_step
@@ -122,7 +138,7 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
 
     worker._optimizer_step = recorded_step
     batch = _batch()
-    out: dict = {"old": [], "stats": []}
+    out: dict = {"old": [], "stats": [], "max_norm": rl.trainer.optimizer.max_norm}
     for _ in range(STEPS):
         rows, old, _ref = worker.forward_logprobs(batch)
         full_old = torch.zeros(batch.action_mask.shape)
@@ -147,15 +163,15 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _run(world: int, meshes: list[MeshPlan], path: str, out_dir) -> list[list[dict]]:
+def _run(world: int, layouts: list[Layout], path: str, out_dir) -> list[list[dict]]:
     """Per layout, every rank's results."""
     from runtime.trainer import free_port
 
-    for k in range(len(meshes)):
+    for k in range(len(layouts)):
         os.makedirs(os.path.join(out_dir, str(k)), exist_ok=True)
-    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, meshes), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, layouts), nprocs=world, join=True)
     return [[torch.load(os.path.join(out_dir, str(k), f"rank{r}.pt")) for r in range(world)]
-            for k in range(len(meshes))]
+            for k in range(len(layouts))]
 
 
 def _mesh(ep: int, dp_replicate: int = 1) -> MeshPlan:
@@ -163,9 +179,10 @@ def _mesh(ep: int, dp_replicate: int = 1) -> MeshPlan:
 
 
 @pytest.fixture(scope="module")
-def single(moe_checkpoint, tmp_path_factory) -> dict:
-    """The one-rank run every layout is held against."""
-    return _run(1, [_mesh(1)], moe_checkpoint, tmp_path_factory.mktemp("single"))[0][0]
+def single(moe_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
+    """The one-rank runs every layout is held against: without and with LoRA."""
+    plain, lora = _run(1, [(_mesh(1), None), (_mesh(1), LORA)], moe_checkpoint, tmp_path_factory.mktemp("single"))
+    return plain[0], lora[0]
 
 
 FAILURES: list = []
@@ -180,17 +197,24 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, scale: float | None = No
 
 
 def test_ep2_matches_one_rank(moe_checkpoint, single, tmp_path):
-    ep = _run(2, [_mesh(2)], moe_checkpoint, tmp_path)[0]
+    ep, ep_lora = _run(2, [(_mesh(2), None), (_mesh(2), LORA)], moe_checkpoint, tmp_path)
     # nemo-automodel placed the experts over ep (2 of 4 per rank) and the rest over dp_shard
     placed = ep[0]["placements"]
     assert "ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
     assert "dp_shard_cp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
-    _check(single, ep)
+    _check(single[0], ep)
+    # LoRA: the adapters FSDP2-sharded over dp_shard like the attention they adapt, the experts over ep (frozen)
+    placed = ep_lora[0]["placements"]
+    assert "dp_shard_cp=2" in placed["model.layers.0.self_attn.q_proj.lora_A.weight"].lower()
+    assert "ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
+    _check(single[1], ep_lora)
 
 
 def test_ep2_by_dp2_and_hsdp_match_one_rank(moe_checkpoint, single, tmp_path):
-    ep_dp, hsdp, hsdp_only = _run(4, [_mesh(2), _mesh(2, dp_replicate=2), _mesh(1, dp_replicate=2)], moe_checkpoint,
-                                  tmp_path)
+    ep_dp, hsdp, hsdp_only, ep_dp_lora = _run(
+        4, [(_mesh(2), None), (_mesh(2, dp_replicate=2), None), (_mesh(1, dp_replicate=2), None), (_mesh(2), LORA)],
+        moe_checkpoint, tmp_path)
+    single, single_lora = single
     # ep 2 of 4 ranks: every expert's weights FSDP2-sharded over its ep_shard pair (dim 1), the rest over all 4
     placed = ep_dp[0]["placements"]
     assert "(shard(dim=1), shard(dim=0))" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
@@ -206,11 +230,20 @@ def test_ep2_by_dp2_and_hsdp_match_one_rank(moe_checkpoint, single, tmp_path):
     placed = hsdp_only[0]["placements"]
     assert "(replicate(), shard(dim=0))" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
     _check(single, hsdp_only)
+    # LoRA at ep 2 x dp 2: the adapters over all 4 ranks, the frozen experts as above
+    placed = ep_dp_lora[0]["placements"]
+    assert "dp_shard_cp=4" in placed["model.layers.0.self_attn.o_proj.lora_B.weight"].lower()
+    assert "ep_shard=2, ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
+    _check(single_lora, ep_dp_lora)
 
 
 def _check(single: dict, ep: list[dict]) -> None:
     """`ep` (every rank's results) against the one-rank run; all differences are reported together."""
     FAILURES.clear()
+    adapters = {n for n in single["weights"] if ".lora_" in n}
+    if adapters:  # only the adapters train, and B moved off its zero start
+        assert all(set(step) == adapters for step in single["grads"])
+        assert all(single["weights"][n].abs().max() > 0 for n in adapters if ".lora_B." in n)
     mask = _batch().action_mask
     for s in range(STEPS):
         old = torch.zeros(mask.shape)
@@ -222,7 +255,7 @@ def _check(single: dict, ep: list[dict]) -> None:
             _close(torch.tensor(sum(r["stats"][s][key] for r in ep)), torch.tensor(single["stats"][s][key]), key)
         _close(torch.tensor(ep[0]["stats"][s]["grad_norm"]), torch.tensor(single["stats"][s]["grad_norm"]),
                f"grad norm, step {s}")
-        assert single["stats"][s]["grad_norm"] > 0.5  # clipping was active
+        assert single["stats"][s]["grad_norm"] > single["max_norm"]  # clipping was active
         largest = max(g.abs().max().item() for g in single["grads"][s].values())
         for name, g in single["grads"][s].items():  # relative to the step's largest gradient element
             _close(ep[0]["grads"][s][name], g, f"gradient of {name}, step {s}", largest)
@@ -232,17 +265,25 @@ def _check(single: dict, ep: list[dict]) -> None:
     # weight sync: the engine receives the trained weights whole, under transformers' names and layouts
     from runtime.models import automodel
 
-    synced = ep[0]["synced"]
-    assert synced.keys() == single["synced"].keys()
-    for name, w in ep[0]["weights"].items():
+    synced, weights = ep[0]["synced"], ep[0]["weights"]
+    assert synced.keys() == single["synced"].keys() and not any(".lora_" in n for n in synced)
+    for name, w in weights.items():
+        if ".lora_" in name:
+            continue
         hf_name, swapped = automodel.hf_name(name)
-        assert torch.equal(synced[hf_name], w.transpose(1, 2) if swapped else w), name
+        adapter = name.removesuffix("weight") + "lora_"
+        if adapter + "A.weight" in weights:  # under LoRA the engines get the merged weight
+            merged = w + LORA.scale * weights[adapter + "B.weight"] @ weights[adapter + "A.weight"]
+            _close(synced[hf_name], merged, f"merged {hf_name}")
+            assert not torch.equal(merged, w), name  # the adapters change it
+        else:
+            assert torch.equal(synced[hf_name], w.transpose(1, 2) if swapped else w), name
         _close(synced[hf_name], single["synced"][hf_name], f"synced {hf_name}")
-    # the HF export from the EP shards is the one-rank run's
+    # the HF export from the EP shards is the one-rank run's (under LoRA: the PEFT adapter)
     from safetensors.torch import load_file
 
-    exported, single_exported = load_file(f"{ep[0]['hf_dir']}/model.safetensors"), load_file(
-        f"{single['hf_dir']}/model.safetensors")
+    file = "adapter_model.safetensors" if adapters else "model.safetensors"
+    exported, single_exported = load_file(f"{ep[0]['hf_dir']}/{file}"), load_file(f"{single['hf_dir']}/{file}")
     assert exported.keys() == single_exported.keys() and all(r["hf_dir"] is None for r in ep[1:])
     for name, t in exported.items():  # (transformers saves its fused experts one expert per key)
         _close(t, single_exported[name], f"exported {name}")

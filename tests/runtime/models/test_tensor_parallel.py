@@ -9,7 +9,9 @@ vocab-sharded logits gathered per chunk), loss statistics and gradients as the o
 three clipped optimizer steps keep the weights equal (the gradient norm is the whole mesh's, each replicated piece
 counted once). Then what a weight sync streams (each rank's column / row shard of a matrix, `shard_layout`), the HF
 export and a DCP save / resume. The structure and the comparison are test_expert_parallel.py's (its rank loop runs
-this module's plan).
+this module's plan). LoRA (`ep_test.LORA`: nemo-automodel's adapters on q, o and down, which its plan's LoRA-aware
+styles cut with their layers) runs as one more layout of the same spawns, at TP 2 and TP 2 x dp 2, against the
+one-rank LoRA run; the engines get the merged weights, each rank adding B@A over its own box of W.
 
 Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
 TP path refuses them), and rule MOE002 refuses the recipe.
@@ -26,7 +28,7 @@ import torch.multiprocessing as mp
 from loop_support import trainer_rl
 
 from runtime.tiny_model import build_tiny_model
-from schemas.plan import MeshPlan
+from schemas.plan import LoraPlan, MeshPlan
 
 DEVICE = ep_test.DEVICE
 """`cuda`: the same layouts over NCCL, one GPU per rank (tests/gpu/check_tensor_parallel.py)."""
@@ -38,7 +40,7 @@ def dense_checkpoint(tmp_path_factory) -> str:
                                 tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, mesh: MeshPlan):
+def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None):
     # one optimizer-step window of the whole batch: world 1 runs 4 micro-batches of 2 rows, and so does each tp
     # rank (they take the same rows)
     dp = world // mesh.tp
@@ -47,31 +49,32 @@ def _rl(world: int, path: str, mesh: MeshPlan):
         model={"path": path, "backend": "automodel"},
         trainer={"micro_batch_size": 2, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": mesh, "dp": dp},
+                 "mesh": mesh, "dp": dp, "lora": lora},
         # Adam's eps further above fp32 noise than test_expert_parallel's: tensor parallelism sums each row-parallel
         # matmul in two partial sums (gradients 5e-7 apart at the first step), which eps 1e-5 grows to 2e-5 of
         # the weights in three steps through elements whose gradient is ~0
-        optimizer=dict(lr=1e-2, eps=1e-4, max_norm=0.5, scheduler="constant", warmup_steps=0, total_steps=10),
+        optimizer=dict(lr=1e-2, eps=1e-4, max_norm=ep_test.max_norm(lora), scheduler="constant", warmup_steps=0,
+                       total_steps=10),
         loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, aux_loss_coef=0.0,
                   router_z_loss_coef=0.0),
         kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"),
         device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
 
 
-def _run(world: int, meshes: list[MeshPlan], path: str, out_dir) -> list[list[dict]]:
+def _run(world: int, layouts: list[ep_test.Layout], path: str, out_dir) -> list[list[dict]]:
     from runtime.trainer import free_port
 
     ep_test._rl = _rl  # the layouts run through test_expert_parallel's rank loop with this module's plan
-    for k in range(len(meshes)):
+    for k in range(len(layouts)):
         os.makedirs(os.path.join(out_dir, str(k)), exist_ok=True)
-    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, meshes), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, layouts), nprocs=world, join=True)
     return [[torch.load(os.path.join(out_dir, str(k), f"rank{r}.pt")) for r in range(world)]
-            for k in range(len(meshes))]
+            for k in range(len(layouts))]
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, meshes: list[MeshPlan]) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[ep_test.Layout]) -> None:
     ep_test._rl = _rl
-    ep_test._rank_main(rank, world, port, out_dir, path, meshes)
+    ep_test._rank_main(rank, world, port, out_dir, path, layouts)
 
 
 def _mesh(tp: int) -> MeshPlan:
@@ -79,13 +82,15 @@ def _mesh(tp: int) -> MeshPlan:
 
 
 @pytest.fixture(scope="module")
-def single(dense_checkpoint, tmp_path_factory) -> dict:
-    """The one-rank run every layout is held against."""
-    return _run(1, [_mesh(1)], dense_checkpoint, tmp_path_factory.mktemp("single"))[0][0]
+def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
+    """The one-rank runs every layout is held against: without and with LoRA."""
+    plain, lora = _run(1, [(_mesh(1), None), (_mesh(1), ep_test.LORA)], dense_checkpoint,
+                       tmp_path_factory.mktemp("single"))
+    return plain[0], lora[0]
 
 
 def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp = _run(2, [_mesh(2)], dense_checkpoint, tmp_path / "tp")[0]
+    tp, tp_lora = _run(2, [(_mesh(2), None), (_mesh(2), ep_test.LORA)], dense_checkpoint, tmp_path / "tp")
     placed = tp[0]["placements"]
     # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
     assert "shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
@@ -94,7 +99,14 @@ def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
     # the tp ranks ran the same rows: the one data-parallel rank's statistics are tp rank 0's
     for s in range(ep_test.STEPS):
         assert tp[1]["stats"][s]["tokens"] == 0.0
-    ep_test._check(single, tp)
+    ep_test._check(single[0], tp)
+    # LoRA: nemo-automodel's LoRA-aware styles cut a column-parallel layer's A by rank (its low-rank output
+    # all-gathered) and B by output rows as the layer's weight, a row-parallel layer's A by input columns
+    placed = tp_lora[0]["placements"]
+    assert ", shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.lora_B.weight"].lower()
+    assert ", shard(dim=1))" in placed["model.layers.0.self_attn.o_proj.lora_A.weight"].lower()
+    assert ", shard(dim=1))" in placed["model.layers.0.mlp.down_proj.lora_A.weight"].lower()
+    ep_test._check(single[1], tp_lora)
     # the export is a transformers checkpoint of the same names as the one trained from
     from safetensors.torch import load_file
 
@@ -103,9 +115,13 @@ def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
 
 
 def test_tp2_by_dp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp_dp = _run(4, [_mesh(2)], dense_checkpoint, tmp_path / "tp_dp")[0]
+    tp_dp, tp_dp_lora = _run(4, [(_mesh(2), None), (_mesh(2), ep_test.LORA)], dense_checkpoint, tmp_path / "tp_dp")
     # FSDP2 over the 2 data-parallel ranks cuts each tp rank's column shard again (a strided shard over dp)
     placed = tp_dp[0]["placements"]
     assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
     assert "dp_shard=2, tp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
-    ep_test._check(single, tp_dp)
+    ep_test._check(single[0], tp_dp)
+    # LoRA: the adapters' tp shards cut again over dp like their layers' (each rank merges its own box of W)
+    placed = tp_dp_lora[0]["placements"]
+    assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.lora_B.weight"].lower()
+    ep_test._check(single[1], tp_dp_lora)
