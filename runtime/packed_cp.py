@@ -66,8 +66,9 @@ class PackedCpRows:
 
     def decoder_hidden(self, model) -> Tensor:
         """(n, hidden) decoder output of the local queries: nemo-automodel's backbone on its sharded THD batch (its
-        layers gather the keys and values of the whole stream)."""
-        return packed_thd.hidden_states(model.model(**self.inputs))
+        layers gather the keys and values of the whole stream), handed over as its causal LM's forward hands it
+        (`packed_thd.backbone_inputs`: `max_seqlen` a number)."""
+        return packed_thd.hidden_states(model.model(**packed_thd.backbone_inputs(self.inputs)))
 
     def replay_targets(self, routed: Tensor, attention_mask: Tensor) -> Tensor:
         """The rollout's (b, w, layers, k) routing of the rows -> the local positions' (n, layers, k), in the order
