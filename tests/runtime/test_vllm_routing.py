@@ -202,4 +202,9 @@ def test_hybrid_vlm_engine_routing_with_an_image_is_what_a_full_forward_picks(cl
             model(input_ids=seq, **vision)
         full = torch.stack(captured, dim=1)[:-1].sort(-1).values  # (tokens, MoE layers, k): both layers are MoE
         assert out.routed_experts.shape == tuple(full.shape) == (len(prompt) + len(out.token_ids) - 1, 2, 2)
-        assert np.array_equal(np.sort(out.routed_experts, -1), full.numpy())
+        # the engine runs bf16, the reference fp32: a near-tied router may pick the other expert on a few (token,
+        # layer) rows (measured here, twice: 75 of the image prompt's 76 rows, all 56 of the text one's; it passed
+        # exactly in an earlier run); a hook that mapped tokens to the wrong request or position agrees on about 1 in
+        # 6 (4 experts, top-2)
+        agree = (np.sort(out.routed_experts, -1) == full.numpy()).all(-1).mean()
+        assert agree >= 0.9, (agree, out.routed_experts, full)
