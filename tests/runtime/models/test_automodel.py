@@ -11,8 +11,6 @@ in a one-rank gloo world, against transformers' implementation of the same check
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,16 +19,6 @@ from runtime.logprobs import token_logprobs
 from runtime.models import automodel, hf
 from runtime.tiny_model import build_tiny_model
 from schemas.plan import ModelPlan, OptimizerPlan
-
-
-@pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29800 + os.getpid() % 100))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield hf.dp_meshes("cpu", 1)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

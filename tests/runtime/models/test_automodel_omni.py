@@ -13,27 +13,15 @@ the vision features to bf16, as its checkpoints are).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from runtime.logprobs import token_logprobs, vision_inputs
-from runtime.models import automodel, hf
+from runtime.models import automodel
 from runtime.tiny_vlm import build_tiny_omni
 from schemas.plan import ModelPlan
 
 FEATURES = 4  # <image> placeholders per 64x64 image: 4x4 patches of 16, 2x2 pixel shuffle
-
-
-@pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29800 + os.getpid() % 100))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield hf.dp_meshes("cpu", 1)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

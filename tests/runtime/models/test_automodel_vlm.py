@@ -25,16 +25,6 @@ from schemas.plan import ModelPlan, OptimizerPlan
 
 
 @pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29700 + os.getpid() % 100))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield hf.dp_meshes("cpu", 1)
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return str(build_tiny_moe_vlm(tmp_path_factory.mktemp("moe_vlm") / "model", seed=0, vocab_size=300))
 
