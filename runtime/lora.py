@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import shard_layout
+
 if TYPE_CHECKING:
     from schemas.plan import LoraPlan
 
@@ -107,18 +109,8 @@ class MergedWeight:
         a = self.lora_a.full_tensor() if hasattr(self.lora_a, "full_tensor") else self.lora_a
         b = self.lora_b.full_tensor() if hasattr(self.lora_b, "full_tensor") else self.lora_b
         w = self.base.to_local() if hasattr(self.base, "to_local") else self.base
-        rows, cols = (slice(o, o + n) for o, n in zip(*_box(self.base), strict=True))
+        rows, cols = (slice(o, o + n) for o, n in zip(*shard_layout.own_box(self.base), strict=True))
         return (w.float() + self.scale * (b[rows].float() @ a[:, cols].float())).to(w.dtype)
-
-
-def _box(weight: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, shape) of this rank's piece of a (possibly DTensor) matrix in the whole one."""
-    if not hasattr(weight, "device_mesh"):
-        return (0, 0), tuple(weight.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-    return tuple(offset), tuple(shape)
 
 
 def merged_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor | MergedWeight]]:

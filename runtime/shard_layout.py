@@ -68,6 +68,16 @@ def pieces(p, world: int) -> list[Piece]:
     return [b for b in boxes if math.prod(b.shape)]
 
 
+def own_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) of this rank's box of `t` in the whole tensor (a plain tensor: the whole of it)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return (0,) * t.dim(), tuple(t.shape)
+    mesh = t.device_mesh
+    box = _box(0, tuple(mesh.get_coordinate()), tuple(mesh.shape), tuple(placements), tuple(t.shape))
+    return box.offset, box.shape
+
+
 @functools.lru_cache(maxsize=4096)
 def _grid(shape: tuple[int, ...], placements: tuple, mesh) -> list[Piece]:
     """The boxes of one copy of a tensor over `mesh` (a model's layers share a few shapes and meshes: computed once
