@@ -19,6 +19,13 @@ phase per step 1.56-2.38 s (mean 2.02 s, the engine generating beside it on the 
 alone; the first step compiles (30 s). With `--checkpoint selective` (same day, another plain run: plain varies
 +-13 % between runs, 3,457 tokens/s there): ours 8,116 tokens/s, 2.35x; training 1.66 s per step against plain's
 1.59 s (the last two steps 1.32 and 1.25 s).
+Measured 2026-12-04 on one H200 (`--steps 3 --samples 128 --checkpoint full,none`, 504 s whole call; the post-sync
+probe now under the engine lock; 128 rollouts of 168 tokens): plain 2,291 tokens/s (generation 7.28 s + training
+2.10 s); ours `full` (the default) 6,329 tokens/s, **2.76x** (step 3.39 s: generation 1.30 s, training 2.47 s, weight
+sync 0.36 s of which lock wait 0.25 s, probe 0.48 s, was 1.5 s), trainer phase 2.49 s = **1.18x** plain's training;
+ours `none` 6,538 tokens/s, **2.85x**, trainer phase 1.96 s = **0.93x** plain's training. Alone (bench_trainer) ours
+`full` + compiled layers is 1.37x plain's speed: in the loop the engine generates the next batch on the same GPU while
+the trainer trains (the two processes time-slice the GPU), which is what the trainer phase pays over plain's.
 """
 
 from __future__ import annotations
