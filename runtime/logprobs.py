@@ -72,6 +72,15 @@ def _compiled_chunk():
     return torch.compile(_chunk)
 
 
+def _aligned(t: Tensor | None) -> Tensor | None:
+    """`t`, copied when its data does not start on a 16-byte boundary. A packed row's targets are the view
+    `input_ids[0, 1:]` (8 bytes in): the compiled chunk's Triton kernels load 16-byte aligned and died on it with
+    "CUDA driver error: misaligned address" on an H200 (the RL loop with `actor.packing`, 2026-12-04)."""
+    if t is None or (t.storage_offset() * t.element_size()) % 16 == 0:
+        return t
+    return t.clone()
+
+
 def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, with_entropy: bool,
                   chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
                   top_ids: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -80,7 +89,8 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
     picked, entropy, top = [], [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         ids = None if top_ids is None else top_ids[s:s + chunk_tokens]
-        args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature, with_entropy, ids)
+        args = (head, _aligned(hidden[s:s + chunk_tokens]), _aligned(targets[s:s + chunk_tokens]), temperature,
+                with_entropy, _aligned(ids))
         chunk = _compiled_chunk() if hidden.is_cuda else _chunk
         out = checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args)
         picked.append(out[0])

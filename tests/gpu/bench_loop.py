@@ -1,7 +1,7 @@
 """The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
-        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]
+        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync, +packed
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`);
@@ -26,6 +26,15 @@ sync 0.36 s of which lock wait 0.25 s, probe 0.48 s, was 1.5 s), trainer phase 2
 ours `none` 6,538 tokens/s, **2.85x**, trainer phase 1.96 s = **0.93x** plain's training. Alone (bench_trainer) ours
 `full` + compiled layers is 1.37x plain's speed: in the loop the engine generates the next batch on the same GPU while
 the trainer trains (the two processes time-slice the GPU), which is what the trainer phase pays over plain's.
+Same day, `full+sync` (train.async.force_sync; another plain run, 3,222 tokens/s): 6,495 tokens/s, 2.02x, trainer
+phase 2.62 s = 1.50x plain's 1.74 s: the training is not faster without the next batch's generation beside it (the
+generator's in-flight requests keep generating, Molt D12: every other step's batch is ready at once), so the time
+slicing is not the gap; our rows are padded to the micro-batch's longest (up to 320 tokens), plain's all have the
+mean length. `full+packed` (actor.packing, flash_attention_2 through torch's varlen kernel; plain 3,052 tokens/s):
+first died in the first step with "CUDA driver error: misaligned address" (the compiled lm_head chunk's Triton
+kernels fed the packed targets `input_ids[0, 1:]`, 8 bytes into their storage: now copied aligned,
+runtime/logprobs.py), then ran: 4,566 tokens/s, 1.50x; trainer phase 3.51 s = 2.22x plain's, ~3 s even for a
+step of 441 tokens: a per-step cost of the packed path in this loop not found yet (no device time left).
 """
 
 from __future__ import annotations
@@ -88,7 +97,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
-    # ours: one run per mode (`full,none`: both in this call, against one plain run); plain: full checkpointing
+    # ours: one run per mode (`full,none`: both in this call, against one plain run; `full+sync`: with
+    # train.async.force_sync; `full+packed`: packed rows, flash_attention_2); plain: full checkpointing
     modes = (args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full").split(",")
     samples = int(args[args.index("--samples") + 1]) if "--samples" in args else 48  # prompts: ours runs samples/8 steps
     report: dict = {}
@@ -98,11 +108,16 @@ def main() -> int:
     for mode in modes:
         throughput = [f"model.path={big}", f"data.max_samples={samples}", "data.max_len=320",
                       "rollout.max_new_tokens=256", "eval.at_start=false", "eval.every=-1", "ckpt.every=-1",
-                      "ckpt.final_save=false", "train.micro_batch_size=16", f"model.gradient_checkpoint={mode}"]
-        ours = run_loop._run(f"ours_{mode}", out, throughput, 540)
+                      "ckpt.final_save=false", "train.micro_batch_size=16",
+                      f"model.gradient_checkpoint={mode.split('+')[0]}"]
+        if "+sync" in mode:  # on-policy: the next batch waits for this step's training and weight sync
+            throughput.append("train.async.force_sync=true")
+        if "+packed" in mode:  # no padding: torch's varlen FlashAttention kernel (no flash-attn package needed)
+            throughput += ["actor.packing=true", "model.attn=flash_attention_2"]
+        ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours
-        rows_file = out / f"ours_{mode}.metrics.jsonl"
+        rows_file = out / f"ours_{mode.replace('+', '-')}.metrics.jsonl"
         if ours.get("rc") != 0 or not rows_file.exists():
             print(json.dumps(report, indent=1, default=str))
             return 1

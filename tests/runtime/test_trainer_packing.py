@@ -159,3 +159,30 @@ def test_chunked_lm_head_matches_full_logits_and_stays_chunked():
         # lm_head sees (chunk, hidden) inputs only, forward and recomputed backward alike
         assert rows_seen and max(rows_seen) <= 16 and len(rows_seen) > 2 * (attn.sum() // 16)
     hook.remove()
+
+
+def test_lm_head_chunks_get_16_byte_aligned_inputs(monkeypatch):
+    """A packed row's targets are the view `input_ids[0, 1:]`, 8 bytes into its storage; the compiled chunk's Triton
+    kernels (GPUs) load 16-byte aligned: on an H200 the RL loop with packing died with a misaligned address."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="sdpa")
+    batch = skewed_batch()
+    offsets: list[int] = []
+    chunk = logprobs._chunk
+
+    def recording(head, *args):
+        offsets.extend(t.storage_offset() * t.element_size() % 16 for t in args if isinstance(t, torch.Tensor))
+        return chunk(head, *args)
+
+    monkeypatch.setattr(logprobs, "_chunk", recording)
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, batch.sequences, batch.attention_mask, 0.7, packed=True, chunk_tokens=16)
+    assert len(offsets) >= 2 * (batch.attention_mask.sum() // 16) and set(offsets) == {0}
+    monkeypatch.setattr(logprobs, "_aligned", lambda t: t)  # without the copy, the packed targets start 8 bytes in
+    offsets.clear()
+    with torch.no_grad():
+        lp_view, _ = token_logprobs(model, batch.sequences, batch.attention_mask, 0.7, packed=True, chunk_tokens=16)
+    assert 8 in offsets and torch.equal(lp, lp_view)
