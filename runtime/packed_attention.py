@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 NAME = "molt_varlen"  # no "flash" in it: transformers 5.17 would look for such a name on the Hub
+_registered: set[str] = set()  # NAME, and a CPU test's name for the reference kernel
 _offsets_cache: list = [None, None]  # [the tensor the offsets were computed from, (cu_seqlens, max_len, index)]
 
 
@@ -49,6 +50,12 @@ def register(name: str = NAME, kernel: Callable | None = None) -> None:
 
     AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, flash_attention_mask)
+    _registered.add(name)
+
+
+def is_varlen(model) -> bool:
+    """`model` (a transformers model) attends through `register`'s varlen attention."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in _registered
 
 
 def _torch_kernel() -> Callable:
@@ -94,19 +101,32 @@ def _offsets(attention_mask: Tensor | None, position_ids: Tensor | None, b: int,
     return out
 
 
+def packed_row_kwargs(position_ids: Tensor) -> dict[str, Tensor | int]:
+    """A packed (1, N) row's sequence offsets as transformers' varlen keyword arguments, computed once per forward
+    and handed through the model to every layer's attention. Computed inside a compiled layer instead, their
+    data-dependent `nonzero` broke the graph, and a break inside the checkpointed layer runs it eager."""
+    cu, max_len, _ = _offsets(None, position_ids, *position_ids.shape, position_ids.device)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+
+
 def varlen_attention_forward(kernel: Callable, module, query: Tensor, key: Tensor, value: Tensor,
                              attention_mask: Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              position_ids: Tensor | None = None, sliding_window: int | None = None,
-                             softcap: float | None = None, **_) -> tuple[Tensor, None]:
-    """transformers' attention call: (b, heads, s, d) query/key/value -> ((b, s, heads, d), no weights)."""
+                             softcap: float | None = None, cu_seq_lens_q: Tensor | None = None,
+                             max_length_q: int | None = None, **_) -> tuple[Tensor, None]:
+    """transformers' attention call: (b, heads, s, d) query/key/value -> ((b, s, heads, d), no weights). A packed
+    row's offsets come as `cu_seq_lens_q` / `max_length_q` (`packed_row_kwargs`) or from its position ids."""
     if sliding_window is not None or softcap is not None or (dropout and module.training):
         raise NotImplementedError("varlen attention here is causal full attention without dropout or softcap")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"varlen attention takes a 2-D padding mask, got {tuple(attention_mask.shape)}")
-    if attention_mask is not None and is_packed(position_ids):
+    if attention_mask is not None and (cu_seq_lens_q is not None or is_packed(position_ids)):
         raise ValueError("a packed row carries a 2-D attention mask: its documents would attend to each other")
     b, h, s, d = query.shape
-    cu, max_len, index = _offsets(attention_mask, position_ids, b, s, query.device)
+    if cu_seq_lens_q is not None and max_length_q is not None:
+        cu, max_len, index = cu_seq_lens_q, max_length_q, None
+    else:
+        cu, max_len, index = _offsets(attention_mask, position_ids, b, s, query.device)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if index is not None:
         q, k, v = q[index], k[index], v[index]

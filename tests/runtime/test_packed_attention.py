@@ -39,7 +39,7 @@ def _grads(model) -> list[torch.Tensor]:
     return out
 
 
-def test_varlen_attention_matches_padded_sdpa_packed_and_padded(models):
+def test_varlen_attention_matches_padded_sdpa_packed_and_padded(models, monkeypatch):
     sdpa, varlen = models
     batch = skewed_batch()
     mask = batch.action_mask
@@ -47,8 +47,15 @@ def test_varlen_attention_matches_padded_sdpa_packed_and_padded(models):
     want, _ = token_logprobs(sdpa, seqs, attn, 0.7)
     (want * mask).sum().backward()
     want_grads = _grads(sdpa)
+    offsets = packed_attention._offsets
+    calls = []
+    monkeypatch.setattr(packed_attention, "_offsets", lambda *a: calls.append(1) or offsets(*a))
     for packed in (False, True):
+        calls.clear()
         got, _ = token_logprobs(varlen, seqs, attn, 0.7, packed=packed)
+        # packed: the offsets computed once, outside the layers (their `nonzero` inside a compiled layer broke its
+        # graph), reaching every layer's attention as transformers' varlen keyword arguments; padded: per layer
+        assert len(calls) == (1 if packed else varlen.config.num_hidden_layers), packed
         assert ((got - want).abs() * mask).max() < 1e-5, packed
         (got * mask).sum().backward()
         for a, b in zip(_grads(varlen), want_grads, strict=True):
