@@ -206,6 +206,7 @@ ALL_RULES: tuple[Code, ...] = (
     ),
     Code("MODEL004", "unknown-model-arch", "error", packing.unknown_model_arch, BOTH),
     Code("MODEL005", "model-shape-unknown", "warning", packing.model_shape_unknown, BOTH),
+    Code("MODEL006", "automodel-asked-runs-on-hf", "warning", parallelism.automodel_asked_runs_on_hf, BOTH),
     Code("MOE001", "moe-without-expert-parallel", "error", moe.moe_without_expert_parallel, BOTH),
     Code("MOE002", "moe-with-tensor-parallel", "error", moe.moe_with_tensor_parallel, BOTH),
     Code("MOE003", "experts-not-divisible-by-ep", "error", moe.experts_not_divisible_by_ep, BOTH),

@@ -301,3 +301,46 @@ def tensor_parallel_without_a_plan(
             + ")",
             ["model.arch", "model.path"],
         )
+
+
+def automodel_asked_runs_on_hf(
+    recipe: RlRecipe | SftRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `model.backend: automodel` written in the recipe (or `--set`) for an architecture that nemo-automodel has no
+    custom implementation of, so the plan trains it on HF transformers anyway (the derived `model.backend` is `hf`).
+
+    ## Why it matters
+    The recipe says one backend and the job runs another: nemo-automodel's own layers, dispatchers, LoRA and
+    parallelizers are not what trains, and nothing but `molt-compile explain` would say so. Molt prints the same
+    at model build time (H9); here it is said before the job is submitted. Left unset, the backend is derived
+    silently (the default `automodel` means "where it exists").
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, backend: automodel}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3-8B, arch: qwen3-8b, backend: hf}
+    ```
+
+    ## References
+    molt_rules.md H9; molt_compile/derive/cluster.py `derive_backend`
+    """
+    if recipe.model.backend != "automodel" or not source.is_set("model.backend"):
+        return
+    if dv(derived, "model.backend") != "hf":
+        return
+    facts = model_facts(recipe, source)
+    name = facts.key if facts is not None else recipe.model.path
+    yield diag(
+        source,
+        "model.backend",
+        f"model.backend: automodel, but {name} has no nemo-automodel custom implementation: the plan trains it on "
+        "HF transformers (Molt H9)",
+        "set model.backend: hf to say what runs, or use an architecture nemo-automodel implements "
+        "(`molt-compile catalog models`)",
+        ["model.arch", "model.path"],
+    )
