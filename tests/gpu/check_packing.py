@@ -18,6 +18,8 @@ dynamic 0.126 / 5.8 % each, flex packed / dynamic 0.117 / 5.6-6.1 %; step speed 
 dynamic 2.50x, flex dynamic 2.60x, sdpa dynamic 1.62x.
 Run again 2026-12-03 under the current criterion: passed (no run beyond the tolerance of 0.164 nats / 7.4 %);
 varlen packed 1.63x, dynamic 2.53x; flex packed 1.43x, dynamic 2.50x; sdpa dynamic 1.59x.
+`flash_attention_2+compiled` (added 2026-12-04, not run yet): the same kernel under the GPU default, compiled layers
+with full checkpointing, packed layouts only: the path on which the RL loop died with a misaligned address that day.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 
@@ -74,7 +76,8 @@ def main() -> int:
     tokens = int(batch.attention_mask.sum())
     # flash_attention_2: the flash_attn package when it imports, else torch's varlen kernel (runtime/packed_attention);
     # flex: transformers' document block mask. Every layout is held against sdpa's padded one.
-    attns = ["sdpa"] if DRY_RUN else ["sdpa", "flash_attention_2", "flex"]
+    # `+compiled`: the GPU default around it (compiled layers, full checkpointing: the path the RL loop runs)
+    attns = ["sdpa"] if DRY_RUN else ["sdpa", "flash_attention_2", "flash_attention_2+compiled", "flex"]
     base = {"micro_batch_size": micro, "grad_accum": accum, "max_epochs": 1, "temperature": 1.0, "seed": 0,
             "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None}
     layouts = {"padded": base, "packed": {**base, "packing": True},
@@ -88,8 +91,10 @@ def main() -> int:
     reference: dict = {}
     for attn in attns:
         rls = {name: trainer_rl(
-            1, ref=False, model={"path": str(model_dir), "attn": attn,
-                                 "dtype": "float32" if DRY_RUN else "bfloat16"}, trainer=t,
+            1, ref=False, model={"path": str(model_dir), "attn": attn.removesuffix("+compiled"),
+                                 "dtype": "float32" if DRY_RUN else "bfloat16",
+                                 **({"compile_layers": True, "gradient_checkpoint": "full"}
+                                    if attn.endswith("+compiled") else {})}, trainer=t,
             optimizer={"lr": 0.0, "scheduler": "constant", "warmup_steps": 0, "total_steps": 100},
             kl={"use_loss": False}, is_correction={"level": "off"},
             device="cpu" if DRY_RUN else "cuda", dist_backend="gloo" if DRY_RUN else "nccl")
@@ -107,7 +112,8 @@ def main() -> int:
             return real_step()
 
         for name, layout in rls.items():
-            if attn == "flex" and name == "padded":  # flex recompiles per padded width; sdpa is the padded reference
+            if attn != "sdpa" and name == "padded" and attn != "flash_attention_2":
+                # flex recompiles per padded width; sdpa is the padded reference; compiled: packed layouts only
                 continue
             worker.t = layout.trainer
             grads.clear()
