@@ -222,8 +222,17 @@ _OMNI = "NemotronH_Nano_Omni"
 
 
 def _omni_image_row() -> Capability:
-    """Image prompts for Nemotron-Omni in RL (SFT feeds them: runtime/omni_processor.py, the sft_omni3_30b smoke).
-    TODO(rl): the reason."""
+    """Image prompts for Nemotron-Omni in RL. Its trainer side runs: the processor (runtime/omni_processor.py,
+    transformers' arithmetic without torchvision), its patches mapped to nemo-automodel's dynamic-resolution images,
+    the forward with CP (tests/runtime/models/test_automodel_omni.py) and an SFT job (the sft_omni3_30b smoke).
+    Its engine side does not: vLLM's `nano_nemotron_vl` builds its RADIO tower from timm's named sizes only
+    (`VIT_TIMM_DIM_BY_NAME`, vit_small: 384 wide, 12 layers, at the least) and reads `vision_config.args`,
+    `norm_mean` / `norm_std`, `template` and `image_tag_type` from the config, which the tiny omni (transformers'
+    config class) does not carry, so no CPU-sized omni is served; its processor module imports
+    vllm/transformers_utils/processors/internvl.py, which imports torchvision at module level; the weight sync
+    streams nemo-automodel's own names (`automodel.renames`), and the omni's state-dict adapter has no one-to-one map
+    to the checkpoint's (it fuses RADIO's query/key/value and splits the grouped experts per expert); and the runners
+    collapse image runs to one placeholder, not the omni's `<img>` ... `</img>` runs, for vLLM to expand again."""
 
     def check(plan: Plan) -> bool:
         from schemas.catalog import MODELS
@@ -235,10 +244,14 @@ def _omni_image_row() -> Capability:
         "rl-omni-images",
         "rl",
         "data.max_images_per_prompt",
-        "image prompts for Nemotron-Omni (NemotronH_Nano_Omni) in RL",
+        "image prompts for Nemotron-Omni (NemotronH_Nano_Omni) in RL (SFT takes them)",
         check,
         "data.max_images_per_prompt: 0 (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
-        tracked="issue 28: TODO",
+        tracked="issue 28: the trainer side runs (SFT); vLLM's nano_nemotron_vl serves no CPU-sized omni (its RADIO "
+        "tower from timm's named sizes, vit_small at the least, and config fields the tiny omni lacks), its processor "
+        "module imports torchvision (internvl.py), the weight sync streams nemo-automodel's names where the omni's "
+        "checkpoint fuses RADIO's q/k/v and splits the experts, and the runners' image-run collapse does not know "
+        "the omni's <img> ... </img> runs",
     )
 
 
