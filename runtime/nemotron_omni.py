@@ -15,9 +15,11 @@ which does not load against our CPU torch), `without_timm` gives that one switch
 for the build only (nothing else may take the stand-in for timm).
 
 Its HF export (`export_weights`) is its state-dict adapter's `to_hf`, the checkpoint's own layout (the legacy RADIO
-names with the fused QKV, one tensor per expert), not the streamed export of the other models: that adapter fuses
-the vision tower's query/key/value into one tensor, which a tensor-by-tensor stream cannot rebuild (its own
-per-tensor conversion leaves them unfused, in names its checkpoints do not use).
+and projector names, `language_model.backbone.*` with one tensor per expert), not the streamed export of the other
+models: that stream sends one tensor per parameter under a renamed name (`automodel.hf_weights`), and the omni's
+adapter has no such map (`internal_to_hf_map`): it splits each grouped-experts parameter into a tensor per expert.
+(Its fusing of RADIO's query/key/value, for the timm-style `attention.attention.query` names, does not apply to
+transformers 5's `RadioModel`, whose attention has `q_proj` / `k_proj` / `v_proj`.)
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ def _omni_image_row() -> Capability:
     config class) does not carry, so no CPU-sized omni is served; its processor module imports
     vllm/transformers_utils/processors/internvl.py, which imports torchvision at module level; the weight sync
     streams nemo-automodel's own names (`automodel.renames`), and the omni's state-dict adapter has no one-to-one map
-    to the checkpoint's (it fuses RADIO's query/key/value and splits the grouped experts per expert); and the runners
+    to the checkpoint's (it splits each grouped-experts parameter into a tensor per expert); and the runners
     collapse image runs to one placeholder, not the omni's `<img>` ... `</img>` runs, for vLLM to expand again."""
 
     def check(plan: Plan) -> bool:
@@ -250,7 +250,7 @@ def _omni_image_row() -> Capability:
         tracked="issue 28: the trainer side runs (SFT); vLLM's nano_nemotron_vl serves no CPU-sized omni (its RADIO "
         "tower from timm's named sizes, vit_small at the least, and config fields the tiny omni lacks), its processor "
         "module imports torchvision (internvl.py), the weight sync streams nemo-automodel's names where the omni's "
-        "checkpoint fuses RADIO's q/k/v and splits the experts, and the runners' image-run collapse does not know "
+        "checkpoint has a tensor per expert, and the runners' image-run collapse does not know "
         "the omni's <img> ... </img> runs",
     )
 

@@ -13,7 +13,9 @@ the vision features to bf16, as its checkpoints are). The images come from the c
 - under context parallelism (`context_parallel.prepare`, `logprobs._vlm_shard_hidden`) its forward takes the whole
   rows, splices the images in and cuts the result itself (its `cp_mesh`); on a 1-rank cp mesh (torch's ring
   attention has no CPU path) the log-probs and every gradient, the vision tower's included, equal the forward
-  without CP (the gradients to bf16's rounding). tests/runtime/test_context_parallel.py checks its in-forward cut against the sharder's on 2 ranks.
+  without CP (the gradients to bf16's rounding). tests/runtime/test_context_parallel.py checks its in-forward cut against the sharder's on 2 ranks;
+- its HF export (`ckpt.export_hf`: its adapter's checkpoint layout, `nemotron_omni.export_weights`) of an untrained
+  model is its checkpoint, tensor for tensor.
 """
 
 from __future__ import annotations
@@ -162,3 +164,20 @@ def test_context_parallel_cuts_the_spliced_rows_in_its_forward(world, checkpoint
         # bf16 gradients: the two attention calls (a padding mask without CP, causal only under it) round
         # differently; measured within 0.8 % of the gradient's norm (and a key bias's, zero but for rounding, 1e-7)
         assert (got_grad - grads[name]).norm().item() < 2e-2 * grads[name].norm().item() + 1e-6, name
+
+
+def test_its_hf_export_is_the_checkpoint_layout(world, checkpoint, tmp_path):
+    # nemo-automodel's adapter layout (the legacy RADIO and projector names, one tensor per expert), gathered from
+    # FSDP2's shards: an untrained model exports its checkpoint back, every tensor exactly, with the processor
+    from safetensors.torch import load_file
+
+    from runtime import ckpt
+
+    model = _build(checkpoint, world)
+    out = ckpt.export_hf(str(tmp_path / "hf"), model, automodel.hf_weights, checkpoint, 0)
+    assert out is not None
+    theirs, mine = load_file(f"{checkpoint}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    assert sorted(mine) == sorted(theirs) and any(".mixer.experts.3.up_proj." in n for n in mine)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=0, atol=0, msg=name)
+    assert vlm.load_processor(out).image_processor.to_dict() == vlm.load_processor(checkpoint).image_processor.to_dict()
