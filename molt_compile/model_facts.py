@@ -41,6 +41,7 @@ NATIVE_ARCHITECTURES = frozenset(
         "Glm4MoeForCausalLM",
         "NemotronHForCausalLM",
         "NemotronH_Nano_Omni",
+        "NemotronH_Nano_Omni_Reasoning_V3",  # the omni checkpoint's own name (the catalog row's above)
         "GptOssForCausalLM",
     }
 )

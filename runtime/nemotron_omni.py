@@ -13,6 +13,13 @@ nemo-automodel's omni also imports timm only to turn timm's fused attention off 
 the checkpoint ships no `modeling_radio.py`, does not use timm. Where timm is not installed (it needs torchvision,
 which does not load against our CPU torch), `without_timm` gives that one switch a stand-in that does nothing,
 for the build only (nothing else may take the stand-in for timm).
+
+Its HF export (`export_weights`) is its state-dict adapter's `to_hf`, the checkpoint's own layout (the legacy RADIO
+and projector names, `language_model.backbone.*` with one tensor per expert), not the streamed export of the other
+models: that stream sends one tensor per parameter under a renamed name (`automodel.hf_weights`), and the omni's
+adapter has no such map (`internal_to_hf_map`): it splits each grouped-experts parameter into a tensor per expert.
+(Its fusing of RADIO's query/key/value, for the timm-style `attention.attention.query` names, does not apply to
+transformers 5's `RadioModel`, whose attention has `q_proj` / `k_proj` / `v_proj`.)
 """
 
 from __future__ import annotations
@@ -79,3 +86,43 @@ def without_timm() -> Iterator[None]:
     finally:
         for name in names:
             sys.modules.pop(name, None)
+
+
+def is_omni(model) -> bool:
+    """nemo-automodel's Nemotron-Omni (its state-dict adapter is the omni's)."""
+    return type(getattr(model, "state_dict_adapter", None)).__name__ == "NemotronOmniStateDictAdapter"
+
+
+def export_weights(model, out_dir: str, rank: int, file_bytes: int) -> None:
+    """The model's weights in the checkpoint's layout under `out_dir` (collective; rank 0 writes): the full fp32
+    state dict gathered to rank 0's host memory (torch's `get_model_state_dict`, every placement), its adapter's
+    `to_hf`, files of at most `file_bytes` (an index when more than one). Rank 0 holds the whole model on the host
+    while it writes (the 31.6 B omni: 126 GB in fp32)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    hf = model.state_dict_adapter.to_hf({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    files: list[dict] = [{}]
+    size = 0
+    for name, tensor in hf.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > file_bytes:
+            files.append({})
+            size = 0
+        files[-1][name] = tensor.contiguous()
+        size += nbytes
+    names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    for name, tensors in zip(names, files, strict=True):
+        save_file(tensors, str(Path(out_dir) / name), metadata={"format": "pt"})
+    if len(files) > 1:
+        total = sum(t.numel() * t.element_size() for f in files for t in f.values())
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: name for name, f in zip(names, files, strict=True) for n in f}}
+        (Path(out_dir) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -4,10 +4,10 @@ images' model inputs (`runtime/sft_data.py` calls it per row, `runtime/sft.py` f
 The images join the first user turn as image parts (at its `<image>` markers, else before its text: the RL
 prompts' rule, `runtime/vlm.py`). The reply mask is found on the conversation rendered with one placeholder per
 image (`sft_data.encode_conversation`); the processor then expands each placeholder to one token per merged patch
-and returns the pixel values and grids, and the mask is expanded with it (placeholders are never supervised). The
-expanded ids must equal the rendered ids with each placeholder repeated by its image's token count, else the
-features would land on the wrong tokens: the row is refused (`SftError`). A row cut by `max_len` through an
-image's placeholders is dropped (`vlm_truncation`, Molt's rule for rollouts: a half image misaligns tokens and
+(Nemotron-Omni's wraps them in `<img>` ... `</img>`: `vlm.image_run`) and returns the pixel values and grids, and
+the mask is expanded with it (placeholders are never supervised). The expanded ids must equal the rendered ids with
+each placeholder replaced by its image's run, else the features would land on the wrong tokens: the row is refused
+(`SftError`). A row cut by `max_len` through an image's placeholders is dropped (`vlm_truncation`, Molt's rule for rollouts: a half image misaligns tokens and
 features; so is a row whose image lies wholly beyond the cut); one with more than `max_images_per_prompt`
 images is dropped (`too_many_images`).
 """
@@ -42,14 +42,15 @@ def encode(processor, messages: list[dict], refs: list, base_dir: Path | None, m
         return (ids, mask, None) if any(mask) else None
     ids, mm = vlm.encode(processor, processor.tokenizer.apply_chat_template(messages, tokenize=False), images)
     image_id = vlm.image_token_id(processor)
-    per_image = (mm["image_grid_thw"].prod(-1) // vlm.merge_size(processor) ** 2).tolist()
+    per_image = vlm.features_per_image(processor, mm)
     expected, mask, seen = [], [], 0
     for tok, m in zip(rendered.input_ids, rendered.loss_mask, strict=True):
         if tok == image_id:
             if seen == len(per_image):
                 raise ImageMismatch(f"the conversation renders more image placeholders than its {len(images)} images")
-            expected += [tok] * per_image[seen]
-            mask += [0] * per_image[seen]
+            run = vlm.image_run(processor, per_image[seen])
+            expected += run
+            mask += [0] * len(run)
             seen += 1
         else:
             expected.append(tok)

@@ -55,7 +55,7 @@ def _build_tiny_vlm(spec: dict, out_dir: Path) -> Path:
     and tokenizer of its own."""
     from runtime import tiny_vlm
 
-    builders = {"tiny_moe_vlm": tiny_vlm.build_tiny_moe_vlm}
+    builders = {"tiny_moe_vlm": tiny_vlm.build_tiny_moe_vlm, "tiny_omni": tiny_vlm.build_tiny_omni}
     tmp = _fresh(out_dir)
     builders[spec["tiny_vlm"]](tmp, seed=spec["seed"], **spec["options"])
     return _publish(spec, tmp, out_dir)

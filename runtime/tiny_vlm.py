@@ -175,6 +175,8 @@ def build_tiny_moe_vlm(out_dir: str | Path, seed: int = 0, corpus: Iterable[str]
 OMNI_TOKENS = ("<img>", "</img>", "<image>")
 """Nemotron-Omni's image tokens: each image is `<img>`, one `<image>` per feature (after the 2x2 pixel shuffle),
 `</img>`."""
+OMNI_PATCHES = (16, 64)
+"""The tiny omni processor's patches per image (min, max): small images, few features."""
 
 
 def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
@@ -183,16 +185,17 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
     architecture, which nemo-automodel builds with its own implementation: transformers' RADIO vision tower, the
     pixel-shuffle projector, a Nemotron-H language model of `layers` blocks with routed and shared experts) in the
     checkpoint's layout (nemo-automodel's own state-dict adapter writes it: the legacy RADIO names, fused QKV), with
-    its tokenizer. A 64x64 image is 4x4 patches of 16, 4 `<image>` features after the pixel shuffle. No Mamba block
-    by default: nemo-automodel's Mamba mixer runs mamba_ssm's Triton kernels only (CUDA). No processor: transformers'
-    Nemotron-Omni image processor needs torchvision, which does not load against our CPU torch."""
+    its tokenizer and processor (transformers' omni processor with its image processor's arithmetic run without
+    torchvision: `runtime/omni_processor.py`). An image is resized to OMNI_PATCHES (16 to 64) patches of 16 (a
+    64x64 image stays 4x4 patches), 4 to 16 `<image>` features after the 2x2 pixel shuffle. No Mamba block by
+    default: nemo-automodel's Mamba mixer runs mamba_ssm's Triton kernels only (CUDA)."""
     import torch
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.nemotron_omni.model import NemotronOmniForConditionalGeneration
     from safetensors.torch import save_file
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from runtime import nemotron_omni
+    from runtime import nemotron_omni, omni_processor
     from runtime.tiny_model import build_tokenizer, default_corpus
 
     out = Path(out_dir)
@@ -225,7 +228,10 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
     state = model.state_dict_adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     config.save_pretrained(out)
-    tok.save_pretrained(out)
+    image_processor = omni_processor.NemotronH_Omni_Reasoning_V3ImageProcessorPil(
+        patch_size=16, downsample_ratio=0.5, min_num_patches=OMNI_PATCHES[0], max_num_patches=OMNI_PATCHES[1],
+        max_model_len=config.llm_config.max_position_embeddings)
+    omni_processor.save(omni_processor.build(tok, image_processor), out)
     return out
 
 

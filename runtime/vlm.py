@@ -8,6 +8,10 @@ The contract (Qwen-VL style, what `runtime.tiny_vlm` builds and what vLLM's Qwen
 - vLLM takes the prompt with each run of placeholders collapsed back to one token plus the images, and expands it
   again with the same processor (`collapse_image_runs`), so engine and trainer see the same sequence.
 
+Nemotron-Omni (`runtime/omni_processor.py`) differs in two ways: its grid is `image_grid_hw` (images x 2, no time
+axis; `image_grid`), and its processor wraps each image's run in `<img>` ... `</img>`, which the chat template
+does not render (`image_run`: what one rendered placeholder becomes).
+
 Dataset images (`data.image_key`) may be PIL images (HF `Image` features decode to them), paths (relative to the
 dataset file's directory, else to the working directory), raw bytes, or `{"bytes": ..., "path": ...}` dicts
 (an undecoded HF image feature). A prompt's text may mark where images go with `<image>` (geo3k style); otherwise
@@ -57,8 +61,10 @@ def as_image_list(value: Any) -> list:
 def load_processor(path: str):
     from transformers import AutoProcessor
 
-    from runtime import no_torchvision
+    from runtime import no_torchvision, omni_processor
 
+    if omni_processor.is_omni_checkpoint(path):  # no auto class in transformers, and a torchvision backend
+        return omni_processor.load(path)
     no_torchvision.allow()
     return AutoProcessor.from_pretrained(path)
 
@@ -105,12 +111,38 @@ def encode(processor, text: str, images: list) -> tuple[list[int], dict | None]:
         return list(processor.tokenizer.encode(text, add_special_tokens=False)), None
     enc = processor(text=[text], images=images, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
+    key = GRID_KEYS[0] if GRID_KEYS[0] in enc else GRID_KEYS[1]
+    mm = {"pixel_values": enc["pixel_values"], key: enc[key]}
     # the processor takes images whose placeholders the text lacks; vLLM then finds no place for them
-    per_image = enc["image_grid_thw"].prod(-1) // merge_size(processor) ** 2
-    if ids.count(image_token_id(processor)) != int(per_image.sum()):
+    if ids.count(image_token_id(processor)) != sum(features_per_image(processor, mm)):
         raise ValueError(f"the rendered prompt holds {text.count(processor.image_token)} image placeholders for its "
                          f"{len(images)} images")
-    return ids, {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    return ids, mm
+
+
+GRID_KEYS = ("image_grid_thw", "image_grid_hw")
+"""Per image, its patch grid: (t, h, w) for Qwen-VL, (h, w) for Nemotron-Omni."""
+
+
+def image_grid(mm: dict):
+    """A row's (images x 2 or 3) patch grids, whichever processor made them."""
+    return mm[GRID_KEYS[0]] if GRID_KEYS[0] in mm else mm[GRID_KEYS[1]]
+
+
+def features_per_image(processor, mm: dict) -> list[int]:
+    """Placeholder tokens of each image: its patches over the merge (Qwen-VL) or pixel shuffle (omni), squared."""
+    return (image_grid(mm).prod(-1) // merge_size(processor) ** 2).tolist()
+
+
+def image_run(processor, features: int) -> list[int]:
+    """The ids one rendered image placeholder becomes in the processor's output: `features` placeholders, wrapped
+    in the omni's `<img>` ... `</img>` (Qwen-VL's template renders its own vision start/end)."""
+    run = [image_token_id(processor)] * features
+    if getattr(processor, "image_start_token", None) is None:
+        return run
+    tok = processor.tokenizer
+    return [tok.convert_tokens_to_ids(processor.image_start_token), *run,
+            tok.convert_tokens_to_ids(processor.image_end_token)]
 
 
 def join_inputs(a: dict | None, b: dict | None) -> dict | None:
@@ -119,7 +151,7 @@ def join_inputs(a: dict | None, b: dict | None) -> dict | None:
 
     if a is None or b is None:
         return a if b is None else b
-    return {k: torch.cat([a[k], b[k]]) for k in ("pixel_values", "image_grid_thw")}
+    return {k: torch.cat([a[k], b[k]]) for k in a}
 
 
 def collapse_image_runs(token_ids: list[int], image_token_id: int) -> list[int]:

@@ -221,36 +221,37 @@ def _offload_rows() -> tuple[Capability, ...]:
 _OMNI = "NemotronH_Nano_Omni"
 
 
-def _omni_image_rows() -> tuple[Capability, ...]:
-    """Image prompts for Nemotron-Omni: its trainer forward runs (tests/runtime/models/test_automodel_omni.py, CP
-    included, on pixel values built by hand), but no data path feeds it. transformers' omni image processor returns
-    packed patches with `image_grid_hw` (runtime/vlm.py reads Qwen-VL's `image_grid_thw`), nemo-automodel's omni takes
-    per-image pixel values with `imgs_sizes`; that processor and vLLM's `nano_nemotron_vl` both import torchvision,
-    which the CPU machines cannot load (reference/environment.md §2): nothing here could run or check the mapping."""
+def _omni_image_row() -> Capability:
+    """Image prompts for Nemotron-Omni in RL. Its trainer side runs: the processor (runtime/omni_processor.py,
+    transformers' arithmetic without torchvision), its patches mapped to nemo-automodel's dynamic-resolution images,
+    the forward with CP (tests/runtime/models/test_automodel_omni.py) and an SFT job (the sft_omni3_30b smoke).
+    Its engine side does not: vLLM's `nano_nemotron_vl` builds its RADIO tower from timm's named sizes only
+    (`VIT_TIMM_DIM_BY_NAME`, vit_small: 384 wide, 12 layers, at the least) and reads `vision_config.args`,
+    `norm_mean` / `norm_std`, `template` and `image_tag_type` from the config, which the tiny omni (transformers'
+    config class) does not carry, so no CPU-sized omni is served; its processor module imports
+    vllm/transformers_utils/processors/internvl.py, which imports torchvision at module level; the weight sync
+    streams nemo-automodel's own names (`automodel.renames`), and the omni's state-dict adapter has no one-to-one map
+    to the checkpoint's (it splits each grouped-experts parameter into a tensor per expert); and the runners
+    collapse image runs to one placeholder, not the omni's `<img>` ... `</img>` runs, for vLLM to expand again."""
 
-    def asks(kind: str) -> Callable[[Plan], bool]:
-        def check(plan: Plan) -> bool:
-            from schemas.catalog import MODELS
+    def check(plan: Plan) -> bool:
+        from schemas.catalog import MODELS
 
-            section = plan.rl if kind == "rl" else plan.sft
-            spec = MODELS.get(section.model.arch) if section.model.arch is not None else None
-            return section.data.image_key is not None and spec is not None and spec.architecture == _OMNI
+        spec = MODELS.get(plan.rl.model.arch) if plan.rl.model.arch is not None else None
+        return plan.rl.data.max_images_per_prompt > 0 and spec is not None and spec.architecture == _OMNI
 
-        return check
-
-    return tuple(
-        Capability(
-            f"{kind}-omni-images",
-            kind,
-            "data.max_images_per_prompt" if kind == "rl" else "data.image_key",
-            "image prompts for Nemotron-Omni (NemotronH_Nano_Omni)",
-            asks(kind),
-            ("data.max_images_per_prompt: 0" if kind == "rl" else "data.image_key: null")
-            + " (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
-            tracked="issue 28: the omni processor's packed patches (image_grid_hw) are not mapped to nemo-automodel's "
-            "per-image pixel values and imgs_sizes; the processor and vLLM's nano_nemotron_vl need torchvision",
-        )
-        for kind in ("rl", "sft")
+    return Capability(
+        "rl-omni-images",
+        "rl",
+        "data.max_images_per_prompt",
+        "image prompts for Nemotron-Omni (NemotronH_Nano_Omni) in RL (SFT takes them)",
+        check,
+        "data.max_images_per_prompt: 0 (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
+        tracked="issue 28: the trainer side runs (SFT); vLLM's nano_nemotron_vl serves no CPU-sized omni (its RADIO "
+        "tower from timm's named sizes, vit_small at the least, and config fields the tiny omni lacks), its processor "
+        "module imports torchvision (internvl.py), the weight sync streams nemo-automodel's names where the omni's "
+        "checkpoint has a tensor per expert, and the runners' image-run collapse does not know "
+        "the omni's <img> ... </img> runs",
     )
 
 
@@ -377,7 +378,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     *_automodel_rows(),
     *_offload_rows(),
-    _omni_image_rows()[0],
+    _omni_image_row(),
     Capability(
         "rl-muon",
         "rl",
@@ -419,7 +420,6 @@ CAPABILITIES: tuple[Capability, ...] = (
         tracked="issue 15",
     ),
     *_sft_automodel_rows(),
-    _omni_image_rows()[1],
 )
 """Every row, RL first, then SFT. `ids` are stable; a row that is implemented everywhere is deleted."""
 

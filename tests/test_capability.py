@@ -31,7 +31,7 @@ LAUNCH_RECIPE_ROWS = {
     "qwen3_4b_math_quickstart.yaml": set(),
     "qwen3_6_35b_geo3k.yaml": set(),
     "qwen3_6_35b_geo3k_quickstart.yaml": set(),
-    "sft_omni3_30b.yaml": {"sft-omni-images"},
+    "sft_omni3_30b.yaml": set(),
     "sft_qwen3_4b.yaml": set(),
     "sft_qwen3_4b_quickstart.yaml": set(),
     "sft_qwen3_6_35b.yaml": set(),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from molt_compile import smoke
 from molt_compile.compile import compile_recipe
 from molt_compile.smoke import SMOKE_STEPS, smoke_plan
 from molt_compile.smoke_run import Verdict, build_model, prepare, run_logged
@@ -107,14 +108,33 @@ def test_a_smoke_plan_runs_without_context_parallelism():
     assert (cp.old, cp.new) == (16, 1) and "no CPU path" in cp.why
 
 
-def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images():
-    # No tiny vision tower of the omni3 architecture runs on CPU (its image processors need torchvision): its smoke
-    # model would be text-only, and images on a text-only model are an error (DATA004: the job would die loading the
-    # image processor), so a refusal that says so
+def test_a_vlm_recipe_on_a_text_only_smoke_model_is_refused_for_its_images(monkeypatch):
+    # A VLM architecture with no tiny builder (the omni's, taken out of the table here): its smoke model would be
+    # text-only, and images on a text-only model are an error (DATA004: the job would die loading the image
+    # processor), so a refusal that says so
+    monkeypatch.delitem(smoke.TINY_VLMS, "NemotronH_Nano_Omni")
     verdict, sp, _ = prepare(Path("recipes/sft_omni3_30b.yaml"), (), ROOT)
     assert sp is not None and sp.text_only and "NemotronH_Nano_Omni" in sp.text_only
-    assert verdict.status == "refused" and verdict.phase == "compile"
-    assert "torchvision" in verdict.detail and "DATA004" in verdict.detail
+    assert "no tiny vision tower is built for it yet" in sp.text_only
+    assert verdict.status == "refused" and verdict.phase == "compile" and "DATA004" in verdict.detail
+
+
+def test_an_omni_recipe_smokes_on_a_tiny_omni_with_its_processor():
+    # runtime/tiny_vlm.py builds its architecture (attention + MoE blocks: the Mamba mixer is CUDA-only) with the
+    # torchvision-free omni processor; its trainer computes in bf16 (its forward casts the vision features to bf16)
+    real = _real(ROOT / "recipes/sft_omni3_30b.yaml")
+    sp = smoke_plan(real.recipe, real.derived, real.source, ROOT)
+    assert sp.text_only is None and sp.model_spec["tiny_vlm"] == "tiny_omni"
+    changes = {c.key: c.new for c in sp.changes}
+    assert changes["actor.mesh.ep"] == 2
+    assert "model.param_dtype" not in changes and real.recipe.model.param_dtype == "bf16"  # others become fp32
+    assert build_model(sp) == ""
+    assert '"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor"' in (
+        sp.model_dir / "preprocessor_config.json").read_text()
+    # no CPU engine serves it: the RL recipes' smoke model stays text-only, their images refused
+    verdict, rl, _ = prepare(Path("recipes/omni3_30b_geo3k.yaml"), (), ROOT)
+    assert rl is not None and rl.text_only and "no CPU engine serves a tiny omni" in rl.text_only
+    assert verdict.status == "refused" and "DATA004" in verdict.detail
 
 
 @pytest.mark.parametrize("recipe", ["qwen3_6_35b_geo3k.yaml", "qwen3_6_35b_geo3k_quickstart.yaml",

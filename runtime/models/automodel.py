@@ -321,6 +321,9 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
         model.model.visual.requires_grad_(False)
     if freeze_visual_encoder and hasattr(model, "vision_model"):  # Nemotron-Omni's RADIO tower (not its projector)
         model.vision_model.requires_grad_(False)
+    video = getattr(getattr(getattr(model, "vision_model", None), "embeddings", None), "video_patch_projection", None)
+    if video is not None:  # Nemotron-Omni's video embedder: no run feeds it video, so it never has a gradient, nor
+        video.requires_grad_(False)  # optimizer state to checkpoint (a resume's whole-model optimizer asks for it)
     if lora is not None:
         from runtime import lora as lora_adapters
 

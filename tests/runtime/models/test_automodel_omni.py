@@ -1,27 +1,37 @@
 """Image prompts of nemo-automodel's Nemotron-3-Nano-Omni (the omni3 launch recipes' architecture) on the automodel
 backend on CPU, a tiny random one (runtime/tiny_vlm.py `build_tiny_omni`: RADIO tower, pixel-shuffle projector,
 an attention and an MoE block: its Mamba mixer is CUDA-only) in a one-rank gloo world, in bf16 (its forward casts
-the vision features to bf16, as its checkpoints are).
+the vision features to bf16, as its checkpoints are). The images come from the checkpoint's processor
+(runtime/omni_processor.py, what the SFT data path and the runners load), as the trainer gets them.
 
-- the log-probs of image prompts (a padded row included) are those of its own forward's logits, and change with
-  the image;
+- the processor: its grids are transformers' (`get_patch_grid_size`: the sizes below worked by hand), its patches
+  the image resized as vLLM's `nano_nemotron_vl` resizes it (bicubic, antialiased, float) and normalized, in the
+  patch order vLLM's `DynamicResolutionImageTiler.stack` lays out, and each image's `<image>` run wrapped in
+  `<img>` ... `</img>`;
+- the log-probs of image prompts of two sizes (a padded row included) are those of its own forward's logits on the
+  images built here from the pixels (`omni_processor.model_images` maps the patches), and change with the image;
 - under context parallelism (`context_parallel.prepare`, `logprobs._vlm_shard_hidden`) its forward takes the whole
   rows, splices the images in and cuts the result itself (its `cp_mesh`); on a 1-rank cp mesh (torch's ring
   attention has no CPU path) the log-probs and every gradient, the vision tower's included, equal the forward
-  without CP (the gradients to bf16's rounding). tests/runtime/test_context_parallel.py checks its in-forward cut against the sharder's on 2 ranks.
+  without CP (the gradients to bf16's rounding). tests/runtime/test_context_parallel.py checks its in-forward cut against the sharder's on 2 ranks;
+- its HF export (`ckpt.export_hf`: its adapter's checkpoint layout, `nemotron_omni.export_weights`) of an untrained
+  model is its checkpoint, tensor for tensor.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
+from runtime import vlm
 from runtime.logprobs import token_logprobs, vision_inputs
 from runtime.models import automodel
 from runtime.tiny_vlm import build_tiny_omni
 from schemas.plan import ModelPlan
 
-FEATURES = 4  # <image> placeholders per 64x64 image: 4x4 patches of 16, 2x2 pixel shuffle
+SIZES = ((64, 64), (40, 90))  # (h, w) pixels -> 4x4 patches of 16 (4 features); 4x6 (6 features), worked below
 
 
 @pytest.fixture(scope="module")
@@ -36,21 +46,58 @@ def _build(path: str, world):
     return automodel.build(plan, path, world, torch.device("cpu"))
 
 
-def _batch(path: str, seed: int = 0):
-    """Two image prompts with answers, the second right-padded: (ids, mask, per-row image inputs)."""
-    from transformers import AutoTokenizer
+def _images(seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
 
-    tok = AutoTokenizer.from_pretrained(path)
-    image = [tok.convert_tokens_to_ids("<img>"), *[tok.convert_tokens_to_ids("<image>")] * FEATURES,
-             tok.convert_tokens_to_ids("</img>")]
-    rows = [tok.encode("what is") + image + tok.encode("it is green, with a box"), tok.encode("?") + image + [5, 6]]
+
+def _batch(path: str, seed: int = 0):
+    """Two image prompts with answers, the second right-padded, through the checkpoint's processor: (ids, mask,
+    per-row image inputs, the images)."""
+    processor = vlm.load_processor(path)
+    images = _images(seed)
+    rows, mm = [], []
+    for text, image in zip(("what is<image>it is green, with a box", "?<image>no"), images, strict=True):
+        ids, inputs = vlm.encode(processor, text, [image])
+        rows.append(ids)
+        mm.append(inputs)
     width = max(map(len, rows))
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]).bool()
-    gen = torch.Generator().manual_seed(seed)
-    mm = [{"pixel_values": torch.randn(1, 3, 64, 64, generator=gen), "imgs_sizes": torch.tensor([[64, 64]])}
-          for _ in rows]
-    return ids, mask, mm
+    return ids, mask, mm, images
+
+
+def _resized(image, grid: tuple[int, int], mean, std) -> torch.Tensor:
+    """vLLM's `_bicubic_resize_and_normalize` of one image to `grid` patches of 16: (3, 16 h, 16 w)."""
+    x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].float()
+    x = torch.nn.functional.interpolate(x, size=(16 * grid[0], 16 * grid[1]), mode="bicubic", align_corners=False,
+                                        antialias=True)
+    return ((x / 255.0 - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))[0]
+
+
+def test_the_processor_resizes_and_lays_out_patches_as_the_engine_does(checkpoint):
+    processor = vlm.load_processor(checkpoint)
+    assert type(processor.image_processor).__name__ == "NemotronH_Omni_Reasoning_V3ImageProcessorPil"
+    ip = processor.image_processor
+    # transformers' grid by hand, min 16 max 64 patches: 40x90 -> (floor(2.5)+1, floor(5.625)+1) = (3, 6), 18
+    # patches; 3 is odd and 4x6 fits in 64, so (4, 6). 64x64 is 4x4 already. 300x20 -> (19, 2) = 38 patches;
+    # 19 -> 20 fits. 1000x1000 -> (63, 63) scaled by sqrt(64 / 63²) -> (8, 8)
+    images = _images(0) + [Image.new("RGB", (20, 300)), Image.new("RGB", (1000, 1000))]
+    out = ip(images, return_tensors="pt")
+    assert out["image_grid_hw"].tolist() == [[4, 4], [4, 6], [20, 2], [8, 8]]
+    start = 0
+    for image, (h, w) in zip(images[:2], out["image_grid_hw"].tolist(), strict=False):
+        want = _resized(image, (h, w), ip.image_mean, ip.image_std)  # the image, resized as vLLM does
+        patches = out["pixel_values"][start:start + h * w]
+        start += h * w
+        # vLLM's `stack`: "c (py yy) (px xx) -> (py px) (c yy xx)"
+        want = want.reshape(3, h, 16, w, 16).permute(1, 3, 0, 2, 4).reshape(h * w, 3 * 16 * 16)
+        torch.testing.assert_close(patches, want, rtol=0, atol=1e-5)  # fused vs unfused normalization only
+    ids, mm = vlm.encode(processor, "see<image>and<image>", images[:2])
+    tok = processor.tokenizer
+    img, start_id, end_id = (tok.convert_tokens_to_ids(t) for t in ("<image>", "<img>", "</img>"))
+    runs = [ids[i + 1:ids.index(end_id, i)] for i, t in enumerate(ids) if t == start_id]
+    assert runs == [[img] * 4, [img] * 6] and mm["image_grid_hw"].tolist() == [[4, 4], [4, 6]]
 
 
 def _logprobs(model, ids, mask, mm, cp=None):
@@ -63,12 +110,22 @@ def test_image_prompt_logprobs_are_its_forwards(world, checkpoint):
     assert "nemo_automodel.components.models.nemotron_omni.model.NemotronOmniForConditionalGeneration" in {
         f"{c.__module__}.{c.__name__}" for c in type(model).__mro__}  # nemo-automodel's own class, under FSDP2
     assert [b.block_type for b in automodel.decoder_layers(model)] == ["attention", "moe"]
-    ids, mask, mm = _batch(checkpoint)
+    ids, mask, mm, images = _batch(checkpoint)
+    # its own dynamic-resolution input, built from the pixels: each image resized to its grid, zero-padded to 64x96
+    ip = vlm.load_processor(checkpoint).image_processor
+    pixels = torch.zeros(2, 3, 64, 96)
+    for i, (image, m) in enumerate(zip(images, mm, strict=True)):
+        h, w = m["image_grid_hw"][0].tolist()
+        x = torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].float()
+        x = torch.nn.functional.interpolate(x, size=(16 * h, 16 * w), mode="bicubic", align_corners=False,
+                                            antialias=True)[0]
+        mean, std = (torch.tensor(v).view(3, 1, 1) * 255.0 for v in (ip.image_mean, ip.image_std))
+        pixels[i, :, :16 * h, :16 * w] = (x - mean) / std  # transformers' fused rescale + normalize
     with torch.no_grad():
         mine = _logprobs(model, ids, mask, mm)
         other = _logprobs(model, ids, mask, _batch(checkpoint, seed=1)[2])
-        logits = model(input_ids=ids, attention_mask=mask.long(), pixel_values=torch.cat([m["pixel_values"] for m in mm]),
-                       imgs_sizes=torch.cat([m["imgs_sizes"] for m in mm]), use_cache=False).logits
+        logits = model(input_ids=ids, attention_mask=mask.long(), pixel_values=pixels,
+                       imgs_sizes=torch.tensor([[64, 64], [64, 96]]), use_cache=False).logits
     theirs = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     real = mask[:, 1:]
     torch.testing.assert_close(mine[real], theirs[real], rtol=0, atol=1e-5)
@@ -81,7 +138,7 @@ def test_context_parallel_cuts_the_spliced_rows_in_its_forward(world, checkpoint
     from runtime import context_parallel
 
     cp_mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))
-    ids, mask, mm = _batch(checkpoint)
+    ids, mask, mm, _ = _batch(checkpoint)
     plain, under_cp = _build(checkpoint, world), _build(checkpoint, world)
     context_parallel.prepare(under_cp, cp_mesh)
     assert under_cp.cp_mesh is cp_mesh  # its forward cuts the spliced rows by it
@@ -107,3 +164,20 @@ def test_context_parallel_cuts_the_spliced_rows_in_its_forward(world, checkpoint
         # bf16 gradients: the two attention calls (a padding mask without CP, causal only under it) round
         # differently; measured within 0.8 % of the gradient's norm (and a key bias's, zero but for rounding, 1e-7)
         assert (got_grad - grads[name]).norm().item() < 2e-2 * grads[name].norm().item() + 1e-6, name
+
+
+def test_its_hf_export_is_the_checkpoint_layout(world, checkpoint, tmp_path):
+    # nemo-automodel's adapter layout (the legacy RADIO and projector names, one tensor per expert), gathered from
+    # FSDP2's shards: an untrained model exports its checkpoint back, every tensor exactly, with the processor
+    from safetensors.torch import load_file
+
+    from runtime import ckpt
+
+    model = _build(checkpoint, world)
+    out = ckpt.export_hf(str(tmp_path / "hf"), model, automodel.hf_weights, checkpoint, 0)
+    assert out is not None
+    theirs, mine = load_file(f"{checkpoint}/model.safetensors"), load_file(f"{out}/model.safetensors")
+    assert sorted(mine) == sorted(theirs) and any(".mixer.experts.3.up_proj." in n for n in mine)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=0, atol=0, msg=name)
+    assert vlm.load_processor(out).image_processor.to_dict() == vlm.load_processor(checkpoint).image_processor.to_dict()
