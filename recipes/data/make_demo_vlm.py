@@ -25,9 +25,9 @@ at 70 as it reads the image. Two earlier choices kept RL from teaching it to rea
 steps with the tower trained left the right answer at 0.32 whatever the digit, and RL at the recipe's lr stayed flat
 (0.42 -> 0.41); the trained tower had turned its features into a large common vector (the three digits' features
 differed by a tenth of their norm, against about a third for the random tower), from which supervised steps, too,
-needed 200 more to read. With the tower frozen, hidden 64 reads after about 130 supervised steps and RL at lr 5e-4
+were slow to read (0.49 at 250 steps, 0.79 at 400). With the tower frozen, hidden 64 reads after about 130 supervised steps and RL at lr 5e-4
 rose only 0.43 -> 0.46 in 80 steps; hidden 128 reads four times sooner (tests/bench_vlm_automodel.py has the RL
-runs). Not committed: tests/bench_vlm_automodel.py builds it on first use (seconds).
+runs). Not committed: tests/bench_vlm_automodel.py builds it on first use (15 s).
 
 Rows keep their image as a path relative to the dataset file (`image` column, a list of one), the form
 `runtime.datasource` / `runtime.vlm` read; HF image features and bytes work as well.
