@@ -301,6 +301,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("VLLM010", "logprobs-for-centering-or-kl", "info", vllm.logprobs_for_centering_or_kl),
     Code("VLLM011", "unknown-moe-backend", "warning", vllm.unknown_moe_backend),
     Code("VLLM012", "router-balance-without-cache-aware", "warning", vllm.router_balance_without_cache_aware),
+    Code("VLLM013", "hf-engine-on-hybrid-model", "error", vllm.hf_engine_on_hybrid_model),
 )
 """Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 

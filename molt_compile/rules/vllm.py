@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
+from molt_compile.model_facts import model_facts
 from molt_compile.rules._base import diag, dv, is_set
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe
@@ -207,6 +208,52 @@ def hf_engine_with_parallel_mesh(recipe: RlRecipe, derived: Derived, source: Sou
             f"rollout.engine hf uses one device per engine, but the mesh asks for {width}",
             "set rollout.mesh to tp 1, pp 1, dp 1 and add engines instead",
             ["rollout.engine"],
+        )
+
+
+RECURRENT_STATE_ARCHITECTURES = ("Qwen3_5Moe", "Qwen3Next", "NemotronH")
+"""Architecture-name prefixes of hybrid models whose layers keep a recurrent state besides the KV cache (gated
+delta net, Mamba2)."""
+
+
+def hf_engine_on_hybrid_model(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `rollout.engine: hf` for a hybrid model whose linear-attention or Mamba layers keep a recurrent state besides
+    the KV cache (Qwen3.5/3.6-MoE's gated delta net, Nemotron-H's Mamba2).
+
+    ## Why it matters
+    The HF engine decodes its slots through one paged key/value cache (runtime/engines/hf_decode.py); a gated delta
+    net or Mamba layer asks that cache for its recurrent state, which it does not hold, so every rollout fails
+    (`'SlotKVCache' object has no attribute 'has_previous_state'`, seen on the tiny Qwen3.5-MoE VLM) and the run
+    trains nothing. vLLM serves these models.
+
+    ## Example
+    ```yaml
+    model: {path: Qwen/Qwen3.6-35B-A3B, arch: qwen3.6-35b-a3b}
+    rollout: {engine: hf}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: Qwen/Qwen3.6-35B-A3B, arch: qwen3.6-35b-a3b}
+    rollout: {engine: vllm}
+    ```
+
+    ## References
+    runtime/engines/hf_decode.py; tests/bench_vlm_automodel.py (its hf-engine attempt); vLLM serves them with its
+    own state caches (its hybrid-model support); schemas/catalog.py (the hybrid rows)
+    """
+    facts = model_facts(recipe, source)
+    if recipe.rollout.engine != "hf" or facts is None:
+        return
+    if facts.architecture.startswith(RECURRENT_STATE_ARCHITECTURES):
+        yield diag(
+            source,
+            "rollout.engine",
+            f"rollout.engine hf cannot decode {facts.key} ({facts.architecture}): its linear-attention / Mamba "
+            "layers keep a recurrent state the hf engine's key/value cache does not hold, so every rollout would fail",
+            "set rollout.engine: vllm",
+            ["model.path", "model.arch"],
         )
 
 
