@@ -2,7 +2,7 @@
 
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
-Exit status: 0 finished, 1 the run failed, 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
+Exit status: 0 finished, 1 the run failed (or finished with every prompt dropped, none trained), 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
 it resumes), 2 unusable plan file (or an unset `${env:NAME}`, or run/checkpoint directories another run holds).
 """
 
@@ -83,9 +83,22 @@ def _run_rl(plan, env: dict[str, str]) -> int:
     print(f"metrics: {result.metrics_path}")
     if result.plot_path is not None:
         print(f"plot: {result.plot_path}")
+    if (failed := nothing_trained(result.status, acc)) is not None:
+        print(f"run failed: {failed}", file=sys.stderr)
+        return 1
     from runtime.loop import REQUEUE_EXIT_STATUS
 
     return {"finished": 0, "requeue": REQUEUE_EXIT_STATUS}.get(result.status, 130)
+
+
+def nothing_trained(status: str, accounting: dict[str, int]) -> str | None:
+    """Why a run that finished is a failure: it consumed prompts and dropped every one (an engine or agent that
+    fails every rollout ends the data with no step trained); None otherwise (an eval-only run consumes none)."""
+    dropped = {k.removeprefix("prompts/dropped/"): v for k, v in accounting.items() if k.startswith("prompts/dropped/")}
+    if status != "finished" or accounting.get("prompts/trained", 0) > 0 or not any(dropped.values()):
+        return None
+    return (f"no step trained: every one of the {accounting.get('prompts/consumed', 0)} prompts consumed was "
+            f"dropped {dropped} (the runners' errors are in the log above)")
 
 
 if __name__ == "__main__":
