@@ -2,8 +2,9 @@
 
 Connects to the Ray cluster named by RAY_ADDRESS (Ray Jobs and the Slurm script set it); without one, starts a
 local Ray instance with exactly the node resources the plan declares, and stops it at the end.
-Exit status: 0 finished, 1 the run failed (or finished with every prompt dropped, none trained), 130 stopped by a signal, 75 checkpointed on SIGUSR1 (run it again:
-it resumes), 2 unusable plan file (or an unset `${env:NAME}`, or run/checkpoint directories another run holds).
+Exit status: 0 finished, 1 the run failed (or finished with every prompt it consumed dropped, none trained), 130
+stopped by a signal, 75 checkpointed on SIGUSR1 (run it again: it resumes), 2 unusable plan file (or an unset
+`${env:NAME}`, or run/checkpoint directories another run holds).
 """
 
 from __future__ import annotations

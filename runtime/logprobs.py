@@ -255,9 +255,10 @@ def _vlm_shard_hidden(model, sequences: Tensor, attention_mask: Tensor, vision: 
 
 def packed_row_masks(model, input_ids: Tensor, position_ids: Tensor) -> dict[str, Tensor | int]:
     """What a packed row needs besides its position ids: for transformers' models nothing (they find the documents
-    from the position ids) but torch's varlen kernel's offsets (`packed_attention.packed_row_kwargs`); nemo-automodel's own implementations read no document boundaries from position ids
-    (without a mask their sdpa runs causal over the whole packed row), so they take an explicit block-diagonal mask
-    and no padding; built with a THD-only attention (tilelang, te) they take the row as THD (`runtime.packed_thd`)."""
+    from the position ids) but torch's varlen kernel's offsets (`packed_attention.packed_row_kwargs`);
+    nemo-automodel's own implementations read no document boundaries from position ids (without a mask their sdpa
+    runs causal over the whole packed row), so they take an explicit block-diagonal mask and no padding; built with
+    a THD-only attention (tilelang, te) they take the row as THD (`runtime.packed_thd`)."""
     if hasattr(model, "get_decoder"):  # torch's varlen kernel: the offsets once, outside the (compiled) layers
         return packed_attention.packed_row_kwargs(position_ids) if packed_attention.is_varlen(model) else {}
     if packed_thd.takes_thd(model):

@@ -7,9 +7,9 @@ image (`sft_data.encode_conversation`); the processor then expands each placehol
 (Nemotron-Omni's wraps them in `<img>` ... `</img>`: `vlm.image_run`) and returns the pixel values and grids, and
 the mask is expanded with it (placeholders are never supervised). The expanded ids must equal the rendered ids with
 each placeholder replaced by its image's run, else the features would land on the wrong tokens: the row is refused
-(`SftError`). A row cut by `max_len` through an image's placeholders is dropped (`vlm_truncation`, Molt's rule for rollouts: a half image misaligns tokens and
-features; so is a row whose image lies wholly beyond the cut); one with more than `max_images_per_prompt`
-images is dropped (`too_many_images`).
+(`SftError`). A row cut by `max_len` through an image's placeholders is dropped (`vlm_truncation`, Molt's rule for
+rollouts: a half image misaligns tokens and features; so is a row whose image lies wholly beyond the cut); one with
+more than `max_images_per_prompt` images is dropped (`too_many_images`).
 """
 
 from __future__ import annotations
