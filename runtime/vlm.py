@@ -111,7 +111,7 @@ def encode(processor, text: str, images: list) -> tuple[list[int], dict | None]:
         return list(processor.tokenizer.encode(text, add_special_tokens=False)), None
     enc = processor(text=[text], images=images, return_tensors="pt")
     ids = enc["input_ids"][0].tolist()
-    key = GRID_KEYS[0] if GRID_KEYS[0] in enc else GRID_KEYS[1]
+    key = grid_key(enc)
     mm = {"pixel_values": enc["pixel_values"], key: enc[key]}
     # the processor takes images whose placeholders the text lacks; vLLM then finds no place for them
     if ids.count(image_token_id(processor)) != sum(features_per_image(processor, mm)):
@@ -124,9 +124,14 @@ GRID_KEYS = ("image_grid_thw", "image_grid_hw")
 """Per image, its patch grid: (t, h, w) for Qwen-VL, (h, w) for Nemotron-Omni."""
 
 
+def grid_key(mm) -> str:
+    """Which of `GRID_KEYS` the processor's output (or a row's image inputs) holds."""
+    return GRID_KEYS[0] if GRID_KEYS[0] in mm else GRID_KEYS[1]
+
+
 def image_grid(mm: dict):
     """A row's (images x 2 or 3) patch grids, whichever processor made them."""
-    return mm[GRID_KEYS[0]] if GRID_KEYS[0] in mm else mm[GRID_KEYS[1]]
+    return mm[grid_key(mm)]
 
 
 def features_per_image(processor, mm: dict) -> list[int]:

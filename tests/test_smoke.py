@@ -239,6 +239,11 @@ output paths, the agent's turn limit (a number the runner reads), the engines' m
 TWIN_SAME_STEPS = re.compile(r"^(rl\.trainer\.old_logprob_pass|rl\.trainer\.(batch_size|max_epochs|grad_accum)"
                              r"|rl\.schedule\.(total_steps|steps_per_episode))$")
 """Keys a twin must share with its sibling when it differs in `force_on_policy`: the same optimizer steps."""
+REFUSED_TODAY = {
+    "omni3_30b_distill.yaml": "rl-omni-images (no CPU engine serves a tiny omni; the smoke model is text-only, DATA004)",
+    "omni3_30b_geo3k.yaml": "rl-omni-images (as above)",
+}
+"""The shipped recipes whose smoke run is a refusal today, and why; every other one must pass."""
 SMOKED = [p for p in SHIPPED if p.name not in RUN_ELSEWHERE and p.name not in SMOKE_TWINS]
 
 
@@ -303,8 +308,10 @@ def smoke_table():
 def test_just_smoke_passes_or_refuses_every_shipped_recipe(path, smoke_table):
     v = smoke_table[path.name]
     assert v.status in ("passed", "refused"), "\n".join(v.lines())
-    if path.name.startswith("demo_"):
+    if path.name not in REFUSED_TODAY:  # a capability row that comes back (or a new refusal) fails here
         assert v.status == "passed", "\n".join(v.lines())
+    else:  # the list stays true: a recipe that starts to pass leaves it
+        assert v.status == "refused", "\n".join(v.lines())
     if v.status == "passed":
         assert v.steps == SMOKE_STEPS and v.resumed and v.tokens > 0 and v.eval_metrics
 
