@@ -18,9 +18,7 @@ GPU run (host and device are one memory here); the capability table says so for 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 from dataclasses import replace
 
 import torch
@@ -134,17 +132,9 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def distinct_free_ports(n: int) -> list[int]:
-    """`n` different free ports: held open together while picked (bind-and-close one at a time can hand out a port
-    twice, and a world's port reused by the next world can still be taken)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("", 0))
-        return [s.getsockname()[1] for s in socks]
-
-
 def test_offloaded_steps_equal_plain_steps(tmp_path):
+    from runtime.ranks import free_port
+
     model = str(ROOT / "recipes/data/demo_math/model")
     gae = compile_plan("recipes/demo_math_gae.yaml").rl
     rl = trainer_rl(2, ref=False, trainer={"micro_batch_size": 2, "grad_accum": 2, "max_epochs": 1, "seed": 0},
@@ -156,7 +146,7 @@ def test_offloaded_steps_equal_plain_steps(tmp_path):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        mp.spawn(_rank_main, args=(distinct_free_ports(4 * len(LEVELS)), str(tmp_path), rl, sft_plan),
+        mp.spawn(_rank_main, args=([free_port() for _ in range(4 * len(LEVELS))], str(tmp_path), rl, sft_plan),
                  nprocs=2, join=True)
     finally:
         os.chdir(cwd)
