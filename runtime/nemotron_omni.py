@@ -93,6 +93,35 @@ def is_omni(model) -> bool:
     return type(getattr(model, "state_dict_adapter", None)).__name__ == "NemotronOmniStateDictAdapter"
 
 
+VISION_TOWER = "vision_model."
+"""The RADIO tower's parameter prefix: no engine is sent it (`engine_names`)."""
+
+
+def engine_names(model) -> dict[str, tuple[str, bool]]:
+    """Each floating parameter's name as vLLM's `nano_nemotron_vl` loads it, and whether its last two dims swap: the
+    checkpoint's name, from the adapter's own per-tensor conversion (`convert_single_tensor_to_hf`, run on a meta
+    stand-in); a grouped-experts parameter, which that conversion splits into a tensor per expert, under the fused
+    name vLLM's MoE loader takes whole (`...experts.up_proj` / `down_proj`, (experts, out, in): nemo-automodel's
+    (experts, in, out) swapped). The RADIO tower is left out: vLLM loads it only as the checkpoint's fused `attn.qkv`,
+    which a stream of one tensor per parameter cannot send (its query, key and value are three parameters), so the
+    compiler refuses omni RL on vLLM engines unless the tower is frozen (`actor.freeze.visual_encoder`, capability
+    row rl-omni-vision-sync) and the engines keep the tower they loaded."""
+    import torch
+
+    adapter = model.state_dict_adapter
+    names: dict[str, tuple[str, bool]] = {}
+    for name, p in model.named_parameters():
+        if not p.is_floating_point() or name.startswith(VISION_TOWER):
+            continue
+        converted = adapter.convert_single_tensor_to_hf(name, torch.empty(p.shape, device="meta"))
+        if len(converted) == 1:
+            names[name] = (converted[0][0], False)
+        else:  # one tensor per expert: `....experts.0.up_proj.weight` -> `....experts.up_proj`
+            head, _, tail = converted[0][0].partition(".experts.0.")
+            names[name] = (f"{head}.experts.{tail.removesuffix('.weight')}", True)
+    return names
+
+
 def export_weights(model, out_dir: str, rank: int, file_bytes: int) -> None:
     """The model's weights in the checkpoint's layout under `out_dir` (collective; rank 0 writes): the full fp32
     state dict gathered to rank 0's host memory (torch's `get_model_state_dict`, every placement), its adapter's

@@ -159,11 +159,19 @@ def join_inputs(a: dict | None, b: dict | None) -> dict | None:
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
 
-def collapse_image_runs(token_ids: list[int], image_token_id: int) -> list[int]:
-    """Each run of consecutive image placeholders as one placeholder: the prompt form vLLM expands itself."""
+def collapse_image_runs(token_ids: list[int], image_token_id: int,
+                        wrapper: tuple[int, int] | None = None) -> list[int]:
+    """Each run of consecutive image placeholders as one placeholder: the prompt form vLLM expands itself. With
+    `wrapper` (Nemotron-Omni's `<img>`, `</img>` ids: vLLM's processor wraps each run it expands itself) the run's
+    wrapper goes too, so that one rendered `<image>` is left, as the chat template rendered it."""
     out: list[int] = []
-    for tok in token_ids:
+    for i, tok in enumerate(token_ids):
         if tok == image_token_id and out and out[-1] == image_token_id:
+            continue
+        if wrapper is not None and (
+            (tok == wrapper[0] and i + 1 < len(token_ids) and token_ids[i + 1] == image_token_id)
+            or (tok == wrapper[1] and out and out[-1] == image_token_id)
+        ):
             continue
         out.append(tok)
     return out

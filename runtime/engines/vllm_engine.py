@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.agents.types import UNKNOWN_VERSION, GenerateOutput
-from runtime.engines.weights import image_token_id, tied_embeddings
+from runtime.engines.weights import image_token_id, image_wrapper_ids, tied_embeddings
 from runtime.vlm import collapse_image_runs
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class VllmEngine:
         self.model_path = model_path
         self.tied = tied_embeddings(model_path)
         self.image_token_id = image_token_id(model_path) if engines.max_images_per_prompt > 0 else None
+        self.image_wrapper = image_wrapper_ids(model_path) if engines.max_images_per_prompt > 0 else None
         args = AsyncEngineArgs(
             model=model_path,
             dtype=engines.dtype,
@@ -135,8 +136,8 @@ class VllmEngine:
                                 output_kind=RequestOutputKind.FINAL_ONLY,
                                 extra_args={KEY: request_id} if self.routing_hook else None)
         if images:  # expanded placeholders collapse to one per image; vLLM's processor expands them identically
-            prompt = TokensPrompt(prompt_token_ids=collapse_image_runs(list(prompt_ids), self.image_token_id),
-                                  multi_modal_data={"image": list(images)})
+            collapsed = collapse_image_runs(list(prompt_ids), self.image_token_id, self.image_wrapper)
+            prompt = TokensPrompt(prompt_token_ids=collapsed, multi_modal_data={"image": list(images)})
         else:
             prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
         final = await self._final(prompt, params, request_id)

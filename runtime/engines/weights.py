@@ -22,3 +22,15 @@ def image_token_id(model_path: str) -> int:
 def merge_size(model_path: str) -> int:
     """Vision patches merged per placeholder token, per side (`vision_config.spatial_merge_size`)."""
     return int(json.loads((Path(model_path) / "config.json").read_text())["vision_config"]["spatial_merge_size"])
+
+
+def image_wrapper_ids(model_path: str) -> tuple[int, int] | None:
+    """The ids of the tokens a VLM's processor wraps each image run in (Nemotron-Omni's `<img>`, `</img>`; None:
+    Qwen-VL's processors wrap nothing, its chat template renders the vision start and end)."""
+    from runtime import omni_processor
+
+    if not omni_processor.is_omni_checkpoint(model_path):
+        return None
+    processor = omni_processor.load(model_path)
+    tok = processor.tokenizer
+    return tok.convert_tokens_to_ids(processor.image_start_token), tok.convert_tokens_to_ids(processor.image_end_token)

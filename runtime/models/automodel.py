@@ -138,7 +138,8 @@ def hf_weights(model) -> list[tuple[str, Any]]:
     """(transformers' name, parameter, transposed view or merged LoRA weight) of every floating parameter, in module
     order: what a weight sync streams to the engines. Under expert parallelism an expert parameter is Shard(0) over
     `ep` (whole experts per rank), and with ep below the ranks Shard(1) over `ep_shard` as well; the sync reads each
-    rank's box of it (`runtime/shard_layout.py`). Under LoRA the
+    rank's box of it (`runtime/shard_layout.py`). Nemotron-Omni's names are its checkpoint's
+    (`nemotron_omni.engine_names`: what vLLM's `nano_nemotron_vl` loads; its HF export is its own). Under LoRA the
     adapted linear layers travel merged (W + scale·B@A, `runtime/lora.py`); the adapters go on `nn.Linear` layers
     only, so the grouped experts are never adapted (Molt L12 refuses adapters on them)."""
     if getattr(model, "molt_lora", None) is not None:
@@ -148,6 +149,13 @@ def hf_weights(model) -> list[tuple[str, Any]]:
     else:
         named = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
     out: list[tuple[str, Any]] = []
+    if nemotron_omni.is_omni(model):  # its adapter renames tensor by tensor; its RADIO tower is not streamed
+        omni = nemotron_omni.engine_names(model)
+        for name, p in named:
+            if name in omni:
+                engine_name, swapped = omni[name]
+                out.append((engine_name, TransposedExperts(p) if swapped else p))
+        return out
     names = renames(model)
     for name, p in named:
         name, swapped = hf_name(name, names)

@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from runtime import vlm
+from runtime.engines.weights import image_wrapper_ids
 from runtime.logprobs import token_logprobs, vision_inputs
 from runtime.models import automodel
 from runtime.tiny_vlm import build_tiny_omni
@@ -98,6 +99,10 @@ def test_the_processor_resizes_and_lays_out_patches_as_the_engine_does(checkpoin
     img, start_id, end_id = (tok.convert_tokens_to_ids(t) for t in ("<image>", "<img>", "</img>"))
     runs = [ids[i + 1:ids.index(end_id, i)] for i, t in enumerate(ids) if t == start_id]
     assert runs == [[img] * 4, [img] * 6] and mm["image_grid_hw"].tolist() == [[4, 4], [4, 6]]
+    # what a vLLM engine is sent: each run and its <img> ... </img> back to the template's one <image>
+    wrapper = image_wrapper_ids(checkpoint)
+    assert wrapper == (start_id, end_id)
+    assert vlm.collapse_image_runs(ids, img, wrapper) == tok.encode("see<image>and<image>", add_special_tokens=False)
 
 
 def _logprobs(model, ids, mask, mm, cp=None):
@@ -181,3 +186,26 @@ def test_its_hf_export_is_the_checkpoint_layout(world, checkpoint, tmp_path):
     for name, tensor in theirs.items():
         torch.testing.assert_close(mine[name], tensor, rtol=0, atol=0, msg=name)
     assert vlm.load_processor(out).image_processor.to_dict() == vlm.load_processor(checkpoint).image_processor.to_dict()
+
+
+def test_the_engines_are_sent_the_checkpoint_names_but_the_frozen_tower(world, checkpoint):
+    # vLLM's nano_nemotron_vl loads the checkpoint's names; its MoE loader takes an experts parameter whole
+    # ((experts, out, in), fused name); the RADIO tower is not sent (vLLM loads only its fused attn.qkv)
+    from safetensors.torch import load_file
+
+    theirs = load_file(f"{checkpoint}/model.safetensors")
+    sent = {name: (w.local() if hasattr(w, "local") else w.full_tensor()).detach()
+            for name, w in automodel.hf_weights(_build(checkpoint, world))}
+    assert not any(n.startswith("vision_model.") for n in sent)
+    experts = [n for n in sent if n.endswith((".experts.up_proj", ".experts.down_proj"))]
+    assert len(experts) == 2
+    for name in experts:
+        head, _, proj = name.rpartition(".experts.")
+        stacked = torch.stack([theirs[f"{head}.experts.{e}.{proj}.weight"] for e in range(4)])
+        torch.testing.assert_close(sent.pop(name), stacked, rtol=0, atol=0, msg=name)
+    # the routers' e_score_correction_bias is a buffer (nemo-automodel updates it only when its recipe asks)
+    want = {n for n in theirs if not n.startswith("vision_model.") and not n.endswith("e_score_correction_bias")
+            and ".experts." not in n.replace("shared_experts", "")}
+    assert set(sent) == want
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)
