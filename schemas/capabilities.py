@@ -255,6 +255,39 @@ def _omni_image_row() -> Capability:
     )
 
 
+def _omni_vision_sync_row() -> Capability:
+    """A trained Nemotron-Omni vision tower with vLLM engines: the weight sync sends one tensor per parameter under the
+    checkpoint's names (runtime/nemotron_omni.py `engine_names`), and vLLM's RADIO loads its attention only as the
+    checkpoint's fused `attn.qkv`, three of the trainer's parameters (nemo-automodel's RADIO has q_proj, k_proj,
+    v_proj), so the tower is not sent and the engines keep the one they loaded."""
+
+    def check(plan: Plan) -> bool:
+        from schemas.catalog import MODELS
+
+        trainer = plan.rl.trainer
+        spec = MODELS.get(plan.rl.model.arch) if plan.rl.model.arch is not None else None
+        return (
+            trainer is not None
+            and not trainer.freeze_visual_encoder
+            and plan.rl.data.max_images_per_prompt > 0
+            and plan.rl.engines.kind == "vllm"
+            and spec is not None
+            and spec.architecture == _OMNI
+        )
+
+    return Capability(
+        "rl-omni-vision-sync",
+        "rl",
+        "actor.freeze.visual_encoder",
+        "a trained Nemotron-Omni vision tower synced to vLLM engines",
+        check,
+        "actor.freeze.visual_encoder: true (as Molt's omni3 scripts have it): the projector and the language model "
+        "train and sync",
+        tracked="issue 28: vLLM's RADIO loads only the checkpoint's fused attn.qkv; the weight stream sends the "
+        "trainer's query, key and value parameters one by one",
+    )
+
+
 def _sft_automodel_rows() -> tuple[Capability, ...]:
     """What SFT on the automodel backend does not do (runtime/sft.py builds through `models.backend`: the build and
     FSDP2 mesh of RL, packing included; tests/runtime/test_sft_automodel.py): as for RL (`_automodel_rows`), the
@@ -379,6 +412,7 @@ CAPABILITIES: tuple[Capability, ...] = (
     *_automodel_rows(),
     *_offload_rows(),
     _omni_image_row(),
+    _omni_vision_sync_row(),
     Capability(
         "rl-muon",
         "rl",
