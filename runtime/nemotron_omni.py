@@ -25,6 +25,7 @@ transformers 5's `RadioModel`, whose attention has `q_proj` / `k_proj` / `v_proj
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 from collections.abc import Iterator
@@ -43,6 +44,18 @@ _LEGACY_NAMES = {
 """The checkpoint's names (what nemo-automodel reads) -> transformers' fields."""
 
 
+_CONFIG_CLASS = "NemotronH_Nano_Omni_Reasoning_V3_Config"
+
+
+def __getattr__(name: str):
+    """The config class as a module attribute, built on first use (transformers is imported then): pickle finds it
+    by this name (vLLM sends the config to its engine-core process)."""
+    if name == _CONFIG_CLASS:
+        return _config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
 def _config_class():
     from transformers.models.nemotron_h_omni.configuration_nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
 
@@ -50,7 +63,7 @@ def _config_class():
         return property(lambda self: getattr(self, field))
 
     return type(
-        "NemotronH_Nano_Omni_Reasoning_V3_Config",
+        _CONFIG_CLASS,
         (NemotronH_Omni_Reasoning_V3_Config,),
         {"model_type": MODEL_TYPE, "__module__": __name__,
          **{legacy: alias(field) for legacy, field in _LEGACY_NAMES.items()}},
@@ -58,13 +71,87 @@ def _config_class():
 
 
 def register() -> None:
-    """The checkpoint's model_type in transformers' `AutoConfig` (unless something registered it already).
-    Idempotent."""
+    """The checkpoint's model_type in transformers' `AutoConfig` (`register_config`) and nemo-automodel's omni
+    reading and writing the checkpoint's RADIO names (`_checkpoint_radio_names`). Idempotent."""
+    register_config()
+    _checkpoint_radio_names()
+
+
+def register_config() -> None:
+    """The checkpoint's model_type in transformers' `AutoConfig` (unless something registered it already): what
+    vLLM's processes need too (`runtime.no_torchvision.allow`, vLLM's plugin hook). Idempotent."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if MODEL_TYPE not in CONFIG_MAPPING:
         AutoConfig.register(MODEL_TYPE, _config_class())
+
+
+_NEMO_TO_TRANSFORMERS_RADIO = (
+    ("attention.attention.query.", "attention.q_proj."),
+    ("attention.attention.key.", "attention.k_proj."),
+    ("attention.attention.value.", "attention.v_proj."),
+    ("attention.output.dense.", "attention.o_proj."),
+)
+"""nemo-automodel's omni adapter maps the checkpoint's timm RADIO names (`attn.qkv` fused, `attn.proj`) to the
+native RadioModel of the checkpoints' remote code (`attention.attention.query` ..., `attention.output.dense`);
+transformers 5's own RadioModel, which it builds here, calls them `attention.q_proj` ... `attention.o_proj`
+(transformers' own conversion mapping for "radio" splits `attn.qkv` into those)."""
+
+
+def _checkpoint_radio_names() -> None:
+    """nemo-automodel's omni built with transformers' RadioModel reads and writes the checkpoint's RADIO names
+    (`vision_model.radio_model.model.blocks.N.attn.qkv` / `attn.proj`, what the released checkpoints and vLLM's
+    `radio.py` use): its adapter's names for the native tower are the remote code's (`_NEMO_TO_TRANSFORMERS_RADIO`);
+    without this, `to_hf` wrote `blocks.N.attention.q_proj` ... (no checkpoint's and no vLLM's name: vLLM skips
+    them silently) and `from_hf` left a real checkpoint's q/k/v and projection unloaded. The model's adapter
+    becomes `_TransformersRadioAdapter` right after it is built, when its tower is transformers' RadioModel.
+    Idempotent."""
+    from nemo_automodel.components.models.nemotron_omni import model as omni
+
+    cls = omni.NemotronOmniForConditionalGeneration
+    if getattr(cls, "_molt_radio_names", False):
+        return
+    build = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        from transformers.models.radio.modeling_radio import RadioModel
+
+        adapter = getattr(self, "state_dict_adapter", None)
+        if adapter is not None and isinstance(self.vision_model, RadioModel) and adapter.vision_uses_native_radio:
+            adapter.__class__ = _adapter_class()
+
+    cls.__init__ = __init__
+    cls._molt_radio_names = True
+
+
+def _rename(name: str, pairs) -> str:
+    if ".encoder.layer." in name:
+        for old, new in pairs:
+            name = name.replace(old, new)
+    return name
+
+
+@functools.cache
+def _adapter_class():
+    from nemo_automodel.components.models.nemotron_omni.state_dict_adapter import NemotronOmniStateDictAdapter
+
+    to_transformers = _NEMO_TO_TRANSFORMERS_RADIO
+    to_nemo = tuple((new, old) for old, new in to_transformers)
+
+    class _TransformersRadioAdapter(NemotronOmniStateDictAdapter):
+        """nemo-automodel's omni adapter between the checkpoint and transformers' RadioModel's names."""
+
+        def from_hf(self, hf_state_dict, device_mesh=None, **kwargs):
+            state = super().from_hf(hf_state_dict, device_mesh=device_mesh, **kwargs)
+            return {_rename(k, to_transformers): v for k, v in state.items()}
+
+        def to_hf(self, state_dict, exclude_key_regex=None, **kwargs):
+            renamed = {_rename(k, to_nemo): v for k, v in state_dict.items()}
+            return super().to_hf(renamed, exclude_key_regex=exclude_key_regex, **kwargs)
+
+    return _TransformersRadioAdapter
 
 
 @contextlib.contextmanager
@@ -90,7 +177,8 @@ def without_timm() -> Iterator[None]:
 
 def is_omni(model) -> bool:
     """nemo-automodel's Nemotron-Omni (its state-dict adapter is the omni's)."""
-    return type(getattr(model, "state_dict_adapter", None)).__name__ == "NemotronOmniStateDictAdapter"
+    adapter = type(getattr(model, "state_dict_adapter", None))
+    return any(c.__name__ == "NemotronOmniStateDictAdapter" for c in adapter.__mro__)  # `_adapter_class` too
 
 
 VISION_TOWER = "vision_model."

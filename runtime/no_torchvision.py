@@ -14,6 +14,9 @@ only when torchvision is missing:
 - vLLM's `qwen2_vl` model module imports `smart_resize` from the torchvision image-processor module: that module
   name is served by the PIL one (same function, and `Qwen2VLImageProcessor` names the PIL class).
 
+In vLLM's processes it also readies Nemotron-Omni (`_vllm_omni`: its config class, and vLLM's InternVL processor
+module imported with a stand-in torchvision that exists during the import only).
+
 vLLM inspects and runs models in other processes (registry subprocess, engine core, workers); it calls
 `allow` there through the `vllm.general_plugins` entry point in pyproject.toml. Idempotent.
 """
@@ -53,6 +56,8 @@ class NoVideoProcessor(PushToHubMixin):
 def allow() -> None:
     from transformers.utils import is_torchvision_available
 
+    if "vllm" in sys.modules:  # vLLM's processes (the plugin hook), not the trainer's
+        _vllm_omni()
     if is_torchvision_available() or _TORCHVISION_IMAGE_MODULE in sys.modules:
         return
     from transformers import processing_utils
@@ -72,3 +77,29 @@ def allow() -> None:
     alias.smart_resize = pil.smart_resize
     alias.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
     sys.modules[_TORCHVISION_IMAGE_MODULE] = alias
+
+
+_VLLM_INTERNVL = "vllm.transformers_utils.processors.internvl"
+
+
+def _vllm_omni() -> None:
+    """What vLLM's `nano_nemotron_vl` (Nemotron-Omni) needs in each of its processes: the checkpoint's config class
+    (`nemotron_omni.register_config`: no remote code), and its processor module's import of vLLM's InternVL
+    processor module, which imports torchvision at module level for the fixed-tile InternVL transforms only
+    (`build_transform`, which the omni's dynamic-resolution path never calls: it resizes with torch). That module is
+    imported once here with stand-in torchvision modules that exist during the import only
+    (`omni_processor._torchvision_stand_in`), and stays imported: later imports find it, nothing else finds the
+    stand-ins, and a call into its torchvision transforms fails (AttributeError) rather than running something else."""
+    from transformers.utils import is_torchvision_available
+
+    from runtime import nemotron_omni
+
+    nemotron_omni.register_config()
+    if _VLLM_INTERNVL in sys.modules or is_torchvision_available():
+        return
+    import importlib
+
+    from runtime.omni_processor import _torchvision_stand_in
+
+    with _torchvision_stand_in():
+        importlib.import_module(_VLLM_INTERNVL)

@@ -184,6 +184,34 @@ OMNI_PATCHES = (16, 64)
 """The tiny omni processor's patches per image (min, max): small images, few features."""
 
 
+OMNI_CHECKPOINT_FIELDS = dict(
+    norm_mean=[0.48145466, 0.4578275, 0.40821073], norm_std=[0.26862954, 0.26130258, 0.27577711],
+    template="n5h_5p5_nanov2", image_tag_type="internvl", use_thumbnail=True, img_context_token="<image>",
+    img_start_token="<img>", img_end_token="</img>",
+)
+"""Top-level fields of the released omni checkpoints' config.json that transformers' config class does not
+declare and vLLM's `nano_nemotron_vl` reads (its processor: `norm_mean` / `norm_std`, `use_thumbnail`; its model:
+`template`, `image_tag_type`; the token strings are informational): the released values (OpenAI CLIP's
+statistics)."""
+
+
+def _omni_vision_extras(vision_hidden: int) -> dict:
+    """The released checkpoints' RADIO `vision_config` fields vLLM reads, for the tiny tower. vLLM sizes its tower
+    from `args`: `RadioConfig(model_name=args["model"], **args)` takes timm's named sizes for the model, which the
+    size keys in `args` override (they go on to `PreTrainedConfig`, which sets them after the table); `cpe_max_size`
+    is transformers' `max_img_size` (the position-embedding grid), `register_multiple` 2 gives one class token and
+    one register (transformers' `num_cls_tokens` / `num_registers`); `min_num_patches` / `max_num_patches` (the
+    processor's OMNI_PATCHES) turn on its dynamic-resolution image path, the one nemo-automodel's omni takes.
+    `preferred_resolution` is transformers' `image_size`."""
+    return dict(
+        args=dict(model="vit_huge_patch16_224", hidden_size=vision_hidden, num_hidden_layers=1,
+                  num_attention_heads=2, intermediate_size=4 * vision_hidden, cpe_max_size=256, register_multiple=2,
+                  cls_token_per_teacher=False, teachers=[], min_num_patches=OMNI_PATCHES[0],
+                  max_num_patches=OMNI_PATCHES[1]),
+        preferred_resolution=[64, 64], separate_video_embedder=True,
+    )
+
+
 def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
                     vocab_size: int = 1000, layers: tuple[str, ...] = ("attention", "moe")) -> Path:
     """A tiny random Nemotron-3-Nano-Omni (`NemotronH_Nano_Omni_Reasoning_V3`, the omni3 launch recipes'
@@ -215,14 +243,14 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
             num_key_value_heads=1, head_dim=32, intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, num_experts_per_tok=2,
             max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, torch_dtype="float32",
+            pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
         ),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
                            max_img_size=256, num_cls_tokens=1, num_registers=1, summary_idxs=[0],
-                           video_temporal_patch_size=2),
+                           video_temporal_patch_size=2, **_omni_vision_extras(vision_hidden=32)),
         img_context_token_id=tok.convert_tokens_to_ids("<image>"), vit_hidden_size=32, projector_hidden_size=64,
         force_image_size=64, downsample_ratio=0.5, patch_size=16, ps_version="v2",
-        architectures=[nemotron_omni.ARCHITECTURE], tie_word_embeddings=False,
+        architectures=[nemotron_omni.ARCHITECTURE], tie_word_embeddings=False, dtype="bfloat16", **OMNI_CHECKPOINT_FIELDS,
     )
     config.name_or_path = str(out)  # no modeling_radio.py there: nemo-automodel builds transformers' RadioModel
     backend = BackendConfig(attn="sdpa", linear="torch", experts="torch_mm", rms_norm="torch_fp32", rope_fusion=False)
