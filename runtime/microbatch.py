@@ -18,6 +18,7 @@ the same plan from the same batch.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 from torch import Tensor
@@ -87,7 +88,8 @@ def length_grouped_micro_batches(window: range, lengths: Tensor, micro: int) -> 
     not a multiple of `micro` has one short micro-batch, placed at whichever run position pads least (the last on a
     tie). Each micro-batch lists its rows in ascending order.
     """
-    order = sorted(window, key=lambda i: (-int(lengths[i]), i))
+    n = {i: int(lengths[i]) for i in window}
+    order = sorted(window, key=lambda i: (-n[i], i))
     sizes = [len(b) for b in fixed_micro_batches(window, micro)]
     if not sizes:
         return []
@@ -95,13 +97,14 @@ def length_grouped_micro_batches(window: range, lengths: Tensor, micro: int) -> 
     def cut(short_at: int) -> list[list[int]]:
         run = [*sizes[:-1]]
         run.insert(short_at, sizes[-1])
-        starts = [sum(run[:k]) for k in range(len(run))]
-        return [order[s:s + n] for s, n in zip(starts, run, strict=True)]
+        starts = itertools.accumulate(run[:-1], initial=0)
+        return [order[s:s + size] for s, size in zip(starts, run, strict=True)]
 
     def padded(batches: list[list[int]]) -> int:  # each batch's first row is its longest
-        return sum(len(b) * int(lengths[b[0]]) for b in batches)
+        return sum(len(b) * n[b[0]] for b in batches)
 
-    best = min(range(len(sizes)), key=lambda at: (padded(cut(at)), -at))
+    places = range(len(sizes)) if sizes[-1] < micro else [len(sizes) - 1]  # equal sizes: one grouping
+    best = min(places, key=lambda at: (padded(cut(at)), -at))
     return [sorted(b) for b in cut(best)]
 
 
