@@ -9,13 +9,16 @@ the same plan from the same batch.
 - Windows: one optimizer step per `window` rows of a rank's shard (micro * accum, or the plan's local batch size
   under dynamic batching, or the whole shard under force_on_policy), so the step windows are the same with and without a token budget.
 - Micro-batches: fixed `micro` rows, or first-fit-decreasing bins of at most `max_tokens` tokens (a longer row gets
-  a bin of its own). FSDP ranks must run the same number of forwards, so the caller pads every rank's bin count to
+  a bin of its own). Fixed micro-batches are contiguous rows, or, where the plan says so
+  (`TrainerPlan.micro_batches_by_length`: where Molt's replay loader shuffles rows into micro-batches, G11), the
+  window's rows grouped by length, longest together, so each micro-batch is padded least. FSDP ranks must run the same number of forwards, so the caller pads every rank's bin count to
   the maximum over ranks with empty micro-batches (`None`).
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 from torch import Tensor
@@ -71,6 +74,40 @@ def fixed_micro_batches(window: range, micro: int) -> list[list[int]]:
     return [list(range(m0, min(m0 + micro, window.stop))) for m0 in range(window.start, window.stop, micro)]
 
 
+def length_grouped_micro_batches(window: range, lengths: Tensor, micro: int) -> list[list[int]]:
+    """The rows of `window` in as many micro-batches of the same sizes as `fixed_micro_batches`, longest rows
+    together: the grouping with the fewest padded positions (Σ rows x longest row of each micro-batch).
+
+    Where Molt shuffles rows into micro-batches (G11) any grouping of a window's rows is one it could draw; this one
+    computes least padding. Rows never leave their window (an optimizer step trains the same rows), and the losses
+    are normalised by the whole window (the global token count, `aggregation.row_weights`' window denominators), so
+    the loss and the gradients are the ungrouped ones up to float summation order. The MoE aux losses are per
+    micro-batch (Molt B32: coef x aux / micro-batches) and change with the grouping, as under Molt's shuffle.
+
+    Contiguous runs of the rows sorted by length are optimal for given sizes (exchange argument); a window that is
+    not a multiple of `micro` has one short micro-batch, placed at whichever run position pads least (the last on a
+    tie). Each micro-batch lists its rows in ascending order.
+    """
+    n = {i: int(lengths[i]) for i in window}
+    order = sorted(window, key=lambda i: (-n[i], i))
+    sizes = [len(b) for b in fixed_micro_batches(window, micro)]
+    if not sizes:
+        return []
+
+    def cut(short_at: int) -> list[list[int]]:
+        run = [*sizes[:-1]]
+        run.insert(short_at, sizes[-1])
+        starts = itertools.accumulate(run[:-1], initial=0)
+        return [order[s:s + size] for s, size in zip(starts, run, strict=True)]
+
+    def padded(batches: list[list[int]]) -> int:  # each batch's first row is its longest
+        return sum(len(b) * n[b[0]] for b in batches)
+
+    places = range(len(sizes)) if sizes[-1] < micro else [len(sizes) - 1]  # equal sizes: one grouping
+    best = min(places, key=lambda at: (padded(cut(at)), -at))
+    return [sorted(b) for b in cut(best)]
+
+
 def token_budget_micro_batches(window: range, lengths: Tensor, max_tokens: int) -> list[list[int]]:
     """First-fit decreasing: rows of `window` (positions into `lengths`) into bins of at most `max_tokens` tokens."""
     bins: list[list[int]] = []
@@ -88,10 +125,13 @@ def token_budget_micro_batches(window: range, lengths: Tensor, max_tokens: int) 
     return [sorted(b) for b in bins]
 
 
-def micro_batches(window: range, lengths: Tensor, micro: int, max_tokens: int | None) -> list[list[int]]:
-    if max_tokens is None:
-        return fixed_micro_batches(window, micro)
-    return token_budget_micro_batches(window, lengths, max_tokens)
+def micro_batches(window: range, lengths: Tensor, micro: int, max_tokens: int | None,
+                  by_length: bool) -> list[list[int]]:
+    if max_tokens is not None:
+        return token_budget_micro_batches(window, lengths, max_tokens)
+    if by_length:
+        return length_grouped_micro_batches(window, lengths, micro)
+    return fixed_micro_batches(window, micro)
 
 
 def pad_to(batches: list[list[int]], count: int) -> list[list[int] | None]:

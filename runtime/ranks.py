@@ -146,10 +146,11 @@ class FsdpRank:
 
     def micro_parts(self, shard: Experience, lengths: torch.Tensor, window: range, t: TrainerPlan
                     ) -> Iterator[tuple[list[int] | None, Experience]]:
-        """(positions or None, rows) of each micro-batch of `window` (`t`'s micro-batch size or token budget), the
-        same count on every rank."""
+        """(positions or None, rows) of each micro-batch of `window` (`t`'s micro-batch size, grouped by length where
+        `t.micro_batches_by_length`, or its token budget), the same count on every rank. `t` is the plan's trainer
+        section for the policy, the reference and the critic alike (their micro-batches are the policy's)."""
         for mb in self.same_count(microbatch.micro_batches(window, lengths, t.micro_batch_size,
-                                                          t.dynamic_batch_max_tokens)):
+                                                          t.dynamic_batch_max_tokens, t.micro_batches_by_length)):
             yield mb, self.part(shard, mb, t.width_multiple)
 
     def window_tokens(self, shard: Experience, window: range) -> float:

@@ -82,6 +82,13 @@ class PolicyWorker(FsdpRank):
     def _shard(self, batch: Experience) -> tuple[torch.Tensor, Experience, torch.Tensor]:
         return self.shard(batch, balanced=self.t.dynamic_batch_max_tokens is not None)
 
+    def _step_windows(self, shard: Experience) -> list[range]:
+        """The shard's optimizer-step windows: micro_batch * grad_accum rows, the plan's local batch under dynamic
+        batching, the whole shard under force_on_policy."""
+        t = self.t
+        return microbatch.windows(shard.batch_size, microbatch.window_rows(
+            shard.batch_size, t.micro_batch_size, t.grad_accum, t.local_batch_size, t.force_on_policy))
+
     def _logprobs(self, model, part: Experience) -> torch.Tensor:
         """(b, T-1) log-probs of a micro-batch (no grad), R3-replayed when the plan says so."""
         with self.cp_rows(part, model, self.t.packing) as cp, self._routing(model, part, cp=cp):
@@ -108,13 +115,14 @@ class PolicyWorker(FsdpRank):
     @torch.no_grad()
     def forward_logprobs(self, batch: Experience) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """This rank's rows of `batch`: (their indices, old log-probs of the current policy, reference log-probs or
-        None), each (b, T-1), zero past each row's end."""
+        None), each (b, T-1), zero past each row's end. Runs the micro-batches `train` runs (its windows'), so π_old
+        comes from the same micro-batch shapes as the first epoch's training forward."""
         t = self.t
         rows, shard, lengths = self._shard(batch)
         old = torch.zeros(shard.action_mask.shape)
         ref = torch.zeros(shard.action_mask.shape) if self.ref is not None else None
-        whole = range(shard.batch_size)
-        for mb, part in self.micro_parts(shard, lengths, whole, t):
+        parts = (p for window in self._step_windows(shard) for p in self.micro_parts(shard, lengths, window, t))
+        for mb, part in parts:
             width = part.action_mask.shape[1]
             lp = self._logprobs(self.model, part).cpu()
             if mb is not None:
@@ -147,13 +155,11 @@ class PolicyWorker(FsdpRank):
         """
         t = self.t
         _, shard, lengths = self._shard(batch)
-        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, t.grad_accum, t.local_batch_size,
-                                           t.force_on_policy)
         sums: dict[str, float] = {}
         grad_norms = []
         self.model.train()
         for _ in range(t.max_epochs):
-            for window in microbatch.windows(shard.batch_size, step_rows):
+            for window in self._step_windows(shard):
                 total = self.window_tokens(shard, window)
                 stats = self._window_stats(shard, window)
                 parts = list(self.micro_parts(shard, lengths, window, t))

@@ -543,7 +543,12 @@ class TrainerPlan(FsdpTrainerPlan):
     local_batch_size: int | None
     """Samples per rank per step under dynamic batching."""
     shuffle_microbatches: bool
-    """Shuffle microbatches."""
+    """Molt's replay loader shuffles rows into micro-batches (G11: tp x cp <= 1, no dynamic batching). Explain's fact:
+    the runtime realizes it as `micro_batches_by_length`."""
+    micro_batches_by_length: bool
+    """Each optimizer-step window's rows go to its fixed micro-batches by length, longest together (least padding),
+    where Molt shuffles them (`shuffle_microbatches`) and they are not packed; else contiguous rows. The policy,
+    the reference and the critic all cut micro-batches by this section."""
     loss: LossPlan
     """Policy loss."""
     freezing_steps: int

@@ -139,6 +139,17 @@ def test_dynamic_batching_accum_one_and_token_cap() -> None:
     assert d.value("actor.dynamic_batch_max_tokens") == 4000  # G9: x cp x tp
     assert d.value("actor.local_batch_size") == 7 // 2
     assert d.value("actor.shuffle_microbatches") is False
+    assert d.value("actor.micro_batches_by_length") is False  # Molt keeps the order: so does the runtime
+
+
+def test_micro_batches_by_length_where_shuffled_and_padded() -> None:
+    d = derive(rl())
+    assert d.value("actor.shuffle_microbatches") is True and d.value("actor.micro_batches_by_length") is True
+    assert "pads least" in d["actor.micro_batches_by_length"].reason
+    packed = derive(rl(actor={"packing": True}))
+    assert packed.value("actor.shuffle_microbatches") is True
+    assert packed.value("actor.micro_batches_by_length") is False
+    assert "compute no padding" in packed["actor.micro_batches_by_length"].reason
 
 
 # ------------------------------------------------------------------------------ ref / critic / colocation

@@ -51,6 +51,8 @@ NOT_FOR_THE_RUNTIME = {
     "rl.data.prompt_count": "the step schedule (schedule.total_steps is lowered from it)",
     "sft.data.sample_count": "the step schedule (schedule.total_steps is lowered from it)",
     "rl.schedule.steps_per_episode": "explain; total_steps bounds the run",
+    "rl.trainer.shuffle_microbatches": "Molt's G11 fact, for explain; the runtime reads what it was realized as, "
+    "micro_batches_by_length (derived from it and packing: a shuffled grouping's least-padding draw)",
     # settings whose non-default values need a feature that a capability row refuses, or that a rule rejects
     "rl.trainer.mesh.cp": "refused by rl-trainer-cp (the row reads the axis by name)",
     "rl.trainer.mesh.ep": "read by the automodel backend's device_mesh; refused by rl-trainer-ep-layout/-cuda",
@@ -69,7 +71,6 @@ NOT_FOR_THE_RUNTIME = {
     "rl.trainer.loss.aux_loss_coef": "MoE aux loss: MoE training is issue 16 (DEAD005 on dense models)",
     "rl.trainer.freeze_moe_router": "MoE: issue 16 (DEAD005 on dense models)",
     # performance knobs without an effect in this runtime (known gaps, not silent correctness changes)
-    "rl.trainer.shuffle_microbatches": "known gap: micro-batches keep their order (G11 shuffling, issue 11)",
     "rl.engines.router_balance_abs": "known gap: cache_aware is served as consistent_hash (runtime/engines/router.py)",
     "rl.engines.router_balance_rel": "known gap: cache_aware is served as consistent_hash (runtime/engines/router.py)",
     "rl.eval.sampling.top_logprobs": "always 0: eval never asks for top-k (molt_compile/lower/rl.py)",

@@ -31,6 +31,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `actor.num_gpus` | GPU fraction each policy worker requests: 0.2 when colocated, else 1 | B33 |
 | `actor.temperature` | logits temperature of actor/ref/critic = rollout.temperature | B17 |
 | `actor.shuffle_microbatches` | microbatch shuffling (only tp×cp ≤ 1 and no dynamic batching) | G11 |
+| `actor.micro_batches_by_length` | a window's rows go to its fixed micro-batches longest together (least padding): on where microbatches are shuffled and not packed | G11 |
 | `actor.dynamic_batch_max_tokens` | token cap per microbatch = max_tokens_per_gpu × cp × tp, None when off | G9 |
 | `actor.local_batch_size` | samples per rank per step under dynamic batching = batch // dp, None when off | G9 |
 | `actor.old_logprob_pass` | π_old from a no-grad forward before the step; off with KL coef 0 and no reference under force_on_policy or one optimizer step per rollout batch (one epoch, samples = train.batch_size) | B28 |

@@ -288,6 +288,19 @@ def derive_actor_extras(b: Builder, r: RlRecipe) -> None:
         "only without tp/cp and without dynamic batching (G11)",
         ("actor.mesh.tp", "actor.mesh.cp", "train.dynamic_batch"),
     )
+    b.add(
+        "actor.micro_batches_by_length",
+        shuffle and not b.v("actor.packing"),
+        (
+            "micro-batches shuffled (G11) and padded: any grouping of a window's rows is one Molt's shuffle could "
+            "draw, so the longest rows go together and each micro-batch pads least (same windows, counts and sizes)"
+            if shuffle and not b.v("actor.packing")
+            else "off: packed micro-batches compute no padding, so they keep rollout order"
+            if shuffle
+            else "off: Molt keeps micro-batches in order here (no shuffle, G11)"
+        ),
+        ("actor.shuffle_microbatches", "actor.packing"),
+    )
     if t.dynamic_batch is None:
         b.add("actor.dynamic_batch_max_tokens", None, "dynamic batching off", ("train.dynamic_batch",))
         b.add("actor.local_batch_size", None, "dynamic batching off", ("train.dynamic_batch",))

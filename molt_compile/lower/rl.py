@@ -357,6 +357,7 @@ def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:
         sequence_parallel=a.sequence_parallel,
         offload=a.offload,
         shuffle_microbatches=d.value("actor.shuffle_microbatches"),
+        micro_batches_by_length=d.value("actor.micro_batches_by_length"),
         optimizer=optimizer_plan(a.optimizer, d.value("actor.warmup_steps"), d.value("actor.scheduler_steps")),
         loss=LossPlan.model_construct(
             mode=a.loss.mode,

@@ -55,6 +55,28 @@ def test_micro_batch_windows():
     assert [microbatch.fixed_micro_batches(w, 2) for w in microbatch.windows(3, 2)] == [[[0, 1]], [[2]]]
 
 
+def test_length_grouped_micro_batches_keep_windows_and_sizes_and_pad_least():
+    import itertools
+
+    lengths = torch.tensor([5, 40, 6, 38, 7, 9, 30, 8, 50, 4])
+
+    def padded(batches):
+        return sum(len(b) * int(lengths[b].max()) for b in batches)
+
+    for window in microbatch.windows(10, 7):  # [0:7] and [7:10], micro 3: sizes 3, 3, 1 and 3
+        fixed = microbatch.fixed_micro_batches(window, 3)
+        grouped = microbatch.micro_batches(window, lengths, 3, None, by_length=True)
+        assert sorted(map(len, grouped)) == sorted(map(len, fixed))  # as many micro-batches, as large
+        assert sorted(i for b in grouped for i in b) == list(window)  # the window's rows, each once
+        assert microbatch.micro_batches(window, lengths, 3, None, by_length=False) == fixed
+    first = microbatch.length_grouped_micro_batches(range(7), lengths, 3)
+    # 40, 38, 30 together; the short micro-batch (9) between them and the shortest three pads least here
+    assert first == [[1, 3, 6], [5], [0, 2, 4]]
+    assert padded(first) == 150 < padded(microbatch.fixed_micro_batches(range(7), 3)) == 264
+    best = min(padded([list(p[:3]), list(p[3:6]), list(p[6:])]) for p in itertools.permutations(range(7)))
+    assert padded(first) == best  # no grouping into sizes 3, 3, 1 pads less
+
+
 def test_token_budget_micro_batches_first_fit_decreasing():
     lengths = torch.tensor([5, 9, 3, 7, 4, 30])
     bins = microbatch.token_budget_micro_batches(range(6), lengths, max_tokens=12)

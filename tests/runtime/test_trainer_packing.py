@@ -1,10 +1,13 @@
-"""Packed and token-budget micro-batches train exactly like padded fixed ones (fp32, CPU, real gloo FSDP2 ranks).
+"""Packed, token-budget and length-grouped micro-batches train exactly like padded fixed ones (fp32, CPU, real gloo
+FSDP2 ranks).
 
-For world 1 and 2, each rank builds one `PolicyWorker` and runs the same batch through three layouts: padded fixed
-micro-batches, packed fixed micro-batches, and packed micro-batches by token budget (with Molt's length-balanced
-rank shards). The old/ref log-probs, the loss sums and the gradients of every optimizer step must agree. The
-gradients are read at each optimizer step (the rank's `_optimizer_step` is replaced by a recorder that zeroes them),
-so the three runs start from the same weights.
+For world 1 and 2, each rank builds one `PolicyWorker` and runs the same batch through these layouts: padded fixed
+micro-batches of contiguous rows, the same grouped by length within each window (`micro_batches_by_length`),
+packed fixed micro-batches, and packed micro-batches by token budget (with Molt's length-balanced rank shards);
+world 1 also runs the padded pair under a seq-mean loss aggregation. The old/ref log-probs, the loss sums, the
+objective that was backpropagated and the gradients of every optimizer step must agree. The gradients are read at
+each optimizer step (the rank's `_optimizer_step` is replaced by a recorder that zeroes them), so every run starts
+from the same weights (equal gradients: equal weights after the step).
 
 Also: the chunked lm_head path gives the full-logits numbers (log-probs, entropy, gradients) and never asks the
 lm_head for more than one chunk of positions.
@@ -20,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from loop_support import ROOT, trainer_rl
 
-from runtime import algo
+from runtime import algo, microbatch
 from runtime.experience import from_token_lists
 from runtime.logprobs import token_logprobs
 
@@ -28,13 +31,14 @@ MODEL = str(ROOT / "recipes/data/demo_math/model")
 ROWS = 8
 
 
-def trainer_rl_for(world: int, **trainer):
+def trainer_rl_for(world: int, agg_mode: str = "token-mean", **trainer):
     # world 1: micro 2 x accum 2 = two optimizer-step windows of 4 rows; world 2: one window of 4 rows per rank.
     return trainer_rl(
         world, trainer={"micro_batch_size": 2, "grad_accum": 2, "max_epochs": 1, "temperature": 0.7, "seed": 0,
-                        "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None, **trainer},
+                        "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
+                        "micro_batches_by_length": False, **trainer},
         optimizer=dict(lr=1e-2, max_norm=0.0, scheduler="constant", warmup_steps=0, total_steps=10),
-        loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.01),
+        loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.01, agg_mode=agg_mode),
         kl=dict(estimator="k3", use_loss=True), is_correction=dict(level="token", mode="clip", low=0.8, high=1.2))
 
 
@@ -48,14 +52,18 @@ def skewed_batch():
 
 
 def layouts(world: int) -> dict[str, object]:
-    """The trainer sections of the three layouts (the model, ref and algo sections are the same)."""
+    """The trainer sections of the layouts (the model, ref and algo sections are the same)."""
     step_rows = 4  # rows per rank per optimizer step, as micro 2 x accum 2
+    seq_mean = {"seq-mean padded": trainer_rl_for(world, "seq-mean-token-mean"),
+                "seq-mean by length": trainer_rl_for(world, "seq-mean-token-mean", micro_batches_by_length=True)}
     return {
         "padded": trainer_rl_for(world),
+        "by length": trainer_rl_for(world, micro_batches_by_length=True),
         "packed": trainer_rl_for(world, packing=True),
         # 30 tokens: the 33- and 40-token rows exceed it (a bin each), short rows share bins; ranks get unequal bin
         # counts, so empty filler micro-batches are exercised.
         "dynamic": trainer_rl_for(world, packing=True, dynamic_batch_max_tokens=30, local_batch_size=step_rows),
+        **(seq_mean if world == 1 else {}),
     }
 
 
@@ -73,6 +81,15 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, rls: dict) -> Non
         return 0.0
 
     worker._optimizer_step = record_step
+    objective: list[float] = []  # the policy objective each micro-batch backpropagates
+    actor_loss = algo.actor_loss
+
+    def recording_actor_loss(*args, **kwargs):
+        out = actor_loss(*args, **kwargs)
+        objective.append(float(out.loss))
+        return out
+
+    algo.actor_loss = recording_actor_loss
     batch = skewed_batch()
     mask = batch.action_mask
     advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
@@ -84,10 +101,13 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, rls: dict) -> Non
         old_full, ref_full = torch.zeros(mask.shape), torch.zeros(mask.shape)
         old_full[rows], ref_full[rows] = old, ref
         train_batch = replace(batch, old_log_probs=old_full, ref_log_probs=ref_full, advantages=advantages,
-                              rollout_log_probs=(old_full - 0.05) * mask)  # an engine that disagrees a little
+                              rollout_log_probs=(old_full - 0.05) * mask,  # an engine that disagrees a little
+                              group_ids=torch.arange(ROWS) // 2)
         steps.clear()
+        objective.clear()
         stats = worker.train(train_batch, kl_coef=0.05)
-        results[name] = {"rows": rows, "old": old, "ref": ref, "stats": stats, "grads": list(steps)}
+        results[name] = {"rows": rows, "old": old, "ref": ref, "stats": stats, "grads": list(steps),
+                         "objective": sum(objective)}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     worker.shutdown()
 
@@ -98,6 +118,7 @@ def _gather(results: list[dict], name: str):
         old[r[name]["rows"]] = r[name]["old"]
     sums = {k: sum(r[name]["stats"][k] for r in results) for k in results[0][name]["stats"]
             if k.endswith("_x_tokens") or k == "tokens"}
+    sums["objective"] = sum(r[name]["objective"] for r in results)
     return old, sums, results[0][name]["grads"]
 
 
@@ -108,19 +129,28 @@ def test_packed_and_token_budget_match_padded(world, tmp_path):
     mp.spawn(_rank_main, args=(world, free_port(), str(tmp_path), layouts(world)), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     mask = skewed_batch().action_mask
-    old_p, sums_p, grads_p = _gather(results, "padded")
-    assert len(grads_p) == (2 if world == 1 else 1)  # optimizer steps
-    for name in ("packed", "dynamic"):
+    # the skewed lengths regroup: world 1's first window [6, 40, 9, 7] as [40, 9] + [6, 7], not [6, 40] + [9, 7]
+    assert microbatch.length_grouped_micro_batches(range(4), skewed_batch().attention_mask.sum(-1), 2) == [[1, 2],
+                                                                                                          [0, 3]]
+    pairs = [("packed", "padded"), ("dynamic", "padded"), ("by length", "padded")]
+    if world == 1:
+        pairs.append(("seq-mean by length", "seq-mean padded"))
+    for name, base in pairs:
+        old_p, sums_p, grads_p = _gather(results, base)
+        assert len(grads_p) == (2 if world == 1 else 1)  # optimizer steps
+        assert max(g.abs().max().item() for g in grads_p[0]) > 1e-3  # the gradients are not trivially zero
         old, sums, grads = _gather(results, name)
         assert torch.allclose(old * mask, old_p * mask, atol=1e-5), name
         assert sums.keys() == sums_p.keys()
         for k in sums:
             assert abs(sums[k] - sums_p[k]) <= 1e-5 * max(1.0, abs(sums_p[k])), (name, k, sums[k], sums_p[k])
+        if "by length" in name:  # π_old came from the training step's micro-batches: the PPO ratio is exactly 1
+            assert sums["policy_kl_x_tokens"] == 0.0 and sums["ratio_mean_x_tokens"] == sums["tokens"], name
         assert len(grads) == len(grads_p), name
         for step, step_p in zip(grads, grads_p, strict=True):
             worst = max((a - b).abs().max().item() for a, b in zip(step, step_p, strict=True))
             assert worst < 1e-5, (name, worst)
-    assert max(g.abs().max().item() for g in grads_p[0]) > 1e-3  # the gradients are not trivially zero
+    sums_p = _gather(results, "padded")[1]
     assert sums_p["tokens"] == mask.sum().item()
     if world == 2:  # the token-budget run balanced the shards by length, so rows moved between ranks
         assert not torch.equal(results[0]["dynamic"]["rows"], results[0]["padded"]["rows"])
