@@ -232,7 +232,7 @@ def test_engine_args_only_what_was_set() -> None:
     assert plan.rl.engines.extra_engine_args == {
         "attention_backend": "FLASHINFER", "data_parallel_backend": "mp",
         "speculative_config": {"method": "mtp", "num_speculative_tokens": 1},
-        "limit_mm_per_prompt": {"image": 2}, "mm_processor_cache_gb": 0}
+        "limit_mm_per_prompt": {"image": 2, "video": 0}, "mm_processor_cache_gb": 0}
 
 
 @pytest.mark.parametrize(("sizes", "g", "unit"), [

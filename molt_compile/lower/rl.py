@@ -199,7 +199,9 @@ def _engine_args(r: RlRecipe, d: Derived) -> dict[str, Any]:
     if ro.mesh.dp > 1:
         args["data_parallel_backend"] = "mp"
     if r.data.max_images_per_prompt > 0:
-        args["limit_mm_per_prompt"] = {"image": r.data.max_images_per_prompt}
+        # no rollout carries a video: without a video limit of 0 vLLM profiles (and reserves encoder memory for) the
+        # largest video its processor describes, and Nemotron-Omni's video path needs torchvision
+        args["limit_mm_per_prompt"] = {"image": r.data.max_images_per_prompt, "video": 0}
         args["mm_processor_cache_gb"] = 0
     if r.train.full_determinism:
         args["enable_full_determinism"] = True
