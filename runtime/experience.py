@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from runtime.moe import NO_ROUTING
+from runtime.vlm import image_grid
 
 TOP_K_FIELDS = ("rollout_top_ids", "rollout_top_log_probs")
 """(B, T-1, k) per-token tensors: padded and trimmed on the time axis like the (B, T-1) ones."""
@@ -162,10 +163,11 @@ def partial_rollout_metrics(exp: Experience, trained_version: int) -> dict[str, 
 
 
 def image_token_count(mm: dict[str, Tensor] | None, merge_size: int) -> int:
-    """Placeholder tokens the row's images take in its sequence: sum over images of prod(t, h, w) / merge²."""
+    """Placeholder tokens the row's images take in its sequence: sum over images of prod(grid) / merge² (the grid
+    (t, h, w) for Qwen-VL, (h, w) for Nemotron-Omni: `vlm.image_grid`)."""
     if mm is None:
         return 0
-    return int(mm["image_grid_thw"].prod(-1).sum()) // (merge_size * merge_size)
+    return int(image_grid(mm).prod(-1).sum()) // (merge_size * merge_size)
 
 
 def check_image_alignment(exp: Experience, image_token_id: int, merge_size: int) -> None:
@@ -176,8 +178,8 @@ def check_image_alignment(exp: Experience, image_token_id: int, merge_size: int)
         features = image_token_count(mm, merge_size)
         if tokens != features:
             raise ValueError(f"row {i}: {tokens} image placeholder tokens but {features} image features")
-        if mm is not None and mm["pixel_values"].shape[0] != int(mm["image_grid_thw"].prod(-1).sum()):
-            raise ValueError(f"row {i}: {mm['pixel_values'].shape[0]} patches for grids {mm['image_grid_thw'].tolist()}")
+        if mm is not None and mm["pixel_values"].shape[0] != int(image_grid(mm).prod(-1).sum()):
+            raise ValueError(f"row {i}: {mm['pixel_values'].shape[0]} patches for grids {image_grid(mm).tolist()}")
 
 
 def pad_batch_to_multiple(exp: Experience, multiple: int) -> Experience:

@@ -181,8 +181,8 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
     if position_ids is not None and attention_mask is not None:
         # transformers builds the per-document mask only without one: with it, documents attend to each other
         raise ValueError("a packed row never carries a 2-D attention mask")
-    if vision is not None and splices_in_forward(model):
-        hidden = _media_hidden(model, input_ids, attention_mask, vision)
+    if splices_in_forward(model) and (vision is not None or position_ids is None):  # text rows too: its backbone
+        hidden = _media_hidden(model, input_ids, attention_mask, vision or {})  # (`model.model`) is no module
     elif vision is not None:  # a VLM: the multimodal backbone (vision tower + language model)
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                              **mrope_positions(model.model, input_ids, attention_mask, vision), **vision

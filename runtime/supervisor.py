@@ -289,10 +289,16 @@ def _actor_id(handle) -> str | None:
     return actor_id.hex() if actor_id is not None else None
 
 
+_TRAILERS = ("For further information visit ",)
+"""Last lines of an error that say nothing of what happened (pydantic's validation errors end with one)."""
+
+
 def _last_line(exc: BaseException) -> str:
     """The line that says what happened (a remote traceback's last), cut to its first sentence when long (Ray's
     death notices run on for a paragraph of possible causes)."""
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    while len(lines) > 1 and lines[-1].strip().startswith(_TRAILERS):  # a pydantic error's last line is a link
+        lines.pop()
     line = lines[-1].strip() if lines else type(exc).__name__
     return line.split(". ")[0] + "." if len(line) > 160 and ". " in line else line
 

@@ -213,7 +213,8 @@ def _omni_vision_extras(vision_hidden: int) -> dict:
 
 
 def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | None = None, *,
-                    vocab_size: int = 1000, layers: tuple[str, ...] = ("attention", "moe")) -> Path:
+                    vocab_size: int = 1000, layers: tuple[str, ...] = ("attention", "moe"),
+                    max_positions: int = 512) -> Path:
     """A tiny random Nemotron-3-Nano-Omni (`NemotronH_Nano_Omni_Reasoning_V3`, the omni3 launch recipes'
     architecture, which nemo-automodel builds with its own implementation: transformers' RADIO vision tower, the
     pixel-shuffle projector, a Nemotron-H language model of `layers` blocks with routed and shared experts) in the
@@ -221,7 +222,10 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
     its tokenizer and processor (transformers' omni processor with its image processor's arithmetic run without
     torchvision: `runtime/omni_processor.py`). An image is resized to OMNI_PATCHES (16 to 64) patches of 16 (a
     64x64 image stays 4x4 patches), 4 to 16 `<image>` features after the 2x2 pixel shuffle. No Mamba block by
-    default: nemo-automodel's Mamba mixer runs mamba_ssm's Triton kernels only (CUDA)."""
+    default: nemo-automodel's Mamba mixer runs mamba_ssm's Triton kernels only (CUDA). Without one, its config's
+    top-level `layer_types` says so in vLLM's convention (all attention: vLLM's `is_hybrid` is then False, its case
+    of a hybrid architecture without recurrent layers), so vLLM caches prefixes as for an attention model; its Mamba
+    "align" cache mode, which a hybrid gets with prefix caching, fails on a model without a Mamba layer."""
     import torch
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.nemotron_omni.model import NemotronOmniForConditionalGeneration
@@ -242,7 +246,7 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
             vocab_size=len(tok), hidden_size=64, layers_block_type=list(layers), num_attention_heads=2,
             num_key_value_heads=1, head_dim=32, intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
             moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, num_experts_per_tok=2,
-            max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+            max_position_embeddings=max_positions, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id, torch_dtype="bfloat16",
         ),
         vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=16, image_size=64,
@@ -251,6 +255,7 @@ def build_tiny_omni(out_dir: str | Path, seed: int = 0, corpus: Iterable[str] | 
         img_context_token_id=tok.convert_tokens_to_ids("<image>"), vit_hidden_size=32, projector_hidden_size=64,
         force_image_size=64, downsample_ratio=0.5, patch_size=16, ps_version="v2",
         architectures=[nemotron_omni.ARCHITECTURE], tie_word_embeddings=False, dtype="bfloat16", **OMNI_CHECKPOINT_FIELDS,
+        **({} if "mamba" in layers else {"layer_types": ["full_attention"] * len(layers)}),
     )
     config.name_or_path = str(out)  # no modeling_radio.py there: nemo-automodel builds transformers' RadioModel
     backend = BackendConfig(attn="sdpa", linear="torch", experts="torch_mm", rms_norm="torch_fp32", rope_fusion=False)

@@ -218,76 +218,6 @@ def _offload_rows() -> tuple[Capability, ...]:
     )
 
 
-_OMNI = "NemotronH_Nano_Omni"
-
-
-def _omni_image_row() -> Capability:
-    """Image prompts for Nemotron-Omni in RL. Its trainer side runs: the processor (runtime/omni_processor.py,
-    transformers' arithmetic without torchvision), its patches mapped to nemo-automodel's dynamic-resolution images,
-    the forward with CP (tests/runtime/models/test_automodel_omni.py) and an SFT job (the sft_omni3_30b smoke).
-    Its engine side does not: vLLM's `nano_nemotron_vl` builds its RADIO tower from timm's named sizes only
-    (`VIT_TIMM_DIM_BY_NAME`, vit_small: 384 wide, 12 layers, at the least) and reads `vision_config.args`,
-    `norm_mean` / `norm_std`, `template` and `image_tag_type` from the config, which the tiny omni (transformers'
-    config class) does not carry, so no CPU-sized omni is served; its processor module imports
-    vllm/transformers_utils/processors/internvl.py, which imports torchvision at module level; the weight sync
-    streams nemo-automodel's own names (`automodel.renames`), and the omni's state-dict adapter has no one-to-one map
-    to the checkpoint's (it splits each grouped-experts parameter into a tensor per expert); and the runners
-    collapse image runs to one placeholder, not the omni's `<img>` ... `</img>` runs, for vLLM to expand again."""
-
-    def check(plan: Plan) -> bool:
-        from schemas.catalog import MODELS
-
-        spec = MODELS.get(plan.rl.model.arch) if plan.rl.model.arch is not None else None
-        return plan.rl.data.max_images_per_prompt > 0 and spec is not None and spec.architecture == _OMNI
-
-    return Capability(
-        "rl-omni-images",
-        "rl",
-        "data.max_images_per_prompt",
-        "image prompts for Nemotron-Omni (NemotronH_Nano_Omni) in RL (SFT takes them)",
-        check,
-        "data.max_images_per_prompt: 0 (text prompts), or a Qwen3.5/3.6-MoE VLM (recipes/qwen3_6_35b_geo3k.yaml)",
-        tracked="issue 28: the trainer side runs (SFT); vLLM's nano_nemotron_vl serves no CPU-sized omni (its RADIO "
-        "tower from timm's named sizes, vit_small at the least, and config fields the tiny omni lacks), its processor "
-        "module imports torchvision (internvl.py), the weight sync streams nemo-automodel's names where the omni's "
-        "checkpoint has a tensor per expert, and the runners' image-run collapse does not know "
-        "the omni's <img> ... </img> runs",
-    )
-
-
-def _omni_vision_sync_row() -> Capability:
-    """A trained Nemotron-Omni vision tower with vLLM engines: the weight sync sends one tensor per parameter under the
-    checkpoint's names (runtime/nemotron_omni.py `engine_names`), and vLLM's RADIO loads its attention only as the
-    checkpoint's fused `attn.qkv`, three of the trainer's parameters (nemo-automodel's RADIO has q_proj, k_proj,
-    v_proj), so the tower is not sent and the engines keep the one they loaded."""
-
-    def check(plan: Plan) -> bool:
-        from schemas.catalog import MODELS
-
-        trainer = plan.rl.trainer
-        spec = MODELS.get(plan.rl.model.arch) if plan.rl.model.arch is not None else None
-        return (
-            trainer is not None
-            and not trainer.freeze_visual_encoder
-            and plan.rl.data.max_images_per_prompt > 0
-            and plan.rl.engines.kind == "vllm"
-            and spec is not None
-            and spec.architecture == _OMNI
-        )
-
-    return Capability(
-        "rl-omni-vision-sync",
-        "rl",
-        "actor.freeze.visual_encoder",
-        "a trained Nemotron-Omni vision tower synced to vLLM engines",
-        check,
-        "actor.freeze.visual_encoder: true (as Molt's omni3 scripts have it): the projector and the language model "
-        "train and sync",
-        tracked="issue 28: vLLM's RADIO loads only the checkpoint's fused attn.qkv; the weight stream sends the "
-        "trainer's query, key and value parameters one by one",
-    )
-
-
 def _sft_automodel_rows() -> tuple[Capability, ...]:
     """What SFT on the automodel backend does not do (runtime/sft.py builds through `models.backend`: the build and
     FSDP2 mesh of RL, packing included; tests/runtime/test_sft_automodel.py): as for RL (`_automodel_rows`), the
@@ -411,8 +341,6 @@ CAPABILITIES: tuple[Capability, ...] = (
     ),
     *_automodel_rows(),
     *_offload_rows(),
-    _omni_image_row(),
-    _omni_vision_sync_row(),
     Capability(
         "rl-muon",
         "rl",

@@ -25,8 +25,8 @@ FILES = sorted(CAP_DIR.glob("*.yaml"))
 LAUNCH_RECIPE_ROWS = {
     # What each shipped recipe asks for that this runtime does not implement: the rows leave as issues land.
     "glm5_ep256.yaml": set(),
-    "omni3_30b_distill.yaml": {"rl-omni-images"},
-    "omni3_30b_geo3k.yaml": {"rl-omni-images"},
+    "omni3_30b_distill.yaml": set(),
+    "omni3_30b_geo3k.yaml": set(),
     "qwen3_4b_math.yaml": set(),
     "qwen3_4b_math_quickstart.yaml": set(),
     "qwen3_6_35b_geo3k.yaml": set(),

@@ -61,7 +61,7 @@ def test_the_program_flushes_all_its_output_and_keeps_each_exit_status(in_root, 
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert plan.read_text() == compile_recipe(ROOT / GOOD / "rl_min.yaml").plan.to_json()
     assert ok.stdout.endswith(f"rl_min.yaml: 0 errors, 0 warnings\nplan written to {plan}\n"), ok.stdout
-    assert _program("recipes/omni3_30b_geo3k.yaml").returncode == 1  # CAP001 errors
+    assert _program("tests/capability/rl-muon.yaml").returncode == 1  # CAP001 errors
     assert _program("recipes/glm5_ep256.yaml").returncode == 0  # CAP002 and other warnings only
     assert _program(f"{BAD}/typo_nested.yaml").returncode == 1  # a schema error is a recipe error
     usage = _program("lint", text=True)

