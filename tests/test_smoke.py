@@ -314,7 +314,9 @@ def test_just_smoke_passes_or_refuses_every_shipped_recipe(path, smoke_table):
     else:  # the list stays true: a recipe that starts to pass leaves it
         assert v.status == "refused", "\n".join(v.lines())
     if v.status == "passed":
-        assert v.steps == SMOKE_STEPS and v.resumed and v.tokens > 0 and v.eval_metrics
+        assert v.steps == SMOKE_STEPS and v.resumed and v.tokens > 0
+        evals = _real(path).recipe.eval.dataset is not None  # omni3_30b_distill has none, as Molt's script
+        assert bool(v.eval_metrics) == evals, v.eval_metrics
 
 
 @pytest.mark.slow

@@ -454,12 +454,27 @@ class AgentLoadError(Exception):
     """An agent file cannot be used; the message names the file and the fix."""
 
 
+class DistillEnv(Env):
+    """The built-in agent of on-policy distillation without an agent of the recipe's (`builtin:distill`, Molt B2):
+    one turn, reward 0; the teacher's per-token log-probs are the whole signal."""
+
+    async def step(self, state: dict) -> Result:
+        return Result(reward=0.0)
+
+
+BUILTIN_AGENTS = {"builtin:distill": DistillEnv}
+"""Agents the plan names by a `builtin:` id instead of a file (`molt_compile/derive/algo.py` DISTILL_AGENT_PATH)."""
+
+
 def load_agent_runner(path: str | Path) -> Runner:
-    """Import the file at `path` and return `AgentRunner` from it, instantiated with no arguments (L4).
+    """Import the file at `path` and return `AgentRunner` from it, instantiated with no arguments (L4); a
+    `builtin:` id is one of `BUILTIN_AGENTS` as a step runner.
 
     The module-level code of the file runs in every process that loads it (graders, tool setup, env reads).
     `AgentRunner` may be a `Runner` subclass or an already-built `Runner` instance (`StepEnvRunner(MyEnv)`).
     """
+    if str(path) in BUILTIN_AGENTS:
+        return StepEnvRunner(BUILTIN_AGENTS[str(path)])
     path = Path(path)
     if path.suffix != ".py":
         raise AgentLoadError(f"{path}: an agent must be a Python file ending in .py")

@@ -329,6 +329,16 @@ def test_load_instance_form(tmp_path):
     assert traj.reward == 1.0
 
 
+def test_the_builtin_distill_agent_is_one_turn_at_reward_0():
+    # the agent the compiler names for on_policy_distill without an agent (Molt B2): no file, a step runner
+    from molt_compile.derive import DISTILL_AGENT_PATH
+
+    runner = load_agent_runner(DISTILL_AGENT_PATH)
+    assert isinstance(runner, StepEnvRunner)
+    traj = execute(runner, ScriptedEngine(["x = 42", "never asked"]))
+    assert traj.reward == 0.0 and traj.turns == 1 and len(traj.action_ranges) == 1
+
+
 def test_load_class_form(tmp_path):
     path = write(tmp_path, "b.py", """
         from runtime.agents import Env, Result, StepEnvRunner
