@@ -192,8 +192,8 @@ def engine_names(model) -> dict[str, tuple[str, bool]]:
     name vLLM's MoE loader takes whole (`...experts.up_proj` / `down_proj`, (experts, out, in): nemo-automodel's
     (experts, in, out) swapped). The RADIO tower is left out: vLLM loads it only as the checkpoint's fused `attn.qkv`,
     which a stream of one tensor per parameter cannot send (its query, key and value are three parameters), so the
-    compiler refuses omni RL on vLLM engines unless the tower is frozen (`actor.freeze.visual_encoder`, capability
-    row rl-omni-vision-sync) and the engines keep the tower they loaded."""
+    compiler refuses omni RL on vLLM engines unless the tower is frozen (`actor.freeze.visual_encoder`, rule
+    VLLM014) and the engines keep the tower they loaded."""
     import torch
 
     adapter = model.state_dict_adapter
