@@ -19,7 +19,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,22 +36,10 @@ from molt_compile.job_launch import (
     write_plan_file,
 )
 from schemas.plan import PLAN_FILE_PLACEHOLDER, Plan
+from schemas.ports import free_port
 
 START_ATTEMPTS = 3
 """Starts of a local Ray head before giving up (the Slurm script's `ray start` tries as often)."""
-
-
-def _free_port(_given: set[int] = set()) -> int:  # noqa: B006 (the set is the memory of this process's picks)
-    """A port free now and never handed out before by this process: the kernel may give the same ephemeral port
-    to two bind-and-close probes in a row, and one `ray start` takes seven (two components on one port: once in
-    34 starts)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
-            return port
 
 
 def _local_gpus() -> int:
@@ -119,7 +106,7 @@ class LocalCluster:
         self.cwd = cwd  # of `ray start`; Ray's workers inherit it: the job root, where the plan's paths start
         # /tmp, not $TMPDIR: Ray's unix socket paths under the temp dir must stay under 108 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="molt-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
-        self.port = _free_port()
+        self.port = free_port()
         self.token = secrets.token_hex(32)
         self.env = {
             **os.environ,
@@ -151,12 +138,12 @@ class LocalCluster:
             f"--num-gpus={gpus}",
             f"--temp-dir={self.temp_dir}",
             "--include-dashboard=false",
-            f"--dashboard-port={_free_port()}",
-            f"--ray-client-server-port={_free_port()}",
-            f"--dashboard-agent-listen-port={_free_port()}",
-            f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}",
+            f"--dashboard-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
         ]
         if res:
             cmd.append(f"--resources={json.dumps(res, sort_keys=True)}")

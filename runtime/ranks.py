@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Callable, Iterator
 
 import torch
@@ -23,6 +22,7 @@ from runtime import microbatch
 from runtime.experience import Experience
 from runtime.logprobs import token_top_logprobs, vision_inputs
 from schemas.plan import TrainerPlan
+from schemas.ports import free_port
 
 
 def _ray():
@@ -30,19 +30,6 @@ def _ray():
     import ray
 
     return ray
-
-
-def free_port(_given: set[int] = set()) -> int:  # noqa: B006 (the set is the memory of this process's picks)
-    """A port free now and never handed out before by this process: the kernel may give the same ephemeral port to
-    two bind-and-close probes in a row (molt_compile/local_cluster.py's `_free_port` for the same reason), and a
-    test that picks a world's ports up front would then start two worlds on one port."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port not in _given:
-            _given.add(port)
-            return port
 
 
 class FsdpRank:
