@@ -381,6 +381,7 @@ def run_smokes(
     largest of them together. A phase waits on imports and engine start-up much of its time, so two at once finish
     sooner even on two cores. SFT runs (torchrun, one master port) run one at a time."""
     import concurrent.futures
+    import itertools
     import threading
 
     from molt_compile import job_launch, local_cluster
@@ -420,8 +421,12 @@ def run_smokes(
             if announce:
                 say("\n".join(verdict.lines()))
 
+        # SFT runs alternate with RL ones: two SFT runs taken at once would leave a worker waiting on the lock
+        sft = [run for run in runnable if run[2][1].plan.kind == "sft"]
+        rl = [run for run in runnable if run[2][1].plan.kind != "sft"]
+        order = [run for pair in itertools.zip_longest(sft, rl) for run in pair if run is not None]
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for done in [pool.submit(smoke, *run) for run in runnable]:
+            for done in [pool.submit(smoke, *run) for run in order]:
                 done.result()
     except job_launch.LaunchError as err:
         for verdict, _, _ in runnable:
