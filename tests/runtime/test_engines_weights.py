@@ -102,6 +102,33 @@ def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
     assert len(steps) == 3
 
 
+def test_a_score_goes_before_the_next_generation_chunk():
+    """The generation thread re-enters the gate the moment it leaves it: a waiting `score` (the post-sync probe)
+    must take the next turn, not wait behind chunk after chunk."""
+    gate = _StepGate()
+    order: list[str] = []
+
+    def generation_thread():
+        for _ in range(40):  # bounded: a starved score fails the test instead of hanging it
+            with gate.forward():
+                time.sleep(0.02)
+                order.append("chunk")
+
+    def score():
+        with gate.forward(score=True):
+            order.append("score")
+
+    worker = threading.Thread(target=generation_thread)
+    worker.start()
+    time.sleep(0.05)
+    chunks_before = len(order)
+    scorer = threading.Thread(target=score)
+    scorer.start()
+    worker.join(timeout=10)
+    scorer.join(timeout=10)
+    assert order.index("score") <= chunks_before + 1  # at most the chunk running when the score came
+
+
 def test_shard_boxes_follow_fsdp2_chunking_and_dtensor_offsets():
     """`shard_layout`'s box of each mesh coordinate: FSDP2's torch.chunk rows on one dim, and DTensor's own local
     shape and offset for the placements of HSDP and of experts under ep below the ranks; a box is one run of the
