@@ -35,6 +35,16 @@ first died in the first step with "CUDA driver error: misaligned address" (the c
 kernels fed the packed targets `input_ids[0, 1:]`, 8 bytes into their storage: now copied aligned,
 runtime/logprobs.py), then ran: 4,566 tokens/s, 1.50x; trainer phase 3.51 s = 2.22x plain's, ~3 s even for a
 step of 441 tokens: a per-step cost of the packed path in this loop not found yet (no device time left).
+Measured 2026-12-05 on one H200, three calls on machines of unequal speed (the same sdpa step took 2.43 s on one and
+3.69 s on another: compare within a call only). `full+packed` (plain 5,441 tokens/s): 7,855 tokens/s, 1.44x; trainer
+phase 2.12 s = 1.65x plain's 1.29 s (83 against 50.5 µs per trained token); per step the post-sync probe took
+0.62 s: the hf engine's `score` waited behind every generation chunk of the batch in flight (its gate let the
+generation thread re-enter first). With the score going first (runtime/engines/hf_engine.py), on another machine:
+probe 0.11 s (`full`) and 0.15 s (`full+packed`) a step; `full` 6,874 and `full+packed` 5,851 tokens/s (plain not
+reached within the call). `full` again (plain 2,336 tokens/s): 4,386 tokens/s, 1.88x; trainer phase 3.41 s = 1.79x
+plain's 1.90 s, median 2.58 s: the random policy's responses fell to 3 tokens in the last three steps, and the first
+such step trained for 15.8 s (a recompile at the new shape: tests/gpu/check_compile_shapes.py counts the lm_head
+chunk's graphs now).
 """
 
 from __future__ import annotations
@@ -131,6 +141,11 @@ def main() -> int:
             warm[0] else 64
         ours["tokens_per_s"] = ours["rollouts"] * mean("rollout/response_length_mean") / mean("timing/step_total")
         ours["trainer_phase_s"] = mean("timing/make_experience") + mean("timing/policy_train")
+        # per trained token as well: the random policy's response lengths drift between steps (to 3 tokens in the
+        # last steps of one run), while plain trains every step at ours' mean length
+        phases = sorted(r["timing/make_experience"] + r["timing/policy_train"] for r in warm)
+        ours["trainer_phase_median_s"] = phases[len(phases) // 2]
+        ours["trainer_phase_us_per_token"] = 1e6 * sum(phases) / sum(r.get("train/tokens", 0.0) for r in warm)
     first = report[f"ours_{modes[0]}"]
     report["plain"] = plain = plain_loop(big, first["rollouts"], first["prompt_tokens"], first["response_tokens"], 16,
                                          steps)
@@ -138,6 +153,8 @@ def main() -> int:
         ours = report[f"ours_{mode}"]
         report[f"ratio_tokens_per_s_{mode}"] = ours["tokens_per_s"] / plain["tokens_per_s"]
         report[f"ratio_trainer_phase_to_plain_train_{mode}"] = ours["trainer_phase_s"] / plain["train_s"]
+        report[f"ratio_trainer_phase_per_token_to_plain_{mode}"] = ours["trainer_phase_us_per_token"] / (
+            1e6 * plain["train_s"] / (plain["rows"] * plain["new_tokens"]))
     text = json.dumps(report, indent=1, default=str)
     print(text)
     (out / "bench_loop.json").write_text(text)

@@ -6,12 +6,17 @@
 A random Qwen3-1.7B-shaped model (28 layers, bf16) under `runtime.models.hf.compile_layers` with full
 checkpointing, fed the shapes one RL run meets (16-row micro-batches of 64 to 424 positions, 8 and 3 rows, one row),
 each width padded to the plan's `width_multiple` (8 on GPUs) as the runtime pads it: forward, chunked lm_head
-log-probs (`runtime.logprobs.head_logprobs`) and backward, twice per shape. Passes when the decoder layers compiled
+log-probs (`runtime.logprobs.head_logprobs`) and backward, after a no-grad forward and log-probs (the old-log-prob
+pass), twice per shape. Passes when the decoder layers compiled
 one graph for every multi-row shape with no graph break (a one-row micro-batch compiles one more, once: torch
 specializes a size of 1); records each shape's first and steady step against the same model
 eager (transformers' own checkpointing). Writes OUT_DIR/compile_shapes.json.
 Before the width padding and the inductor option (2026-12-04, one H200): 10 graphs for
 these shapes, each new one 10-14 s in the middle of the run (a 39 s training step at the loop's last, short batch).
+Added 2026-12-05, not run yet: the no-grad pass, the lm_head chunk's graph count and `recompiled_shapes` (each shape
+whose first step took a second longer than its steady step). In the RL loop that day a step whose responses fell to
+3 tokens trained for 15.8 s; in an earlier call's log the chunk (`runtime.logprobs._chunk`) recompiled on inductor's
+matmul-padding guard `301 <= hidden.size()[0] <= 2047` (its `shape_padding` pass), and on `2 <= storage_offset()`.
 """
 
 from __future__ import annotations
@@ -68,6 +73,10 @@ def _steps(model) -> list[dict]:
         for _ in range(2):
             sync()
             t0 = time.perf_counter()
+            with torch.no_grad():  # the old-log-prob pass first, as the loop runs it
+                hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+                head_logprobs(model.lm_head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1),
+                              1.0, False)
             hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
             flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
             lp, _, _ = head_logprobs(model.lm_head, flat, ids[:, 1:].reshape(-1), 1.0, False)
@@ -96,8 +105,11 @@ def main() -> int:
     # the decoder layers' graphs: all but the lm_head chunk's own (GPUs compile it apart: small graphs)
     chunk_graphs = len(_debug_get_cache_entry_list(logprobs._chunk.__code__))
     layer_graphs = counters["stats"]["unique_graphs"] - chunk_graphs
+    # a shape whose first step took a second more than its steady one compiled something mid-run
+    recompiled = [(c["rows"], c["length"]) for c in compiled[1:] if c["first_s"] > c["steady_s"] + 1.0]
     report = {
         "layer_graphs": layer_graphs, "chunk_graphs": chunk_graphs, "graph_breaks": sum(counters["graph_break"].values()),
+        "recompiled_shapes": recompiled,
         "eager": eager, "compiled": compiled,
         "steady_vs_eager": sum(e["steady_s"] for e in eager) / sum(c["steady_s"] for c in compiled),
     }
