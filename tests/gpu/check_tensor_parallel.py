@@ -5,7 +5,7 @@ of `just test`, whose tests/runtime/models/test_tensor_parallel.py runs the same
 
 The CPU test's own code with `MOLT_PARALLEL_DEVICE=cuda` (fp32, a tiny dense Qwen3, nemo-automodel's mesh, dense
 parallelizer and Qwen3 TP plan, the real `PolicyWorker`): the one-GPU run, then TP 2 on 2 GPUs and, with 4 GPUs,
-TP 2 x dp 2, each without and with LoRA (nemo-automodel's adapters under its LoRA-aware plan); each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
+TP 2 x dp 2, with 8 TP 2 x HSDP (dp_replicate 2, dp_shard 2), each without and with LoRA (nemo-automodel's adapters under its LoRA-aware plan); each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
 optimizer steps (relative 1e-5), the same weights through a weight sync and the HF export, and a DCP checkpoint that
 resumes exactly. Writes OUT_DIR/tensor_parallel_gpu.json and prints it; exit 1 on any difference. Not run yet: no
 multi-GPU machine has been lent (the capability rows rl/sft-trainer-tp-cuda are CAP002 warnings until it passes on
@@ -31,6 +31,7 @@ def main() -> int:
     import torch
 
     from runtime.tiny_model import build_tiny_model
+    from schemas.plan import MeshPlan
 
     gpus = torch.cuda.device_count()
     if gpus < 2:
@@ -42,10 +43,11 @@ def main() -> int:
     path = str(build_tiny_model(work / "model", seed=0, vocab_size=300, tie_word_embeddings=False))
     plain = [(layouts._mesh(1), None), (layouts._mesh(1), checks.LORA)]
     singles = [ranks[0] for ranks in layouts._run(1, plain, path, work / "single")]
-    runs = {"tp2": 2} | ({"tp2_dp2": 4} if gpus >= 4 else {})
+    runs = {"tp2": 2} | ({"tp2_dp2": 4} if gpus >= 4 else {}) | ({"tp2_hsdp": 8} if gpus >= 8 else {})
     report: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "layouts": {}}
     for name, world in runs.items():
-        meshes = [(layouts._mesh(2), None), (layouts._mesh(2), checks.LORA)]
+        mesh = MeshPlan(tp=2, cp=1, ep=1, pp=1, dp_replicate=2 if name == "tp2_hsdp" else 1)
+        meshes = [(mesh, None), (mesh, checks.LORA)]
         for k, (single, ranks) in enumerate(zip(singles, layouts._run(world, meshes, path, work / name),
                                                 strict=True)):
             key = name + ("+lora" if k else "")
