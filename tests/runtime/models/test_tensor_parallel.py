@@ -12,7 +12,7 @@ export and a DCP save / resume. The structure and the comparison are test_expert
 this module's plan). LoRA (`ep_test.LORA`: nemo-automodel's adapters on q, o and down, which its plan's LoRA-aware
 styles cut with their layers) runs as one more layout of the same spawns, at TP 2 and TP 2 x dp 2, against the
 one-rank LoRA run; the engines get the merged weights, each rank adding B@A over its own box of W. HSDP with TP:
-(dp_replicate 2, dp_shard 2, tp 2) on 8 ranks against the same one-rank run.
+(dp_replicate 2, dp_shard 2, tp 2) on 8 ranks against the same one-rank runs, without and with LoRA.
 
 Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
 TP path refuses them), and rule MOE002 refuses the recipe.
@@ -132,8 +132,9 @@ def test_tp2_by_hsdp_matches_one_rank(dense_checkpoint, single, tmp_path):
     """HSDP with tp on 8 ranks: nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh (it refuses dp_shard 1, as
     rule PAR007 does); FSDP2 shards each tp shard over the dp_shard pair and replicates it over the replicate pair."""
     mesh = MeshPlan(tp=2, cp=1, ep=1, pp=1, dp_replicate=2)
-    (hsdp,) = _run(8, [(mesh, None)], dense_checkpoint, tmp_path / "tp_hsdp")
+    hsdp, hsdp_lora = _run(8, [(mesh, None), (mesh, ep_test.LORA)], dense_checkpoint, tmp_path / "tp_hsdp")
     placed = hsdp[0]["placements"].get("model.layers.0.self_attn.q_proj.weight", "").lower()
     assert "(dp_replicate=2, " in placed and "dp_shard=2, tp=2)" in placed, placed
     assert "(replicate(), _stridedshard(dim=0, sf=2), shard(dim=0))" in placed, placed
     ep_test._check(single[0], hsdp)
+    ep_test._check(single[1], hsdp_lora)
