@@ -106,7 +106,15 @@ def _from_config_dir(path: str, stamp: int) -> ModelFacts | None:
         return None
     if not isinstance(cfg, dict):
         return None
-    return facts_from_config(cfg, source=str(config_file))
+    facts = facts_from_config(cfg, source=str(config_file))
+    try:
+        tokenizer = json.loads((Path(path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer = None
+    limit = tokenizer.get("model_max_length") if isinstance(tokenizer, dict) else None
+    if facts.max_positions and isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0:
+        return replace(facts, max_positions=int(min(facts.max_positions, limit)))  # vLLM takes the smaller
+    return facts
 
 
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
@@ -157,9 +165,54 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         cp_hook="vision_config" in cfg and arch in NATIVE_ARCHITECTURES,
         kv_bytes_per_token=gqa_kv_bytes(layers, kv_heads, head_dim),
         tie_embeddings=tie,
+        max_positions=max_positions(cfg),
         estimated=("params_total", "params_active"),
         source=source,
     )
+
+
+POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+"""The keys vLLM derives a checkpoint's longest sequence from (the smallest present; `model_max_length` wins)."""
+# RoPE types whose `factor` vLLM does not multiply in: their max_position_embeddings is already the scaled length
+_SCALED_ROPE = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"})
+
+
+def max_positions(cfg: dict) -> int:
+    """The longest sequence vLLM 0.32 accepts for this config.json (`vllm/config/model.py`
+    `_get_and_verify_max_len`): the smallest position key of the text config (`model_max_length` when present),
+    times the RoPE scaling factor except for types already scaled; gemma3 is never scaled again. 0: no key."""
+    nested = cfg.get("text_config")
+    text: dict = nested if isinstance(nested, dict) else cfg
+    found = [_int(text, k) for k in POSITION_KEYS if _int(text, k) > 0]
+    if not found:
+        return 0
+    length = _int(text, "model_max_length") or min(found)
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, dict) and "gemma3" not in str(cfg.get("model_type", "")):
+        # one dict, or one per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`)
+        params = (
+            [rope]
+            if any(k in rope for k in ("rope_type", "type", "factor"))
+            else [v for v in rope.values() if isinstance(v, dict)]
+        )
+        factor = 1.0
+        for rp in params:
+            if rp.get("rope_type", rp.get("type", "default")) not in _SCALED_ROPE and isinstance(
+                rp.get("factor"), int | float
+            ):
+                factor = float(rp["factor"])
+        length = int(length * factor)
+    return length
 
 
 def _int(d: dict, key: str) -> int:

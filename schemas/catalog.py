@@ -64,6 +64,9 @@ class ModelSpec:
     kv_bytes_per_token: int = 0
     """bf16 KV-cache bytes one token takes in vLLM over all layers (hybrid/MLA models: only their cache layers)."""
     tie_embeddings: bool = False
+    max_positions: int = 0
+    """The longest sequence vLLM accepts for this checkpoint (its config's position keys, RoPE scaling and the
+    tokenizer's `model_max_length`, as vLLM derives them); 0: unknown (catalog rows: only a config.json says)."""
     estimated: tuple[str, ...] = ()
     """Fields whose values are estimates (see the module docstring)."""
     source: str = ""

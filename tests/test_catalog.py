@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from molt_compile.model_facts import facts_from_config, resolve_model
+from molt_compile.model_facts import facts_from_config, max_positions, resolve_model
 from schemas.catalog import GPUS, MODELS
 
 REQUIRED_MODELS = {"qwen3-4b", "qwen3.6-35b-a3b", "nemotron-3-nano-omni-30b-a3b", "glm-5.2", "qwen3-8b",
@@ -110,3 +110,36 @@ def test_resolve_model_prefers_arch_then_local_config(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     assert resolve_model({"path": "bad"}, tmp_path) is None
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"max_position_embeddings": 40960}, 40960),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, 8192),
+        ({"max_position_embeddings": 4096, "rope_scaling": {"type": "dynamic", "factor": 4}}, 16384),
+        # yarn and llama3: max_position_embeddings is already the scaled length
+        ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 131072),
+        ({"max_position_embeddings": 131072, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, 131072),
+        # one RoPE dict per layer type
+        ({"max_position_embeddings": 1024, "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 3},
+                                                               "sliding_attention": {"rope_type": "default"}}}, 3072),
+        ({"max_position_embeddings": 8192, "n_positions": 2048}, 2048),  # the smallest key
+        ({"max_position_embeddings": 8192, "model_max_length": 16384}, 16384),  # model_max_length wins
+        ({"text_config": {"max_position_embeddings": 32768}, "vision_config": {}}, 32768),  # a VLM's text model
+        ({"model_type": "gemma3", "max_position_embeddings": 131072,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, 131072),  # gemma3's length is already scaled
+        ({"hidden_size": 64}, 0),  # no key: unknown, no check
+    ],
+)
+def test_max_positions_follows_vllm(config, expected):
+    assert max_positions(config) == expected
+
+
+def test_the_tokenizer_limit_caps_max_positions(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2,
+                                                      "hidden_size": 64, "max_position_embeddings": 40960}))
+    assert resolve_model({"path": str(tmp_path)}, None).max_positions == 40960
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32768}))
+    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text() + " ")  # a new stamp
+    assert resolve_model({"path": str(tmp_path)}, None).max_positions == 32768

@@ -303,6 +303,7 @@ ALL_RULES: tuple[Code, ...] = (
     Code("VLLM012", "router-balance-without-cache-aware", "warning", vllm.router_balance_without_cache_aware),
     Code("VLLM013", "hf-engine-on-hybrid-model", "error", vllm.hf_engine_on_hybrid_model),
     Code("VLLM014", "omni-vision-tower-not-synced", "error", vllm.omni_vision_tower_not_synced),
+    Code("VLLM015", "max-len-beyond-model-positions", "error", shapes.max_len_beyond_model_positions),
 )
 """Every rule, sorted by code. PLACE004/PLACE005 are not used: per-node packing and CPUs are lower/'s PLACE1xx."""
 

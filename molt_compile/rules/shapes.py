@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from molt_compile.derive import Derived
 from molt_compile.diagnostics import Diagnostic
 from molt_compile.model_facts import model_facts, role_facts
-from molt_compile.rules._base import diag, fsdp_roles
+from molt_compile.rules._base import diag, dv, fsdp_roles
 from molt_compile.source import SourceMap
 from schemas.recipe import RlRecipe, SftRecipe
 
@@ -140,3 +140,52 @@ def actor_tp_does_not_split_the_model(
                 f"choose actor.mesh.tp among {', '.join(map(str, good))}",
                 ["model.arch" if role == "actor" else f"{role}.path"],
             )
+
+
+def max_len_beyond_model_positions(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `data.max_len` (vLLM's `max_model_len`, B16) against the longest sequence the checkpoint's config.json allows,
+    derived as vLLM derives it: the smallest of its position keys (`max_position_embeddings`, `n_positions`,
+    `max_seq_len`, ..., `model_max_length` when present), times the RoPE scaling factor (not for yarn, llama3 or
+    longrope, whose `max_position_embeddings` is already the scaled length), and no more than the tokenizer's
+    `model_max_length`. Only where the config.json is readable: a catalog row does not say.
+
+    ## Why it matters
+    vLLM refuses to start: "User-specified max_model_len (X) is greater than the derived max_model_len" — after the
+    job has its nodes, at step 0. Its override, `VLLM_ALLOW_LONG_MAX_MODEL_LEN`, gives NaNs for RoPE positions past
+    the trained range. The hf engine and the trainer would compute those positions without a word, on the same
+    untrained range.
+
+    ## Example
+    ```yaml
+    # config.json: max_position_embeddings 4096, rope_scaling {rope_type: linear, factor: 2.0}: 8192 for vLLM
+    model: {path: ./models/positions-4096-linear-x2, arch: null, attn: sdpa}
+    rollout: {max_new_tokens: 1024}
+    data: {max_len: 16384}
+    ```
+
+    ## Use instead
+    ```yaml
+    model: {path: ./models/positions-4096-linear-x2, arch: null, attn: sdpa}
+    rollout: {max_new_tokens: 1024}
+    data: {max_len: 8192}
+    ```
+
+    ## References
+    vLLM `vllm/config/model.py` `_get_and_verify_max_len`; `model_arch_config_convertor.py`
+    `derive_max_model_len_and_key`; molt_compile/model_facts.py `max_positions`
+    """
+    facts = model_facts(recipe, source)
+    max_len = dv(derived, "rollout.max_model_len")
+    if recipe.rollout.engine != "vllm" or facts is None or not facts.max_positions or not isinstance(max_len, int):
+        return
+    if max_len > facts.max_positions:
+        yield diag(
+            source,
+            "data.max_len",
+            f"vLLM serves {facts.key} ({facts.source}) up to {facts.max_positions} positions, and data.max_len "
+            f"{max_len} asks for more: the engines refuse to start",
+            f"set data.max_len: {facts.max_positions} or less, or train a checkpoint whose config.json allows the "
+            "length (its max_position_embeddings, or RoPE scaling such as yarn)",
+            ["model.path", "rollout.engine"],
+        )
