@@ -111,16 +111,15 @@ def _from_config_dir(path: str, stamp: int) -> ModelFacts | None:
         tokenizer = json.loads((Path(path) / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
         tokenizer = None
-    limit = tokenizer.get("model_max_length") if isinstance(tokenizer, dict) else None
-    if facts.max_positions and isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0:
-        return replace(facts, max_positions=int(min(facts.max_positions, limit)))  # vLLM takes the smaller
+    limit = _int(tokenizer, "model_max_length") if isinstance(tokenizer, dict) else 0
+    if facts.max_positions and limit > 0:
+        return replace(facts, max_positions=min(facts.max_positions, limit))  # vLLM takes the smaller
     return facts
 
 
 def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
     """A ModelFacts from a parsed HF config.json (VLM configs keep the language model under `text_config`)."""
-    nested = cfg.get("text_config")
-    text: dict = nested if isinstance(nested, dict) else cfg
+    text = _text_config(cfg)
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else cfg.get("model_type", "unknown")
     layers = _int(text, "num_hidden_layers")
@@ -165,7 +164,7 @@ def facts_from_config(cfg: dict, source: str = "config.json") -> ModelFacts:
         cp_hook="vision_config" in cfg and arch in NATIVE_ARCHITECTURES,
         kv_bytes_per_token=gqa_kv_bytes(layers, kv_heads, head_dim),
         tie_embeddings=tie,
-        max_positions=max_positions(cfg),
+        max_positions=max_positions(cfg, text),
         estimated=("params_total", "params_active"),
         source=source,
     )
@@ -187,13 +186,18 @@ POSITION_KEYS = (
 _SCALED_ROPE = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling"})
 
 
-def max_positions(cfg: dict) -> int:
+def _text_config(cfg: dict) -> dict:
+    """The language model's part of a config.json: a VLM's `text_config`, else the config itself."""
+    nested = cfg.get("text_config")
+    return nested if isinstance(nested, dict) else cfg
+
+
+def max_positions(cfg: dict, text: dict | None = None) -> int:
     """The longest sequence vLLM 0.32 accepts for this config.json (`vllm/config/model.py`
     `_get_and_verify_max_len`): the smallest position key of the text config (`model_max_length` when present),
     times the RoPE scaling factor except for types already scaled; gemma3 is never scaled again. 0: no key."""
-    nested = cfg.get("text_config")
-    text: dict = nested if isinstance(nested, dict) else cfg
-    found = [_int(text, k) for k in POSITION_KEYS if _int(text, k) > 0]
+    text = _text_config(cfg) if text is None else text
+    found = [n for k in POSITION_KEYS if (n := _int(text, k)) > 0]
     if not found:
         return 0
     length = _int(text, "model_max_length") or min(found)

@@ -428,8 +428,9 @@ def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[i
     """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe, still
     under the engine lock: released first, the generator starts its next batch at once and the probe's engine call
     waits behind it (1.5 s a step on one H200, issue 29); the hf engine's score then takes its next forward pass
-    (0.62 s a step waiting behind every generation chunk before, 0.11 s after). Timed phases: `weight_sync_total` (lock wait, pause,
-    `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe` (the engines and the trainer at once).
+    (0.62 s a step waiting behind every generation chunk before, 0.11 s after). Timed phases: `weight_sync_total`
+    (lock wait, pause, `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe` (the engines and the trainer
+    at once).
 
     `lock` is None only before the generator exists (resume), when nothing can be generating.
     """

@@ -137,9 +137,13 @@ def test_max_positions_follows_vllm(config, expected):
 
 
 def test_the_tokenizer_limit_caps_max_positions(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2,
-                                                      "hidden_size": 64, "max_position_embeddings": 40960}))
-    assert resolve_model({"path": str(tmp_path)}, None).max_positions == 40960
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32768}))
-    (tmp_path / "config.json").write_text((tmp_path / "config.json").read_text() + " ")  # a new stamp
-    assert resolve_model({"path": str(tmp_path)}, None).max_positions == 32768
+    config = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "max_position_embeddings": 40960}
+    for name, limit in (("plain", None), ("shorter", 32768), ("longer", 1e30)):  # 1e30: transformers' "no limit"
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        if limit is not None:
+            (tmp_path / name / "tokenizer_config.json").write_text(json.dumps({"model_max_length": limit}))
+    assert resolve_model({"path": str(tmp_path / "plain")}, None).max_positions == 40960
+    assert resolve_model({"path": str(tmp_path / "shorter")}, None).max_positions == 32768
+    assert resolve_model({"path": str(tmp_path / "longer")}, None).max_positions == 40960
