@@ -13,8 +13,9 @@ specializes a size of 1); records each shape's first and steady step against the
 eager (transformers' own checkpointing). Writes OUT_DIR/compile_shapes.json.
 Before the width padding and the inductor option (2026-12-04, one H200): 10 graphs for
 these shapes, each new one 10-14 s in the middle of the run (a 39 s training step at the loop's last, short batch).
-Added 2026-12-05, not run yet: the no-grad pass, the lm_head chunk's graph count and `recompiled_shapes` (each shape
-whose first step took a second longer than its steady step). In the RL loop that day a step whose responses fell to
+Added 2026-12-05: the no-grad pass, the lm_head chunk's graph count (at most 2: no-grad and grad) and
+`recompiled_shapes` (each shape whose first step took a second longer than its steady step: none may), and
+`chunk_ab`: the chunk alone, compiled static and padded (the runtime's since then) against dynamic and unpadded. In the RL loop that day a step whose responses fell to
 3 tokens trained for 15.8 s; in an earlier call's log the chunk (`runtime.logprobs._chunk`) recompiled on inductor's
 matmul-padding guard `301 <= hidden.size()[0] <= 2047` (its `shape_padding` pass), and on `2 <= storage_offset()`.
 """
@@ -88,6 +89,52 @@ def _steps(model) -> list[dict]:
     return out
 
 
+def _chunk_ab(model) -> dict:
+    """The lm_head chunk alone at each shape's positions (no-grad pass, then forward and backward): compiled with
+    static shapes and its last chunk padded (the runtime's), against compiled with dynamic sizes, unpadded (before
+    2026-12-05), in that order on the same head. Each variant's first pass at a shape includes what it compiles."""
+    import torch
+
+    from runtime import logprobs
+
+    head, dev = model.lm_head, next(model.parameters()).device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    real_chunk, real_padded = logprobs._compiled_chunk, logprobs._padded
+    dynamic = torch.compile(logprobs._chunk)
+    result = {}
+    for variant in ("dynamic_unpadded", "static_padded"):
+        torch._dynamo.reset()
+        if variant == "dynamic_unpadded":
+            logprobs._compiled_chunk, logprobs._padded = (lambda: dynamic), (lambda t, rows: t)
+        else:
+            logprobs._compiled_chunk, logprobs._padded = real_chunk, real_padded
+        per_shape = []
+        for rows, length in SHAPES:
+            n = rows * (-(-length // WIDTH_MULTIPLE) * WIDTH_MULTIPLE - 1)
+            g = torch.Generator().manual_seed(n)
+            hidden = torch.randn(n, head.in_features, generator=g).to(dev, head.weight.dtype).requires_grad_()
+            targets = torch.randint(0, head.out_features, (n,), generator=g).to(dev)
+            times = []
+            for _ in range(2):
+                sync()
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    logprobs.head_logprobs(head, hidden.detach(), targets, 1.0, False)
+                lp, _, _ = logprobs.head_logprobs(head, hidden, targets, 1.0, False)
+                lp.sum().backward()
+                sync()
+                times.append(time.perf_counter() - t0)
+            per_shape.append({"positions": n, "first_s": times[0], "steady_s": times[1]})
+        result[variant] = {"first_s": sum(p["first_s"] for p in per_shape),
+                           "steady_s": sum(p["steady_s"] for p in per_shape), "shapes": per_shape}
+    logprobs._compiled_chunk, logprobs._padded = real_chunk, real_padded
+    torch._dynamo.reset()
+    result["steady_static_vs_dynamic"] = result["dynamic_unpadded"]["steady_s"] / result["static_padded"]["steady_s"]
+    print(json.dumps({k: v if not isinstance(v, dict) else {"first_s": v["first_s"], "steady_s": v["steady_s"]}
+                      for k, v in result.items()}), flush=True)
+    return result
+
+
 def main() -> int:
     import torch
     from torch._dynamo.utils import counters
@@ -107,7 +154,9 @@ def main() -> int:
     layer_graphs = counters["stats"]["unique_graphs"] - chunk_graphs
     # a shape whose first step took a second more than its steady one compiled something mid-run
     recompiled = [(c["rows"], c["length"]) for c in compiled[1:] if c["first_s"] > c["steady_s"] + 1.0]
+    chunk_ab = _chunk_ab(_model(compiled=False)) if not DRY_RUN or os.environ.get("MOLT_CHUNK_AB") else None
     report = {
+        "chunk_ab": chunk_ab,
         "layer_graphs": layer_graphs, "chunk_graphs": chunk_graphs, "graph_breaks": sum(counters["graph_break"].values()),
         "recompiled_shapes": recompiled,
         "eager": eager, "compiled": compiled,
@@ -116,7 +165,7 @@ def main() -> int:
     (out / "compile_shapes.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("eager", "compiled")}, indent=1))
     # the CPU dry run checks the script only: the CPU inductor guards on other shapes (its C++ accumulators)
-    ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 2)
+    ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 2 and chunk_graphs <= 2 and not recompiled)
     print("compile_shapes:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

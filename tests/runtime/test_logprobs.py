@@ -1,0 +1,40 @@
+"""runtime/logprobs.py: the chunked lm_head log-probs."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.testing import CompileCounter
+
+from runtime import logprobs
+
+
+def test_the_compiled_chunk_keeps_one_graph_over_every_batch_length(monkeypatch):
+    """On GPUs the chunk is compiled with static shapes and the last chunk padded to the chunk size: batches of any
+    length (a short one arriving mid-run) reuse the graph of each grad mode, and the padding changes no number."""
+    torch._dynamo.reset()
+    graphs = CompileCounter()
+    monkeypatch.setattr(logprobs, "_compiles", lambda hidden: True)
+    monkeypatch.setattr(logprobs, "_compiled_chunk", lambda: torch.compile(logprobs._chunk, backend=graphs,
+                                                                           dynamic=False))
+    torch.manual_seed(0)
+    head = torch.nn.Linear(12, 40, bias=False)
+    for n in (70, 33, 5, 64, 1):
+        hidden = torch.randn(n, 12, requires_grad=True)
+        targets = torch.randint(0, 40, (n,))
+        top = torch.randint(0, 40, (n, 3))
+        with torch.no_grad():  # the old-log-prob pass: states from a no-grad forward
+            old, _, _ = logprobs.head_logprobs(head, hidden.detach(), targets, 0.7, False, chunk_tokens=16)
+        lp, ent, top_lp = logprobs.head_logprobs(head, hidden, targets, 0.7, True, chunk_tokens=16, top_ids=top)
+        (lp.sum() + ent.sum() + top_lp.sum()).backward()
+        grad, hidden.grad = hidden.grad, None
+        head.zero_grad()
+
+        want = logprobs._chunk(head, hidden, targets, 0.7, True, top)  # eager, unchunked, unpadded
+        (want[0].sum() + want[1].sum() + want[2].sum()).backward()
+        assert lp.shape == (n,) and top_lp.shape == (n, 3)
+        torch.testing.assert_close(old, want[0].detach(), rtol=1e-6, atol=1e-6)
+        for got, ref in zip((lp, ent, top_lp, grad), (*want, hidden.grad)):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        head.zero_grad()
+    # no-grad without entropy, and grad with entropy and top ids: one graph each, whatever the lengths
+    assert graphs.frame_count == 2
