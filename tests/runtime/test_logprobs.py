@@ -33,7 +33,7 @@ def test_the_compiled_chunk_keeps_one_graph_over_every_batch_length(monkeypatch)
         (want[0].sum() + want[1].sum() + want[2].sum()).backward()
         assert lp.shape == (n,) and top_lp.shape == (n, 3)
         torch.testing.assert_close(old, want[0].detach(), rtol=1e-6, atol=1e-6)
-        for got, ref in zip((lp, ent, top_lp, grad), (*want, hidden.grad)):
+        for got, ref in zip((lp, ent, top_lp, grad), (*want, hidden.grad), strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
         head.zero_grad()
     # no-grad without entropy, and grad with entropy and top ids: one graph each, whatever the lengths
