@@ -16,9 +16,11 @@ load-balancing loss per micro-batch / micro-batches (Molt B32, as the RL trainer
 Every number comes from the plan's `sft` slice (batch sizes, accumulation, steps, cadences, optimizer); nothing is
 re-derived. The loss is Molt's global token mean (`runtime.algo.losses.sft_loss`): every rank divides its summed
 reply-token NLL by the reply-token count of the whole optimizer step (all micro-batches, all ranks), times dp,
-because FSDP averages gradients over ranks. Under context parallelism the cp ranks of a data-parallel rank take its
-rows and split each micro-batch's sequences, the log-probs put back in row order (`runtime/context_parallel.py`):
-the sampler, the token count and the dp factor are the data-parallel ranks'.
+because FSDP averages gradients over the data-parallel ranks (under HSDP over its replicas and shards alike). Under
+context parallelism the cp ranks of a data-parallel rank take its rows and split each micro-batch's sequences, the
+log-probs put back in row order (`runtime/context_parallel.py`); under tensor parallelism its tp ranks take the same
+rows whole (HSDP too: tests/runtime/test_sft_tensor_parallel.py). Either way the sampler, the token count and the dp
+factor are the data-parallel ranks' (the plan's dp: dp_replicate x dp_shard).
 
 Data (`runtime/sft_data.py`, Molt `datasets/sft_dataset.py`): `input_key` holds a string (one user turn) or chat messages; `output_key`
 a string (the assistant reply), one message dict, or messages; without `output_key` the assistant turns come from

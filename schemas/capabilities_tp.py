@@ -3,10 +3,10 @@
 The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel plan of the architecture
 (runtime/models/automodel.py `tensor_parallel`; the compiler sends the dense architectures it has a plan for to the
 automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
-plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, and tp 2 x dp 2; RL: HSDP with tp 2
-on 8 ranks; LoRA too: nemo-automodel's adapters, which its plan's LoRA-aware styles cut with their layers); over
-NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere, each by
-its own row at its own key. Importable without torch.
+plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, tp 2 x dp 2, and HSDP with tp 2 on
+8 ranks, nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh; LoRA too: nemo-automodel's adapters, which its
+plan's LoRA-aware styles cut with their layers); over NCCL it is written and not run (a CAP002 warning). What the
+TP build does not take is refused everywhere, each by its own row at its own key. Importable without torch.
 """
 
 from __future__ import annotations
@@ -77,17 +77,6 @@ def tp_rows(
             "the TP build does not compile the layers",
         ),
     ]
-    if kind == "sft":  # RL runs it: tests/runtime/models/test_tensor_parallel.py, (2, 2, 2) on 8 gloo ranks
-        refused.append(
-            (
-                "hsdp",
-                "actor.mesh.dp_replicate",
-                "HSDP",
-                lambda t, p: t.mesh.dp_replicate > 1,
-                "actor.mesh.dp_replicate: 1",
-                "nemo-automodel's (dp_replicate, dp_shard, tp) mesh runs in RL, not yet run in SFT's trainer",
-            )
-        )
     if kind == "rl":
         refused.append(
             (

@@ -1,29 +1,48 @@
-"""What the SFT mesh tests (`test_sft_expert_parallel.py`, `test_sft_tensor_parallel.py`) share: a 2-rank gloo job
-per plan, the whole model's weights under transformers' names, and the comparison of a mesh run with the plain
-FSDP2 run of the same windows."""
+"""What the SFT mesh tests (`test_sft_expert_parallel.py`, `test_sft_tensor_parallel.py`) share: a gloo job of the
+plan's world per plan, the whole model's weights under transformers' names, and the comparison of a mesh run with
+the plain FSDP2 run of the same windows."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import torch.multiprocessing as mp
 from loop_support import ROOT
 
+TIMEOUT_S = 300
+"""A job that has not finished by then hangs (a collective some rank never joins): its ranks are killed."""
+PRELOAD = ["runtime.sft", "runtime.models.automodel", "nemo_automodel.components.distributed.parallelizer",
+           "nemo_automodel.components.moe.parallelizer", "transformers.models.qwen3.modeling_qwen3"]
+"""What every rank imports, imported once by the forkserver the ranks fork from: spawned, each of 8 ranks would
+import them itself (seconds of CPU each, on 2 cores)."""
 
-def join_ranks(rank: int, port: int) -> None:
-    """This spawned process as rank `rank` of 2 (torchrun's variables), in the project root (plan paths are
+
+def join_ranks(rank: int, port: int, world: int) -> None:
+    """This spawned process as rank `rank` of `world` (torchrun's variables), in the project root (plan paths are
     relative to it)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     os.chdir(ROOT)
 
 
-def run_two_ranks(rank_main, plan, out: str) -> tuple:
-    """`rank_main(rank, plan, port, out)` on 2 processes; what rank 0 saved to `out`."""
+def run_ranks(rank_main, plan, out: str) -> tuple:
+    """`rank_main(rank, plan, port, out)` on the plan's SFT world of processes (killed after `TIMEOUT_S`); what
+    rank 0 saved to `out`."""
+    import multiprocessing
+
     from runtime.ranks import free_port
 
-    mp.spawn(rank_main, args=(plan, free_port(), out), nprocs=2, join=True)
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # before the server's first start
+    ranks = mp.start_processes(rank_main, args=(plan, free_port(), out), nprocs=plan.sft.trainer.world, join=False,
+                               start_method="forkserver")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):  # raises when a rank failed
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(f"the {len(ranks.processes)}-rank job ran past {TIMEOUT_S} s")
     return torch.load(out)
 
 

@@ -13,7 +13,7 @@ import shutil
 
 import torch
 from loop_support import ROOT, compile_plan
-from sft_mesh_support import assert_same_training, full_weights, join_ranks, run_two_ranks
+from sft_mesh_support import assert_same_training, full_weights, join_ranks, run_ranks
 
 STEPS = 3
 NAME = "test-sft-ep"
@@ -33,7 +33,7 @@ def _rank_main(rank: int, plan, port: int, out: str) -> None:
 
     from runtime.sft import SftJob
 
-    join_ranks(rank, port)
+    join_ranks(rank, port, plan.sft.trainer.world)
     job = SftJob(plan)
     job.setup()
     before = full_weights(job)
@@ -50,8 +50,8 @@ def _rank_main(rank: int, plan, port: int, out: str) -> None:
 
 def test_sft_at_ep2_equals_sft_at_ep1(tmp_path):
     try:
-        *mesh_run, ep = run_two_ranks(_rank_main, _plan(2), str(tmp_path / "ep2.pt"))
-        *dp_run, _ = run_two_ranks(_rank_main, _plan(1), str(tmp_path / "ep1.pt"))
+        *mesh_run, ep = run_ranks(_rank_main, _plan(2), str(tmp_path / "ep2.pt"))
+        *dp_run, _ = run_ranks(_rank_main, _plan(1), str(tmp_path / "ep1.pt"))
     finally:
         for size in (1, 2):
             shutil.rmtree(ROOT / "runs" / f"{NAME}-{size}", ignore_errors=True)  # the metrics the jobs wrote
