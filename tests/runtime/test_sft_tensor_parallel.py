@@ -3,9 +3,10 @@ dense parallelizer and Qwen3 tensor-parallel plan), on 2 gloo ranks, fp32, the S
 rows.
 
 Plans compiled from the SFT demo by the real compiler: `actor.mesh.tp: 2` (one data-parallel rank: both ranks run
-the whole window) and `tp: 1` (FSDP2 over the same 2 ranks, each running half of the same window). Three optimizer
-steps: the losses agree to 1e-5 and the trained weights (under transformers' names, gathered) to 1e-5, and the
-weights moved (row `sft-trainer-tp-cuda`: CPU ranks only).
+the whole window), the same with `actor.sequence_parallel` (the plan's sequence-parallel styles) and `tp: 1` (FSDP2
+over the same 2 ranks, each running half of the same window), one after the other in the same 2 processes. Three
+optimizer steps: the losses agree to 1e-5 and the trained weights (under transformers' names, gathered) to 1e-5, and
+the weights moved (row `sft-trainer-tp-cuda`: CPU ranks only).
 """
 
 from __future__ import annotations
@@ -20,19 +21,30 @@ STEPS = 3
 NAME = "test-sft-tp"
 
 
-def _plan(tp: int):
+def _plan(tp: int, sequence_parallel: bool = False):
+    name = f"{NAME}-{tp}{'-sp' if sequence_parallel else ''}"
     return compile_plan(
         "recipes/demo_sft.yaml", "model.backend=automodel", "model.attn=sdpa", "cluster.gpus_per_node=2",
-        "actor.gpus_per_node=2", f"actor.mesh.tp={tp}", "actor.packing=false", "data.max_samples=48",
-        "train.batch_size=16", "eval.dataset=null", f"name={NAME}-{tp}")
+        "actor.gpus_per_node=2", f"actor.mesh.tp={tp}", f"actor.sequence_parallel={str(sequence_parallel).lower()}",
+        "actor.packing=false", "data.max_samples=48", "train.batch_size=16", "eval.dataset=null", f"name={name}")
 
 
-def _rank_main(rank: int, plan, port: int, out: str) -> None:
+def _rank_main(rank: int, plans: list, port: int, out: str) -> None:
+    """Each plan in turn in the same processes (a spawn costs more than a job), over one process group."""
     import torch.distributed as dist
 
+    join_ranks(rank, port)
+    init = dist.init_process_group
+    dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)  # type: ignore
+    runs = [_train(rank, plan) for plan in plans]
+    if rank == 0:
+        torch.save(runs, out)
+    dist.destroy_process_group()
+
+
+def _train(rank: int, plan) -> tuple:
     from runtime.sft import SftJob
 
-    join_ranks(rank, port)
     job = SftJob(plan)
     job.setup()
     before = full_weights(job)
@@ -42,19 +54,20 @@ def _rank_main(rank: int, plan, port: int, out: str) -> None:
         losses.append(job.train_step(rows, 0)[0]["train/loss"])
     after = full_weights(job)
     if rank == 0:
-        torch.save((losses, before, after, job.s.trainer.mesh.tp), out)
         job.sink.close()
-    dist.destroy_process_group()
-
-
+    t = job.s.trainer
+    # the plan's sequence-parallel styles make the norms tp modules (their weights replicated over tp)
+    norm = dict(job.model.named_parameters())["model.layers.0.input_layernorm.weight"]
+    return losses, before, after, (t.mesh.tp, t.sequence_parallel, "tp" in norm.device_mesh.mesh_dim_names)
 
 
 def test_sft_at_tp2_equals_sft_at_tp1(tmp_path):
+    plans = [_plan(2), _plan(2, sequence_parallel=True), _plan(1)]
     try:
-        *mesh_run, tp = run_two_ranks(_rank_main, _plan(2), str(tmp_path / "tp2.pt"))
-        *dp_run, _ = run_two_ranks(_rank_main, _plan(1), str(tmp_path / "tp1.pt"))
+        *mesh_runs, dp_run = run_two_ranks(_rank_main, plans, str(tmp_path / "runs.pt"))
     finally:
-        for size in (1, 2):
-            shutil.rmtree(ROOT / "runs" / f"{NAME}-{size}", ignore_errors=True)  # the metrics the jobs wrote
-    assert tp == 2
-    assert_same_training(tuple(mesh_run), tuple(dp_run))
+        for plan in plans:
+            shutil.rmtree(ROOT / "runs" / plan.name, ignore_errors=True)  # the metrics the jobs wrote
+    assert [run[-1] for run in (*mesh_runs, dp_run)] == [(2, False, False), (2, True, True), (1, False, False)]
+    for *mesh_run, _ in mesh_runs:
+        assert_same_training(tuple(mesh_run), tuple(dp_run[:-1]))
