@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from runtime import packed_attention, packed_thd
@@ -216,12 +217,24 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
             inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
                       **masks}  # a packed row's document mask replaces the padding mask
             hidden = packed_thd.hidden_states(decoder(use_cache=False, **inputs))
+    if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is cut over tp by positions
+        hidden = _all_positions(hidden)
     b, length = input_ids.shape
     hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
     flat_top = None if top_ids is None else top_ids.reshape(b * (length - 1), top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), flat_hidden, input_ids[:, 1:].reshape(-1), temperature,
                          with_entropy, chunk_tokens, flat_top)
+
+
+def _all_positions(hidden: DTensor) -> DTensor:
+    """Sequence parallelism (nemo-automodel's plan with its sequence-parallel styles, `actor.sequence_parallel`):
+    the decoder's output is a (b, w, hidden) DTensor cut over the tp ranks by positions (Shard(1), uneven when w is
+    not a multiple of tp). The vocab-parallel head needs every position on every tp rank, as the plan's own lm_head
+    style gathers its Shard(1) input: gathered here once, before the rows are flattened and chunked. It stays a
+    (replicated) DTensor, which the head's input style takes as it is, and DTensor's backward of the gather sums
+    the head's partial input gradients (one per vocabulary shard) over tp and cuts them back by positions."""
+    return hidden.redistribute(placements=[Replicate()] * len(hidden.placements))
 
 
 def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, labels: Tensor,

@@ -122,7 +122,8 @@ class SftJob:
             enable_full_determinism(t.seed)
         self._load_data()
         self.model = self.backend.build(s.model, s.model.path, meshes, self.device, freeze_router=t.freeze_moe_router,
-                                        lora=t.lora, freeze_visual_encoder=t.freeze_visual_encoder, offload=t.offload)
+                                        lora=t.lora, freeze_visual_encoder=t.freeze_visual_encoder, offload=t.offload,
+                                        sequence_parallel=t.sequence_parallel)
         # VLM rows: the image placeholder id marks the backbone's image tokens (a fact of the checkpoint)
         self.image_token_id = self.model.config.image_token_id if s.data.image_key else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(t.optimizer, self.model, t.offload)

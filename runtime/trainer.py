@@ -65,11 +65,13 @@ class PolicyWorker(FsdpRank):
         self.use_tp(self.meshes.tp, trainer.dp)
         self.model = backend.build(model, model.path, self.meshes, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
-                                   freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload)
+                                   freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload,
+                                   sequence_parallel=trainer.sequence_parallel)
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint).
         self.image_token_id = getattr(self.model.config, "image_token_id", None)
         colocated_ref = ref is not None and ref.colocated
-        self.ref = backend.build(model, ref.path, self.meshes, self.device, trainable=False) if colocated_ref else None
+        self.ref = backend.build(model, ref.path, self.meshes, self.device, trainable=False,
+                                 sequence_parallel=trainer.sequence_parallel) if colocated_ref else None
         self.optimizer, self.scheduler = fsdp.build_optimizer(trainer.optimizer, self.model, trainer.offload)
         # Aux losses whenever the model routes (reported as metrics; in the loss at the plan's coefficients).
         self.aux = moe.is_moe(self.model)

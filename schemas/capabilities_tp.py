@@ -5,8 +5,9 @@ The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel 
 automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
 plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, tp 2 x dp 2, and HSDP with tp 2 on
 8 ranks, nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh; LoRA too: nemo-automodel's adapters, which its
-plan's LoRA-aware styles cut with their layers); over NCCL it is written and not run (a CAP002 warning). What the
-TP build does not take is refused everywhere, each by its own row at its own key. Importable without torch.
+plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles);
+over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere, each
+by its own row at its own key. Importable without torch.
 """
 
 from __future__ import annotations
@@ -51,14 +52,6 @@ def tp_rows(
             lambda t, p: t.mesh.cp > 1,
             "actor.mesh.cp: 1",
             "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both (runtime/ranks.py)",
-        ),
-        (
-            "sequence-parallel",
-            "actor.sequence_parallel",
-            "sequence parallelism",
-            lambda t, p: t.sequence_parallel,
-            "actor.sequence_parallel: false",
-            "the build asks nemo-automodel's plan without its sequence-parallel styles",
         ),
         (
             "offload",

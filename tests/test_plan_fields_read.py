@@ -58,8 +58,6 @@ NOT_FOR_THE_RUNTIME = {
     "rl.trainer.mesh.ep": "read by the automodel backend's device_mesh; refused by rl-trainer-ep-layout/-cuda",
     "sft.trainer.mesh.cp": "refused by sft-trainer-cp",
     "sft.trainer.mesh.ep": "read by the automodel backend's device_mesh; refused by sft-trainer-ep-layout/-cuda",
-    "rl.trainer.sequence_parallel": "needs tp > 1 (DEAD006 otherwise), refused by rl-trainer-tp",
-    "sft.trainer.sequence_parallel": "needs tp > 1 (DEAD006 otherwise), refused by sft-trainer-tp",
     "rl.trainer.optimizer.muon": "Muon settings: refused by rl-muon",
     "rl.critic.optimizer.muon": "the critic is refused by rl-critic",
     "sft.trainer.optimizer.muon": "Muon settings: refused by sft-muon",

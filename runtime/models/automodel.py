@@ -307,7 +307,7 @@ def decoder_layers(model) -> list:
 
 def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
-          offload: str = "none"):
+          offload: str = "none", sequence_parallel: bool = False):
     """`path` built by nemo-automodel, with `model_plan`'s checkpointing; without an expert mesh FSDP2-sharded over
     the `dp` mesh (`hf.shard`: routers in their own unit in the router dtype, frozen with `freeze_router`, matched
     by type as Molt F11 does; `offload: full` keeps the shards on the host), with one placed by nemo-automodel's
@@ -316,7 +316,7 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     whichever of the three builds places the model, as its recipes do: FSDP2 and expert parallelism shard them like
     the other parameters (the grouped experts are never adapted: Molt L12), its tensor-parallel plan cuts each with
     its base layer (LoRA-aware styles: a column-parallel layer's B by output rows, a row-parallel one's A by input
-    columns).
+    columns); `sequence_parallel`: that plan's sequence-parallel styles.
     A VLM is sharded as the hf backend shards one: its language-model layers are the FSDP units and the vision
     tower stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the
     same collectives), under expert parallelism too (`_RootUnit`); `freeze_visual_encoder` stops the tower's
@@ -341,7 +341,8 @@ def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device
     if meshes.tp is not None:
         from runtime.fsdp import offload_policy
 
-        model = tensor_parallel(model, model_plan, meshes, trainable, offload_policy(offload, device))
+        model = tensor_parallel(model, model_plan, meshes, trainable, offload_policy(offload, device),
+                                sequence_parallel)
     elif meshes.moe is None:
         model = hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, trainable, freeze_router, None,
                          offload)
@@ -405,13 +406,17 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     return model
 
 
-def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, policy):
+def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, policy, sequence_parallel: bool):
     """nemo-automodel's dense parallelizer (`fsdp2_strategy_parallelize`) on its world mesh: its tensor-parallel
     plan of the architecture (`optimized_tp_plans`: for Qwen2/Qwen3 q/k/v, gate and up column-wise, o and down
     row-wise, q/k norms replicated with their gradients summed over tp, the embedding and the lm_head
     vocabulary-parallel: the head's logits stay vocab-sharded DTensors, gathered per log-prob chunk,
     `runtime/logprobs.py`), then FSDP2 over the dp x cp ranks (its units: one per decoder layer, the root), in the
-    plan's compute dtype with fp32 gradient reduction. No sequence parallelism (the capability table keeps it off).
+    plan's compute dtype with fp32 gradient reduction. `sequence_parallel` (the plan's `actor.sequence_parallel`)
+    asks the plan with its sequence-parallel styles: the embedding's output, the norms and the residual stream cut
+    over tp by positions (the row-parallel layers reduce-scatter, the layers' inputs all-gathered before q/k/v and
+    gate/up), so the final norm's output is a sequence-sharded DTensor (`runtime/logprobs.py` gathers it for the
+    head). Any width: DTensor cuts a width that tp does not divide unevenly.
 
     The tp ranks of one data-parallel rank run the same rows (`FsdpRank.use_tp`): the replicated parameters'
     gradients come out equal on them (DTensor's backward sums the partial input gradients over tp), FSDP2 averages
@@ -428,7 +433,7 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     model = fsdp2_strategy_parallelize(
         model, meshes.fsdp, mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
                                                           reduce_dtype=torch.float32),
-        offload_policy=policy, sequence_parallel=False, activation_checkpointing=False)
+        offload_policy=policy, sequence_parallel=sequence_parallel, activation_checkpointing=False)
     attach(model)
     return model
 

@@ -43,9 +43,11 @@ class ModelBackend(Protocol):
 
     def build(self, model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
               freeze_router: bool = False, lora: LoraPlan | None = None,
-              freeze_visual_encoder: bool = False, offload: str = "none") -> torch.nn.Module:
+              freeze_visual_encoder: bool = False, offload: str = "none",
+              sequence_parallel: bool = False) -> torch.nn.Module:
         """`path` as this backend builds it, sharded over `meshes` (frozen and in eval mode unless `trainable`;
-        `offload: full` keeps the shards on the host)."""
+        `offload: full` keeps the shards on the host; `sequence_parallel`: with tensor parallelism, its plan's
+        sequence-parallel styles)."""
         ...
 
     def build_value_model(self, model_plan: ModelPlan, path: str, meshes: Meshes,

@@ -170,14 +170,15 @@ def _batch_shape_dynamic(compiled):
 
 def build(model_plan: ModelPlan, path: str, meshes: Meshes, device: torch.device, trainable: bool = True,
           freeze_router: bool = False, lora: LoraPlan | None = None, freeze_visual_encoder: bool = False,
-          offload: str = "none"):
+          offload: str = "none", sequence_parallel: bool = False):
     """`path`'s HF causal LM with `model_plan`'s attention, dtype and checkpointing, FSDP2-sharded over the `dp`
     mesh of `meshes`.
 
     A VLM loads as an image-text-to-text model; its language-model layers are the FSDP units and the vision tower
     stays in the root unit (all-gathered on every forward, so a rank whose micro-batch has no image runs the same
     collectives). `freeze_visual_encoder` (Molt's: train only the language model and lm_head) stops the tower's
-    gradients. The rest is `shard`'s.
+    gradients. The rest is `shard`'s. `sequence_parallel` is tensor parallelism's, which this backend has not
+    (the compiler sends tp > 1 to the automodel backend, PAR004).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 

@@ -3,7 +3,7 @@ dense parallelizer and Qwen3 tensor-parallel plan), on gloo ranks, fp32, the SFT
 rows.
 
 Plans compiled from the SFT demo by the real compiler: `actor.mesh.tp: 2` on 2 ranks (one data-parallel rank: both
-ranks run the whole window), HSDP with tp 2 on 8 ranks (nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh:
+ranks run the whole window), the same with `actor.sequence_parallel` (the plan's sequence-parallel styles), HSDP with tp 2 on 8 ranks (nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh:
 4 data-parallel ranks, each pair of tp ranks a quarter of the window), and `tp: 1` (FSDP2 over 2 ranks, each half of
 the window), the run the others are held against. Three optimizer steps of the same 16 rows each: the losses and
 gradient norms agree to 1e-5 and the trained weights (under transformers' names, gathered) to 1e-5, and the weights
@@ -27,12 +27,13 @@ ROWS = 16
 NAME = "test-sft-tp"
 
 
-def _plan(tp: int, dp_replicate: int = 1, out_dir=None):
+def _plan(tp: int, dp_replicate: int = 1, out_dir=None, sequence_parallel: bool = False):
     world = 8 if dp_replicate > 1 else 2
-    name = f"{NAME}-{tp}-{dp_replicate}"
+    name = f"{NAME}-{tp}-{dp_replicate}{'-sp' if sequence_parallel else ''}"
     return compile_plan(
         "recipes/demo_sft.yaml", "model.backend=automodel", "model.attn=sdpa", f"cluster.gpus_per_node={world}",
         f"actor.gpus_per_node={world}", f"actor.mesh.tp={tp}", f"actor.mesh.dp_replicate={dp_replicate}",
+        f"actor.sequence_parallel={str(sequence_parallel).lower()}",
         "actor.packing=false", "data.max_samples=48", f"train.batch_size={ROWS}",
         f"train.micro_batch_size={8 if world == 2 else 4}", "eval.dataset=null", f"name={name}",
         *([f"ckpt.dir={out_dir}/state", f"ckpt.hf_dir={out_dir}/hf"] if out_dir else []))
@@ -60,7 +61,9 @@ def _rank_main(rank: int, plan, port: int, out: str) -> None:
             saved = job.save(job.step, 0)
         records.append(step(w))
     after = full_weights(job)
-    checks = {}
+    # the plan's sequence-parallel styles make the norms tp modules (their weights replicated over tp)
+    norm = dict(job.model.named_parameters())["model.layers.0.input_layernorm.weight"]
+    checks = {"norm_on_tp": "tp" in norm.device_mesh.mesh_dim_names}
     if hsdp:
         q = dict(job.model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
         checks["placement"] = f"{q.device_mesh} {q.placements}".lower()
@@ -96,7 +99,16 @@ def _assert_same(mesh_run: tuple, dp_run: tuple) -> None:
 
 def test_sft_at_tp2_equals_sft_at_tp1(tp1_run, tmp_path):
     tp_run = _run(_plan(2), str(tmp_path / "tp2.pt"))
+    assert not tp_run[4]["norm_on_tp"]
     _assert_same(tp_run, tp1_run)
+
+
+def test_sft_at_tp2_with_sequence_parallelism_equals_sft_at_tp1(tp1_run, tmp_path):
+    plan = _plan(2, sequence_parallel=True)
+    assert plan.sft.trainer.sequence_parallel
+    sp_run = _run(plan, str(tmp_path / "tp2-sp.pt"))
+    assert sp_run[4]["norm_on_tp"]
+    _assert_same(sp_run, tp1_run)
 
 
 def test_sft_hsdp_at_tp2_equals_sft_at_tp1(tp1_run, tmp_path):

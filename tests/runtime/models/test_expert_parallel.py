@@ -41,7 +41,9 @@ LORA = LoraPlan(dim=4, alpha=8, scale=2.0,
                 target_modules=["*.self_attn.q_proj", "*.self_attn.o_proj", "*.mlp.down_proj"])
 """The adapters of the LoRA layouts: a column-parallel (q) and row-parallel (o, down) layer under tensor
 parallelism; the MoE model has no dense down_proj (its experts are never adapted)."""
-Layout = tuple[MeshPlan, LoraPlan | None]
+Layout = tuple[MeshPlan, LoraPlan | None] | tuple[MeshPlan, LoraPlan | None, bool]
+"""The mesh, the adapters, and what more the running module's `_rl` takes (test_tensor_parallel.py: sequence
+parallelism)."""
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +123,16 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layout
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     init = dist.init_process_group
     dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)  # type: ignore
-    for k, (mesh, lora) in enumerate(layouts):
-        _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh, lora)
+    for k, (mesh, lora, *options) in enumerate(layouts):
+        _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh, lora, *options)
     dist.destroy_process_group()
 
 
 def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan,
-            lora: LoraPlan | None) -> None:
+            lora: LoraPlan | None, *options) -> None:
     from runtime.trainer import PolicyWorker
 
-    rl = _rl(world, path, mesh, lora)
+    rl = _rl(world, path, mesh, lora, *options)
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
     grads: list[dict[str, torch.Tensor]] = []
     step = worker._optimizer_step

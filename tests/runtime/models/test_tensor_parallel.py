@@ -3,9 +3,12 @@ own device mesh, its dense parallelizer and its Qwen3 tensor-parallel plan (q/k/
 down row-wise, the embedding and the lm_head vocabulary-parallel), on 2 gloo ranks (fp32, a tiny dense Qwen3),
 through the real trainer (`PolicyWorker`).
 
-TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows), and TP 2 x dp 2 on 4 ranks (FSDP2 over the
-data-parallel pair cuts each tp shard again: `_StridedShard`), give the same old log-probs (the
-vocab-sharded logits gathered per chunk), loss statistics and gradients as the one-rank run of the same batch, and
+TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows), TP 2 with sequence parallelism (the plan's
+sequence-parallel styles: the norms and residuals on positions cut over tp, unevenly at the odd widths of this
+batch's micro-batches; the final norm's sequence-sharded output gathered before the head, `runtime/logprobs.py`),
+and TP 2 x dp 2 on 4 ranks (FSDP2 over the data-parallel pair cuts each tp shard again: `_StridedShard`), give the
+same old log-probs (the vocab-sharded logits gathered per chunk), loss statistics and gradients as the one-rank run
+of the same batch, and
 three clipped optimizer steps keep the weights equal (the gradient norm is the whole mesh's, each replicated piece
 counted once). Then what a weight sync streams (each rank's column / row shard of a matrix, `shard_layout`), the HF
 export and a DCP save / resume. The structure and the comparison are test_expert_parallel.py's (its rank loop runs
@@ -41,7 +44,7 @@ def dense_checkpoint(tmp_path_factory) -> str:
                                 tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None):
+def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, sequence_parallel: bool = False):
     # one optimizer-step window of the whole batch: world 1 runs 4 micro-batches of 2 rows, and so does each tp
     # rank (they take the same rows)
     dp = world // mesh.tp
@@ -50,7 +53,7 @@ def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None):
         model={"path": path, "backend": "automodel"},
         trainer={"micro_batch_size": 2, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": mesh, "dp": dp, "lora": lora},
+                 "mesh": mesh, "dp": dp, "lora": lora, "sequence_parallel": sequence_parallel},
         # Adam's eps further above fp32 noise than test_expert_parallel's: tensor parallelism sums each row-parallel
         # matmul in two partial sums (gradients 5e-7 apart at the first step), which eps 1e-5 grows to 2e-5 of
         # the weights in three steps through elements whose gradient is ~0
@@ -91,12 +94,19 @@ def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
 
 
 def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp, tp_lora = _run(2, [(_mesh(2), None), (_mesh(2), ep_test.LORA)], dense_checkpoint, tmp_path / "tp")
+    tp, tp_lora, tp_sp = _run(2, [(_mesh(2), None), (_mesh(2), ep_test.LORA), (_mesh(2), None, True)],
+                              dense_checkpoint, tmp_path / "tp")
     placed = tp[0]["placements"]
     # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
     assert "shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
     assert "shard(dim=1))" in placed["model.layers.0.self_attn.o_proj.weight"].lower()
     assert "tp=2" in placed["lm_head.weight"].lower()
+    # sequence parallelism: its plan's sequence-parallel styles run the norms on positions cut over tp, their
+    # weights replicated over tp (without it a norm is no tp module)
+    norm = "model.layers.0.input_layernorm.weight"
+    assert "tp=" not in placed[norm].lower()
+    assert "replicate())" in tp_sp[0]["placements"][norm].lower() and "tp=2" in tp_sp[0]["placements"][norm].lower()
+    ep_test._check(single[0], tp_sp)
     # the tp ranks ran the same rows: the one data-parallel rank's statistics are tp rank 0's
     for s in range(ep_test.STEPS):
         assert tp[1]["stats"][s]["tokens"] == 0.0
