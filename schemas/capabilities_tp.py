@@ -4,7 +4,8 @@ The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel 
 (runtime/models/automodel.py `tensor_parallel`; the compiler sends the dense architectures it has a plan for to the
 automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
 plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, and tp 2 x dp 2; RL: HSDP with tp 2
-on 8 ranks; LoRA too: nemo-automodel's adapters, which its plan's LoRA-aware styles cut with their layers); over
+on 8 ranks, and gae's critic at tp 2 x dp 2 on the plan's critic mesh, the actor's tp, with the same plan, its scalar
+head replicated; LoRA too: nemo-automodel's adapters, which its plan's LoRA-aware styles cut with their layers); over
 NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere, each by
 its own row at its own key. Importable without torch.
 """
@@ -86,17 +87,6 @@ def tp_rows(
                 lambda t, p: t.mesh.dp_replicate > 1,
                 "actor.mesh.dp_replicate: 1",
                 "nemo-automodel's (dp_replicate, dp_shard, tp) mesh runs in RL, not yet run in SFT's trainer",
-            )
-        )
-    if kind == "rl":
-        refused.append(
-            (
-                "critic",
-                "critic",
-                "a critic",
-                lambda t, p: p.rl is not None and p.rl.critic is not None,
-                "a critic-free estimator (grpo, rloo, reinforce_baseline, ...)",
-                "the critic group is FSDP2 over all of its ranks; its plan's dp counts tp",
             )
         )
 
