@@ -3,7 +3,9 @@
 One `CriticWorker` per rank (`runtime/ranks.py`), placed as the plan's `critic` role says: colocated, each rank shares
 the bundle of the policy rank of the same index (time-sliced, `reference/molt_rules.md` §3.2), or in an actor-sized
 group of its own. The model is the policy's architecture with a scalar head, built from `critic.path` by the plan's
-backend (`build_value_model`: transformers' token classifier on `hf`, nemo-automodel's causal LM on `automodel`).
+backend (`build_value_model`: transformers' token classifier on `hf`, nemo-automodel's causal LM on `automodel`), on
+the plan's critic mesh: FSDP2 over its ranks, and at the actor's tp > 1 nemo-automodel's tensor parallelism as the
+policy's (its tp ranks take a data-parallel rank's rows; the head replicated).
 It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of `train.micro_batch_size` rows or
 of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
 
@@ -63,9 +65,10 @@ class CriticWorker(FsdpRank):
         super().__init__(critic.world, trainer.seed, device, dist_backend, rank, master_addr, master_port)
         self.c, self.t = critic, trainer
         backend = models.backend(model)
-        # the plan gives the critic no mesh of its own: data parallelism over its ranks
-        self.model = backend.build_value_model(model, critic.path, backend.device_mesh(device, critic.world, None),
-                                               self.device, offload=trainer.offload)
+        # the plan's critic mesh: the actor's tp (its ranks share a data-parallel rank's rows), FSDP2 over the rest
+        self.meshes = backend.device_mesh(device, critic.world, critic.mesh)
+        self.use_tp(self.meshes.tp, critic.dp)
+        self.model = backend.build_value_model(model, critic.path, self.meshes, self.device, offload=trainer.offload)
         self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model, trainer.offload)
 
     def ready(self) -> int:
@@ -88,7 +91,7 @@ class CriticWorker(FsdpRank):
             v = self._values(part).float().cpu()
             if mb is not None:
                 out[mb, :v.shape[1]] = v
-        return rows, out
+        return (rows, out) if self.leads_rows else (rows[:0], out[:0])
 
     def train(self, batch: Experience) -> dict[str, float]:
         """`critic.max_epochs` passes over this rank's rows, one optimizer step per window (micro_batch x the
@@ -111,14 +114,17 @@ class CriticWorker(FsdpRank):
                     mask = part.action_mask.to(self.device)
                     loss, clip_frac = algo.value_loss(
                         self._values(part), part.values.to(self.device), part.returns.to(self.device), mask,
-                        value_clip=c.value_clip, global_num_tokens=total, dp_size=self.world)
+                        value_clip=c.value_clip, global_num_tokens=total, dp_size=self.dp)
                     loss.backward()
                     tokens = float(mask.sum())
-                    sums["value_loss_sum"] += float(loss.detach()) * total / self.world  # back to Σ per-token loss
+                    sums["value_loss_sum"] += float(loss.detach()) * total / self.dp  # back to Σ per-token loss
                     sums["value_clip_frac_x_tokens"] += float(clip_frac) * tokens
                     sums["tokens"] += tokens
+                fsdp.sync_tp_replicas(self.model, self.meshes.fsdp if self.meshes.tp is not None else None)
                 grad_norms.append(fsdp.clipped_step(self.model, self.optimizer, self.scheduler,
                                                     c.optimizer.max_norm))
+        if not self.leads_rows:  # its tp rank 0 counts the rows' loss and tokens
+            sums = dict.fromkeys(sums, 0.0)
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         sums["optimizer_steps"] = float(len(grad_norms))
         sums["lr"] = self.scheduler.get_last_lr()[0]

@@ -78,6 +78,13 @@ class FsdpRank:
         """Consecutive ranks that take the same rows: a data-parallel rank's cp x tp ranks."""
         return self.cp * self.tp
 
+    @property
+    def leads_rows(self) -> bool:
+        """The first of its data-parallel rank's cp x tp ranks: the one that returns their rows (`gather_rows` takes
+        each row once) and counts their tokens."""
+        cp_rank = 0 if self.cp_mesh is None else self.cp_mesh.get_local_rank()
+        return cp_rank == 0 and self.tp_rank == 0
+
     def cp_rows(self, part: Experience, model=None, packed: bool = False):
         """The block a micro-batch's forward and backward run in: its context-parallel shard (or None); `packed`:
         its rows as one packed row cut by `model`'s own CP."""
@@ -153,8 +160,11 @@ class FsdpRank:
 
 
 def gather_rows(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Per-rank (row indices, (b, T-1) values) -> the whole batch's (B, T-1), in batch order."""
+    """Per-rank (row indices, (b, T-1) values) -> the whole batch's (B, T-1), in batch order (each row from one rank:
+    the ones that `leads_rows`)."""
     rows = torch.cat([r for r, _ in outs])
+    if rows.unique().numel() != rows.numel():
+        raise RuntimeError("ranks returned the same rows twice: the replicas of a data-parallel rank must not")
     full = torch.empty((rows.numel(), outs[0][1].shape[1]))
     full[rows] = torch.cat([v for _, v in outs])
     return full

@@ -133,7 +133,7 @@ class PolicyWorker(FsdpRank):
                 lp_ref = self._logprobs(self.ref, part).cpu()
                 if mb is not None:
                     ref[mb, :width] = lp_ref
-        if self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0:  # its cp rank 0 returns the rows
+        if not self.leads_rows:  # its cp (tp) rank 0 returns the rows
             return rows[:0], old[:0], None if ref is None else ref[:0]
         return rows, old, ref
 
@@ -171,7 +171,7 @@ class PolicyWorker(FsdpRank):
                 fsdp.sync_tp_replicas(self.model, self.meshes.fsdp if self.meshes.tp is not None else None)
                 grad_norms.append(self._optimizer_step())
         # its cp (tp) rank 0 counts the rows' tokens
-        if (self.cp_mesh is not None and self.cp_mesh.get_local_rank() > 0) or self.tp_rank > 0:
+        if not self.leads_rows:
             sums = {k: 0.0 if k == "tokens" or k.endswith("_x_tokens") else v for k, v in sums.items()}
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         sums["optimizer_steps"] = float(len(grad_norms))

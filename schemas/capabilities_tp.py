@@ -5,9 +5,10 @@ The trainer's TP is nemo-automodel's dense parallelizer and its tensor-parallel 
 automodel backend at tp > 1, `model_facts.TP_ARCHITECTURES`; the hf backend has no TP, PAR004; MoE models have no
 plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, tp 2 x dp 2, and HSDP with tp 2 on
 8 ranks, nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh; LoRA too: nemo-automodel's adapters, which its
-plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles);
-over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere, each
-by its own row at its own key. Importable without torch.
+plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles;
+RL: gae's critic at tp 2 x dp 2 on the plan's critic mesh, the actor's tp, with the same plan, its scalar head
+replicated); over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused
+everywhere, each by its own row at its own key. Importable without torch.
 """
 
 from __future__ import annotations
@@ -70,17 +71,6 @@ def tp_rows(
             "the TP build does not compile the layers",
         ),
     ]
-    if kind == "rl":
-        refused.append(
-            (
-                "critic",
-                "critic",
-                "a critic",
-                lambda t, p: p.rl is not None and p.rl.critic is not None,
-                "a critic-free estimator (grpo, rloo, reinforce_baseline, ...)",
-                "the critic group is FSDP2 over all of its ranks; its plan's dp counts tp",
-            )
-        )
 
     def refuses(check: Callable[[TrainerPlan | SftTrainerPlan, Plan], bool]) -> Callable[[Plan], bool]:
         def asks(plan: Plan) -> bool:

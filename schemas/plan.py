@@ -582,6 +582,9 @@ class CriticPlan(PlanModel):
     """Shares the actor's bundles."""
     world: int
     """Ranks (always the actor's)."""
+    mesh: MeshPlan
+    """The critic's device mesh: the actor's tp (nemo-automodel's TP plan, the scalar head replicated), FSDP2 over
+    the rest of its ranks (no cp, ep, pp or HSDP: those are the actor's alone)."""
     dp: int
     """Data-parallel size."""
     grad_accum: int

@@ -41,6 +41,7 @@ from schemas.plan import (
     IsCorrectionPlan,
     KlPlan,
     LossPlan,
+    MeshPlan,
     Plan,
     QueuePlan,
     RefPlan,
@@ -400,6 +401,8 @@ def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
         path=model_path(d.value("critic.path"), "critic.path" if cr is not None and cr.path else "model.path", source),
         colocated=d.value("critic.colocated"),
         world=d.value("critic.world"),
+        # the actor's tensor parallelism; the critic runs whole sequences, its experts unsharded, FSDP2 over the rest
+        mesh=MeshPlan.model_construct(tp=r.actor.mesh.tp, cp=1, ep=1, pp=1, dp_replicate=1),
         dp=d.value("critic.dp"),
         grad_accum=d.value("critic.grad_accum"),
         value_clip=d.value("critic.value_clip"),

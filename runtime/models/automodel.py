@@ -260,9 +260,22 @@ def build_value_model(model_plan: ModelPlan, path: str, meshes: Meshes, device: 
     """The critic as Molt builds it on this path: nemo-automodel's causal LM of `path` with its vocabulary head
     replaced by a scalar head (`value_head`: transformers' token-classification `score`, one label, the same
     initialisation), its routers in their own unit, sharded and checkpointed like the policy (`hf.shard`), over the
-    critic's data-parallel mesh (the plan gives the critic no expert mesh)."""
+    critic's data-parallel mesh (the plan gives the critic no expert mesh). With a tp mesh nemo-automodel's
+    tensor-parallel build as the policy's (`tensor_parallel`), its plan of the architecture without the vocabulary
+    head's entry: the scalar head stays whole on every tp rank (a column cut of one output has nothing to cut), fed
+    the replicated hidden states, and its gradient comes out equal on them."""
     model = load(model_plan, path, device)
+    if meshes.tp is not None:  # the architecture's plan, chosen for its causal LM before the head is replaced
+        from nemo_automodel.components.distributed.parallelizer import _get_parallel_plan
+
+        plan = _get_parallel_plan(model, sequence_parallel=False, tp_size=meshes.tp.size())
+        plan = {name: style for name, style in plan.items() if not name.endswith("lm_head")}
     model.lm_head = value_head(model.config.get_text_config()).to(device)  # a VLM keeps its sizes in text_config
+    if meshes.tp is not None:
+        from runtime.fsdp import offload_policy
+
+        # no sequence parallelism: the critic's plan never asks it (rule PAR005)
+        return tensor_parallel(model, model_plan, meshes, True, offload_policy(offload, device), False, plan)
     return hf.shard(model, decoder_layers(model), model_plan, meshes.fsdp, True, False, None, offload)
 
 
@@ -406,7 +419,8 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     return model
 
 
-def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, policy, sequence_parallel: bool):
+def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: bool, policy, sequence_parallel: bool,
+                    plan: dict[str, Any] | None = None):
     """nemo-automodel's dense parallelizer (`fsdp2_strategy_parallelize`) on its world mesh: its tensor-parallel
     plan of the architecture (`optimized_tp_plans`: for Qwen2/Qwen3 q/k/v, gate and up column-wise, o and down
     row-wise, q/k norms replicated with their gradients summed over tp, the embedding and the lm_head
@@ -421,7 +435,8 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     The tp ranks of one data-parallel rank run the same rows (`FsdpRank.use_tp`): the replicated parameters'
     gradients come out equal on them (DTensor's backward sums the partial input gradients over tp), FSDP2 averages
     over dp only, so the global token mean holds; the gradient norm is the whole mesh's (`fsdp.clip`: DTensor
-    norms over every placement)."""
+    norms over every placement). `plan`: a TP plan of nemo-automodel's to use instead of the one it picks (the
+    critic's, `build_value_model`)."""
     from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -433,7 +448,8 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     model = fsdp2_strategy_parallelize(
         model, meshes.fsdp, mp_policy=MixedPrecisionPolicy(param_dtype=getattr(torch, model_plan.dtype),
                                                           reduce_dtype=torch.float32),
-        offload_policy=policy, sequence_parallel=sequence_parallel, activation_checkpointing=False)
+        offload_policy=policy, sequence_parallel=sequence_parallel, activation_checkpointing=False,
+        tp_shard_plan=plan)
     attach(model)
     return model
 

@@ -22,6 +22,7 @@ the PEFT adapter.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -113,9 +114,11 @@ def _synced(worker) -> dict[str, torch.Tensor] | None:
     return out if worker.rank == 0 else None
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[Layout]) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[Layout],
+               then: Callable[[int, int, int, str, str], None] | None = None) -> None:
     """Each layout in turn in the same processes (a spawn costs more than a layout's run), over one process group:
-    torch's meshes remember their groups by name, and a re-created default group reuses the names."""
+    torch's meshes remember their groups by name, and a re-created default group reuses the names. `then`: one
+    more run in the same group (rank, world, port, out_dir, path)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -125,6 +128,8 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layout
     dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)  # type: ignore
     for k, (mesh, lora, *options) in enumerate(layouts):
         _layout(rank, world, port, os.path.join(out_dir, str(k)), path, mesh, lora, *options)
+    if then is not None:
+        then(rank, world, port, out_dir, path)
     dist.destroy_process_group()
 
 
@@ -146,8 +151,7 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
     out: dict = {"old": [], "stats": [], "max_norm": rl.trainer.optimizer.max_norm}
     for _ in range(STEPS):
         rows, old, _ref = worker.forward_logprobs(batch)
-        full_old = torch.zeros(batch.action_mask.shape)
-        full_old[rows] = old
+        full_old = gathered(rows, old, world)  # as the driver puts the ranks' rows together
         out["old"].append((rows, old))
         trained = replace(batch, old_log_probs=full_old, rollout_log_probs=full_old)
         out["stats"].append(worker.train(trained, kl_coef=0.0))
@@ -166,6 +170,18 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
     out["placements"] = {n: str(getattr(p, "placements", None)) + str(getattr(p, "device_mesh", None))
                          for n, p in worker.model.named_parameters()}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def gathered(rows: torch.Tensor, values: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's (rows, values) put together in batch order, on every rank (`gather_rows`: each row from the rank
+    that returns it, a data-parallel rank's first cp or tp rank)."""
+    import torch.distributed as dist
+
+    from runtime.ranks import gather_rows
+
+    parts: list = [None] * world
+    dist.all_gather_object(parts, (rows, values))
+    return gather_rows(parts)
 
 
 def _run(world: int, layouts: list[Layout], path: str, out_dir) -> list[list[dict]]:

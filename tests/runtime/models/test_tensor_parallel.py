@@ -15,7 +15,10 @@ export and a DCP save / resume. The structure and the comparison are test_expert
 this module's plan). LoRA (`ep_test.LORA`: nemo-automodel's adapters on q, o and down, which its plan's LoRA-aware
 styles cut with their layers) runs as one more layout of the same spawns, at TP 2 and TP 2 x dp 2, against the
 one-rank LoRA run; the engines get the merged weights, each rank adding B@A over its own box of W. HSDP with TP:
-(dp_replicate 2, dp_shard 2, tp 2) on 8 ranks against the same one-rank runs, without and with LoRA.
+(dp_replicate 2, dp_shard 2, tp 2) on 8 ranks against the same one-rank runs, without and with LoRA. The critic
+(gae's value model, `CriticWorker` on the plan's critic mesh: the actor's tp, nemo-automodel's plan without the
+vocabulary head's entry, the scalar head replicated) runs after the layouts of the one-rank and the TP 2 x dp 2
+spawns: its values, value loss, gradients, gradient norms and weights over two critic steps equal the one-rank run's.
 
 Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
 TP path refuses them), and rule MOE002 refuses the recipe.
@@ -65,20 +68,100 @@ def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, seq
         device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
 
 
-def _run(world: int, layouts: list[ep_test.Layout], path: str, out_dir) -> list[list[dict]]:
+def _run(world: int, layouts: list[ep_test.Layout], path: str, out_dir, critic_tp: int | None = None
+         ) -> list[list[dict]]:
+    """Per layout, every rank's results; with `critic_tp` the critic's too (`_critic`), as one more entry."""
     from runtime.trainer import free_port
 
     ep_test._rl = _rl  # the layouts run through test_expert_parallel's rank loop with this module's plan
-    for k in range(len(layouts)):
+    for k in range(len(layouts) + 1):
         os.makedirs(os.path.join(out_dir, str(k)), exist_ok=True)
-    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, layouts), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), str(out_dir), path, layouts, critic_tp), nprocs=world, join=True)
     return [[torch.load(os.path.join(out_dir, str(k), f"rank{r}.pt")) for r in range(world)]
-            for k in range(len(layouts))]
+            for k in range(len(layouts) + (critic_tp is not None))]
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[ep_test.Layout]) -> None:
+def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[ep_test.Layout],
+               critic_tp: int | None) -> None:
     ep_test._rl = _rl
-    ep_test._rank_main(rank, world, port, out_dir, path, layouts)
+    then = None
+    if critic_tp is not None:
+        def then(rank, world, port, out_dir, path):
+            _critic(rank, world, port, os.path.join(out_dir, str(len(layouts))), path, _mesh(critic_tp))
+    ep_test._rank_main(rank, world, port, out_dir, path, layouts, then)
+
+
+def _critic(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan) -> None:
+    """The critic (gae's value model, `CriticWorker`) on the plan's critic mesh: `CRITIC_STEPS` rounds of values
+    then `critic.train` (2 epochs: 2 clipped optimizer steps) towards fixed returns, recording the values, the
+    value-loss sums, every optimizer step's gradients and the weights after."""
+    from dataclasses import replace
+
+    from loop_support import compile_plan
+
+    from runtime import fsdp
+    from runtime.critic import CriticWorker
+
+    rl, dp = _rl(world, path, mesh), world // mesh.tp
+    critic = compile_plan("recipes/demo_math_gae.yaml").rl.critic.model_copy(update={
+        "path": path, "world": world, "mesh": mesh, "dp": dp, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 2,
+        "value_clip": 0.2, "optimizer": rl.trainer.optimizer})
+    # contiguous micro-batches (grouped by length, each rank would group its own shard: another order of sums)
+    trainer = rl.trainer.model_copy(update={"micro_batches_by_length": False})
+    worker = CriticWorker(critic, trainer, rl.model, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
+    grads: list[dict[str, torch.Tensor]] = []
+    step = fsdp.clipped_step
+
+    def recorded_step(model, *args) -> float:
+        grads.append({n: ep_test._full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        return step(model, *args)
+
+    fsdp.clipped_step = recorded_step
+    batch = ep_test._batch()
+    returns = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(2)) * batch.action_mask
+    out: dict = {"values": [], "stats": [], "max_norm": critic.optimizer.max_norm}
+    for _ in range(CRITIC_STEPS):
+        values = ep_test.gathered(*worker.values(batch), world)
+        out["values"].append(values)
+        out["stats"].append(worker.train(replace(batch, values=values, returns=returns)))
+    fsdp.clipped_step = step
+    out["grads"] = grads
+    out["weights"] = {n: ep_test._full(p) for n, p in worker.model.named_parameters()}
+    out["placements"] = {n: str(getattr(p, "placements", None)) + str(getattr(p, "device_mesh", None))
+                         for n, p in worker.model.named_parameters()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+CRITIC_STEPS = 2
+
+
+def _check_critic(single: dict, tp: list[dict]) -> None:
+    """The critic's values, value loss, gradient norms and gradients at each step, and its weights after, against
+    the one-rank run (test_expert_parallel's tolerance: 1e-5 of the largest magnitude)."""
+    close = ep_test._close
+    ep_test.FAILURES.clear()
+    mask = ep_test._batch().action_mask
+    for s in range(CRITIC_STEPS):
+        for r in tp:
+            close(r["values"][s] * mask, single["values"][s] * mask, f"values, step {s}")
+        loss = sum(r["stats"][s]["value_loss_sum"] for r in tp) / sum(r["stats"][s]["tokens"] for r in tp)
+        close(torch.tensor(loss), torch.tensor(single["stats"][s]["value_loss_sum"] / single["stats"][s]["tokens"]),
+              f"value loss, step {s}")
+        assert tp[0]["stats"][s]["optimizer_steps"] == single["stats"][s]["optimizer_steps"] == 2
+    for k, step in enumerate(single["grads"]):
+        assert tp[0]["grads"][k].keys() == step.keys()
+        largest = max(g.abs().max().item() for g in step.values())
+        for name, g in step.items():
+            close(tp[0]["grads"][k][name], g, f"critic gradient of {name}, optimizer step {k}", largest)
+    for s in range(CRITIC_STEPS):
+        close(torch.tensor(tp[0]["stats"][s]["grad_norm"]), torch.tensor(single["stats"][s]["grad_norm"]),
+              f"critic grad norm, step {s}")
+        assert single["stats"][s]["grad_norm"] > single["max_norm"]  # clipping was active
+    for name, w in single["weights"].items():
+        for rank, r in enumerate(tp):
+            close(r["weights"][name], w, f"critic {name} after {CRITIC_STEPS} steps (rank {rank})")
+    assert single["values"][-1].ne(single["values"][0]).any()  # the critic trained
+    assert not ep_test.FAILURES, sorted(ep_test.FAILURES, key=lambda f: -f[1])[:10]
 
 
 def _mesh(tp: int) -> MeshPlan:
@@ -86,11 +169,11 @@ def _mesh(tp: int) -> MeshPlan:
 
 
 @pytest.fixture(scope="module")
-def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
-    """The one-rank runs every layout is held against: without and with LoRA."""
-    plain, lora = _run(1, [(_mesh(1), None), (_mesh(1), ep_test.LORA)], dense_checkpoint,
-                       tmp_path_factory.mktemp("single"))
-    return plain[0], lora[0]
+def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict, dict]:
+    """The one-rank runs every layout is held against: without and with LoRA, and the critic's."""
+    plain, lora, critic = _run(1, [(_mesh(1), None), (_mesh(1), ep_test.LORA)], dense_checkpoint,
+                               tmp_path_factory.mktemp("single"), critic_tp=1)
+    return plain[0], lora[0], critic[0]
 
 
 def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
@@ -126,12 +209,21 @@ def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
 
 
 def test_tp2_by_dp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp_dp, tp_dp_lora = _run(4, [(_mesh(2), None), (_mesh(2), ep_test.LORA)], dense_checkpoint, tmp_path / "tp_dp")
+    tp_dp, tp_dp_lora, critic = _run(4, [(_mesh(2), None), (_mesh(2), ep_test.LORA)], dense_checkpoint,
+                                     tmp_path / "tp_dp", critic_tp=2)
     # FSDP2 over the 2 data-parallel ranks cuts each tp rank's column shard again (a strided shard over dp)
     placed = tp_dp[0]["placements"]
     assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
     assert "dp_shard=2, tp=2" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
     ep_test._check(single[0], tp_dp)
+    # the critic (gae's value model) on the plan's critic mesh, the actor's tp: the same plan cuts its layers, its
+    # scalar head stays whole on each tp rank (FSDP2 over dp only)
+    placed = critic[0]["placements"]
+    assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
+    assert "tp" not in placed["lm_head.weight"].lower() and "dp_shard=2" in placed["lm_head.weight"].lower()
+    for s in range(CRITIC_STEPS):  # the tp ranks of a data-parallel rank ran its rows: its tp rank 0 counted them
+        assert [r["stats"][s]["tokens"] > 0 for r in critic] == [True, False, True, False]
+    _check_critic(single[2], critic)
     # LoRA: the adapters' tp shards cut again over dp like their layers' (each rank merges its own box of W)
     placed = tp_dp_lora[0]["placements"]
     assert "(_stridedshard(dim=0, sf=2), shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.lora_B.weight"].lower()
