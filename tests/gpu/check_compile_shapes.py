@@ -7,15 +7,21 @@ A random Qwen3-1.7B-shaped model (28 layers, bf16) under `runtime.models.hf.comp
 checkpointing, fed the shapes one RL run meets (16-row micro-batches of 64 to 424 positions, 8 and 3 rows, one row),
 each width padded to the plan's `width_multiple` (8 on GPUs) as the runtime pads it: forward, chunked lm_head
 log-probs (`runtime.logprobs.head_logprobs`) and backward, after a no-grad forward and log-probs (the old-log-prob
-pass), twice per shape. Passes when the decoder layers compiled
-one graph for every multi-row shape with no graph break (a one-row micro-batch compiles one more, once: torch
-specializes a size of 1); records each shape's first and steady step against the same model
+pass), twice per shape. Passes when the decoder layers compiled one graph per grad mode for every multi-row shape
+with no graph break (a one-row micro-batch compiles one more, once: torch specializes a size of 1), the lm_head
+chunk one per grad mode, and no multi-row shape compiled anything at its first step; records each shape's first and steady step against the same model
 eager (transformers' own checkpointing). Writes OUT_DIR/compile_shapes.json.
 Before the width padding and the inductor option (2026-12-04, one H200): 10 graphs for
 these shapes, each new one 10-14 s in the middle of the run (a 39 s training step at the loop's last, short batch).
 Added 2026-12-05: the no-grad pass, the lm_head chunk's graph count (at most 2: no-grad and grad) and
 `recompiled_shapes` (each shape whose first step took a second longer than its steady step: none may), and
-`chunk_ab`: the chunk alone, compiled static and padded (the runtime's since then) against dynamic and unpadded. In the RL loop that day a step whose responses fell to
+`chunk_ab`: the chunk alone, compiled static and padded (the runtime's since then) against dynamic and unpadded.
+Run 2026-12-05 (one H200, 330 s): layer graphs 4, chunk graphs 2, no graph break; the one-row shape's first step
+16.9 s (its graphs compiling; steady 0.11 s), no other shape over its steady step by a second; compiled steady
+2.19x eager. The chunk alone: dynamic and unpadded compiled at two shapes mid-run (2.4 s and 0.8 s); static and
+padded at none (0.18 s at its first shape, compiled already by the run before it), its steady time 11 % over the
+dynamic one's (0.217 s against 0.195 s over the 11 shapes: the last chunk's padding, up to 1,023 rows of a
+1024-row chunk at 6 ms; under 1 % of a training step at these shapes). In the RL loop that day a step whose responses fell to
 3 tokens trained for 15.8 s; in an earlier call's log the chunk (`runtime.logprobs._chunk`) recompiled on inductor's
 matmul-padding guard `301 <= hidden.size()[0] <= 2047` (its `shape_padding` pass), and on `2 <= storage_offset()`.
 """
@@ -165,7 +171,10 @@ def main() -> int:
     (out / "compile_shapes.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("eager", "compiled")}, indent=1))
     # the CPU dry run checks the script only: the CPU inductor guards on other shapes (its C++ accumulators)
-    ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 2 and chunk_graphs <= 2 and not recompiled)
+    # the layers: a graph per grad mode (the no-grad old-log-prob pass, training), and at one row one more each
+    # (torch specializes a size of 1); the chunk: one per grad mode; only the one-row shape may compile mid-run
+    ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 4 and chunk_graphs <= 2
+                     and all(rows == 1 for rows, _ in recompiled))
     print("compile_shapes:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

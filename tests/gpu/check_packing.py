@@ -30,6 +30,9 @@ ones, over that tolerance: compiled padded is itself 5.8 % from eager padded, so
 machine (`--attn flash_attention_2+compiled`): compiled packed 7.05 % / 0.132 nats from compiled padded, within
 1.5x of 5.8 % (8.7 %); compiled padded 0.71x (5.23 s: it checkpoints every layer, the eager runs none), packed
 1.45x, dynamic 2.53x.
+Run 2026-12-05 again, a third machine (`--attn flash_attention_2+compiled`, the criterion above, the lm_head chunk
+compiled static, runtime/logprobs.py): exit status 0; compiled packed 7.05 % / 0.132 nats from compiled padded
+(limits 8.6 % / 0.189), packed 1.20x, dynamic 2.16x sdpa padded.
 Writes OUT_DIR/packing_gpu.json and prints it.
 """
 
