@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from runtime import packed_attention, packed_thd
+from runtime import packed_attention, packed_thd, vlm
 
 if TYPE_CHECKING:
     from runtime.context_parallel import CpRows
@@ -124,9 +124,8 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
             torch.cat(top) if top_ids is not None else None)
 
 
-_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_grid_hw")
-"""A row's image inputs: the processor's patches and, per image, its grid (Qwen-VL's (t, h, w), Nemotron-Omni's
-(h, w))."""
+_IMAGE_KEYS = ("pixel_values", *vlm.GRID_KEYS)
+"""A row's image inputs: the processor's patches and, per image, its grid."""
 
 
 def vision_inputs(mm_inputs, input_ids: Tensor, image_token_id: int, device) -> dict[str, Tensor]:
