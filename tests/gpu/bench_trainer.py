@@ -30,6 +30,10 @@ full + compiled layers (the default on GPUs since issue 29) 1.37x (MFU 0.48), fi
 + compiled 1.54x (MFU 0.54, peak 50 GiB); none + compiled 1.57x (MFU 0.55, 61 GiB); skewed batch packed
 flash_attention_2 (torch varlen): full 1.63x, full + compiled 1.79x, none + compiled 3.04x; flex none + compiled
 3.74x (its first step compiles for 73 s).
+The `-automodel` runs (added 2026-12-05) train the same dense shape through the automodel backend (nemo-automodel's
+model class, runtime/models/automodel.py): each reports its speed against the hf backend's run of the same name
+without the suffix, and its first step's loss, log-ratio sum and gradient norm against that run's (the same weights
+and rows: only kernels and rounding differ). The CPU dry run gives the hf numbers exactly (fp32).
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 
@@ -93,9 +97,11 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     for i in range(steps + 1):
         sync()
         t0 = time.perf_counter()
-        worker.train(step_batch, 0.0)
+        sums = worker.train(step_batch, 0.0)
         sync()
         times_all.append(time.perf_counter() - t0)
+        if i == 0:  # the same weights and rows in every run: the first step's numbers compare backends and kernels
+            first_metrics = {k: v for k, v in sums.items() if k in ("grad_norm", "tokens", "policy_loss_x_tokens", "policy_kl_x_tokens")}
         if i > 0 or DRY_RUN:
             times.append(times_all[-1])
     first_s = times_all[0]
@@ -117,7 +123,7 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     real = int(batch.attention_mask.sum())
     run = {"step_s": best, "tokens_per_s": real / best, "real_tokens": real,
            "mfu": plain.model_flops_per_step(cfg, n_params, 1, seq) * real / seq / best / PEAK_FLOPS,
-           "first_step_s": first_s, **shape_change}
+           "first_step_s": first_s, "first_step_metrics": first_metrics, **shape_change}
     if not DRY_RUN:
         run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     worker.shutdown()
@@ -215,11 +221,12 @@ def main() -> int:
     skewed_lengths = [seq if i % 4 == 0 else seq // 8 for i in range(rows * 4)]
     skewed = _batch(skewed_lengths, cfg.vocab_size, seq)
     shorter = _batch([seq - seq // 4] * rows, cfg.vocab_size, seq - seq // 4)  # a new batch shape mid-run
-    def worker_args(batch, packing: bool, ckpt: str, attn: str, compiled: bool):
+    def worker_args(batch, packing: bool, ckpt: str, attn: str, compiled: bool, backend: str):
         n = batch.batch_size
         return trainer_rl(1, ref=False, model={"path": str(model_dir), "attn": attn,
                                                "dtype": "float32" if DRY_RUN else "bfloat16",
-                                               "gradient_checkpoint": ckpt, "compile_layers": compiled},
+                                               "gradient_checkpoint": ckpt, "compile_layers": compiled,
+                                               "backend": backend},
                           trainer={"micro_batch_size": rows, "grad_accum": n // rows, "max_epochs": 1,
                                    "temperature": 1.0, "packing": packing, "dynamic_batch_max_tokens": None,
                                    "local_batch_size": None},
@@ -256,6 +263,12 @@ def main() -> int:
         ("uniform/padded-keep", uniform, False, "full", "sdpa", False),
         ("uniform/padded-selective-keep", uniform, False, "selective", "sdpa", False),
         ("skewed/packed-varlen-keep", skewed, True, "full", "flash_attention_2", False),
+        # the automodel backend (nemo-automodel's Qwen3 through runtime/models/automodel.py) on the same dense
+        # shape: against the hf backend's run of the same name without the suffix, speed and first-step numbers
+        ("uniform/padded-automodel", uniform, False, "full", "sdpa", False),
+        ("uniform/padded-compiled-automodel", uniform, False, "full", "sdpa", True),
+        ("uniform/padded-selective-compiled-automodel", uniform, False, "selective", "sdpa", True),
+        ("uniform/padded-selective-automodel", uniform, False, "selective", "sdpa", False),
     ]
     profiled = args[args.index("--profile") + 1] if "--profile" in args else None
     only = [a for a in args if not a.startswith("--") and a != baseline_path.as_posix()]  # --profile NAME runs NAME
@@ -265,7 +278,8 @@ def main() -> int:
         torch._dynamo.reset()  # each run compiles cold (its own graphs; no cache-size limit carried over)
         try:
             with _kept_after_forward(name.endswith("-keep")), _automatic_dynamic(name.endswith("-automatic")):
-                run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled), batch, steps, sync, cfg,
+                backend = "automodel" if name.endswith("-automodel") else "hf"
+                run = _trainer_run(worker_args(batch, packing, ckpt, attn, compiled, backend), batch, steps, sync, cfg,
                                    n_params, seq, plain, port, name == profiled, out,
                                    new_shape=shorter if name.startswith("uniform/") else None)
         except Exception as exc:  # one variant failing (an attention kernel missing) does not lose the others
@@ -279,6 +293,12 @@ def main() -> int:
         base = report["runs"].get(f"plain/{name.split('/')[0]}")
         if base is not None and "tokens_per_s" in run:
             run["ratio_vs_plain"] = run["tokens_per_s"] / base["tokens_per_s"]
+        hf_run = report["runs"].get(name.removesuffix("-automodel"))
+        if name.endswith("-automodel") and hf_run and "tokens_per_s" in run and "tokens_per_s" in hf_run:
+            run["ratio_vs_hf_backend"] = run["tokens_per_s"] / hf_run["tokens_per_s"]
+            run["first_step_rel_diff_vs_hf_backend"] = {
+                k: abs(v - hf_run["first_step_metrics"][k]) / max(abs(hf_run["first_step_metrics"][k]), 1e-12)
+                for k, v in run["first_step_metrics"].items() if k in hf_run["first_step_metrics"]}
     text = json.dumps(report, indent=1)
     print(text)
     (out / "trainer_gpu.json").write_text(text)
