@@ -7,8 +7,8 @@ plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, 
 8 ranks, nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh; LoRA too: nemo-automodel's adapters, which its
 plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles;
 RL: gae's critic at tp 2 x dp 2 on the plan's critic mesh, the actor's tp, with the same plan, its scalar head
-replicated); over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused
-everywhere, each by its own row at its own key. Importable without torch.
+replicated; both levels of CPU offload, `actor.offload`); over NCCL it is written and not run (a CAP002 warning).
+What the TP build does not take is refused everywhere, each by its own row at its own key. Importable without torch.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 _NOT_RUN = (
     "nemo-automodel's tensor parallelism over NCCL on several GPUs: the same parallelizer, vocab-parallel log-probs, "
-    "TP-replica gradient sync, weight sync and DCP checkpoints as the gloo CPU ranks run, on no multi-GPU machine yet "
-    "(tests/gpu/check_tensor_parallel.py is the check to run on one)"
+    "TP-replica gradient sync, weight sync, CPU offload and DCP checkpoints as the gloo CPU ranks run, on no multi-GPU "
+    "machine yet (tests/gpu/check_tensor_parallel.py is the check to run on one)"
 )
 
 
@@ -53,14 +53,6 @@ def tp_rows(
             lambda t, p: t.mesh.cp > 1,
             "actor.mesh.cp: 1",
             "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both (runtime/ranks.py)",
-        ),
-        (
-            "offload",
-            "actor.offload",
-            "CPU offload",
-            lambda t, p: t.offload != "none",
-            "actor.offload: none",
-            "offload is run with FSDP2 alone (tests/runtime/test_offload.py)",
         ),
         (
             "compile",

@@ -5,7 +5,8 @@ of `just test`, whose tests/runtime/models/test_tensor_parallel.py runs the same
 
 The CPU test's own code with `MOLT_PARALLEL_DEVICE=cuda` (fp32, a tiny dense Qwen3, nemo-automodel's mesh, dense
 parallelizer and Qwen3 TP plan, the real `PolicyWorker`): the one-GPU run, then TP 2 on 2 GPUs and, with 4 GPUs,
-TP 2 x dp 2, with 8 TP 2 x HSDP (dp_replicate 2, dp_shard 2), each without and with LoRA (nemo-automodel's adapters under its LoRA-aware plan); each must give the one-GPU run's old log-probs, loss statistics, gradients and weights over three
+TP 2 x dp 2, with 8 TP 2 x HSDP (dp_replicate 2, dp_shard 2), each without and with LoRA (nemo-automodel's adapters under its LoRA-aware plan) and with CPU offload (`actor.offload`: full, optimizer); each must give
+the one-GPU run's old log-probs, loss statistics, gradients and weights over three
 optimizer steps (relative 1e-5), the same weights through a weight sync and the HF export, and a DCP checkpoint that
 resumes exactly. Writes OUT_DIR/tensor_parallel_gpu.json and prints it; exit 1 on any difference. Not run yet: no
 multi-GPU machine has been lent (the capability rows rl/sft-trainer-tp-cuda are CAP002 warnings until it passes on
@@ -53,6 +54,17 @@ def main() -> int:
             key = name + ("+lora" if k else "")
             try:
                 checks._check(single, ranks)
+                report["layouts"][key] = "equal"
+            except AssertionError as exc:
+                report["layouts"][key] = str(exc)[:2000]
+        # CPU offload at both levels in a spawn of their own, `full` first: the spawn's one process group is its
+        # first layout's, and full offload's host shards need the cuda:nccl,cpu:gloo group
+        offloaded = [(mesh, None, False, "full"), (mesh, None, False, "optimizer")]
+        for (*_, level), ranks in zip(offloaded, layouts._run(world, offloaded, path, work / f"{name}_offload"),
+                                      strict=True):
+            key = f"{name}+offload-{level}"
+            try:
+                checks._check(singles[0], ranks)
                 report["layouts"][key] = "equal"
             except AssertionError as exc:
                 report["layouts"][key] = str(exc)[:2000]

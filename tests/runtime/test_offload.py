@@ -46,7 +46,7 @@ def _full(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
 
 
-def _checks(worker, level: str) -> dict:
+def offload_checks(worker, level: str) -> dict:
     """What the level changed in the built rank (asserted by the test)."""
     from runtime.fsdp import HostAdamW
 
@@ -87,7 +87,7 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         policy = PolicyWorker(t, rl.model, None, rl.algo, "cpu", "gloo", rank, "127.0.0.1", next(ports))
         results.setdefault(("policy", "start"), _full(policy.model))
         stats = policy.train(batch, kl_coef=0.0)
-        results[("policy", level)] = (_full(policy.model), stats["optimizer_steps"], _checks(policy, level))
+        results[("policy", level)] = (_full(policy.model), stats["optimizer_steps"], offload_checks(policy, level))
         # a DCP checkpoint after the first step resumes exactly: the second step after a load equals the second
         # step of the rank that kept going (the optimizer states come back and step on the host again)
         ckpt = os.path.join(out_dir, f"ckpt-{level}")
@@ -98,12 +98,12 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         resumed = PolicyWorker(t, rl.model, None, rl.algo, "cpu", "gloo", rank, "127.0.0.1", next(ports))
         resumed.load_checkpoint(ckpt)
         resumed.train(batch, kl_coef=0.0)
-        results[("policy-resume", level)] = (_full(resumed.model), kept_going, _checks(resumed, level))
+        results[("policy-resume", level)] = (_full(resumed.model), kept_going, offload_checks(resumed, level))
         resumed.shutdown()
         critic = CriticWorker(rl.critic, t, rl.model, "cpu", "gloo", rank, "127.0.0.1", next(ports))
         results.setdefault(("critic", "start"), _full(critic.model))
         stats = critic.train(batch)
-        results[("critic", level)] = (_full(critic.model), stats["optimizer_steps"], _checks(critic, level))
+        results[("critic", level)] = (_full(critic.model), stats["optimizer_steps"], offload_checks(critic, level))
         critic.shutdown()
         plan = sft_plan.model_copy(update={"sft": sft_plan.sft.model_copy(update={
             "trainer": sft_plan.sft.trainer.model_copy(update={"offload": level})})})
@@ -127,7 +127,7 @@ def _rank_main(rank: int, ports: list[int], out_dir: str, rl, sft_plan) -> None:
         results.setdefault(("sft", "start"), _full(sft.model))
         losses = [sft.train_step(sft.data.examples[w * sft.window:(w + 1) * sft.window], 0)[0]["train/loss"]
                   for w in range(2)]
-        results[("sft", level)] = (_full(sft.model), losses, _checks(sft, level))
+        results[("sft", level)] = (_full(sft.model), losses, offload_checks(sft, level))
         torch.distributed.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 

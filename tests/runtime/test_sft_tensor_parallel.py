@@ -5,7 +5,9 @@ rows.
 Plans compiled from the SFT demo by the real compiler: `actor.mesh.tp: 2` on 2 ranks (one data-parallel rank: both
 ranks run the whole window), the same with `actor.sequence_parallel` (the plan's sequence-parallel styles), HSDP with tp 2 on 8 ranks (nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh:
 4 data-parallel ranks, each pair of tp ranks a quarter of the window), and `tp: 1` (FSDP2 over 2 ranks, each half of
-the window), the run the others are held against. Three optimizer steps of the same 16 rows each: the losses and
+the window), the run the others are held against; tp 2 with CPU offload at both levels (`actor.offload`:
+`optimizer` steps on host copies of the tp shards, `full` is FSDP2's CPUOffloadPolicy under the parallelizer).
+Three optimizer steps of the same 16 rows each: the losses and
 gradient norms agree to 1e-5 and the trained weights (under transformers' names, gathered) to 1e-5, and the weights
 moved (row `sft-trainer-tp-cuda`: CPU ranks only). The HSDP run also saves a DCP checkpoint before its last step
 and resumes from it (the step run again gives the same loss and weights) and exports the HF checkpoint, which holds
@@ -27,13 +29,13 @@ ROWS = 16
 NAME = "test-sft-tp"
 
 
-def _plan(tp: int, dp_replicate: int = 1, out_dir=None, sequence_parallel: bool = False):
+def _plan(tp: int, dp_replicate: int = 1, out_dir=None, sequence_parallel: bool = False, offload: str = "none"):
     world = 8 if dp_replicate > 1 else 2
-    name = f"{NAME}-{tp}-{dp_replicate}{'-sp' if sequence_parallel else ''}"
+    name = f"{NAME}-{tp}-{dp_replicate}{'-sp' if sequence_parallel else ''}-{offload}"
     return compile_plan(
         "recipes/demo_sft.yaml", "model.backend=automodel", "model.attn=sdpa", f"cluster.gpus_per_node={world}",
         f"actor.gpus_per_node={world}", f"actor.mesh.tp={tp}", f"actor.mesh.dp_replicate={dp_replicate}",
-        f"actor.sequence_parallel={str(sequence_parallel).lower()}",
+        f"actor.sequence_parallel={str(sequence_parallel).lower()}", f"actor.offload={offload}",
         "actor.packing=false", "data.max_samples=48", f"train.batch_size={ROWS}",
         f"train.micro_batch_size={8 if world == 2 else 4}", "eval.dataset=null", f"name={name}",
         *([f"ckpt.dir={out_dir}/state", f"ckpt.hf_dir={out_dir}/hf"] if out_dir else []))
@@ -64,6 +66,10 @@ def _rank_main(rank: int, plan, port: int, out: str) -> None:
     # the plan's sequence-parallel styles make the norms tp modules (their weights replicated over tp)
     norm = dict(job.model.named_parameters())["model.layers.0.input_layernorm.weight"]
     checks = {"norm_on_tp": "tp" in norm.device_mesh.mesh_dim_names}
+    if job.s.trainer.offload != "none":  # what the level changed in the built rank
+        from test_offload import offload_checks
+
+        checks["offload"] = offload_checks(job, job.s.trainer.offload)
     if hsdp:
         q = dict(job.model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
         checks["placement"] = f"{q.device_mesh} {q.placements}".lower()
@@ -109,6 +115,19 @@ def test_sft_at_tp2_with_sequence_parallelism_equals_sft_at_tp1(tp1_run, tmp_pat
     sp_run = _run(plan, str(tmp_path / "tp2-sp.pt"))
     assert sp_run[4]["norm_on_tp"]
     _assert_same(sp_run, tp1_run)
+
+
+@pytest.mark.parametrize("level", ["optimizer", "full"])
+def test_sft_at_tp2_with_offload_equals_sft_at_tp1(tp1_run, tmp_path, level):
+    plan = _plan(2, offload=level)
+    assert plan.sft.trainer.offload == level and plan.sft.trainer.mesh.tp == 2
+    run = _run(plan, str(tmp_path / f"tp2-{level}.pt"))
+    checks = run[4]["offload"]
+    assert set(checks["offload_to_cpu"]) == {level == "full"}  # FSDP2's CPUOffloadPolicy on every parameter
+    assert checks["host_steps"] == (level == "optimizer")  # HostAdamW: the states and the step on the host
+    if level == "optimizer":
+        assert checks["stepped"] and checks["states_on_host"] and checks["restored"] and checks["fused"], checks
+    _assert_same(run, tp1_run)
 
 
 def test_sft_hsdp_at_tp2_equals_sft_at_tp1(tp1_run, tmp_path):

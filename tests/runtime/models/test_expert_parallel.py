@@ -44,7 +44,7 @@ LORA = LoraPlan(dim=4, alpha=8, scale=2.0,
 parallelism; the MoE model has no dense down_proj (its experts are never adapted)."""
 Layout = tuple[MeshPlan, LoraPlan | None] | tuple[MeshPlan, LoraPlan | None, bool]
 """The mesh, the adapters, and what more the running module's `_rl` takes (test_tensor_parallel.py: sequence
-parallelism)."""
+parallelism, then CPU offload's level)."""
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +169,10 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
         out["resumed"] = {n: torch.equal(_full(p), after[n]) for n, p in worker.model.named_parameters()}
     out["placements"] = {n: str(getattr(p, "placements", None)) + str(getattr(p, "device_mesh", None))
                          for n, p in worker.model.named_parameters()}
+    if rl.trainer.offload != "none":  # what the level changed in the built rank, after the resume's step
+        from test_offload import offload_checks
+
+        out["offload"] = offload_checks(worker, rl.trainer.offload)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

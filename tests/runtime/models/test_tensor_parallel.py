@@ -19,6 +19,10 @@ one-rank LoRA run; the engines get the merged weights, each rank adding B@A over
 (gae's value model, `CriticWorker` on the plan's critic mesh: the actor's tp, nemo-automodel's plan without the
 vocabulary head's entry, the scalar head replicated) runs after the layouts of the one-rank and the TP 2 x dp 2
 spawns: its values, value loss, gradients, gradient norms and weights over two critic steps equal the one-rank run's.
+CPU offload (`actor.offload`, runtime/fsdp.py) runs as two more layouts of the TP 2 spawn, held to the same checks
+against the one-rank run (the DCP resume included): `optimizer` (`HostAdamW`: the tp shards stepped chunk by chunk on
+host copies, the states on the host) and `full` (FSDP2's CPUOffloadPolicy, which nemo-automodel's parallelizer puts on
+every unit).
 
 Qwen3-MoE is not here: nemo-automodel 0.7.0 registers no tensor-parallel plan for its own MoE models (its custom-MoE
 TP path refuses them), and rule MOE002 refuses the recipe.
@@ -47,7 +51,8 @@ def dense_checkpoint(tmp_path_factory) -> str:
                                 tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, sequence_parallel: bool = False):
+def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, sequence_parallel: bool = False,
+        offload: str = "none"):
     # one optimizer-step window of the whole batch: world 1 runs 4 micro-batches of 2 rows, and so does each tp
     # rank (they take the same rows)
     dp = world // mesh.tp
@@ -56,7 +61,8 @@ def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, seq
         model={"path": path, "backend": "automodel"},
         trainer={"micro_batch_size": 2, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": mesh, "dp": dp, "lora": lora, "sequence_parallel": sequence_parallel},
+                 "mesh": mesh, "dp": dp, "lora": lora, "sequence_parallel": sequence_parallel,
+                 "offload": offload},
         # Adam's eps further above fp32 noise than test_expert_parallel's: tensor parallelism sums each row-parallel
         # matmul in two partial sums (gradients 5e-7 apart at the first step), which eps 1e-5 grows to 2e-5 of
         # the weights in three steps through elements whose gradient is ~0
@@ -65,7 +71,8 @@ def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, seq
         loss=dict(mode="ppo", clip_low=0.2, clip_high=0.2, dual_clip=None, entropy_coef=0.0, aux_loss_coef=0.0,
                   router_z_loss_coef=0.0),
         kl=dict(estimator="k3", use_loss=False), is_correction=dict(level="off"),
-        device=DEVICE, dist_backend="nccl" if DEVICE == "cuda" else "gloo")
+        # on GPUs as the compiler derives it (B26): full offload's host shards need gloo for their collectives
+        device=DEVICE, dist_backend="gloo" if DEVICE != "cuda" else "cuda:nccl,cpu:gloo" if offload == "full" else "nccl")
 
 
 def _run(world: int, layouts: list[ep_test.Layout], path: str, out_dir, critic_tp: int | None = None
@@ -83,7 +90,10 @@ def _run(world: int, layouts: list[ep_test.Layout], path: str, out_dir, critic_t
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layouts: list[ep_test.Layout],
                critic_tp: int | None) -> None:
+    from runtime import fsdp
+
     ep_test._rl = _rl
+    fsdp.HOST_STEP_CHUNK_BYTES = 1 << 16  # offload: optimizer steps the tiny model in many chunks, as test_offload.py
     then = None
     if critic_tp is not None:
         def then(rank, world, port, out_dir, path):
@@ -177,8 +187,9 @@ def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict, dict]:
 
 
 def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp, tp_lora, tp_sp = _run(2, [(_mesh(2), None), (_mesh(2), ep_test.LORA), (_mesh(2), None, True)],
-                              dense_checkpoint, tmp_path / "tp")
+    tp, tp_lora, tp_sp, tp_opt, tp_full = _run(
+        2, [(_mesh(2), None), (_mesh(2), ep_test.LORA), (_mesh(2), None, True), (_mesh(2), None, False, "optimizer"),
+            (_mesh(2), None, False, "full")], dense_checkpoint, tmp_path / "tp")
     placed = tp[0]["placements"]
     # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
     assert "shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
@@ -201,6 +212,19 @@ def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
     assert ", shard(dim=1))" in placed["model.layers.0.self_attn.o_proj.lora_A.weight"].lower()
     assert ", shard(dim=1))" in placed["model.layers.0.mlp.down_proj.lora_A.weight"].lower()
     ep_test._check(single[1], tp_lora)
+    # CPU offload (runtime/fsdp.py): `optimizer` steps the tp shards chunk by chunk on host copies (the states
+    # stay on the host, the DCP resume's too), `full` is FSDP2's CPUOffloadPolicy under nemo-automodel's parallelizer
+    for level, run in (("optimizer", tp_opt), ("full", tp_full)):
+        for r in run:
+            checks = r["offload"]
+            # every parameter is in an FSDP2 unit of nemo-automodel's parallelizer, which got the level's policy
+            assert len(checks["offload_to_cpu"]) == len(r["placements"]), level
+            assert set(checks["offload_to_cpu"]) == {level == "full"}, level
+            assert checks["host_steps"] == (level == "optimizer"), level
+        ep_test._check(single[0], run)
+    checks = tp_opt[0]["offload"]
+    assert checks["chunks"] > 2 and checks["restored"] and checks["stepped"] and checks["fused"], checks
+    assert checks["states_apart"] and checks["states_on_host"], checks
     # the export is a transformers checkpoint of the same names as the one trained from
     from safetensors.torch import load_file
 
