@@ -7,7 +7,8 @@ backend (`build_value_model`: transformers' token classifier on `hf`, nemo-autom
 the plan's critic mesh: FSDP2 over its ranks, and at the actor's tp > 1 nemo-automodel's tensor parallelism as the
 policy's (its tp ranks take a data-parallel rank's rows; the head replicated).
 It batches exactly like the policy (the shared FSDP strategy, B9: micro-batches of `train.micro_batch_size` rows or
-of a token budget, padded or packed), with its own `grad_accum` and `max_epochs`.
+of a token budget, padded or packed), with its own `grad_accum`, local batch and `max_epochs`: it runs no context
+parallelism, so under the actor's cp it has cp times the policy's data-parallel ranks (the plan's `critic.dp`).
 
 - `values`: V(s_t) at collection time, (B, T-1) aligned like the log-probs: position t is the value of the state
   that ends with token t, before the action token t+1.
@@ -95,14 +96,14 @@ class CriticWorker(FsdpRank):
 
     def train(self, batch: Experience) -> dict[str, float]:
         """`critic.max_epochs` passes over this rank's rows, one optimizer step per window (micro_batch x the
-        critic's grad_accum rows, or the plan's local batch under dynamic batching; under force_on_policy the whole
+        critic's grad_accum rows, or the critic's local batch under dynamic batching; under force_on_policy the whole
         shard, Molt critic_actor.py:136-137). Returns sums over this rank's micro-batches (the group forms token
         means) and rank-level scalars."""
         from runtime import algo
 
         c, t = self.c, self.t
         _, shard, lengths = self._rows(batch)
-        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, t.local_batch_size,
+        step_rows = microbatch.window_rows(shard.batch_size, t.micro_batch_size, c.grad_accum, c.local_batch_size,
                                            t.force_on_policy)
         sums = {"value_loss_sum": 0.0, "value_clip_frac_x_tokens": 0.0, "tokens": 0.0}
         grad_norms = []

@@ -586,9 +586,13 @@ class CriticPlan(PlanModel):
     """The critic's device mesh: the actor's tp (nemo-automodel's TP plan, the scalar head replicated), FSDP2 over
     the rest of its ranks (no cp, ep, pp or HSDP: those are the actor's alone)."""
     dp: int
-    """Data-parallel size."""
+    """Data-parallel size: world / tp (the critic runs no cp, so under the actor's cp it has cp times the actor's
+    data-parallel ranks)."""
     grad_accum: int
-    """Microbatches per optimizer step."""
+    """Microbatches per optimizer step, over the critic's own dp."""
+    local_batch_size: int | None
+    """Rows of one optimizer-step window of a rank under dynamic batching: train.batch_size // the critic's dp
+    (None when off)."""
     value_clip: float
     """PPO value clip."""
     max_epochs: int

@@ -102,6 +102,40 @@ def test_separate_ref_and_critic_get_their_own_groups() -> None:
     assert plan3 is None and "`critic` does not fit" in diags3[0].message
 
 
+@pytest.mark.parametrize("dynamic_batch", [None, {"max_tokens_per_gpu": 4096}])
+def test_critic_under_cp_takes_its_own_dp_and_the_actors_optimizer_steps(dynamic_batch) -> None:
+    """The critic runs no cp (its mesh is the actor's tp alone): under cp 2 its dp is world / tp, twice the
+    policy's, and its windows (grad_accum, or the local batch under dynamic batching) come from its own dp, so a
+    rollout batch of two train batches makes as many critic optimizer steps as policy ones, counted with the
+    runtime's own row and window arithmetic."""
+    import torch
+
+    from runtime import microbatch
+
+    r = rl(cluster={"nodes": 2}, algo={"estimator": "gae"}, actor={"mesh": {"cp": 2}},
+           rollout={"batch_size": 8, "n_samples_per_prompt": 4},
+           train={"batch_size": 16, "micro_batch_size": 1, "dynamic_batch": dynamic_batch})
+    plan, diags = lower(r, derive(r))
+    assert diags == [] and plan is not None
+    trainer, critic = plan.rl.trainer, plan.rl.critic
+    assert (trainer.world, trainer.dp, trainer.mesh.cp) == (8, 4, 2)
+    assert (critic.world, critic.dp, critic.mesh.cp, critic.mesh.tp) == (8, 8, 1, 1)
+    if dynamic_batch is None:
+        assert (trainer.grad_accum, critic.grad_accum) == (4, 2)
+        assert trainer.local_batch_size is None and critic.local_batch_size is None
+    else:
+        assert (trainer.local_batch_size, critic.local_batch_size) == (4, 2)
+
+    def steps(dp: int, grad_accum: int, local_batch: int | None) -> int:
+        rows = microbatch.rank_rows(torch.ones(32), dp, balanced=dynamic_batch is not None)[0].numel()
+        window = microbatch.window_rows(rows, trainer.micro_batch_size, grad_accum, local_batch,
+                                        trainer.force_on_policy)
+        return len(microbatch.windows(rows, window))
+
+    policy_steps = steps(trainer.dp, trainer.grad_accum, trainer.local_batch_size)
+    assert policy_steps == 2 == steps(critic.dp, critic.grad_accum, critic.local_batch_size)
+
+
 def test_cluster_full_is_place102() -> None:
     r = rl(cluster={"nodes": 1}, rollout={"engines": 2})
     plan, diags = lower(r, derive(r))

@@ -35,9 +35,9 @@ def recipes(draw):
     tp = draw(st.sampled_from(_divisors(world)))
     cp = draw(st.sampled_from(_divisors(world // tp)))
     ep = draw(st.sampled_from(_divisors(world)))
-    dp = world // (tp * cp)
     micro = draw(st.sampled_from([1, 2]))
-    batch = micro * dp * draw(st.integers(1, 3))
+    # a multiple of the actor's dp, world / (tp x cp), and of gae's critic's, world / tp (it runs no cp)
+    batch = micro * (world // tp) * draw(st.integers(1, 3))
     executor = draw(st.sampled_from(["uni", "mp", "ray"]))
     if executor == "uni":
         vmesh = {"tp": 1, "pp": 1, "dp": 1}

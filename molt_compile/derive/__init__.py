@@ -42,7 +42,7 @@ Names (RL recipes; `*` marks names that also exist for `kind: sft`). Section ref
 | `ref.colocated` | ref shares the actor's GPUs | B8, J2 |
 | `ref.world`, `ref.model_parallel`, `ref.dp`, `ref.grad_accum`, `ref.num_gpus` | as for the actor (only when ref exists) | G4, J2 |
 | `critic.exists` | a value model is built (estimator gae) | B8 |
-| `critic.path`, `critic.colocated`, `critic.world`, `critic.model_parallel`, `critic.dp`, `critic.grad_accum`, `critic.num_gpus` | as above (only when critic exists); world = actor's | J3 |
+| `critic.path`, `critic.colocated`, `critic.world`, `critic.model_parallel`, `critic.dp`, `critic.grad_accum`, `critic.local_batch_size`, `critic.num_gpus` | as above (only when critic exists); world = actor's; the critic runs no cp: model_parallel = tp, dp = world / tp | J3 |
 | `critic.max_epochs` | critic.max_epochs or train.max_epochs | B9 |
 | `critic.value_clip` | critic.value_clip, the schema's default without a `critic:` section | |
 | `critic.freeze_moe_router` | critic.freeze_moe_router or actor.freeze.moe_router | B9 |

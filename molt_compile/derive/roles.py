@@ -36,30 +36,30 @@ class BatchSplit:
     dynamic: bool
 
 
-def fsdp_role(b: Builder, role: str, world_of: RoleWorld, split: BatchSplit) -> None:
-    """world, model_parallel, dp and grad_accum of one FSDP role (actor, ref, critic or the SFT model)."""
+def fsdp_role(b: Builder, role: str, world_of: RoleWorld, split: BatchSplit, runs_cp: bool = True) -> None:
+    """world, model_parallel, dp and grad_accum of one FSDP role (actor, ref, critic or the SFT model); `runs_cp`:
+    the role splits sequences over the mesh's cp (the critic does not: its dp ranks are world / tp)."""
     mesh_key, train_key = "actor.mesh", "train"
     mesh, batch, micro, dynamic = split.mesh, split.batch, split.micro, split.dynamic
     world = world_of.size
     b.add(f"{role}.world", world, world_of.reason, world_of.inputs)
-    mp = mesh.tp * mesh.cp
-    b.add(
-        f"{role}.model_parallel",
-        mp,
-        f"tp {mesh.tp} × cp {mesh.cp}; EP is not counted (G2)",
-        (f"{mesh_key}.tp", f"{mesh_key}.cp"),
-    )
+    axes: tuple[str, ...]
+    if runs_cp:
+        mp, shape, axes = mesh.tp * mesh.cp, f"tp × cp = {mesh.tp * mesh.cp}", ("tp", "cp")
+        why = f"tp {mesh.tp} × cp {mesh.cp}; EP is not counted (G2)"
+    else:
+        mp, shape, axes = mesh.tp, f"tp = {mesh.tp}", ("tp",)
+        why = f"tp {mesh.tp}: the {role} runs whole sequences (no cp); EP is not counted (G2)"
+    b.add(f"{role}.model_parallel", mp, why, tuple(f"{mesh_key}.{axis}" for axis in axes))
     if world % mp:
         b.add(
             f"{role}.dp",
             None,
-            f"world {world} is not divisible by tp × cp = {mp} (G3)",
+            f"world {world} is not divisible by {shape} (G3)",
             (f"{role}.world", f"{role}.model_parallel"),
         )
     else:
-        b.add(
-            f"{role}.dp", world // mp, f"world {world} / (tp × cp = {mp})", (f"{role}.world", f"{role}.model_parallel")
-        )
+        b.add(f"{role}.dp", world // mp, f"world {world} / ({shape})", (f"{role}.world", f"{role}.model_parallel"))
     dp = b.v(f"{role}.dp")
     if role == "actor":
         _device_mesh(b, mesh, world, dp)
@@ -171,12 +171,15 @@ def derive_rl_roles(b: Builder, r: RlRecipe, source: SourceMap | None = None) ->
             f"critic.placement is {critic.placement}",
             ("critic.placement",),
         )
+        # the critic's mesh is the actor's tp alone (CriticPlan.mesh): its dp, windows and local batch are its own
         fsdp_role(
             b,
             "critic",
             RoleWorld(b.v("actor.world"), "the critic always has the actor's size (J3)", ("actor.world",)),
             split,
+            runs_cp=False,
         )
+        local_batch_size(b, "critic", t.batch_size, dynamic=split.dynamic)
         b.add(
             "critic.max_epochs",
             critic.max_epochs or t.max_epochs,
@@ -303,7 +306,6 @@ def derive_actor_extras(b: Builder, r: RlRecipe) -> None:
     )
     if t.dynamic_batch is None:
         b.add("actor.dynamic_batch_max_tokens", None, "dynamic batching off", ("train.dynamic_batch",))
-        b.add("actor.local_batch_size", None, "dynamic batching off", ("train.dynamic_batch",))
     else:
         cap = t.dynamic_batch.max_tokens_per_gpu * mp
         b.add(
@@ -312,10 +314,19 @@ def derive_actor_extras(b: Builder, r: RlRecipe) -> None:
             f"max_tokens_per_gpu {t.dynamic_batch.max_tokens_per_gpu} × cp × tp {mp} (G9)",
             ("train.dynamic_batch.max_tokens_per_gpu", "actor.mesh.tp", "actor.mesh.cp"),
         )
-        dp = b.v("actor.dp")
-        b.add(
-            "actor.local_batch_size",
-            None if dp is None else t.batch_size // dp,
-            "dp undefined" if dp is None else f"batch_size {t.batch_size} // dp {dp}; a remainder is dropped (G9)",
-            ("train.batch_size", "actor.dp"),
-        )
+    local_batch_size(b, "actor", t.batch_size, dynamic=t.dynamic_batch is not None)
+
+
+def local_batch_size(b: Builder, role: str, batch: int, dynamic: bool) -> None:
+    """`<role>.local_batch_size`: the rows of one optimizer-step window of a rank under dynamic batching, the batch
+    over the role's own dp (None when off)."""
+    if not dynamic:
+        b.add(f"{role}.local_batch_size", None, "dynamic batching off", ("train.dynamic_batch",))
+        return
+    dp = b.v(f"{role}.dp")
+    b.add(
+        f"{role}.local_batch_size",
+        None if dp is None else batch // dp,
+        "dp undefined" if dp is None else f"batch_size {batch} // dp {dp}; a remainder is dropped (G9)",
+        ("train.batch_size", f"{role}.dp"),
+    )

@@ -405,6 +405,7 @@ def _critic(r: RlRecipe, d: Derived, source: SourceMap | None) -> CriticPlan:
         mesh=MeshPlan.model_construct(tp=r.actor.mesh.tp, cp=1, ep=1, pp=1, dp_replicate=1),
         dp=d.value("critic.dp"),
         grad_accum=d.value("critic.grad_accum"),
+        local_batch_size=d.value("critic.local_batch_size"),
         value_clip=d.value("critic.value_clip"),
         max_epochs=d.value("critic.max_epochs"),
         optimizer=optimizer_plan(optimizer, d.value("critic.warmup_steps"), d.value("critic.scheduler_steps")),

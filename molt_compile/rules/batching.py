@@ -257,7 +257,8 @@ def dynamic_batch_without_packing(recipe: RlRecipe, derived: Derived, source: So
 
 def dynamic_batch_smaller_than_dp(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
-    With `train.dynamic_batch`: `train.batch_size >= dp`.
+    With `train.dynamic_batch`: `train.batch_size >= dp` of every trained role (the actor; gae's critic, whose dp is
+    cp times the actor's under context parallelism: it runs whole sequences).
 
     ## Why it matters
     Under dynamic batching each rank takes `batch_size // dp` samples per step; with fewer samples than ranks that is
@@ -278,13 +279,18 @@ def dynamic_batch_smaller_than_dp(recipe: RlRecipe, derived: Derived, source: So
     ## References
     molt_rules.md G9
     """
-    dp = dv(derived, "actor.dp")
     t = recipe.train
-    if t.dynamic_batch is not None and dp is not None and t.batch_size < dp:
+    # the trained roles (a reference only runs forwards over its shard): a critic's dp is derived only for gae
+    dps = [(dp, role) for role in ("actor", "critic") if (dp := dv(derived, f"{role}.dp")) is not None]
+    if t.dynamic_batch is None or not dps:
+        return
+    dp, role = max(dps)
+    if t.batch_size < dp:
+        who = "" if role == "actor" else f" ({role})"
         yield diag(
             source,
             "train.batch_size",
-            f"train.batch_size {t.batch_size} < dp {dp}: under dynamic batching each rank gets "
+            f"train.batch_size {t.batch_size} < dp {dp}{who}: under dynamic batching each rank gets "
             f"{t.batch_size} // {dp} = 0 samples",
             f"set train.batch_size to at least {dp}",
             ["train.dynamic_batch", "actor.gpus_per_node"],

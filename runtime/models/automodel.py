@@ -77,10 +77,10 @@ def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
     cp = ctx.device_mesh["cp"] if mesh.cp > 1 else None
     tp = ctx.device_mesh["tp"] if mesh.tp > 1 else None
     if tp is not None:  # nemo-automodel's dense parallelizer takes the world mesh (`tensor_parallel`)
-        return Meshes(fsdp=ctx.device_mesh, moe=None, dp=world // mesh.tp, cp=cp, tp=tp)
+        return Meshes(fsdp=ctx.device_mesh, moe=None, cp=cp, tp=tp)
     # ep 1: `hf.shard` takes nemo-automodel's FSDP mesh of the dp x cp ranks
     fsdp = ctx.device_mesh if ctx.moe_mesh is not None else get_fsdp_dp_mesh(ctx.device_mesh)
-    return Meshes(fsdp=fsdp, moe=ctx.moe_mesh, dp=world, cp=cp)
+    return Meshes(fsdp=fsdp, moe=ctx.moe_mesh, cp=cp)
 
 
 # nemo-automodel's grouped-experts parameters -> transformers' fused-experts names (both (experts, ., .), transposed)
@@ -374,13 +374,15 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     reduction. Its gates compute in the router dtype through the `BackendConfig` (`gate_precision`). A VLM's experts
     are its language model's (the parallelizer finds them there); its units are the hf backend's (`_RootUnit`).
 
-    Gradients: FSDP2 averages the other parameters' gradients over dp (HSDP: over its shards and replicas); an
-    expert's gradient arrives summed over the ep group's tokens (the dispatcher's all-gather backward), which is
-    dp / ep_shard times the mean — the factor nemo-automodel's own recipe divides out before clipping
-    (`scale_grads_and_clip_grad_norm`). With ep over every rank (ep_shard 1) the experts are no FSDP2 unit and a
-    hook on each divides by dp; with ep below the ranks they are FSDP2 units over ep_shard, whose sharded
-    parameters autograd never reaches, so their reduce-scatter divides by dp instead of ep_shard (a sum, then the
+    Gradients: FSDP2 averages the other parameters' gradients over its data-parallel mesh (dp x cp ranks, HSDP: its
+    shards and replicas; `dp_cp` below, read from the mesh as nemo-automodel's recipe reads its `dp_group_size`
+    with cp); an expert's gradient arrives summed over the ep group's tokens (the dispatcher's all-gather
+    backward), which is dp_cp / ep_shard times the mean — the factor nemo-automodel's own recipe divides out before
+    clipping (`scale_grads_and_clip_grad_norm`). With ep over every rank (ep_shard 1) the experts are no FSDP2 unit
+    and a hook on each divides by dp_cp; with ep below the ranks they are FSDP2 units over ep_shard, whose sharded
+    parameters autograd never reaches, so their reduce-scatter divides by dp_cp instead of ep_shard (a sum, then the
     division: gloo has no pre-scaled sum). Either way the trainer's global token mean holds for every parameter."""
+    from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
     from nemo_automodel.components.moe.parallelizer import parallelize_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -404,17 +406,18 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
                                                      reduce_dtype=torch.float32),
                       offload_policy=policy, model_parallelizer=_RootUnit.of(model))
     ep_shard = meshes.moe["ep_shard"].size() if "ep_shard" in names else 1
+    dp_cp = get_fsdp_dp_mesh(meshes.fsdp).size()  # the ranks FSDP2 averages the other gradients over
     if trainable and ep_shard > 1:
         from nemo_automodel.components.moe.layers import MoE
 
         for module in model.modules():
             if isinstance(module, MoE):
-                module.experts.set_gradient_divide_factor(float(meshes.dp))
+                module.experts.set_gradient_divide_factor(float(dp_cp))
                 module.experts.set_force_sum_reduction_for_comms(True)
-    elif trainable and meshes.dp > 1:
+    elif trainable and dp_cp > 1:
         for p in model.parameters():
             if p.requires_grad and _on_ep(p):
-                p.register_hook(lambda g: g / meshes.dp)
+                p.register_hook(lambda g: g / dp_cp)
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 

@@ -19,12 +19,11 @@ class Meshes:
 
     `fsdp`: the mesh the FSDP2 units shard over (the `hf` backend's 1-D `dp`, or HSDP's 2-D (dp_replicate,
     dp_shard); nemo-automodel's 5-D world mesh (pp, dp_replicate, dp_shard, cp, tp) under expert parallelism);
-    `moe`: nemo-automodel's (ep_shard, ep) mesh of the experts, None without expert parallelism; `dp`: how many
-    data-parallel ranks split each batch (the loss's global token mean counts over them)."""
+    `moe`: nemo-automodel's (ep_shard, ep) mesh of the experts, None without expert parallelism. How many
+    data-parallel ranks split each batch is the plan's number (its role's `dp`), not the meshes'."""
 
     fsdp: DeviceMesh
     moe: DeviceMesh | None
-    dp: int
     cp: DeviceMesh | None = None
     """nemo-automodel's 1-D context-parallel axis, None at cp 1 (`runtime/context_parallel.py`): the batch splits
     over dp / cp data-parallel ranks (the plan's `dp`), each split again over its cp ranks' sequences."""

@@ -27,7 +27,7 @@ def dp_meshes(device: str, world: int, replicate: int = 1) -> Meshes:
 
     shape, names = ((world,), ("dp",)) if replicate == 1 else ((replicate, world // replicate),
                                                                 ("dp_replicate", "dp_shard"))
-    return Meshes(fsdp=dist.device_mesh.init_device_mesh(device, shape, mesh_dim_names=names), moe=None, dp=world)
+    return Meshes(fsdp=dist.device_mesh.init_device_mesh(device, shape, mesh_dim_names=names), moe=None)
 
 
 def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
