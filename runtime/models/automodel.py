@@ -439,11 +439,20 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     gradients come out equal on them (DTensor's backward sums the partial input gradients over tp), FSDP2 averages
     over dp only, so the global token mean holds; the gradient norm is the whole mesh's (`fsdp.clip`: DTensor
     norms over every placement). `plan`: a TP plan of nemo-automodel's to use instead of the one it picks (the
-    critic's, `build_value_model`)."""
-    from nemo_automodel.components.distributed.parallelizer import fsdp2_strategy_parallelize
+    critic's, `build_value_model`).
+
+    `model.compile_layers`: each decoder layer's forward compiled after the parallelizer (`hf.compile_layers`, as
+    nemo-automodel's own per-layer compile comes after its TP and FSDP2), so dynamo traces the layer's DTensor
+    parameters and TP's collectives in one graph, FSDP2's hooks eager around it. Without activation checkpointing
+    only: a checkpoint inside the compiled layer fails in torch 2.13's AOT autograd here (`rl-trainer-tp-compile`)."""
+    from nemo_automodel.components.distributed.parallelizer import (
+        _patch_dtensor_spec_hash_for_symint,
+        fsdp2_strategy_parallelize,
+    )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if trainable and model_plan.gradient_checkpoint != "none":
+    checkpointed = trainable and model_plan.gradient_checkpoint != "none"
+    if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint inside the compiled forward
         hf.enable_checkpointing(model, model_plan.gradient_checkpoint, decoder_layers(model))
     if not trainable:
         model.requires_grad_(False)
@@ -453,6 +462,9 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
                                                           reduce_dtype=torch.float32),
         offload_policy=policy, sequence_parallel=sequence_parallel, activation_checkpointing=False,
         tp_shard_plan=plan)
+    if model_plan.compile_layers:
+        _patch_dtensor_spec_hash_for_symint()  # nemo-automodel's fix for DTensor specs of dynamic (symbolic) sizes
+        hf.compile_layers(decoder_layers(model), model_plan.gradient_checkpoint if trainable else "none")
     attach(model)
     return model
 

@@ -136,6 +136,21 @@ measurements of issue 29). The other shape guard (the SDPA mask's 8-alignment) i
 the plan's `width_multiple`."""
 
 
+class _Waited(torch.autograd.Function):
+    """An `AsyncCollectiveTensor` (tensor parallelism's vocabulary-parallel embedding hands the first decoder layer its
+    all-reduced output as one) as the plain tensor it wraps, waited on, its gradient passed through: compiled, the
+    wrapper would be guarded on as a type of its own (a second graph, recompiled at every new shape), and its
+    `trigger_wait` alone drops the autograd edge."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def _batch_shape_dynamic(compiled):
     """`compiled` with its inputs' batch and sequence dimensions marked dynamic before each call, so the first
     compile is the shape-generic graph: a later batch of another length or row count runs it without the recompile
@@ -148,6 +163,7 @@ def _batch_shape_dynamic(compiled):
     import functools
 
     from torch._dynamo import maybe_mark_dynamic
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     def mark(t: object, sizes: tuple[int, ...]) -> None:
         if isinstance(t, (tuple, list)):
@@ -160,6 +176,8 @@ def _batch_shape_dynamic(compiled):
 
     @functools.wraps(compiled)
     def run(*args, **kwargs):
+        if args and isinstance(args[0], AsyncCollectiveTensor):
+            args = (_Waited.apply(args[0]), *args[1:])
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))

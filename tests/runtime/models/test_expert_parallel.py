@@ -135,8 +135,11 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, path: str, layout
 
 def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: MeshPlan,
             lora: LoraPlan | None, *options) -> None:
+    from torch._dynamo.utils import counters
+
     from runtime.trainer import PolicyWorker
 
+    counters.clear()  # this layout's compiles (`model.compile_layers`) only
     rl = _rl(world, path, mesh, lora, *options)
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, rank, "127.0.0.1", port)
     grads: list[dict[str, torch.Tensor]] = []
@@ -156,6 +159,7 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
         trained = replace(batch, old_log_probs=full_old, rollout_log_probs=full_old)
         out["stats"].append(worker.train(trained, kl_coef=0.0))
     out["grads"] = grads
+    out["graph_breaks"], out["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     out["weights"] = {n: _full(p) for n, p in worker.model.named_parameters()}
     out["synced"] = _synced(worker)
     out["hf_dir"] = worker.export_hf(os.path.join(out_dir, "hf"))
