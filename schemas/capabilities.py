@@ -110,6 +110,16 @@ def _ep_rows(kind: str) -> tuple[Capability, ...]:
             "(tests/gpu/check_expert_parallel.py is the check to run on one)",
             tracked=f"issue 27: run on gloo ranks ({test}), not yet on several GPUs",
         ),
+        Capability(
+            f"{kind}-trainer-ep-compile",
+            kind,
+            "model.compile_layers",
+            "compiled decoder layers with expert parallelism in the trainer",
+            lambda p: asks_ep(p) and (p.rl.model if kind == "rl" else p.sft.model).compile_layers,
+            "model.compile_layers: false (or actor.mesh.ep: 1)",
+            tracked="issue 27: nemo-automodel's MoE parallelizer (runtime/models/automodel.py `expert_parallel`) "
+            "places the layers without compiling them",
+        ),
     )
 
 

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from schemas.plan import LoraPlan, MeshPlan, ModelPlan
 
 
-
 def device_mesh(device: str, world: int, mesh: MeshPlan | None) -> Meshes:
     """`hf`'s `dp` mesh at ep 1 (HSDP's (dp_replicate, dp_shard) at the plan's dp_replicate; no mesh: the reference
     and critic groups); at ep > 1 nemo-automodel's world mesh (pp, dp_replicate, dp_shard, cp, tp) and its
