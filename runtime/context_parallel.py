@@ -3,7 +3,9 @@
 The mesh is nemo-automodel's (`MeshContext` with `ParallelismSizes(cp_size=...)`, runtime/models/automodel.py): its
 axes are (pp, dp_replicate, dp_shard, cp, tp), cp inside dp, so the cp ranks of one data-parallel rank are
 consecutive (`dp_rank`) and they take the same rows of every batch. FSDP2 shards the parameters over every rank
-(its `dp_shard_cp`), so gradients are averaged over dp x cp ranks.
+(its `dp_shard_cp`), so gradients are averaged over dp x cp ranks. With tensor parallelism (tp innermost) a
+data-parallel rank's cp x tp ranks are the consecutive ones: each cp rank's cut is shared by its tp ranks, each cp
+group is the ranks of one tp coordinate, and FSDP2 (nemo-automodel's dense parallelizer) shards over dp x cp only.
 
 Per micro-batch (`sharded_rows`), inside the block that runs its forward *and* backward:
 - nemo-automodel's `ContextParallelSharder` (its generic strategy, `shard_batch_load_balanced`) pads the rows to a
@@ -21,7 +23,7 @@ aggregation modes, the MoE aux losses) is the code of a run without CP. The loss
 data-parallel ranks, scaled by dp (not by the world): each cp rank computes the same loss, the all-gather's
 backward sums their cp gradients into each rank's own positions, and FSDP2's average over dp x cp leaves exactly the
 gradient of the single-rank loss (tests/runtime/test_context_parallel.py checks this on gloo ranks). Token counts
-are summed once per data-parallel rank (`FsdpRank.window_tokens` divides the world's sum by cp). What goes *into*
+are summed once per data-parallel rank (`FsdpRank.window_tokens` divides the world's sum by cp x tp). What goes *into*
 the forward per position is cut like the tokens (`CpRows.shard`): the score-centering top-k ids, and the experts
 MoE routing replay imposes (the sharder's pad slots as not recorded, so they keep the live choice).
 
@@ -57,16 +59,19 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def dp_rank(rank: int, cp_mesh: DeviceMesh | None) -> int:
-    """The data-parallel rank of global `rank`: cp is inside dp in nemo-automodel's mesh, so the cp ranks of one
-    data-parallel rank are consecutive (checked against the mesh)."""
-    if cp_mesh is None:
-        return rank
-    cp = cp_mesh.size()
-    if cp_mesh.get_local_rank() != rank % cp:
+def dp_rank(rank: int, cp_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> int:
+    """The data-parallel rank of global `rank`: in nemo-automodel's mesh (.., dp, cp, tp) tp is the innermost axis
+    and cp the one inside dp, so the cp x tp ranks of one data-parallel rank are consecutive, rank = (dp_rank x cp +
+    cp_rank) x tp + tp_rank (checked against the mesh)."""
+    tp = 1 if tp_mesh is None else tp_mesh.size()
+    cp = 1 if cp_mesh is None else cp_mesh.size()
+    if tp_mesh is not None and tp_mesh.get_local_rank() != rank % tp:
+        raise RuntimeError(f"rank {rank} is tp rank {tp_mesh.get_local_rank()} of nemo-automodel's mesh, not "
+                           f"{rank % tp}: its tp axis is no longer the innermost")
+    if cp_mesh is not None and cp_mesh.get_local_rank() != (rank // tp) % cp:
         raise RuntimeError(f"rank {rank} is cp rank {cp_mesh.get_local_rank()} of nemo-automodel's mesh, not "
-                           f"{rank % cp}: its cp axis is no longer the one inside dp")
-    return rank // cp
+                           f"{(rank // tp) % cp}: its cp axis is no longer the one between dp and tp")
+    return rank // (cp * tp)
 
 
 def prepare(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> None:

@@ -68,7 +68,7 @@ class CriticWorker(FsdpRank):
         backend = models.backend(model)
         # the plan's critic mesh: the actor's tp (its ranks share a data-parallel rank's rows), FSDP2 over the rest
         self.meshes = backend.device_mesh(device, critic.world, critic.mesh)
-        self.use_tp(self.meshes.tp, critic.dp)
+        self.use_meshes(None, self.meshes.tp, critic.dp)
         self.model = backend.build_value_model(model, critic.path, self.meshes, self.device, offload=trainer.offload)
         self.optimizer, self.scheduler = fsdp.build_optimizer(critic.optimizer, self.model, trainer.offload)
 

@@ -243,7 +243,9 @@ def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, label
                     top_ids: Tensor | None,
                     hidden: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """`_decoder_logprobs` of a context-parallel shard: every local position scores its label (`hidden`: the
-    shard's decoder output, when already computed)."""
+    shard's decoder output, when already computed). Under tensor parallelism the tp ranks of a cp rank share its
+    shard; with sequence parallelism its decoder output comes cut over them by positions, gathered before the
+    vocab-parallel head as without CP (`_all_positions`)."""
     if hidden is not None:
         out = hidden
     elif hasattr(model, "get_decoder"):  # transformers-style layers: nemo-automodel's CP hooks make them causal
@@ -253,6 +255,8 @@ def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, label
         out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=None,
                           padding_mask=padding_mask)
     hidden = out if isinstance(out, Tensor) else out.last_hidden_state
+    if isinstance(hidden, DTensor):
+        hidden = _all_positions(hidden)
     n = labels.numel()
     flat_top = None if top_ids is None else top_ids.reshape(n, top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), hidden.reshape(n, hidden.shape[-1]), labels.reshape(-1),

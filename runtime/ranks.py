@@ -47,31 +47,25 @@ class FsdpRank:
         # VLM: the image placeholder id feeds the backbone's M-RoPE token types (a fact of the checkpoint; a
         # subclass sets it from its model's config once built).
         self.image_token_id: int | None = None
-        # Data parallelism over every rank; a group under context parallelism sets these from its mesh (`use_cp`).
+        # Data parallelism over every rank; a group under context or tensor parallelism sets these from its meshes
+        # (`use_meshes`).
         self.dp, self.dp_rank, self.cp, self.cp_mesh = world, rank, 1, None
-        self.tp, self.tp_rank = 1, 0  # tensor parallelism (`use_tp`)
+        self.tp, self.tp_rank = 1, 0
 
-    def use_cp(self, cp_mesh, dp: int) -> None:
-        """Context parallelism over `cp_mesh` (None: none): the cp ranks of one of the plan's `dp` data-parallel
-        ranks take the same rows and split their sequences (`runtime/context_parallel.py`)."""
+    def use_meshes(self, cp_mesh, tp_mesh, dp: int) -> None:
+        """Context parallelism over `cp_mesh` and tensor parallelism over `tp_mesh` (None: none; both None: data
+        parallelism over every rank): the cp x tp ranks of one of the plan's `dp` data-parallel ranks take the same
+        rows (consecutive ranks: tp is nemo-automodel's innermost mesh axis, cp the next; checked,
+        `context_parallel.dp_rank`); each cp rank runs its cut of their positions, which its tp ranks share
+        (`runtime/context_parallel.py`). Their token counts and statistics are their first rank's (`replicas`,
+        `leads_rows`)."""
         from runtime import context_parallel
 
-        if cp_mesh is None:
+        if cp_mesh is None and tp_mesh is None:
             return
-        self.cp_mesh, self.cp, self.dp = cp_mesh, cp_mesh.size(), dp
-        self.dp_rank = context_parallel.dp_rank(self.rank, cp_mesh)
-
-    def use_tp(self, tp_mesh, dp: int) -> None:
-        """Tensor parallelism over `tp_mesh` (None: none): the tp ranks of one of the plan's `dp` data-parallel ranks
-        take the same rows (tp is nemo-automodel's innermost mesh axis: they are consecutive; checked). Their
-        token counts and statistics are their tp rank 0's (`replicas`)."""
-        if tp_mesh is None:
-            return
-        self.tp, self.tp_rank, self.dp = tp_mesh.size(), tp_mesh.get_local_rank(), dp
-        if self.tp_rank != self.rank % self.tp:
-            raise RuntimeError(f"rank {self.rank} is tp rank {self.tp_rank} of nemo-automodel's mesh, not "
-                               f"{self.rank % self.tp}: its tp axis is no longer the innermost")
-        self.dp_rank = self.rank // self.tp
+        self.cp_mesh, self.cp = cp_mesh, 1 if cp_mesh is None else cp_mesh.size()
+        self.tp, self.tp_rank = (1, 0) if tp_mesh is None else (tp_mesh.size(), tp_mesh.get_local_rank())
+        self.dp, self.dp_rank = dp, context_parallel.dp_rank(self.rank, cp_mesh, tp_mesh)
 
     @property
     def replicas(self) -> int:

@@ -106,15 +106,14 @@ class SftJob:
         self._init_process_group()
         self.backend = models.backend(s.model)
         meshes = self.backend.device_mesh(s.device, self.world, t.mesh)
-        # the cp ranks of one data-parallel rank take its rows (runtime/context_parallel.py)
+        # the cp x tp ranks of one data-parallel rank take its rows, each cp rank its cut of their positions, which
+        # its tp ranks share (consecutive ranks: tp is nemo-automodel's innermost axis, cp the next;
+        # runtime/context_parallel.py)
         self.cp_mesh, self.dp = meshes.cp, t.dp
         self.cp = 1 if meshes.cp is None else meshes.cp.size()
-        self.dp_rank = context_parallel.dp_rank(self.rank, meshes.cp)
-        # and so do the tp ranks of one (consecutive: tp is nemo-automodel's innermost axis)
+        self.dp_rank = context_parallel.dp_rank(self.rank, meshes.cp, meshes.tp)
         self.tp_world = None if meshes.tp is None else meshes.fsdp
         self.replicas = self.cp * (1 if meshes.tp is None else meshes.tp.size())
-        if meshes.tp is not None:
-            self.dp_rank = self.rank // meshes.tp.size()
         torch.manual_seed(t.seed)
         if t.full_determinism:
             from transformers import enable_full_determinism

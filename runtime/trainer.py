@@ -61,8 +61,7 @@ class PolicyWorker(FsdpRank):
         self.t, self.model_plan, self.algo = trainer, model, algo
         self.backend = backend = models.backend(model)
         self.meshes = backend.device_mesh(device, trainer.world, trainer.mesh)
-        self.use_cp(self.meshes.cp, trainer.dp)
-        self.use_tp(self.meshes.tp, trainer.dp)
+        self.use_meshes(self.meshes.cp, self.meshes.tp, trainer.dp)
         self.model = backend.build(model, model.path, self.meshes, self.device, trainable=True,
                                    freeze_router=trainer.freeze_moe_router, lora=trainer.lora,
                                    freeze_visual_encoder=trainer.freeze_visual_encoder, offload=trainer.offload,
@@ -133,7 +132,7 @@ class PolicyWorker(FsdpRank):
                 lp_ref = self._logprobs(self.ref, part).cpu()
                 if mb is not None:
                     ref[mb, :width] = lp_ref
-        if not self.leads_rows:  # its cp (tp) rank 0 returns the rows
+        if not self.leads_rows:  # the first of its data-parallel rank's cp x tp ranks returns the rows
             return rows[:0], old[:0], None if ref is None else ref[:0]
         return rows, old, ref
 
@@ -170,7 +169,7 @@ class PolicyWorker(FsdpRank):
                         sums[k] = sums.get(k, 0.0) + v
                 fsdp.sync_tp_replicas(self.model, self.meshes.fsdp if self.meshes.tp is not None else None)
                 grad_norms.append(self._optimizer_step())
-        # its cp (tp) rank 0 counts the rows' tokens
+        # the first of its data-parallel rank's cp x tp ranks counts the rows' tokens
         if not self.leads_rows:
             sums = {k: 0.0 if k == "tokens" or k.endswith("_x_tokens") else v for k, v in sums.items()}
         sums["grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)

@@ -35,7 +35,11 @@ _NOT_RUN = (
     "tests/runtime/test_context_parallel.py; no multi-GPU machine is lent); with image prompts, a Qwen3.5/3.6-MoE "
     "VLM's splice before the cut and a Nemotron-Omni's splice and cut in its own forward ran on a 1-rank cp mesh "
     "(tests/runtime/models/test_automodel_vlm.py, test_automodel_omni.py; the omni's Mamba mixers, mamba_ssm's "
-    "CUDA kernels with their CP, on no machine)"
+    "CUDA kernels with their CP, on no machine); with tensor parallelism (actor.mesh.tp > 1, tp x cp), the ring "
+    "attention over each tp rank's heads, the TP model's forward and backward on the cut and its gradients on no "
+    "machine (cp 2 x tp 2 on gloo CPU ranks without attention: the rank arithmetic, the cut shared by the tp ranks, "
+    "a vocab-parallel head and a sequence-parallel gather on it, the loss over dp x cp and the build on "
+    "nemo-automodel's (dp_shard_cp, tp) mesh, tests/runtime/test_context_parallel.py)"
 )
 
 

@@ -8,8 +8,11 @@ plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, 
 plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles;
 RL: gae's critic at tp 2 x dp 2 on the plan's critic mesh, the actor's tp, with the same plan, its scalar head
 replicated; both levels of CPU offload, `actor.offload`; compiled decoder layers without activation checkpointing);
-over NCCL it is written and not run (a CAP002 warning). What the TP build does not take is refused everywhere, each
-by its own row at its own key. Importable without torch.
+over NCCL it is written and not run (a CAP002 warning). With context parallelism (tp x cp: each cp rank's cut of a
+data-parallel rank's rows shared by its tp ranks, runtime/ranks.py) it is written and not run on GPUs, this row's
+warning and the CP row's (`capabilities_cp`), and refused on CPUs by the CP row (torch's ring attention has no CPU
+path). What the TP build does not take is refused everywhere, each by its own row at its own key. Importable without
+torch.
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ if TYPE_CHECKING:
 _NOT_RUN = (
     "nemo-automodel's tensor parallelism over NCCL on several GPUs: the same parallelizer, vocab-parallel log-probs, "
     "TP-replica gradient sync, weight sync, CPU offload and DCP checkpoints as the gloo CPU ranks run, on no multi-GPU "
-    "machine yet (tests/gpu/check_tensor_parallel.py is the check to run on one)"
+    "machine yet (tests/gpu/check_tensor_parallel.py is the check to run on one); with context parallelism "
+    "(actor.mesh.cp > 1, tp x cp), nothing of a TP model's forward or backward under CP ran anywhere (torch's ring "
+    "attention over each tp rank's heads has no CPU path): the rank arithmetic, each cp rank's cut shared by its tp "
+    "ranks, a vocab-parallel head and a sequence-parallel gather on the cut, the loss over dp x cp and the build on "
+    "nemo-automodel's (dp_shard_cp, tp) mesh ran on gloo CPU ranks without attention at cp 2 x tp 2 "
+    "(tests/runtime/test_context_parallel.py)"
 )
 
 
@@ -47,14 +55,6 @@ def tp_rows(
         "tests/runtime/models/test_tensor_parallel.py" if kind == "rl" else "tests/runtime/test_sft_tensor_parallel.py"
     )
     refused: list[tuple[str, str, str, Callable[[TrainerPlan | SftTrainerPlan, Plan], bool], str, str]] = [
-        (
-            "cp",
-            "actor.mesh.cp",
-            "context parallelism",
-            lambda t, p: t.mesh.cp > 1,
-            "actor.mesh.cp: 1",
-            "the rows of a data-parallel rank are cut for cp ranks or shared by tp ranks, not both (runtime/ranks.py)",
-        ),
         (
             "compile",
             "model.compile_layers",

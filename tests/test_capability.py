@@ -115,3 +115,15 @@ def test_a_new_moe_recipe_compiles_by_following_the_messages():
     followed = compile_recipe(recipe, [f"actor.mesh.ep={first.recipe.actor.gpus_per_node}"])
     assert not [d for d in followed.diagnostics if d.severity == "error"], followed.diagnostics
     assert {d.code for d in followed.diagnostics if d.code.startswith("CAP")} == {"CAP002"}
+
+
+@pytest.mark.parametrize(("recipe", "cluster"), [("ok-cpu-automodel-tp.yaml", 5), ("ok-cpu-sft-automodel-tp.yaml", 4)])
+def test_tp_by_cp_on_cpus_is_refused_by_the_cp_row_alone(recipe, cluster):
+    """tp x cp is written (ok-cuda-trainer-tp-cp.yaml: the TP and CP rows' warnings on GPUs); on CPU ranks the TP
+    row runs and CP has no CPU path: one CAP001, the CP row's, at actor.mesh.cp."""
+    result = compile_recipe(CAP_DIR / recipe, ["actor.mesh.cp=2", "actor.gpus_per_node=4",
+                                               f"cluster.gpus_per_node={cluster}"])
+    errors = [d for d in result.diagnostics if d.severity == "error"]
+    assert [(d.code, d.path) for d in errors] == [("CAP001", "actor.mesh.cp")], errors
+    assert errors[0].message.startswith("context parallelism in the trainer (actor.mesh.cp > 1)")
+    assert not [d for d in result.diagnostics if d.code == "CAP002"]

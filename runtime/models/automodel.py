@@ -434,7 +434,7 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     gate/up), so the final norm's output is a sequence-sharded DTensor (`runtime/logprobs.py` gathers it for the
     head). Any width: DTensor cuts a width that tp does not divide unevenly.
 
-    The tp ranks of one data-parallel rank run the same rows (`FsdpRank.use_tp`): the replicated parameters'
+    The tp ranks of one data-parallel rank run the same rows (`FsdpRank.use_meshes`): the replicated parameters'
     gradients come out equal on them (DTensor's backward sums the partial input gradients over tp), FSDP2 averages
     over dp only, so the global token mean holds; the gradient norm is the whole mesh's (`fsdp.clip`: DTensor
     norms over every placement). `plan`: a TP plan of nemo-automodel's to use instead of the one it picks (the

@@ -6,7 +6,11 @@ torch's `context_parallel` context (the rows cut and put back), and everything a
 lm_head log-probs, entropy and top-k log-probs of a per-token model (no attention) on the shards, and the trainer's
 loss and token-count math (global token mean over dp, dp factor, the cp ranks' gradients summed by the all-gather's
 backward, FSDP2's average over dp x cp), held against one rank on the same rows:
-- cp 2 on 2 ranks (dp 1), and dp 2 x cp 2 on 4 ranks.
+- cp 2 on 2 ranks (dp 1), and dp 2 x cp 2 on 4 ranks;
+- cp 2 x tp 2 on the same 4 ranks (their second mesh: dp 1): each cp rank's cut shared by its tp ranks, the per-token
+  model tensor-parallel as nemo-automodel's plan cuts a decoder's ends (the lm_head vocabulary-parallel, its logits
+  gathered per chunk; the decoder output sequence-parallel, cut over tp by positions and gathered before the head),
+  FSDP2's average over dp x cp only (nemo-automodel's `dp_shard_cp`), the rows returned by one rank.
 At cp 2 the same ranks also run GLM-5.2's own CP of a packed THD row (`runtime/packed_cp.py`): nemo-automodel's
 tiny GLM-5.2 with its TileLang kernels replaced by torch references (tests/runtime/dsa_support.py), its layers
 all-gathering keys and values over the cp ranks, held against its one-rank packed THD run.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import os
 import types
 
@@ -99,18 +104,44 @@ def _scatter_from_group_index() -> None:
     dist.scatter = by_group_index
 
 
-def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
-    from runtime.logprobs import token_top_logprobs
-    from runtime.models import automodel
+def _tensor_parallel(model: _TokenLM, tp_mesh) -> _TokenLM:
+    """The per-token model's ends as nemo-automodel's tensor-parallel plan with sequence parallelism leaves a
+    decoder's: its output a (b, n, hidden) DTensor cut over tp by positions (the final norm's, Shard(1)), the lm_head
+    column-wise over the vocabulary, its logits a vocab-sharded DTensor (`use_local_output=False`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, parallelize_module
+
+    return parallelize_module(model, tp_mesh, {
+        "model": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                     use_local_output=False),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+
+
+def _rank_main(rank: int, world: int, layouts: list[tuple[int, int]], port: int, out_dir: str) -> None:
     from runtime.ranks import FsdpRank
 
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(600, exit=True)  # a rank stuck in a collective dumps its stack and exits
     _scatter_from_group_index()
     worker = FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
-    meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=cp, ep=1, pp=1, dp_replicate=1))
-    worker.use_cp(meshes.cp, world // cp)
-    out: dict = {"dp_rank": worker.dp_rank, "cp_rank": meshes.cp.get_local_rank(), "fsdp": meshes.fsdp.size()}
+    # each (cp, tp) layout on its own nemo-automodel mesh over the same ranks
+    outs = {layout: _layout(worker, rank, world, *layout) for layout in layouts}
+    torch.save(outs, os.path.join(out_dir, f"rank{rank}.pt"))
+    worker.shutdown()
+
+
+def _layout(worker, rank: int, world: int, cp: int, tp: int) -> dict:
+    from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
+
+    from runtime.logprobs import token_top_logprobs
+    from runtime.models import automodel
+
+    meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=tp, cp=cp, ep=1, pp=1, dp_replicate=1))
+    worker.use_meshes(meshes.cp, meshes.tp, world // (cp * tp))
+    # FSDP2's mesh: nemo-automodel's dense parallelizer takes the world mesh and shards over its dp x cp ranks
+    fsdp = meshes.fsdp if meshes.tp is None else get_fsdp_dp_mesh(meshes.fsdp)
+    out: dict = {"dp_rank": worker.dp_rank, "cp_rank": meshes.cp.get_local_rank(), "fsdp": fsdp.size(),
+                 "tp_rank": worker.tp_rank, "leads_rows": worker.leads_rows, "replicas": worker.replicas}
     batch = _batch()
     rows, shard, _ = worker.shard(batch, balanced=False)
     out["rows"] = rows
@@ -152,38 +183,47 @@ def _rank_main(rank: int, world: int, cp: int, port: int, out_dir: str) -> None:
         out[f"loss_{mode}"], out[f"local_grad_{mode}"] = loss.detach(), local.grad
 
     # a per-token model's log-probs, entropy and top-k log-probs on the shards, and its gradients
-    model = _TokenLM()
+    model = _TokenLM() if meshes.tp is None else _tensor_parallel(_TokenLM(), meshes.tp)
     top_ids = torch.randint(0, VOCAB, (*mask.shape[:1], mask.shape[1] - 1, 3), generator=g)
     with worker.cp_rows(part) as rows_cp:
         lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, top_ids, with_entropy=True, cp=rows_cp)
         _loss(lp, part, tokens, worker.dp, "ppo", "token").backward()
-    for p in model.parameters():  # FSDP2's gradient average over dp x cp
-        torch.distributed.all_reduce(p.grad)
-        p.grad /= world
-    out.update(lp=lp.detach(), ent=ent.detach(), top=top.detach(), top_ids=top_ids,
-               grads={n: p.grad for n, p in model.named_parameters()})
+    grads = {}
+    for n, p in model.named_parameters():  # FSDP2's gradient average over dp x cp (the lm_head's: its tp shard's)
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.distributed.all_reduce(grad, group=fsdp.get_group())
+        grads[n] = grad / fsdp.size()
+    out.update(lp=lp.detach(), ent=ent.detach(), top=top.detach(), top_ids=top_ids, grads=grads,
+               head=str(getattr(model.lm_head.weight, "placements", None)),
+               decoder_out=str(getattr(model.model(seq), "placements", None)))
     if world == cp == 2:
         out["glm"] = _glm_packed_cp(worker, meshes.fsdp)
-    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    worker.shutdown()
+    if tp > 1:  # the dense demo's model as the trainer builds it on these meshes (its TP, then its CP setup)
+        out["build"] = _built(_DENSE, meshes, world)
+    return out
 
 
-def _run(world: int, cp: int, out_dir) -> list[dict]:
+LAYOUTS = {2: [(2, 1)], 4: [(2, 1), (2, 2)]}
+"""(cp, tp) layouts per world: one spawn each world, its layouts one after the other."""
+
+
+def _run(world: int, out_dir) -> list[dict]:
     from runtime.ranks import free_port
 
-    mp.spawn(_rank_main, args=(world, cp, free_port(), str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, LAYOUTS[world], free_port(), str(out_dir)), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """`_run` of (world, cp), once per module (the cp 2 ranks serve two tests)."""
+    """Every rank's results of the (cp, tp) layout on `world` ranks: one spawn per world (the cp 2 ranks serve
+    two tests, the 4 ranks two layouts)."""
     done: dict = {}
 
-    def run(world: int, cp: int) -> list[dict]:
-        if (world, cp) not in done:
-            done[world, cp] = _run(world, cp, tmp_path_factory.mktemp(f"cp{cp}_world{world}"))
-        return done[world, cp]
+    def run(world: int, cp: int, tp: int = 1) -> list[dict]:
+        if world not in done:
+            done[world] = _run(world, tmp_path_factory.mktemp(f"world{world}"))
+        return [out[cp, tp] for out in done[world]]
 
     return run
 
@@ -192,22 +232,28 @@ def _padded(t: torch.Tensor, cp: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, (-t.shape[1]) % (2 * cp)))
 
 
-@pytest.mark.parametrize(("world", "cp"), [(2, 2), (4, 2)], ids=["cp2", "dp2xcp2"])
-def test_context_parallel_matches_one_rank(world, cp, runs):
+@pytest.mark.parametrize(("world", "cp", "tp"), [(2, 2, 1), (4, 2, 1), (4, 2, 2)], ids=["cp2", "dp2xcp2", "cp2xtp2"])
+def test_context_parallel_matches_one_rank(world, cp, tp, runs):
     from runtime.logprobs import token_top_logprobs
 
-    outs = runs(world, cp)
-    dp = world // cp
+    outs = runs(world, cp, tp)
+    dp = world // (cp * tp)
+    replicas = cp * tp
     batch = _batch()
     g = torch.Generator().manual_seed(7)
     full_lp = -torch.rand(batch.action_mask.shape, generator=g)
     total = float(batch.action_mask.sum())
     for rank, out in enumerate(outs):
-        # the mesh: cp inside dp (consecutive ranks), FSDP2 over every rank
-        assert (out["dp_rank"], out["cp_rank"], out["fsdp"]) == (rank // cp, rank % cp, world)
-        # the cp ranks of a data-parallel rank take its rows; the token count is the data-parallel ranks'
-        assert torch.equal(out["rows"], outs[(rank // cp) * cp]["rows"])
+        # the mesh: tp innermost, cp inside dp (rank = (dp_rank x cp + cp_rank) x tp + tp_rank), FSDP2 over the
+        # dp x cp ranks
+        assert (out["dp_rank"], out["cp_rank"], out["tp_rank"]) == (rank // replicas, rank // tp % cp, rank % tp)
+        assert (out["fsdp"], out["replicas"], out["leads_rows"]) == (dp * cp, replicas, rank % replicas == 0)
+        # the cp x tp ranks of a data-parallel rank take its rows; the token count is the data-parallel ranks'
+        assert torch.equal(out["rows"], outs[rank // replicas * replicas]["rows"])
         assert out["tokens"] == total
+        # the tp ranks of a cp rank share its cut (and, after the gather, every result)
+        for key in ("local_ids", "positions", "lp", "ent", "top"):
+            assert torch.equal(out[key], outs[rank - rank % tp][key])
         part = batch.select(out["rows"]).trim()
         seq, mask = part.sequences, part.attention_mask
         # the cut: nemo-automodel's head-tail chunk pair, global positions, next-token labels, padding
@@ -230,28 +276,38 @@ def test_context_parallel_matches_one_rank(world, cp, runs):
         # the loss on precomputed log-probs: the dp ranks' losses sum (over dp, /dp) to the one-rank loss, and
         # each rank's gradient, averaged over dp x cp by FSDP2, is the one-rank gradient at its positions
         for mode, level in CASES:
-            dp_losses = [outs[d * cp][f"loss_{mode}"] for d in range(dp)]
-            assert all(torch.equal(outs[d * cp + c][f"loss_{mode}"], dp_losses[d]) for d in range(dp)
-                       for c in range(cp))
+            dp_losses = [outs[d * replicas][f"loss_{mode}"] for d in range(dp)]
+            assert all(torch.equal(outs[d * replicas + r][f"loss_{mode}"], dp_losses[d]) for d in range(dp)
+                       for r in range(replicas))
             whole = full_lp.clone().requires_grad_()
             one = _loss(whole, batch, total, 1, mode, level)
             one.backward()
             torch.testing.assert_close(sum(dp_losses) / dp, one.detach(), rtol=1e-6, atol=1e-7)
             expected = torch.nn.functional.pad(whole.grad[out["rows"]][:, :width - 1], (0, 1 + (-width) % (2 * cp)))
-            torch.testing.assert_close(out[f"local_grad_{mode}"] / world, expected[:, idx], rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(out[f"local_grad_{mode}"] / (dp * cp), expected[:, idx], rtol=1e-5,
+                                       atol=1e-8)
 
-        # a per-token model: the same log-probs, entropy and top-k log-probs as one rank on the same rows
+        # a per-token model (at tp 2 its lm_head vocabulary-parallel): the same log-probs, entropy and top-k
+        # log-probs as one rank on the same rows
+        assert (out["head"], out["decoder_out"]) == (("(Shard(dim=0),)", "(Shard(dim=1),)") if tp > 1 else ("None",) * 2)
         model = _TokenLM()
         lp, ent, top = token_top_logprobs(model, seq, mask, 0.7, out["top_ids"], with_entropy=True)
         torch.testing.assert_close(out["lp"], lp.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out["ent"], ent.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(out["top"], top.detach(), rtol=1e-6, atol=1e-6)
 
+    if tp > 1:  # the trainer's build at cp 2 x tp 2: nemo-automodel's TP plan, FSDP2 over the dp x cp ranks (a
+        # tp shard cut again over cp), the CP setup of a dense model (its attention hooks, unused units reduced)
+        for out in outs:
+            build = out["build"]
+            assert build["sharded"] and build["hooked"] and build["cp_mesh"] and all(build["unused"]), build
+            assert not build["untiled"], build["untiled"]
+            assert build["q_proj"] == "dp_shard_cp, tp (_StridedShard(dim=0, sf=2), Shard(dim=0))", build
     # its gradients: the one-rank run of the whole batch (each dp rank's own top ids)
     model = _TokenLM()
     total_loss = 0.0
     for d in range(dp):
-        out = outs[d * cp]
+        out = outs[d * replicas]
         part = batch.select(out["rows"]).trim()
         lp, _, _ = token_top_logprobs(model, part.sequences, part.attention_mask, 0.7, out["top_ids"],
                                       with_entropy=True)
@@ -261,6 +317,9 @@ def test_context_parallel_matches_one_rank(world, cp, runs):
         for out in outs:
             torch.testing.assert_close(out["grads"][name], p.grad, rtol=1e-5, atol=1e-7)
 
+
+_DENSE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "recipes", "data", "demo_math", "model"))
+"""The dense demo's checkpoint (a tiny Qwen3: transformers-style attention)."""
 
 GLM_LENGTHS = (90, 70, 75)  # one packed row of 235 tokens: cp 2 pads it to 236, 118 queries per rank
 GLM_VOCAB = 96
@@ -371,35 +430,57 @@ def test_glm_packed_thd_cp_matches_one_rank(runs):
 
 
 def _build_main(rank: int, world: int, port: int, out_dir: str, paths: list[str]) -> None:
-    from nemo_automodel.components.moe.layers import MoE
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     from runtime.models import automodel
     from runtime.ranks import FsdpRank
-    from schemas.plan import ModelPlan
 
     torch.set_num_threads(1)
     FsdpRank(world, 0, "cpu", "gloo", rank, "127.0.0.1", port)
     meshes = automodel.device_mesh("cpu", world, types.SimpleNamespace(tp=1, cp=world, ep=1, pp=1, dp_replicate=1))
-    out = {}
-    for path in paths:
-        plan = ModelPlan.model_construct(path=path, arch=None, backend="automodel", dtype="float32", attn="sdpa",
-                                         gradient_checkpoint="full", compile_layers=False,
-                                         disable_fast_tokenizer=False, router_dtype="float32",
-                                         moe_dispatcher="torch")
-        model = automodel.build(plan, path, meshes, torch.device("cpu"))
-        attn = [m for n, m in model.named_modules() if n.endswith("self_attn")]
-        moe = [m for m in model.modules() if isinstance(m, MoE)]
-        out[path] = {"sharded": all(isinstance(p, DTensor) and p.device_mesh.size() == world
-                                    for p in model.parameters()),
-                     "moe_cp": bool(moe) and all(m.cp_mesh is meshes.cp for m in moe),
-                     "cp_mesh": getattr(model, "cp_mesh", None) is meshes.cp,
-                     "hooked": all(m._forward_pre_hooks for m in attn), "native": not hasattr(model, "get_decoder"),
-                     "unused": [g.reduce_scatter_unused_params for m in model.modules() if isinstance(m, FSDPModule)
-                                for g in m._get_fsdp_state()._fsdp_param_groups]}
+    out = {path: _built(path, meshes, world) for path in paths}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
+
+
+def _built(path: str, meshes, world: int) -> dict:
+    """`automodel.build` of the checkpoint at `path` on `meshes`, and what its CP setup did to it."""
+    from nemo_automodel.components.moe.layers import MoE
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from runtime import shard_layout
+    from runtime.models import automodel
+    from schemas.plan import ModelPlan
+
+    plan = ModelPlan.model_construct(path=path, arch=None, backend="automodel", dtype="float32", attn="sdpa",
+                                     gradient_checkpoint="full", compile_layers=False, disable_fast_tokenizer=False,
+                                     router_dtype="float32", moe_dispatcher="torch")
+    model = automodel.build(plan, path, meshes, torch.device("cpu"))
+    attn = [m for n, m in model.named_modules() if n.endswith("self_attn")]
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
+    q = dict(model.named_parameters()).get("model.layers.0.self_attn.q_proj.weight")
+    # what the weight sync reads (`shard_layout`): boxes tiling each parameter (a parameter whose mesh is one tp
+    # coordinate's: rank 0's mesh's copy), this rank's its own box
+    untiled = []
+    for name, p in automodel.hf_weights(model):
+        if getattr(p, "swapped", False):  # an MoE's grouped experts (test_automodel.py checks their layout)
+            continue
+        boxes = shard_layout.pieces(p, world)
+        mine = [(b.offset, b.shape) for b in boxes if b.rank == torch.distributed.get_rank()]
+        read = 0 in p.device_mesh.mesh
+        if (sum(math.prod(b.shape) for b in boxes) != (p.numel() if read else 0)
+                or mine not in ([], [shard_layout.own_box(p)])):
+            untiled.append(name)
+    # FSDP2 over nemo-automodel's dp x cp ranks (`dp_shard_cp`: every rank but for the tp ranks of one), each
+    # parameter's mesh (dp_shard_cp, tp) where the TP plan cuts it
+    return {"sharded": all(isinstance(p, DTensor) and p.device_mesh.mesh_dim_names[0] == "dp_shard_cp" and
+                           p.device_mesh.size(0) == world // (1 if meshes.tp is None else meshes.tp.size())
+                           for p in model.parameters()),
+            "moe_cp": bool(moe) and all(m.cp_mesh is meshes.cp for m in moe),
+            "cp_mesh": getattr(model, "cp_mesh", None) is meshes.cp,
+            "hooked": all(m._forward_pre_hooks for m in attn), "native": not hasattr(model, "get_decoder"),
+            "unused": [g.reduce_scatter_unused_params for m in model.modules() if isinstance(m, FSDPModule)
+                       for g in m._get_fsdp_state()._fsdp_param_groups],
+            "untiled": untiled, "q_proj": None if q is None else f"{', '.join(q.device_mesh.mesh_dim_names)} {q.placements}"}
 
 
 def test_the_automodel_build_under_cp(tmp_path):
@@ -414,8 +495,9 @@ def test_the_automodel_build_under_cp(tmp_path):
     for rank in range(2):
         out = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
         moe, dense = out[paths[0]], out[paths[1]]
-        for model in (moe, dense):  # FSDP2 over both ranks; a unit a rank did not run joins with zeros
-            assert model["sharded"] and model["unused"] and all(model["unused"])
+        for model in (moe, dense):  # FSDP2 over both ranks; a unit a rank did not run joins with zeros; the weight
+            # sync reads each parameter whole
+            assert model["sharded"] and model["unused"] and all(model["unused"]) and not model["untiled"]
         # nemo-automodel's own MoE takes no mask under CP (runtime/logprobs.py); the dense model's layers are
         # transformers-style, and nemo-automodel's hook turns their masked SDPA into a causal one
         assert moe["native"] and not moe["hooked"]
