@@ -38,8 +38,9 @@ _NOT_RUN = (
     "CUDA kernels with their CP, on no machine); with tensor parallelism (actor.mesh.tp > 1, tp x cp), the ring "
     "attention over each tp rank's heads, the TP model's forward and backward on the cut and its gradients on no "
     "machine (cp 2 x tp 2 on gloo CPU ranks without attention: the rank arithmetic, the cut shared by the tp ranks, "
-    "a vocab-parallel head and a sequence-parallel gather on it, the loss over dp x cp and the build on "
-    "nemo-automodel's (dp_shard_cp, tp) mesh, tests/runtime/test_context_parallel.py)"
+    "a per-token model's vocab-parallel head and sequence-sharded output on it, the loss over dp x cp, the build on "
+    "nemo-automodel's (dp_shard_cp, tp) mesh, tests/runtime/test_context_parallel.py; tests/gpu/"
+    "check_context_parallel.py --tp 2 is the check to run on 4 GPUs)"
 )
 
 

@@ -30,9 +30,10 @@ _NOT_RUN = (
     "machine yet (tests/gpu/check_tensor_parallel.py is the check to run on one); with context parallelism "
     "(actor.mesh.cp > 1, tp x cp), nothing of a TP model's forward or backward under CP ran anywhere (torch's ring "
     "attention over each tp rank's heads has no CPU path): the rank arithmetic, each cp rank's cut shared by its tp "
-    "ranks, a vocab-parallel head and a sequence-parallel gather on the cut, the loss over dp x cp and the build on "
-    "nemo-automodel's (dp_shard_cp, tp) mesh ran on gloo CPU ranks without attention at cp 2 x tp 2 "
-    "(tests/runtime/test_context_parallel.py)"
+    "ranks, a per-token model's vocab-parallel head and sequence-sharded output on the cut, the loss over dp x cp, "
+    "the build on nemo-automodel's (dp_shard_cp, tp) mesh ran on gloo CPU ranks without attention at cp 2 x tp 2 "
+    "(tests/runtime/test_context_parallel.py; tests/gpu/check_context_parallel.py --tp 2 is the check to run on 4 "
+    "GPUs)"
 )
 
 
