@@ -10,7 +10,9 @@ backward, FSDP2's average over dp x cp), held against one rank on the same rows:
 - cp 2 x tp 2 on the same 4 ranks (their second mesh: dp 1): each cp rank's cut shared by its tp ranks, the per-token
   model tensor-parallel as nemo-automodel's plan cuts a decoder's ends (the lm_head vocabulary-parallel, its logits
   gathered per chunk; the decoder output sequence-parallel, cut over tp by positions and gathered before the head),
-  FSDP2's average over dp x cp only (nemo-automodel's `dp_shard_cp`), the rows returned by one rank.
+  FSDP2's average over dp x cp only (nemo-automodel's `dp_shard_cp`), the rows returned by one rank; and the dense
+  demo's model as `automodel.build` places it on that mesh (its TP plan, FSDP2 over dp x cp, the CP setup, the weight
+  sync's boxes). No TP model runs a forward under CP here (no ring attention on CPU).
 At cp 2 the same ranks also run GLM-5.2's own CP of a packed THD row (`runtime/packed_cp.py`): nemo-automodel's
 tiny GLM-5.2 with its TileLang kernels replaced by torch references (tests/runtime/dsa_support.py), its layers
 all-gathering keys and values over the cp ranks, held against its one-rank packed THD run.
