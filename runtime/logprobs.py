@@ -109,8 +109,8 @@ def head_logprobs(head, hidden: Tensor, targets: Tensor, temperature: float, wit
         rows = min(chunk_tokens, hidden.shape[0] - s)
         parts = [hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
                  None if top_ids is None else top_ids[s:s + chunk_tokens]]
-        if compiled:  # the compiled chunk's one static shape
-            parts = [_aligned(_padded(p, chunk_tokens)) for p in parts]
+        # the compiled chunk's one static shape; 16-byte aligned starts (its Triton kernels', checked on CPUs too)
+        parts = [_aligned(_padded(p, chunk_tokens) if compiled else p) for p in parts]
         args = (head, parts[0], parts[1], temperature, with_entropy, parts[2])
         chunk = _compiled_chunk() if compiled else _chunk
         out = checkpoint(chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk(*args)
