@@ -218,8 +218,7 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
             inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
                       **masks}  # a packed row's document mask replaces the padding mask
             hidden = packed_thd.hidden_states(decoder(use_cache=False, **inputs))
-    if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is cut over tp by positions
-        hidden = _all_positions(hidden)
+    hidden = _all_positions(hidden)  # sequence parallelism: the final norm's output is cut over tp by positions
     b, length = input_ids.shape
     hidden = hidden.view(b, length, hidden.shape[-1])  # THD: (N, hidden) of the (1, N) row
     flat_hidden = hidden[:, :-1].reshape(b * (length - 1), hidden.shape[-1])
@@ -228,13 +227,15 @@ def _decoder_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, p
                          with_entropy, chunk_tokens, flat_top)
 
 
-def _all_positions(hidden: DTensor) -> DTensor:
-    """Sequence parallelism (nemo-automodel's plan with its sequence-parallel styles, `actor.sequence_parallel`):
+def _all_positions(hidden: Tensor) -> Tensor:
+    """`hidden` as it is, unless a DTensor. Sequence parallelism (nemo-automodel's plan with its sequence-parallel styles, `actor.sequence_parallel`):
     the decoder's output is a (b, w, hidden) DTensor cut over the tp ranks by positions (Shard(1), uneven when w is
     not a multiple of tp). The vocab-parallel head needs every position on every tp rank, as the plan's own lm_head
     style gathers its Shard(1) input: gathered here once, before the rows are flattened and chunked. It stays a
     (replicated) DTensor, which the head's input style takes as it is, and DTensor's backward of the gather sums
     the head's partial input gradients (one per vocabulary shard) over tp and cuts them back by positions."""
+    if not isinstance(hidden, DTensor):
+        return hidden
     return hidden.redistribute(placements=[Replicate()] * len(hidden.placements))
 
 
@@ -255,8 +256,7 @@ def _shard_logprobs(model, input_ids: Tensor, position_ids: Tensor | None, label
         out = model.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, attention_mask=None,
                           padding_mask=padding_mask)
     hidden = out if isinstance(out, Tensor) else out.last_hidden_state
-    if isinstance(hidden, DTensor):
-        hidden = _all_positions(hidden)
+    hidden = _all_positions(hidden)
     n = labels.numel()
     flat_top = None if top_ids is None else top_ids.reshape(n, top_ids.shape[-1])
     return head_logprobs(model.get_output_embeddings(), hidden.reshape(n, hidden.shape[-1]), labels.reshape(-1),
