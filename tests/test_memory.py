@@ -67,7 +67,8 @@ def test_the_estimate_holds_against_peaks_measured_on_an_h200(tmp_path):
             "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv, "head_dim": 128, "tie_word_embeddings": True}))
         sets = [f"model.path={model}", f"train.micro_batch_size={rows}", f"data.max_len={seq}",
-                f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16"]
+                f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16",
+                "actor.packing=false", "model.attn=sdpa"]  # the padded rows x sequence layout the peaks were measured in
         r = compile_recipe(Path(__file__).parents[1] / "recipes" / "demo_gpu.yaml", sets, lower=False)
         assert r.recipe is not None, r.diagnostics
         from molt_compile.memory import memory_report

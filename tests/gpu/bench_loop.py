@@ -1,10 +1,12 @@
 """The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
-        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync, +packed
+        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync, +padded
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
-   model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`);
+   model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`; since 2026-12-05 the
+   recipe packs its rows (`actor.packing`, flash_attention_2 through torch's varlen kernel): `full` here is what the
+   figures below call `full+packed`, and `+padded` runs the earlier default, padded sdpa rows);
 2. plain: the loop a popular peer runs without vLLM (TRL's `GRPOTrainer` with `use_vllm=False`), written out in
    plain PyTorch + transformers so it needs nothing missing on the machine: `model.generate` of the same number of
    rollouts and response tokens (min = max new tokens = our mean response length), then one GRPO optimizer step on
@@ -114,7 +116,8 @@ def main() -> int:
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
     # ours: one run per mode (`full,none`: both in this call, against one plain run; `full+sync`: with
-    # train.async.force_sync; `full+packed`: packed rows, flash_attention_2); plain: full checkpointing
+    # train.async.force_sync; `full+padded`: padded sdpa rows, the recipe's layout before it packed); plain: full
+    # checkpointing
     modes = (args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full").split(",")
     samples = int(args[args.index("--samples") + 1]) if "--samples" in args else 48  # prompts: ours runs samples/8 steps
     report: dict = {}
@@ -128,8 +131,8 @@ def main() -> int:
                       f"model.gradient_checkpoint={mode.split('+')[0]}"]
         if "+sync" in mode:  # on-policy: the next batch waits for this step's training and weight sync
             throughput.append("train.async.force_sync=true")
-        if "+packed" in mode:  # no padding: torch's varlen FlashAttention kernel (no flash-attn package needed)
-            throughput += ["actor.packing=true", "model.attn=flash_attention_2"]
+        if "+padded" in mode:  # rows padded to their micro-batch's longest, sdpa (the recipe packs otherwise)
+            throughput += ["actor.packing=false", "model.attn=sdpa"]
         ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours

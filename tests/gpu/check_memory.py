@@ -101,7 +101,8 @@ def _estimate(model_dir: Path, rows: int, seq: int, ckpt: str, offload: str) -> 
     from molt_compile.memory import memory_report
 
     sets = [f"model.path={model_dir}", f"train.micro_batch_size={rows}", f"data.max_len={seq}",
-            f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16", f"actor.offload={offload}"]
+            f"model.gradient_checkpoint={ckpt}", "rollout.max_new_tokens=16", f"actor.offload={offload}",
+            "actor.packing=false", "model.attn=sdpa"]  # rows x sequence padded, the layout the script feeds
     res = compile_recipe(ROOT / "recipes/demo_gpu.yaml", sets, lower=False, capabilities=False)
     report = memory_report(res.recipe, res.derived, res.loaded.source)
     group = report.fsdp_groups[0]

@@ -118,7 +118,10 @@ def main() -> int:
         report["demo"] = _run("demo", out, [f"data.max_samples={steps * 8}"], 900)
     moe = [f"data.max_samples={steps * 8}", f"model.path={ROOT / 'recipes/data/demo_moe/model'}",
            "model.router_dtype=fp32", "actor.freeze.moe_router=true", "actor.loss.aux_loss_coef=0.001",
-           "actor.loss.router_z_loss_coef=0.0001", "train.routing_replay=true"]
+           "actor.loss.router_z_loss_coef=0.0001", "train.routing_replay=true",
+           # padded sdpa rows: nemo-automodel's Qwen3-MoE packs only with te or tilelang (PACK002), and moe-hf is
+           # its baseline in the same layout
+           "actor.packing=false", "model.attn=sdpa"]
     if "moe" in runs:
         report["moe"] = _run("moe", out, [
             *moe, "model.backend=automodel", "model.moe_dispatcher=torch", "name=gpu-demo-moe",
