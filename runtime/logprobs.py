@@ -6,7 +6,8 @@ backward is the (tokens x hidden) decoder output, not logits: peak logits memory
 in the backward alike. The numbers are those of the full-logits formula (same operations per position).
 
 Two layouts of the same rows:
-- padded: (b, w) right-padded `sequences` with their `attention_mask`, positions 0..w-1;
+- padded: (b, w) right-padded `sequences` with their `attention_mask`, positions 0..w-1 (a causal text decoder
+  runs them without the mask, which changes none of their real positions: `_key_padding_mask`);
 - packed: the b rows concatenated into one (1, N) row, N = sum of lengths, `position_ids` restarting at 0 per row and
   no attention mask. transformers' mask builder then detects the packed format from the position ids
   (`masking_utils.find_packed_sequence_indices`, used only when attention_mask is None and there is no cache) and
@@ -38,7 +39,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from runtime import packed_attention, packed_thd, vlm
+from runtime import moe, packed_attention, packed_thd, vlm
 
 if TYPE_CHECKING:
     from runtime.context_parallel import CpRows
@@ -363,6 +364,20 @@ def pack_top_ids(top_ids: Tensor, attention_mask: Tensor) -> Tensor:
     return padded[attention_mask.bool()][None, :-1]
 
 
+def _key_padding_mask(model, attention_mask: Tensor, vision: dict[str, Tensor] | None) -> Tensor | None:
+    """The 2-D mask a padded micro-batch's decoder gets: none for a causal text decoder. Its rows are right-padded,
+    so every key a real position attends to is real and the mask changes no value the runtime reads (every consumer
+    masks the positions past a row's end). Without it transformers runs sdpa `is_causal` (on GPUs its flash kernel,
+    not the masked memory-efficient one) and every micro-batch hands the compiled layers the same inputs: with it, a
+    micro-batch without padding (transformers drops an all-ones mask) compiled a second graph mid-run (13.8 s for
+    the demo's tiny model on a CPU). Kept where the model reads it beyond attention: a VLM's M-RoPE positions and
+    image splice, routers (nemo-automodel's take it as their token mask), and models without transformers'
+    decoder (nemo-automodel's own)."""
+    if vision is None and hasattr(model, "get_decoder") and not splices_in_forward(model) and not moe.is_moe(model):
+        return None
+    return attention_mask.long()
+
+
 def token_logprobs(model, sequences: Tensor, attention_mask: Tensor, temperature: float, with_entropy: bool = False,
                    packed: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
                    vision: dict[str, Tensor] | None = None, cp: CpRows | None = None) -> tuple[Tensor, Tensor | None]:
@@ -410,7 +425,7 @@ def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, tempera
     if vision is not None and packed:
         raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
     if not packed:
-        mask = attention_mask.long()
+        mask = _key_padding_mask(model, attention_mask, vision)
         lp, ent, top = _call(model, sequences, mask, None, temperature, with_entropy, chunk_tokens, vision, top_ids)
         return (lp.view(b, width - 1), None if ent is None else ent.view(b, width - 1),
                 None if top is None else top.view(b, width - 1, -1))

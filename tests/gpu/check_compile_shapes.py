@@ -4,10 +4,10 @@
     MOLT_GPU_CHECK_DRY_RUN=1 python3 tests/gpu/check_compile_shapes.py OUT_DIR     (CPU, tiny: checks the script)
 
 A random Qwen3-1.7B-shaped model (28 layers, bf16) under `runtime.models.hf.compile_layers` with full
-checkpointing, fed the shapes one RL run meets (16-row micro-batches of 64 to 424 positions, 8 and 3 rows, one row),
-each width padded to the plan's `width_multiple` (8 on GPUs) as the runtime pads it: forward, chunked lm_head
-log-probs (`runtime.logprobs.head_logprobs`) and backward, after a no-grad forward and log-probs (the old-log-prob
-pass), twice per shape. Passes when the decoder layers compiled one graph per grad mode for every multi-row shape
+checkpointing, fed the shapes one RL run meets (16-row micro-batches of 64 to 424 positions, one of them without
+padding, 8 and 3 rows, one row), each width padded to the plan's `width_multiple` (8 on GPUs) as the runtime pads it,
+through the runtime's padded path (`runtime.logprobs.token_logprobs`: decoder, chunked lm_head log-probs) and
+backward, after a no-grad pass (the old-log-prob pass), twice per shape. Passes when the decoder layers compiled one graph per grad mode for every multi-row shape
 with no graph break (a one-row micro-batch compiles one more, once: torch specializes a size of 1), the lm_head
 chunk one per grad mode, and no multi-row shape compiled anything at its first step; records each shape's first and steady step against the same model
 eager (transformers' own checkpointing). Writes OUT_DIR/compile_shapes.json.
@@ -37,8 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 DRY_RUN = os.environ.get("MOLT_GPU_CHECK_DRY_RUN") == "1"
-SHAPES = [(16, 420), (16, 388), (16, 300), (16, 232), (16, 200), (16, 141), (16, 100), (16, 64), (8, 333), (3, 150),
-          (1, 100)]
+SHAPES = [(16, 420), (16, 388), (16, 300), (16, 232), (16, 256), (16, 200), (16, 141), (16, 100), (16, 64), (8, 333),
+          (3, 150), (1, 100)]
+UNPADDED = (16, 256)
+"""Every row at full width: transformers drops an all-ones padding mask, so before the runtime stopped passing
+the mask of a dense decoder (2026-12-05, `runtime.logprobs._key_padding_mask`) this shape compiled the layers again."""
 WIDTH_MULTIPLE = 8  # the compiler's fsdp.width_multiple on GPUs (molt_compile/derive/cluster.py)
 
 
@@ -65,7 +68,7 @@ def _model(compiled: bool):
 def _steps(model) -> list[dict]:
     import torch
 
-    from runtime.logprobs import head_logprobs
+    from runtime.logprobs import token_logprobs
 
     dev = next(model.parameters()).device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -75,19 +78,16 @@ def _steps(model) -> list[dict]:
         g = torch.Generator().manual_seed(rows * 1000 + length)
         ids = torch.randint(5, 1000, (rows, width), generator=g).to(dev)
         mask = (torch.arange(width, device=dev)[None, :] < length).long().expand(rows, width).clone()
-        mask[0, length - 5:] = 0  # rows of unequal length
+        if (rows, length) != UNPADDED:
+            mask[0, length - 5:] = 0  # rows of unequal length
         times = []
         for _ in range(2):
             sync()
             t0 = time.perf_counter()
             with torch.no_grad():  # the old-log-prob pass first, as the loop runs it
-                hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-                head_logprobs(model.lm_head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), ids[:, 1:].reshape(-1),
-                              1.0, False)
-            hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            flat = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-            lp, _, _ = head_logprobs(model.lm_head, flat, ids[:, 1:].reshape(-1), 1.0, False)
-            (lp * mask[:, 1:].reshape(-1)).sum().backward()
+                token_logprobs(model, ids, mask.bool(), 1.0)
+            lp, _ = token_logprobs(model, ids, mask.bool(), 1.0)
+            (lp * mask[:, 1:]).sum().backward()
             sync()
             times.append(time.perf_counter() - t0)
         out.append({"rows": rows, "length": length, "width": width, "first_s": times[0], "steady_s": times[1]})
