@@ -28,7 +28,7 @@ from torch import Tensor
 from runtime import fsdp, microbatch, models
 from runtime.algo import masked_mean
 from runtime.experience import Experience
-from runtime.logprobs import pack, packed_row_masks, unpack
+from runtime.logprobs import key_padding_mask, pack, packed_row_masks, unpack
 from runtime.ranks import FsdpRank, gather_rows, start_ranks
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ def token_values(model, sequences: Tensor, attention_mask: Tensor, packed: bool 
     """(b, w-1) V(sequences[:, :t+1]) for t < w-1 from a one-label token-classification model, 0 past each row's
     scored positions. `packed` runs the rows as one packed row (as `runtime.logprobs.token_logprobs`)."""
     if not packed:
-        values = model(input_ids=sequences, attention_mask=attention_mask.long(), use_cache=False).logits[..., 0]
+        values = model(input_ids=sequences, attention_mask=key_padding_mask(model, attention_mask, None),
+                       use_cache=False).logits[..., 0]
         return values[:, :-1] * attention_mask[:, 1:]
     lengths = attention_mask.sum(-1)
     flat, positions = pack(sequences, lengths)

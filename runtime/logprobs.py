@@ -7,7 +7,7 @@ in the backward alike. The numbers are those of the full-logits formula (same op
 
 Two layouts of the same rows:
 - padded: (b, w) right-padded `sequences` with their `attention_mask`, positions 0..w-1 (a causal text decoder
-  runs them without the mask, which changes none of their real positions: `_key_padding_mask`);
+  runs them without the mask, which changes none of their real positions: `key_padding_mask`);
 - packed: the b rows concatenated into one (1, N) row, N = sum of lengths, `position_ids` restarting at 0 per row and
   no attention mask. transformers' mask builder then detects the packed format from the position ids
   (`masking_utils.find_packed_sequence_indices`, used only when attention_mask is None and there is no cache) and
@@ -364,15 +364,15 @@ def pack_top_ids(top_ids: Tensor, attention_mask: Tensor) -> Tensor:
     return padded[attention_mask.bool()][None, :-1]
 
 
-def _key_padding_mask(model, attention_mask: Tensor, vision: dict[str, Tensor] | None) -> Tensor | None:
-    """The 2-D mask a padded micro-batch's decoder gets: none for a causal text decoder. Its rows are right-padded,
-    so every key a real position attends to is real and the mask changes no value the runtime reads (every consumer
-    masks the positions past a row's end). Without it transformers runs sdpa `is_causal` (on GPUs its flash kernel,
-    not the masked memory-efficient one) and every micro-batch hands the compiled layers the same inputs: with it, a
-    micro-batch without padding (transformers drops an all-ones mask) compiled a second graph mid-run (13.8 s for
-    the demo's tiny model on a CPU). Kept where the model reads it beyond attention: a VLM's M-RoPE positions and
-    image splice, routers (nemo-automodel's take it as their token mask), and models without transformers'
-    decoder (nemo-automodel's own)."""
+def key_padding_mask(model, attention_mask: Tensor, vision: dict[str, Tensor] | None) -> Tensor | None:
+    """The 2-D mask a padded micro-batch's decoder gets (the policy's, the reference's, the critic's): none for a
+    causal text decoder. Its rows are right-padded, so every key a real position attends to is real and the mask
+    changes no value the runtime reads (every consumer masks the positions past a row's end). Without it
+    transformers runs sdpa `is_causal` (on GPUs its flash kernel, not the masked memory-efficient one) and every
+    micro-batch hands the compiled layers the same inputs: with it, a micro-batch without padding (transformers
+    drops an all-ones mask) compiled a second graph mid-run (13.8 s for the demo's tiny model on a CPU). Kept where
+    the model reads it beyond attention: a VLM's M-RoPE positions and image splice, routers (nemo-automodel's take
+    it as their token mask), and models without transformers' decoder (nemo-automodel's own)."""
     if vision is None and hasattr(model, "get_decoder") and not splices_in_forward(model) and not moe.is_moe(model):
         return None
     return attention_mask.long()
@@ -425,7 +425,7 @@ def token_top_logprobs(model, sequences: Tensor, attention_mask: Tensor, tempera
     if vision is not None and packed:
         raise ValueError("VLM rows are never packed (the compiler forces actor.packing off, B5)")
     if not packed:
-        mask = _key_padding_mask(model, attention_mask, vision)
+        mask = key_padding_mask(model, attention_mask, vision)
         lp, ent, top = _call(model, sequences, mask, None, temperature, with_entropy, chunk_tokens, vision, top_ids)
         return (lp.view(b, width - 1), None if ent is None else ent.view(b, width - 1),
                 None if top is None else top.view(b, width - 1, -1))

@@ -41,7 +41,7 @@ SHAPES = [(16, 420), (16, 388), (16, 300), (16, 232), (16, 256), (16, 200), (16,
           (3, 150), (1, 100)]
 UNPADDED = (16, 256)
 """Every row at full width: transformers drops an all-ones padding mask, so before the runtime stopped passing
-the mask of a dense decoder (2026-12-05, `runtime.logprobs._key_padding_mask`) this shape compiled the layers again."""
+the mask of a dense decoder (2026-12-05, `runtime.logprobs.key_padding_mask`) this shape compiled the layers again."""
 WIDTH_MULTIPLE = 8  # the compiler's fsdp.width_multiple on GPUs (molt_compile/derive/cluster.py)
 
 

@@ -73,5 +73,5 @@ def test_padded_rows_reach_a_causal_decoder_without_their_mask(monkeypatch):
     assert graphs.frame_count == 1
 
     moe_model = AutoModelForCausalLM.from_pretrained(recipes / "demo_moe/model", dtype=torch.float32)
-    assert logprobs._key_padding_mask(moe_model, mask, None) is not None  # routers take it as their token mask
-    assert logprobs._key_padding_mask(model, mask, {"pixel_values": ids}) is not None  # M-RoPE reads it
+    assert logprobs.key_padding_mask(moe_model, mask, None) is not None  # routers take it as their token mask
+    assert logprobs.key_padding_mask(model, mask, {"pixel_values": ids}) is not None  # M-RoPE reads it
