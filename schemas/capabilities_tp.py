@@ -7,7 +7,9 @@ plan of nemo-automodel's, MOE002). It runs on gloo CPU ranks (RL and SFT: tp 2, 
 8 ranks, nemo-automodel's (dp_replicate 2, dp_shard 2, tp 2) mesh; LoRA too: nemo-automodel's adapters, which its
 plan's LoRA-aware styles cut with their layers; and `actor.sequence_parallel`: its plan's sequence-parallel styles;
 RL: gae's critic at tp 2 x dp 2 on the plan's critic mesh, the actor's tp, with the same plan, its scalar head
-replicated; both levels of CPU offload, `actor.offload`; compiled decoder layers without activation checkpointing);
+replicated; both levels of CPU offload, `actor.offload`; compiled decoder layers, without activation checkpointing
+and with full checkpointing, whose eager checkpoint wraps each compiled layer: torch 2.13 fails a full checkpoint traced
+inside a compiled TP layer, `runtime/models/automodel.py` `tensor_parallel`);
 over NCCL it is written and not run (a CAP002 warning). With context parallelism (tp x cp: each cp rank's cut of a
 data-parallel rank's rows shared by its tp ranks, runtime/ranks.py) it is written and not run on GPUs, this row's
 warning and the CP row's (`capabilities_cp`), and refused on CPUs by the CP row (torch's ring attention has no CPU
@@ -26,8 +28,9 @@ if TYPE_CHECKING:
 
 _NOT_RUN = (
     "nemo-automodel's tensor parallelism over NCCL on several GPUs: the same parallelizer, vocab-parallel log-probs, "
-    "TP-replica gradient sync, weight sync, CPU offload and DCP checkpoints as the gloo CPU ranks run, on no multi-GPU "
-    "machine yet (tests/gpu/check_tensor_parallel.py is the check to run on one); with context parallelism "
+    "TP-replica gradient sync, weight sync, CPU offload, compiled layers (with full checkpointing too) and DCP "
+    "checkpoints as the gloo CPU ranks run, on no multi-GPU machine yet (tests/gpu/check_tensor_parallel.py is the "
+    "check to run on one); with context parallelism "
     "(actor.mesh.cp > 1, tp x cp), nothing of a TP model's forward or backward under CP ran anywhere (torch's ring "
     "attention over each tp rank's heads has no CPU path): the rank arithmetic, each cp rank's cut shared by its tp "
     "ranks, a per-token model's vocab-parallel head and sequence-sharded output on the cut, the loss over dp x cp, "
@@ -48,9 +51,9 @@ def tp_rows(
         trainer = section(plan)
         return trainer is not None and trainer.mesh.tp > 1
 
-    def compiled_checkpointed(plan: Plan) -> bool:
+    def compiled_selective(plan: Plan) -> bool:
         runtime = plan.rl if kind == "rl" else plan.sft
-        return runtime is not None and runtime.model.compile_layers and runtime.model.gradient_checkpoint != "none"
+        return runtime is not None and runtime.model.compile_layers and runtime.model.gradient_checkpoint == "selective"
 
     test = (
         "tests/runtime/models/test_tensor_parallel.py" if kind == "rl" else "tests/runtime/test_sft_tensor_parallel.py"
@@ -59,12 +62,13 @@ def tp_rows(
         (
             "compile",
             "model.compile_layers",
-            "compiled, checkpointed decoder layers",
-            lambda t, p: compiled_checkpointed(p),
-            "model.compile_layers: false or model.gradient_checkpoint: none",
-            "torch 2.13's AOT autograd fails a checkpoint inside a compiled tensor-parallel layer (the DTensors' "
-            "device mesh saved for the backward is sliced as a tensor; nemo-automodel's own compiled TP fails the "
-            "same); compiled layers without checkpointing run (tests/runtime/models/test_tensor_parallel.py)",
+            "compiled decoder layers with selective activation checkpointing",
+            lambda t, p: compiled_selective(p),
+            "model.gradient_checkpoint: full or none with model.compile_layers, or model.compile_layers: false",
+            "selective checkpointing picks ops inside the compiled layer (torch's checkpoint traced in the graph); "
+            "under TP it ran once on gloo ranks with the one-rank numbers, but its compile is not in the TP test's "
+            "time; compiled layers run under TP without checkpointing and with full checkpointing (an eager "
+            "checkpoint around each compiled layer: tests/runtime/models/test_tensor_parallel.py)",
         ),
     ]
 

@@ -442,17 +442,26 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
 
     `model.compile_layers`: each decoder layer's forward compiled after the parallelizer (`hf.compile_layers`, as
     nemo-automodel's own per-layer compile comes after its TP and FSDP2), so dynamo traces the layer's DTensor
-    parameters and TP's collectives in one graph, FSDP2's hooks eager around it. Without activation checkpointing
-    only: a checkpoint inside the compiled layer fails in torch 2.13's AOT autograd here (`rl-trainer-tp-compile`)."""
+    parameters and TP's collectives in one graph, FSDP2's hooks eager around it. Full activation checkpointing stays
+    eager around each compiled layer's call (transformers' switch, as without compile), its recompute running the same
+    compiled graph again (no graph more, the one-rank numbers, a tenth of the saved activations:
+    tests/runtime/models/test_tensor_parallel.py). Torch 2.13 fails the checkpoint traced inside the compiled TP layer
+    (hf's order): AOT autograd's partitioner appends the saved RNG state of the recomputed attention op (CPU SDPA has
+    a dropout argument) after the saved DTensor device mesh (`functionalize_rng_ops`), which shifts the mesh into the
+    saved tensors ("expected all tensors_saved_with_vc_check to be Tensors"). Selective checkpointing keeps hf's
+    order (the policy must see the traced ops; it never recomputes the attention op), refused by the compiler for
+    now (`rl-trainer-tp-compile`)."""
     from nemo_automodel.components.distributed.parallelizer import (
         _patch_dtensor_spec_hash_for_symint,
         fsdp2_strategy_parallelize,
     )
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    checkpointed = trainable and model_plan.gradient_checkpoint != "none"
-    if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint inside the compiled forward
-        hf.enable_checkpointing(model, model_plan.gradient_checkpoint, decoder_layers(model))
+    mode = model_plan.gradient_checkpoint if trainable else "none"
+    # full checkpointing wraps each (compiled) layer's call eagerly, compiled or not; selective goes inside a compiled one
+    eager_checkpoint = mode == "full" or (mode == "selective" and not model_plan.compile_layers)
+    if eager_checkpoint:
+        hf.enable_checkpointing(model, mode, decoder_layers(model))
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -463,7 +472,7 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
         tp_shard_plan=plan)
     if model_plan.compile_layers:
         _patch_dtensor_spec_hash_for_symint()  # nemo-automodel's fix for DTensor specs of dynamic (symbolic) sizes
-        hf.compile_layers(decoder_layers(model), model_plan.gradient_checkpoint if trainable else "none")
+        hf.compile_layers(decoder_layers(model), "none" if eager_checkpoint else mode)
     attach(model)
     return model
 

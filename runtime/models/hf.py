@@ -114,7 +114,9 @@ def compile_layers(layers, checkpoint_mode: str = "none") -> None:
     traces `torch.utils.checkpoint` as one region and the recomputation is part of the compiled backward, and a
     selective policy sees the traced aten ops. The other order (a compiled forward re-entered by an eager
     checkpoint's recompute) can recompile during the backward and then fails the checkpoint's saved-tensor check
-    (pytorch issue 166926, reproduced on CPU); callers then leave the model's own checkpointing off."""
+    (pytorch issue 166926, reproduced on CPU, before the graphs were shape-generic); callers then leave the model's
+    own checkpointing off. Under tensor parallelism full checkpointing takes that other order (torch 2.13 fails the
+    traced one there: `automodel.tensor_parallel`), and its recompute runs the compiled graph again."""
     import functools
 
     from torch.utils.checkpoint import checkpoint

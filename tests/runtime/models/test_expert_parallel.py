@@ -21,6 +21,7 @@ the PEFT adapter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -152,12 +153,15 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
     worker._optimizer_step = recorded_step
     batch = _batch()
     out: dict = {"old": [], "stats": [], "max_norm": rl.trainer.optimizer.max_norm}
-    for _ in range(STEPS):
+    for k in range(STEPS):
         rows, old, _ref = worker.forward_logprobs(batch)
         full_old = gathered(rows, old, world)  # as the driver puts the ranks' rows together
         out["old"].append((rows, old))
         trained = replace(batch, old_log_probs=full_old, rollout_log_probs=full_old)
-        out["stats"].append(worker.train(trained, kl_coef=0.0))
+        with saved_bytes(worker.model) as saved:
+            out["stats"].append(worker.train(trained, kl_coef=0.0))
+        if k == 0:
+            out["saved_bytes"] = saved[0]
     out["grads"] = grads
     out["graph_breaks"], out["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     out["weights"] = {n: _full(p) for n, p in worker.model.named_parameters()}
@@ -178,6 +182,27 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
 
         out["offload"] = offload_checks(worker, rl.trainer.offload)
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@contextlib.contextmanager
+def saved_bytes(model):
+    """The bytes of the activations autograd saves for the backward under it (parameters, which it also saves,
+    left out), as a one-element list: what activation checkpointing cuts."""
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        try:
+            parameter = isinstance(local, torch.nn.Parameter) or local.untyped_storage().data_ptr() in params
+        except RuntimeError:  # a wrapper subclass without storage of its own (an activation)
+            parameter = False
+        if not parameter:
+            total[0] += local.numel() * local.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
 
 
 def gathered(rows: torch.Tensor, values: torch.Tensor, world: int) -> torch.Tensor:

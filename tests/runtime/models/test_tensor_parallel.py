@@ -4,8 +4,8 @@ down row-wise, the embedding and the lm_head vocabulary-parallel), on 2 gloo ran
 through the real trainer (`PolicyWorker`).
 
 TP 2 on 2 ranks (one data-parallel rank: both ranks run the same rows), TP 2 with compiled decoder layers
-(`model.compile_layers` without checkpointing: no graph break, one graph per grad mode), TP 2 with sequence
-parallelism (the plan's
+(`model.compile_layers`: no graph break, one graph per grad mode; then with full activation checkpointing around
+them: no graph more, under a quarter of the saved activations), TP 2 with sequence parallelism (the plan's
 sequence-parallel styles: the norms and residuals on positions cut over tp, unevenly at the odd widths of this
 batch's micro-batches; the final norm's sequence-sharded output gathered before the head, `runtime/logprobs.py`),
 and TP 2 x dp 2 on 4 ranks (FSDP2 over the data-parallel pair cuts each tp shard again: `_StridedShard`), give the
@@ -54,13 +54,13 @@ def dense_checkpoint(tmp_path_factory) -> str:
 
 
 def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, sequence_parallel: bool = False,
-        offload: str = "none", compiled: bool = False):
+        offload: str = "none", compiled: bool = False, checkpoint: str = "none"):
     # one optimizer-step window of the whole batch: world 1 runs 4 micro-batches of 2 rows, and so does each tp
     # rank (they take the same rows)
     dp = world // mesh.tp
     return trainer_rl(
         world, ref=False,
-        model={"path": path, "backend": "automodel", "compile_layers": compiled},
+        model={"path": path, "backend": "automodel", "compile_layers": compiled, "gradient_checkpoint": checkpoint},
         trainer={"micro_batch_size": 2, "grad_accum": ep_test.ROWS // 2 // dp, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
                  "mesh": mesh, "dp": dp, "lora": lora, "sequence_parallel": sequence_parallel,
@@ -192,9 +192,10 @@ def single(dense_checkpoint, tmp_path_factory) -> tuple[dict, dict, dict]:
 
 
 def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
-    tp, tp_lora, tp_sp, tp_opt, tp_full, tp_compiled = _run(
+    tp, tp_lora, tp_sp, tp_opt, tp_full, tp_compiled, tp_checkpointed = _run(
         2, [(_mesh(2), None), (_mesh(2), ep_test.LORA), (_mesh(2), None, True), (_mesh(2), None, False, "optimizer"),
-            (_mesh(2), None, False, "full"), (_mesh(2), None, False, "none", True)], dense_checkpoint, tmp_path / "tp")
+            (_mesh(2), None, False, "full"), (_mesh(2), None, False, "none", True),
+            (_mesh(2), None, False, "none", True, "full")], dense_checkpoint, tmp_path / "tp")
     placed = tp[0]["placements"]
     # nemo-automodel's Qwen3 plan: q column-wise (dim 0), o row-wise (dim 1), the head over the vocabulary
     assert "shard(dim=0))" in placed["model.layers.0.self_attn.q_proj.weight"].lower()
@@ -210,12 +211,19 @@ def test_tp2_matches_one_rank(dense_checkpoint, single, tmp_path):
     for s in range(ep_test.STEPS):
         assert tp[1]["stats"][s]["tokens"] == 0.0
     ep_test._check(single[0], tp)
-    # compiled decoder layers (`model.compile_layers`, no checkpointing: `rl-trainer-tp-compile` says why): the
-    # layers' DTensor forward and backward, TP's collectives in them, without a graph break, compiled once per grad
-    # mode for every micro-batch shape, give the one-rank eager run's numbers within the same 1e-5
+    # compiled decoder layers (`model.compile_layers`): the layers' DTensor forward and backward, TP's collectives in
+    # them, without a graph break, compiled once per grad mode for every micro-batch shape, give the one-rank eager
+    # run's numbers within the same 1e-5
     for r in tp_compiled:
         assert r["graph_breaks"] == 0 and r["graphs"] == COMPILED_GRAPHS, (r["graph_breaks"], r["graphs"])
     ep_test._check(single[0], tp_compiled)
+    # with full activation checkpointing (an eager checkpoint around each compiled layer): the same numbers, the
+    # compiled layout's graphs run again (dynamo's cache in these processes: the checkpoint and its recompute in the
+    # backward compile nothing more), and a fraction of the activations saved (~1/10 in this model)
+    for r, compiled in zip(tp_checkpointed, tp_compiled, strict=True):
+        assert r["graph_breaks"] == 0 and r["graphs"] == 0, (r["graph_breaks"], r["graphs"])
+        assert 4 * r["saved_bytes"] < compiled["saved_bytes"], (r["saved_bytes"], compiled["saved_bytes"])
+    ep_test._check(single[0], tp_checkpointed)
     # LoRA: nemo-automodel's LoRA-aware styles cut a column-parallel layer's A by rank (its low-rank output
     # all-gathered) and B by output rows as the layer's weight, a row-parallel layer's A by input columns
     placed = tp_lora[0]["placements"]
