@@ -47,6 +47,12 @@ def routers(model: nn.Module) -> list[nn.Module]:
             if (type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")) or _is_gate(m)]
 
 
+def blocks(module: nn.Module) -> list[nn.Module]:
+    """The MoE blocks in `module`: the modules whose forward calls a router (each router's parent)."""
+    found = {id(r) for r in routers(module)}
+    return [m for m in module.modules() if any(id(c) in found for c in m.children())]
+
+
 def _top_k(router: nn.Module) -> int:
     return router.topk if _is_gate(router) else router.top_k
 

@@ -63,9 +63,10 @@ def _ep_rows(kind: str) -> tuple[Capability, ...]:
     """The trainer's expert parallelism and HSDP (RL and SFT alike), run on CPU ranks: the automodel backend at any
     ep dividing the trainer's ranks (each rank holds experts/ep of each MoE layer, FSDP2-sharded over the world / ep
     ranks of its ep_shard group; nemo-automodel's mesh and parallelizer, runtime/models/automodel.py; with LoRA
-    adapters too, nemo-automodel's, patched in before the parallelizer), and HSDP
-    (actor.mesh.dp_replicate) on either backend. The hf backend's expert parallelism is refused by rules (MOE005,
-    PAR004)."""
+    adapters too, nemo-automodel's, patched in before the parallelizer; with compiled decoder layers too, their MoE
+    blocks eager, under routing replay as well: on GPUs the `*-trainer-ep-cuda` and `*-automodel-compile` rows warn),
+    and HSDP (actor.mesh.dp_replicate) on either backend. The hf backend's expert parallelism is refused by rules
+    (MOE005, PAR004)."""
 
     def trainer(plan: Plan) -> TrainerPlan | SftTrainerPlan | None:
         return plan.rl.trainer if kind == "rl" else plan.sft.trainer
@@ -110,16 +111,6 @@ def _ep_rows(kind: str) -> tuple[Capability, ...]:
             "(tests/gpu/check_expert_parallel.py is the check to run on one)",
             tracked=f"issue 27: run on gloo ranks ({test}), not yet on several GPUs",
         ),
-        Capability(
-            f"{kind}-trainer-ep-compile",
-            kind,
-            "model.compile_layers",
-            "compiled decoder layers with expert parallelism in the trainer",
-            lambda p: asks_ep(p) and (p.rl.model if kind == "rl" else p.sft.model).compile_layers,
-            "model.compile_layers: false (or actor.mesh.ep: 1)",
-            tracked="issue 27: nemo-automodel's MoE parallelizer (runtime/models/automodel.py `expert_parallel`) "
-            "places the layers without compiling them",
-        ),
     )
 
 
@@ -159,8 +150,9 @@ def _automodel_rows() -> tuple[Capability, ...]:
             "compiled decoder layers on the automodel backend",
             lambda p: p.rl.model.compile_layers,
             "model.compile_layers: false",
-            "hf.compile_layers on nemo-automodel's layers: gradients equal eager on CPU "
-            "(tests/runtime/models/test_automodel.py)",
+            "hf.compile_layers on nemo-automodel's layers (their MoE blocks eager): gradients equal eager on CPU "
+            "(tests/runtime/models/test_automodel.py; at ep 2 under routing replay tests/runtime/models/"
+            "test_expert_parallel.py)",
             devices=frozenset({"cpu"}),
             unverified=frozenset({"cuda"}),
             not_run=_COMPILE_NOT_RUN,
@@ -324,11 +316,17 @@ CAPABILITIES: tuple[Capability, ...] = (
         "rl-compile-replay",
         "rl",
         "model.compile_layers",
-        "compiled decoder layers under MoE routing replay",
-        lambda p: p.rl.model.compile_layers and p.rl.trainer is not None and p.rl.trainer.routing_replay,
-        "model.compile_layers: false (replay swaps each router's top-k per micro-batch from Python state, which "
-        "a compiled layer would have to guard on)",
-        tracked="issue 11 (compiled layers are tested on dense models only)",
+        "compiled transformers' MoE decoder layers (model.backend: hf) under MoE routing replay",
+        lambda p: (
+            p.rl.model.compile_layers
+            and p.rl.model.backend == "hf"
+            and p.rl.trainer is not None
+            and p.rl.trainer.routing_replay
+        ),
+        "model.backend: automodel (its compiled layers replay), or model.compile_layers: false",
+        tracked="issue 27: compiled layers run their MoE block eager, replay included (runtime/models/hf.py "
+        "compile_layers): run on nemo-automodel's layers at ep 1 and 2 (tests/runtime/models/test_expert_parallel.py), "
+        "not on transformers' MoE layers",
     ),
     Capability(
         "rl-chat-images",

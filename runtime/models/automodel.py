@@ -380,12 +380,20 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     clipping (`scale_grads_and_clip_grad_norm`). With ep over every rank (ep_shard 1) the experts are no FSDP2 unit
     and a hook on each divides by dp_cp; with ep below the ranks they are FSDP2 units over ep_shard, whose sharded
     parameters autograd never reaches, so their reduce-scatter divides by dp_cp instead of ep_shard (a sum, then the
-    division: gloo has no pre-scaled sum). Either way the trainer's global token mean holds for every parameter."""
+    division: gloo has no pre-scaled sum). Either way the trainer's global token mean holds for every parameter.
+
+    `model.compile_layers`: each decoder layer compiled after the parallelizer (`hf.compile_layers`), its MoE block
+    (the gate with routing replay's seam, the token dispatcher's collectives, the experts) eager between the compiled
+    attention and norms; `hf.compile_layers` says why and where the checkpoint goes. nemo-automodel's own compile
+    switches do not fit here: its `compile_model` compiles a whole model only outside FSDP2, and `compile_attn`
+    (`BackendConfig`) compiles the attention with `fullgraph=True, dynamic=False`, which padded rows break (its
+    padding check's `.item()`) and every new width would recompile."""
     from nemo_automodel.components.distributed.mesh_utils import get_fsdp_dp_mesh
     from nemo_automodel.components.moe.parallelizer import parallelize_model
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if trainable and model_plan.gradient_checkpoint != "none":
+    checkpointed = trainable and model_plan.gradient_checkpoint != "none"
+    if checkpointed and not model_plan.compile_layers:  # compiled layers checkpoint with their compile
         hf.enable_checkpointing(model, model_plan.gradient_checkpoint, decoder_layers(model))
     if not trainable:
         model.requires_grad_(False)
@@ -417,6 +425,8 @@ def expert_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
         for p in model.parameters():
             if p.requires_grad and _on_ep(p):
                 p.register_hook(lambda g: g / dp_cp)
+    if model_plan.compile_layers:
+        hf.compile_layers(decoder_layers(model), model_plan.gradient_checkpoint if trainable else "none")
     attach(model)  # chunked lm_head log-probs as an FSDP forward method
     return model
 

@@ -116,16 +116,40 @@ def compile_layers(layers, checkpoint_mode: str = "none") -> None:
     checkpoint's recompute) can recompile during the backward and then fails the checkpoint's saved-tensor check
     (pytorch issue 166926, reproduced on CPU, before the graphs were shape-generic); callers then leave the model's
     own checkpointing off. Under tensor parallelism full checkpointing takes that other order (torch 2.13 fails the
-    traced one there: `automodel.tensor_parallel`), and its recompute runs the compiled graph again."""
+    traced one there: `automodel.tensor_parallel`), and its recompute runs the compiled graph again.
+
+    A layer with an MoE block (`moe.blocks`: its router and experts, nemo-automodel's token dispatcher under expert
+    parallelism) runs that block eager between its compiled parts (attention, norms, residuals). Compiled, the block
+    fails or falls apart: the expert count per token is data-dependent (boolean masks, `nonzero`, `bincount`: a graph
+    break each), torch's fake `_grouped_mm` takes bf16 only (fp32 fails to trace), nemo-automodel's dispatcher
+    exchanges token counts with `.item()` and gathers through c10d calls (traced at ep 2, the experts' step resumed
+    after the break got its gathered token mask as int64 and failed), and routing replay (R3, `moe.replay`) swaps
+    the routers' top-k from Python state (`.known` counts, per-layer `_GateReplay`s) that a graph would guard on.
+    Eager, the block is the code the uncompiled model runs, replay included. The graph break at the block (and
+    nemo-automodel's MoE models' attention's own, its padding check `key_mask.all().item()`, in their dense layers
+    too) starts resumed graphs whose inputs `_batch_shape_dynamic` cannot mark, so an MoE model's layers compile
+    with every size generic (`generic`: nemo-automodel's Qwen3-MoE layer, 6 graphs per grad mode for every shape,
+    where automatic dynamic shapes recompiled them at each new length and row count). A checkpoint cannot hold a
+    graph break (dynamo then ran the whole checkpointed layer eager, silently), so their checkpoint goes around the
+    compiled forward: the resumed graphs being generic, the recompute does not recompile (issue 166926's trigger).
+    Checked against eager at ep 2 under replay (tests/runtime/models/test_expert_parallel.py) and at ep 1
+    (test_automodel.py)."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
+    layers = list(layers)
+    breaks = any(moe.blocks(layer) for layer in layers)  # an MoE model: every layer graph-breaks
     for layer in layers:
+        for block in moe.blocks(layer):
+            block.forward = torch.compiler.disable(block.forward)
         forward = layer.forward
-        if checkpoint_mode != "none":
+        if checkpoint_mode != "none" and not breaks:
             forward = functools.partial(checkpoint, forward, **_checkpoint_kwargs(checkpoint_mode))
-        layer.forward = _batch_shape_dynamic(torch.compile(forward, options=_ONE_GRAPH_FOR_EVERY_SHAPE))
+        forward = _batch_shape_dynamic(torch.compile(forward, options=_ONE_GRAPH_FOR_EVERY_SHAPE), generic=breaks)
+        if checkpoint_mode != "none" and breaks:
+            forward = functools.partial(checkpoint, forward, **_checkpoint_kwargs(checkpoint_mode))
+        layer.forward = forward
 
 
 _ONE_GRAPH_FOR_EVERY_SHAPE = {"triton.mix_order_reduction": False}
@@ -153,7 +177,7 @@ class _Waited(torch.autograd.Function):
         return grad
 
 
-def _batch_shape_dynamic(compiled):
+def _batch_shape_dynamic(compiled, generic: bool = False):
     """`compiled` with its inputs' batch and sequence dimensions marked dynamic before each call, so the first
     compile is the shape-generic graph: a later batch of another length or row count runs it without the recompile
     torch's automatic dynamic shapes would do at the first new shape (17 s on an H200 for a 1.4B model, in the
@@ -161,7 +185,11 @@ def _batch_shape_dynamic(compiled):
     tokens) and it is not a 3-D tensor's trailing feature dimension (hidden size, rotary width); torch may still
     specialize one it cannot keep generic (`maybe_mark_dynamic`): it does at one row (a one-row micro-batch compiles
     a second graph once, 7 s on an H200). Unbacked row counts, which torch does not specialize, compiled on CPUs but
-    broke the graph on the H200 (the layers then ran eager: 0.91x of the eager model)."""
+    broke the graph on the H200 (the layers then ran eager: 0.91x of the eager model).
+
+    `generic`: every size of every input and of the graphs resumed after a graph break generic from the first
+    compile (dynamo's `assume_static_by_default` off while the layer runs; parameters keep their static shapes);
+    `compile_layers` says which layers."""
     import functools
 
     from torch._dynamo import maybe_mark_dynamic
@@ -183,6 +211,9 @@ def _batch_shape_dynamic(compiled):
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
+        if generic:
+            with torch._dynamo.config.patch(assume_static_by_default=False):
+                return compiled(*args, **kwargs)
         return compiled(*args, **kwargs)
 
     return run

@@ -5,8 +5,10 @@ not part of `just test`, whose tests/runtime/models/test_expert_parallel.py runs
 
 The CPU test's own code with `MOLT_PARALLEL_DEVICE=cuda` (fp32, a tiny Qwen3-MoE, nemo-automodel's mesh and MoE
 parallelizer, its `torch` token dispatcher, the real `PolicyWorker`): the one-GPU run, then EP 2 on 2 GPUs and, with
-4 GPUs, EP 2 x dp 2, HSDP with EP 2 and HSDP alone, and LoRA (nemo-automodel's adapters) at EP 2 and EP 2 x dp 2;
-each must give the one-GPU run's old log-probs, loss statistics,
+4 GPUs, EP 2 x dp 2, HSDP with EP 2 and HSDP alone, and LoRA (nemo-automodel's adapters) at EP 2 and EP 2 x dp 2,
+and compiled decoder layers under routing replay at EP 2 (inductor's CUDA kernels for the attention and norms, the
+MoE block eager; against the one-GPU eager replayed run; its graph breaks and graphs per rank are reported, the CPU
+test's count being `COMPILED`); each must give the one-GPU run's old log-probs, loss statistics,
 gradients and weights over three optimizer steps (relative 1e-5), the same weights through a weight sync and the HF
 export, and a DCP checkpoint that resumes exactly. Writes OUT_DIR/expert_parallel_gpu.json and prints it; exit 1
 on any difference. Not run yet: no multi-GPU machine has been lent (the capability rows rl/sft-trainer-ep-cuda and
@@ -42,16 +44,21 @@ def main() -> int:
     path = str(build_tiny_model(work / "model", seed=0, vocab_size=300, experts=4, experts_per_token=2,
                                 tie_word_embeddings=False))
     lora = layouts.LORA
-    single = layouts._run(1, [(layouts._mesh(1), None), (layouts._mesh(1), lora)], path, work / "single")
-    runs = {"ep2+lora": (2, [(layouts._mesh(2), None), (layouts._mesh(2), lora)])}
+    single = layouts._run(1, [(layouts._mesh(1), None), (layouts._mesh(1), lora), (layouts._mesh(1), None, True)],
+                          path, work / "single")
+    runs = {"ep2+lora+compiled": (2, [(layouts._mesh(2), None), (layouts._mesh(2), lora),
+                                      (layouts._mesh(2), None, True, True)])}
     if gpus >= 4:
         runs["ep2_dp2+hsdp_ep2+hsdp+lora"] = (4, [(layouts._mesh(2), None), (layouts._mesh(2, 2), None),
                                                   (layouts._mesh(1, 2), None), (layouts._mesh(2), lora)])
     report: dict = {"device": torch.cuda.get_device_name(0), "gpus": gpus, "layouts": {}}
     for name, (world, meshes) in runs.items():
         for k, ranks in enumerate(layouts._run(world, meshes, path, work / name)):
+            replayed = len(meshes[k]) > 2 and meshes[k][2]
+            if replayed:
+                report[f"{name}[{k}] graph breaks, graphs"] = [(r["graph_breaks"], r["graphs"]) for r in ranks]
             try:
-                layouts._check(single[1 if meshes[k][1] is not None else 0][0], ranks)
+                layouts._check(single[2 if replayed else 1 if meshes[k][1] is not None else 0][0], ranks)
                 report["layouts"][f"{name}[{k}]"] = "equal"
             except AssertionError as exc:
                 report["layouts"][f"{name}[{k}]"] = str(exc)[:2000]

@@ -31,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 from loop_support import trainer_rl
 
+from runtime import moe
 from runtime.experience import from_token_lists
 from runtime.tiny_model import build_tiny_model
 from schemas.plan import LoraPlan, MeshPlan
@@ -54,15 +55,18 @@ def moe_checkpoint(tmp_path_factory) -> str:
                                 experts_per_token=2, tie_word_embeddings=False))
 
 
-def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None):
+def _rl(world: int, path: str, mesh: MeshPlan, lora: LoraPlan | None = None, replay: bool = False,
+        compiled: bool = False):
     # one optimizer-step window of the whole batch in every layout: world 1 runs 4 micro-batches of 2 rows, each of
-    # 2 ranks 2 micro-batches, each of 4 ranks one
+    # 2 ranks 2 micro-batches, each of 4 ranks one. `replay`: R3 of `_batch`'s recorded routing; `compiled`: the
+    # decoder layers compiled, with full checkpointing (the recompute replays too)
     return trainer_rl(
         world, ref=False,
-        model={"path": path, "backend": "automodel", "moe_dispatcher": "torch", "router_dtype": "float32"},
+        model={"path": path, "backend": "automodel", "moe_dispatcher": "torch", "router_dtype": "float32",
+               "compile_layers": compiled, "gradient_checkpoint": "full" if compiled else "none"},
         trainer={"micro_batch_size": 2, "grad_accum": ROWS // 2 // world, "max_epochs": 1, "temperature": 1.0,
                  "seed": 0, "packing": False, "dynamic_batch_max_tokens": None, "local_batch_size": None,
-                 "mesh": mesh, "lora": lora,
+                 "mesh": mesh, "lora": lora, "routing_replay": replay,
                  # contiguous micro-batches: grouped by length, each rank would group its own shard, and one rank the
                  # whole batch, an order of float sums that moves three Adam steps past this test's 1e-5
                  "micro_batches_by_length": False},
@@ -80,12 +84,20 @@ def max_norm(lora: LoraPlan | None) -> float:
     return 0.5 if lora is None else 0.05
 
 
-def _batch():
+def _batch(routed: bool = False):
+    """The batch of every layout; `routed`: with a recorded routing to replay (2 of the 4 experts per token and MoE
+    layer, drawn at random, so the model's own top-k differs; each row's last token not captured, as an engine's)."""
     g = torch.Generator().manual_seed(0)
     lengths = [6, 14, 9, 7, 12, 8, 11, 10]
     tokens = [torch.randint(5, 290, (n,), generator=g).tolist() for n in lengths]
     ranges = [[(3, n)] for n in lengths]
-    batch = from_token_lists(tokens, ranges, [[] for _ in tokens], pad_id=0)
+    routing = None
+    if routed:
+        routing = [torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(n * 2)]).view(n, 2, 2)
+                   for n in lengths]
+        for r in routing:
+            r[-1] = moe.NO_ROUTING
+    batch = from_token_lists(tokens, ranges, [[] for _ in tokens], pad_id=0, routed_experts=routing)
     advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(1)) * batch.action_mask
     return replace(batch, advantages=advantages)
 
@@ -151,7 +163,7 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
         return step()
 
     worker._optimizer_step = recorded_step
-    batch = _batch()
+    batch = _batch(rl.trainer.routing_replay)
     out: dict = {"old": [], "stats": [], "max_norm": rl.trainer.optimizer.max_norm}
     for k in range(STEPS):
         rows, old, _ref = worker.forward_logprobs(batch)
@@ -164,6 +176,9 @@ def _layout(rank: int, world: int, port: int, out_dir: str, path: str, mesh: Mes
             out["saved_bytes"] = saved[0]
     out["grads"] = grads
     out["graph_breaks"], out["graphs"] = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    if rl.trainer.routing_replay:  # the last forward's (a checkpoint's recompute): the experts each router used
+        state = worker._replay_state
+        out["replayed"] = (torch.stack(state.selected, dim=1).cpu(), state.targets.cpu())
     out["weights"] = {n: _full(p) for n, p in worker.model.named_parameters()}
     out["synced"] = _synced(worker)
     out["hf_dir"] = worker.export_hf(os.path.join(out_dir, "hf"))
@@ -233,12 +248,20 @@ def _mesh(ep: int, dp_replicate: int = 1) -> MeshPlan:
 
 
 @pytest.fixture(scope="module")
-def single(moe_checkpoint, tmp_path_factory) -> tuple[dict, dict]:
-    """The one-rank runs every layout is held against: without and with LoRA."""
-    plain, lora = _run(1, [(_mesh(1), None), (_mesh(1), LORA)], moe_checkpoint, tmp_path_factory.mktemp("single"))
-    return plain[0], lora[0]
+def single(moe_checkpoint, tmp_path_factory) -> tuple[dict, dict, dict]:
+    """The one-rank eager runs every layout is held against: without and with LoRA, and under routing replay."""
+    plain, lora, replayed = _run(1, [(_mesh(1), None), (_mesh(1), LORA), (_mesh(1), None, True)], moe_checkpoint,
+                                 tmp_path_factory.mktemp("single"))
+    return plain[0], lora[0], replayed[0]
 
 
+COMPILED = (4, 13)
+"""The compiled layout's graph breaks and graphs on each rank. Per grad mode (the no-grad old log-probs, the
+training forward with its backward) the layers' 6 graphs, shared by both layers and every width (each rank's two
+micro-batches differ), and 2 breaks: nemo-automodel's attention's padding check (`key_mask.all().item()`) and the
+eager MoE block; and nemo-automodel's own compiled `weighted_swiglu_back`, the experts' activation it compiles itself
+(eager too), at one more argument pattern. Resumed graphs compiled for one width (dynamo's default) would recompile
+at each rank's second width."""
 FAILURES: list = []
 
 
@@ -251,7 +274,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str, scale: float | None = No
 
 
 def test_ep2_matches_one_rank(moe_checkpoint, single, tmp_path):
-    ep, ep_lora = _run(2, [(_mesh(2), None), (_mesh(2), LORA)], moe_checkpoint, tmp_path)
+    ep, ep_lora, compiled = _run(2, [(_mesh(2), None), (_mesh(2), LORA), (_mesh(2), None, True, True)],
+                                 moe_checkpoint, tmp_path)
     # nemo-automodel placed the experts over ep (2 of 4 per rank) and the rest over dp_shard
     placed = ep[0]["placements"]
     assert "ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
@@ -262,13 +286,19 @@ def test_ep2_matches_one_rank(moe_checkpoint, single, tmp_path):
     assert "dp_shard_cp=2" in placed["model.layers.0.self_attn.q_proj.lora_A.weight"].lower()
     assert "ep=2" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
     _check(single[1], ep_lora)
+    # compiled decoder layers (`model.compile_layers`, full checkpointing around them) under routing replay (R3): the
+    # attention and norms compiled, the MoE block (gate, replay, token dispatch, experts) eager between them
+    # (hf.compile_layers says why); the graphs are generic from the first micro-batch (every later width and the
+    # recompute reuse them); the numbers and the replay are the one-rank eager replayed run's
+    assert [(r["graph_breaks"], r["graphs"]) for r in compiled] == [COMPILED] * 2
+    _check(single[2], compiled)
 
 
 def test_ep2_by_dp2_and_hsdp_match_one_rank(moe_checkpoint, single, tmp_path):
     ep_dp, hsdp, hsdp_only, ep_dp_lora = _run(
         4, [(_mesh(2), None), (_mesh(2, dp_replicate=2), None), (_mesh(1, dp_replicate=2), None), (_mesh(2), LORA)],
         moe_checkpoint, tmp_path)
-    single, single_lora = single
+    single, single_lora, _ = single
     # ep 2 of 4 ranks: every expert's weights FSDP2-sharded over its ep_shard pair (dim 1), the rest over all 4
     placed = ep_dp[0]["placements"]
     assert "(shard(dim=1), shard(dim=0))" in placed["model.layers.0.mlp.experts.gate_and_up_projs"].lower()
@@ -292,7 +322,15 @@ def test_ep2_by_dp2_and_hsdp_match_one_rank(moe_checkpoint, single, tmp_path):
 
 
 def _check(single: dict, ep: list[dict]) -> None:
-    """`ep` (every rank's results) against the one-rank run; all differences are reported together."""
+    """`ep` (every rank's results) against the one-rank run; all differences are reported together. Under routing
+    replay every router of every rank used the recorded experts for every captured token of the last forward (a
+    checkpoint's recompute, where one ran), where its own top-k mostly differed."""
+    for r in (single, *ep) if "replayed" in single else ():
+        chosen, targets = r["replayed"]
+        known = (targets >= 0).all(-1)
+        assert known.sum() > 0 and torch.equal(chosen.sort(-1).values[known], targets.long().sort(-1).values[known])
+        agreement = sum(s["moe/router_agreement_x_tokens"] for s in r["stats"]) / sum(s["tokens"] for s in r["stats"])
+        assert agreement < 0.9, agreement
     FAILURES.clear()
     adapters = {n for n in single["weights"] if ".lora_" in n}
     if adapters:  # only the adapters train, and B moved off its zero start
