@@ -8,7 +8,7 @@ parallelizer, its `torch` token dispatcher, the real `PolicyWorker`): the one-GP
 4 GPUs, EP 2 x dp 2, HSDP with EP 2 and HSDP alone, and LoRA (nemo-automodel's adapters) at EP 2 and EP 2 x dp 2,
 and compiled decoder layers under routing replay at EP 2 (inductor's CUDA kernels for the attention and norms, the
 MoE block eager; against the one-GPU eager replayed run; its graph breaks and graphs per rank are reported, the CPU
-test's count being `COMPILED`); each must give the one-GPU run's old log-probs, loss statistics,
+test's being `COMPILED_BREAKS, COMPILED_GRAPHS`); each must give the one-GPU run's old log-probs, loss statistics,
 gradients and weights over three optimizer steps (relative 1e-5), the same weights through a weight sync and the HF
 export, and a DCP checkpoint that resumes exactly. Writes OUT_DIR/expert_parallel_gpu.json and prints it; exit 1
 on any difference. Not run yet: no multi-GPU machine has been lent (the capability rows rl/sft-trainer-ep-cuda and

@@ -255,13 +255,14 @@ def single(moe_checkpoint, tmp_path_factory) -> tuple[dict, dict, dict]:
     return plain[0], lora[0], replayed[0]
 
 
-COMPILED = (4, 13)
-"""The compiled layout's graph breaks and graphs on each rank. Per grad mode (the no-grad old log-probs, the
-training forward with its backward) the layers' 6 graphs, shared by both layers and every width (each rank's two
+COMPILED_BREAKS, COMPILED_GRAPHS = 4, 12
+"""The compiled layout's graph breaks and its layers' graphs on each rank: per grad mode (the no-grad old log-probs,
+the training forward with its backward) 6 graphs, shared by both layers and every width (each rank's two
 micro-batches differ), and 2 breaks: nemo-automodel's attention's padding check (`key_mask.all().item()`) and the
-eager MoE block; and nemo-automodel's own compiled `weighted_swiglu_back`, the experts' activation it compiles itself
-(eager too), at one more argument pattern. Resumed graphs compiled for one width (dynamo's default) would recompile
-at each rank's second width."""
+eager MoE block. Resumed graphs compiled for one width (dynamo's default) would recompile at each rank's second width
+(4 graphs more per grad mode). dynamo's count also holds nemo-automodel's own compiled kernels, which the eager MoE
+block calls (its experts' activation, `weighted_swiglu_back`): at most one of them meets an argument pattern the
+spawn's earlier layouts did not."""
 FAILURES: list = []
 
 
@@ -290,7 +291,9 @@ def test_ep2_matches_one_rank(moe_checkpoint, single, tmp_path):
     # attention and norms compiled, the MoE block (gate, replay, token dispatch, experts) eager between them
     # (hf.compile_layers says why); the graphs are generic from the first micro-batch (every later width and the
     # recompute reuse them); the numbers and the replay are the one-rank eager replayed run's
-    assert [(r["graph_breaks"], r["graphs"]) for r in compiled] == [COMPILED] * 2
+    for r in compiled:
+        assert r["graph_breaks"] == COMPILED_BREAKS and 0 <= r["graphs"] - COMPILED_GRAPHS <= 1, (
+            r["graph_breaks"], r["graphs"])
     _check(single[2], compiled)
 
 
