@@ -90,7 +90,8 @@ def _offsets(attention_mask: Tensor | None, position_ids: Tensor | None, b: int,
         lengths = lengths[lengths > 0]  # a filler row of padding alone is no sequence
         index = keep.reshape(-1).nonzero().squeeze(1)
     elif position_ids is not None:  # a sequence starts wherever the position is 0
-        flat = position_ids.reshape(-1)
+        # (1, s) positions shared by b unmasked padded rows (`key_padding_mask` gives them no mask)
+        flat = position_ids.expand(b, s).reshape(-1)
         starts = torch.cat([(flat == 0).nonzero().squeeze(1), torch.tensor([flat.numel()], device=flat.device)])
         lengths = starts.diff()
     else:
