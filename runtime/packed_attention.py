@@ -137,11 +137,39 @@ def varlen_attention_forward(kernel: Callable, module, query: Tensor, key: Tenso
     return out.reshape(b, s, h, d), None
 
 
-def reference_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
-    """What `varlen_attn` computes, one sequence at a time with causal sdpa: for CPU tests (the kernel is CUDA-only)."""
+def _reference(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, scale: float | None) -> Tensor:
     out = []
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
         out.append(torch.nn.functional.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])[0].transpose(0, 1))
     return torch.cat(out)
+
+
+@torch.library.custom_op("molt::varlen_reference", mutates_args=())
+def reference_kernel(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float | None) -> Tensor:
+    """What `varlen_attn` computes, one sequence at a time with causal sdpa: for CPU tests (the kernel is CUDA-only).
+    An opaque op with an int `max_len`, as torch's kernel is, so compiled layers trace and guard on it the same way."""
+    return _reference(q, k, v, cu, scale)
+
+
+@reference_kernel.register_fake
+def _(q, k, v, cu, max_len, scale):
+    return torch.empty_like(q)
+
+
+def _reference_context(ctx, inputs, output):
+    q, k, v, cu, _, scale = inputs
+    ctx.save_for_backward(q, k, v, cu)
+    ctx.scale = scale
+
+
+def _reference_backward(ctx, grad):
+    q, k, v, cu = ctx.saved_tensors
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        dq, dk, dv = torch.autograd.grad(_reference(q, k, v, cu, ctx.scale), (q, k, v), grad)
+    return dq, dk, dv, None, None, None
+
+
+reference_kernel.register_autograd(_reference_backward, setup_context=_reference_context)

@@ -162,6 +162,15 @@ measurements of issue 29). The other shape guard (the SDPA mask's 8-alignment) i
 the plan's `width_multiple`."""
 
 
+_PACKED_ROW_SOURCES = ",".join(f"L['kwargs']['{k}']" for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                                    "max_length_k"))
+"""A packed row's varlen offsets (`packed_attention.packed_row_kwargs`), generic from the first compile: their
+document count and longest document change from one micro-batch to the next, and each compiled once more under
+torch's automatic dynamic shapes (the first new value of the int `max_length_q`, then of the offsets' length): an
+8.7 s step in the middle of the H200 run of the packed GPU demo (tests/gpu/bench_loop.py, 2026-12-05), at the first
+micro-batch without a row at full length. `maybe_mark_dynamic` cannot mark an int; dynamo's `dynamic_sources` can."""
+
+
 class _Waited(torch.autograd.Function):
     """An `AsyncCollectiveTensor` (tensor parallelism's vocabulary-parallel embedding hands the first decoder layer its
     all-reduced output as one) as the plain tensor it wraps, waited on, its gradient passed through: compiled, the
@@ -211,10 +220,11 @@ def _batch_shape_dynamic(compiled, generic: bool = False):
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
-        if generic:
-            with torch._dynamo.config.patch(assume_static_by_default=False):
-                return compiled(*args, **kwargs)
-        return compiled(*args, **kwargs)
+        with torch.compiler.config.patch(dynamic_sources=_PACKED_ROW_SOURCES):
+            if generic:
+                with torch._dynamo.config.patch(assume_static_by_default=False):
+                    return compiled(*args, **kwargs)
+            return compiled(*args, **kwargs)
 
     return run
 

@@ -45,10 +45,11 @@ the mask of a dense decoder (2026-12-05, `runtime.logprobs.key_padding_mask`) th
 WIDTH_MULTIPLE = 8  # the compiler's fsdp.width_multiple on GPUs (molt_compile/derive/cluster.py)
 
 
-def _model(compiled: bool):
+def _model(compiled: bool, packed: bool = False):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from runtime import packed_attention
     from runtime.models.hf import compile_layers
 
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -57,6 +58,12 @@ def _model(compiled: bool):
         head_dim=128, vocab_size=151936)
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(max_position_embeddings=4096, tie_word_embeddings=True, **size))
+    if packed:  # the packed GPU demo's attention (torch's varlen kernel; its CPU reference in the dry run)
+        if DRY_RUN:
+            packed_attention.register("molt_varlen_reference", packed_attention.reference_kernel)
+        name = "molt_varlen_reference" if DRY_RUN else packed_attention.implementation("flash_attention_2",
+                                                                                      torch.device("cuda"))
+        model.config._attn_implementation = name
     model = model.to("cpu" if DRY_RUN else "cuda", torch.float32 if DRY_RUN else torch.bfloat16)
     if compiled:
         compile_layers(model.model.layers, "full")
@@ -65,7 +72,7 @@ def _model(compiled: bool):
     return model
 
 
-def _steps(model) -> list[dict]:
+def _steps(model, packed: bool = False) -> list[dict]:
     import torch
 
     from runtime.logprobs import token_logprobs
@@ -78,15 +85,18 @@ def _steps(model) -> list[dict]:
         g = torch.Generator().manual_seed(rows * 1000 + length)
         ids = torch.randint(5, 1000, (rows, width), generator=g).to(dev)
         mask = (torch.arange(width, device=dev)[None, :] < length).long().expand(rows, width).clone()
-        if (rows, length) != UNPADDED:
+        if packed:  # rows of random lengths: each micro-batch a new document count and longest document
+            lengths = torch.randint(max(1, length // 3), length + 1, (rows,), generator=g).to(dev)
+            mask = (torch.arange(width, device=dev)[None, :] < lengths[:, None]).long()
+        elif (rows, length) != UNPADDED:
             mask[0, length - 5:] = 0  # rows of unequal length
         times = []
         for _ in range(2):
             sync()
             t0 = time.perf_counter()
             with torch.no_grad():  # the old-log-prob pass first, as the loop runs it
-                token_logprobs(model, ids, mask.bool(), 1.0)
-            lp, _ = token_logprobs(model, ids, mask.bool(), 1.0)
+                token_logprobs(model, ids, mask.bool(), 1.0, packed=packed)
+            lp, _ = token_logprobs(model, ids, mask.bool(), 1.0, packed=packed)
             (lp * mask[:, 1:]).sum().backward()
             sync()
             times.append(time.perf_counter() - t0)
@@ -141,6 +151,24 @@ def _chunk_ab(model) -> dict:
     return result
 
 
+def _packed(counters) -> dict:
+    """The same shapes packed (one row per micro-batch, `runtime.logprobs.pack`) through varlen attention: the
+    layers compile one graph per grad mode for every document count and longest document (`hf._PACKED_ROW_SOURCES`),
+    none mid-run."""
+    import torch
+
+    from runtime import logprobs
+
+    torch._dynamo.reset()
+    counters.clear()
+    steps = _steps(_model(compiled=True, packed=True), packed=True)
+    chunk_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(logprobs._chunk.__code__))
+    return {"layer_graphs": counters["stats"]["unique_graphs"] - chunk_graphs,
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiled_shapes": [(c["rows"], c["length"]) for c in steps[1:] if c["first_s"] > c["steady_s"] + 1.0],
+            "steps": steps}
+
+
 def main() -> int:
     import torch
     from torch._dynamo.utils import counters
@@ -160,9 +188,10 @@ def main() -> int:
     layer_graphs = counters["stats"]["unique_graphs"] - chunk_graphs
     # a shape whose first step took a second more than its steady one compiled something mid-run
     recompiled = [(c["rows"], c["length"]) for c in compiled[1:] if c["first_s"] > c["steady_s"] + 1.0]
+    packed = _packed(counters)
     chunk_ab = _chunk_ab(_model(compiled=False)) if not DRY_RUN or os.environ.get("MOLT_CHUNK_AB") else None
     report = {
-        "chunk_ab": chunk_ab,
+        "packed": packed, "chunk_ab": chunk_ab,
         "layer_graphs": layer_graphs, "chunk_graphs": chunk_graphs, "graph_breaks": sum(counters["graph_break"].values()),
         "recompiled_shapes": recompiled,
         "eager": eager, "compiled": compiled,
@@ -174,7 +203,8 @@ def main() -> int:
     # the layers: a graph per grad mode (the no-grad old-log-prob pass, training), and at one row one more each
     # (torch specializes a size of 1); the chunk: one per grad mode; only the one-row shape may compile mid-run
     ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 4 and chunk_graphs <= 2
-                     and all(rows == 1 for rows, _ in recompiled))
+                     and all(rows == 1 for rows, _ in recompiled)
+                     and packed["layer_graphs"] <= 2 and not packed["recompiled_shapes"])
     print("compile_shapes:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
