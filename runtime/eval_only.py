@@ -17,6 +17,7 @@ from typing import Any
 
 import ray
 
+from runtime.engines import engines_ready
 from runtime.generator import EngineLock, Generator
 from runtime.messages import RunResult
 from runtime.metrics import MetricsSink
@@ -37,20 +38,22 @@ def run_eval_only(plan: Plan, rl: RlRuntime, sup: Supervisor, started: Started, 
     with sup.phase("placement groups", "the Ray cluster", "cluster"):
         pgs = create_placement_groups(plan, sup)
     started.pgs = list(pgs.values())
-    with sup.phase("engine start-up", "rollout.engine", "rollout"):
-        engines, router = start_rollout(plan, pgs, sup)
+    engines, router = start_rollout(plan, pgs, sup, wait=False)
     started.handles += engines
     for i, e in enumerate(engines):
         sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
+    # The runners and the generator start (imports, tokenizer, agent, prompts) while the engines load.
     lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
     runners = start_runners(plan, router)
     started.handles += [lock, *runners]
-    with sup.phase("agent runner start-up", "runner", "agent.path"):
-        sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     # No rollout queue or slots: the generator is only asked for one eval round.
     generator: Any = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
         plan.rl, runners, None, None, lock)
     started.handles.append(generator)
+    with sup.phase("engine start-up", "rollout.engine", "rollout"):
+        sup.get(engines_ready(engines))  # init errors surface here, not at a generate
+    with sup.phase("agent runner start-up", "runner", "agent.path"):
+        sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here, clearly
     sink.status(f"evaluating {rl.eval.dataset} with {rl.eval.sampling.n_samples_per_prompt} samples per prompt")
     t0 = time.time()
     with sup.phase("eval round", "generator", "eval"):

@@ -162,7 +162,8 @@ class RlLoop:
         self.started.pgs = list(self.pgs.values())
 
     def _start_roles(self) -> None:
-        """Engines, trainer, critic and reference groups; the resumed state; the weight-sync group."""
+        """Engines, the rollout pipeline's actors, trainer, critic and reference groups; the resumed state; the
+        weight-sync group."""
         plan, rl, sup, started, pgs = self.plan, self.rl, self.sup, self.started, self.pgs
         # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both
         # take minutes. A watched engine that dies meanwhile ends the run by name.
@@ -170,6 +171,7 @@ class RlLoop:
         started.handles += self.engines
         for i, e in enumerate(self.engines):
             sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
+        self._create_pipeline()
         self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", self.tp.world, "trainer", pgs, sup,
                                         started)
         self.critic = self.separate_ref = None
@@ -179,6 +181,7 @@ class RlLoop:
         if rl.ref is not None and not rl.ref.colocated:
             self.separate_ref = start_fsdp_group(start_reference_group, plan, "ref", rl.ref.world, "reference", pgs,
                                                  sup, started)
+        self.probe_ids = probe_sequence(plan)  # the driver's tokenizer work, while the engines load
         with sup.phase("engine start-up", "rollout.engine", "rollout"):
             sup.get(engines_ready(self.engines))
         kl_coef, self.books = rl.algo.kl.coef, Books()
@@ -193,7 +196,6 @@ class RlLoop:
         self.last_ckpt_step = self.step  # the step last saved (a requeue saves the current one unless it is saved)
         self.started.books = self.books
         self.kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
-        self.probe_ids = probe_sequence(plan)
         self.link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, self.trainer, self.engines,
                                    rl.weight_sync.check_unassigned, get=sup.get)
         with sup.phase("weight-sync group", "trainer rank 0 and the engines", "rollout.engine"):
@@ -201,9 +203,11 @@ class RlLoop:
             if self.step > 0:  # resumed weights must reach the engines before the first rollout
                 sync_weights(self.link, self.trainer, self.engines, None, self.probe_ids, self.step, sup, {})
 
-    def _start_generator(self) -> None:
-        """The depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
-        Each slot token carries the trainer's latest step (the generator uses it for eval timing)."""
+    def _create_pipeline(self) -> None:
+        """The rollout pipeline's actors (queues, engine lock, agent runners, generator), created while the engines
+        and the trainer ranks start: their processes' start-up (imports, the tokenizer, the agent, the prompts) is
+        then off the path to the first rollout. Nothing runs yet: the generator starts in `_start_generator`, after
+        the engines are up and hold the resumed weights."""
         plan, rl, sup, started = self.plan, self.rl, self.sup, self.started
         self.rollout_queue = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.rollout"))
         self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
@@ -211,22 +215,27 @@ class RlLoop:
         for name, q in (("queue.rollout", self.rollout_queue), ("queue.slots", self.rollout_slots)):
             actor: Any = q.actor
             sup.watch(name, actor, actor.qsize.remote, "train.async.queue_size")
-        for _ in range(rl.queue.size):
-            self.rollout_slots.put(self.step)
         self.lock = EngineLock.options(**role_options(plan, "lock")).remote()  # type: ignore[attr-defined]  # @ray.remote
         started.handles.append(self.lock)
         sup.watch("lock", self.lock, self.lock.held.remote, "train.async.partial_rollout")
-        runners = start_runners(plan, self.router)
-        started.handles += runners
-        with sup.phase("agent runner start-up", "runner", "agent.path"):
-            sup.get([r.pid.remote() for r in runners])  # an agent file that fails to import stops the run here
+        self.runners = start_runners(plan, self.router)
+        started.handles += self.runners
         self.generator = ray.remote(Generator).options(**role_options(plan, "generator")).remote(
-            rl, runners, self.rollout_queue, self.rollout_slots, self.lock)
+            rl, self.runners, self.rollout_queue, self.rollout_slots, self.lock)
         started.handles.append(self.generator)
-        started.generator = self.generator
+
+    def _start_generator(self) -> None:
+        """The depth-Q pipeline: the generator may have at most Q batches produced and not yet taken by this loop.
+        Each slot token carries the trainer's latest step (the generator uses it for eval timing)."""
+        rl, sup = self.rl, self.sup
+        for _ in range(rl.queue.size):
+            self.rollout_slots.put(self.step)
+        with sup.phase("agent runner start-up", "runner", "agent.path"):
+            sup.get([r.pid.remote() for r in self.runners])  # an agent file that fails to import stops the run here
         books = self.books
         self.generator_done = self.generator.run.remote(self.step, books.done_positions(), books.trained,
                                                         dict(books.dropped))
+        self.started.generator = self.generator  # asked for its accounting from now on
         sup.watch_call("generator", self.generator, self.generator_done, "agent")
         self.best = ((ckpt.best_record(self.rl.ckpt.dir) or {}).get("best_metric")
                      if self.resume_from is not None else None)

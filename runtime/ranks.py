@@ -21,8 +21,8 @@ import torch.distributed as dist
 from runtime import microbatch
 from runtime.experience import Experience
 from runtime.logprobs import token_top_logprobs, vision_inputs
+from runtime.node_address import node_ip_and_port
 from schemas.plan import TrainerPlan
-from schemas.ports import free_port
 
 
 def _ray():
@@ -171,15 +171,11 @@ def start_ranks(worker_cls: type, actor_options: list[dict], make_args: Callable
     notices a rank that dies while building; None: ray.get). Rank 0's node IP plus a free port on that node is the
     group's torch.distributed master."""
     remote_cls = _ray().remote(worker_cls)
-    probe = _ray().remote(num_cpus=0)(_node_ip_and_port)
+    probe = _ray().remote(num_cpus=0)(node_ip_and_port)
     addr, port = _ray().get(probe.options(**_placement_only(actor_options[0])).remote())
     workers = [remote_cls.options(**opts).remote(*make_args(r, addr, port)) for r, opts in enumerate(actor_options)]
     (get or _ray().get)([w.ready.remote() for w in workers])
     return workers
-
-
-def _node_ip_and_port() -> tuple[str, int]:
-    return _ray().util.get_node_ip_address(), free_port()
 
 
 def _placement_only(options: dict) -> dict:
