@@ -23,6 +23,7 @@ from runtime.experience import Experience
 from runtime.logprobs import token_top_logprobs, vision_inputs
 from runtime.node_address import node_ip_and_port
 from schemas.plan import TrainerPlan
+from schemas.ports import free_port as free_port  # re-exported: the trainer and the tests' rank worlds pick ports here
 
 
 def _ray():
