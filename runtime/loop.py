@@ -162,7 +162,7 @@ class RlLoop:
         self.started.pgs = list(self.pgs.values())
 
     def _start_roles(self) -> None:
-        """Engines, the rollout pipeline's actors, trainer, critic and reference groups; the resumed state; the
+        """Engines, trainer, critic and reference groups, the rollout pipeline's actors; the resumed state; the
         weight-sync group."""
         plan, rl, sup, started, pgs = self.plan, self.rl, self.sup, self.started, self.pgs
         # The engines load their model while the trainer (and critic, reference) ranks build theirs: at scale both
@@ -171,7 +171,6 @@ class RlLoop:
         started.handles += self.engines
         for i, e in enumerate(self.engines):
             sup.watch(f"rollout.engine[{i}]", e, e.weights_version.remote, "rollout.engine")
-        self._create_pipeline()
         self.trainer = start_fsdp_group(start_trainer_group, plan, "actor", self.tp.world, "trainer", pgs, sup,
                                         started)
         self.critic = self.separate_ref = None
@@ -181,6 +180,7 @@ class RlLoop:
         if rl.ref is not None and not rl.ref.colocated:
             self.separate_ref = start_fsdp_group(start_reference_group, plan, "ref", rl.ref.world, "reference", pgs,
                                                  sup, started)
+        self._create_pipeline()
         self.probe_ids = probe_sequence(plan)  # the driver's tokenizer work, while the engines load
         with sup.phase("engine start-up", "rollout.engine", "rollout"):
             sup.get(engines_ready(self.engines))
@@ -204,10 +204,11 @@ class RlLoop:
                 sync_weights(self.link, self.trainer, self.engines, None, self.probe_ids, self.step, sup, {})
 
     def _create_pipeline(self) -> None:
-        """The rollout pipeline's actors (queues, engine lock, agent runners, generator), created while the engines
-        and the trainer ranks start: their processes' start-up (imports, the tokenizer, the agent, the prompts) is
-        then off the path to the first rollout. Nothing runs yet: the generator starts in `_start_generator`, after
-        the engines are up and hold the resumed weights."""
+        """The rollout pipeline's actors (queues, engine lock, agent runners, generator), created once the model
+        groups are built, while the engines finish loading: their processes' start-up (imports, the tokenizer, the
+        agent, the prompts) is then off the path to the first rollout. Not earlier: on a small CPU node they would
+        slow the engines' and the ranks' own start-up (imports that compete for the same cores). Nothing runs yet:
+        the generator starts in `_start_generator`, once the engines are up and hold the resumed weights."""
         plan, rl, sup, started = self.plan, self.rl, self.sup, self.started
         self.rollout_queue = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.rollout"))
         self.rollout_slots = Queue(maxsize=rl.queue.size, actor_options=role_options(plan, "queue.slots"))
