@@ -53,6 +53,13 @@ Same day, a fourth machine, the lm_head chunk compiled with static shapes (runti
 training (median 2.62 s; 130 µs a trained token), probe 0.12 s; ours `full+packed` 7,466 tokens/s, **3.10x**, trainer
 phase 2.12 s = **0.99x** plain's training (0.98x a trained token), probe 0.17 s. No mid-run stall: after the first
 (compiling) step every training step took 1.7-4.8 s.
+Measured 2026-12-05 later (one H200, `--checkpoint full,full+padded`, 514 s call with check_compile_shapes; padded
+rows of the dense decoder now without their mask, runtime/logprobs.py): plain 2,944 tokens/s (generation 4.84 s +
+training 2.07 s); ours `full` (packed) 6,882 tokens/s, 2.34x, trainer phase 2.40 s = 1.16x plain's training (median
+2.05 s = 0.99x): one step trained for 8.7 s, a mid-run recompile of the packed layers at the first micro-batch with
+a new document count and longest document (the varlen offsets are generic from the first compile since:
+runtime/models/hf.py `_PACKED_ROW_SOURCES`); ours `full+padded` 7,412 tokens/s, **2.52x**, trainer phase 1.95 s =
+**0.94x** plain's training (1.05x a trained token; was 1.30x with the mask).
 """
 
 from __future__ import annotations
