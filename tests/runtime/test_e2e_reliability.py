@@ -123,7 +123,10 @@ def test_resume_trains_every_prompt_once_and_logs_each_step_once(runs):
     assert [r["step"] for r in runs["metrics"] if "rollout/reward_mean" in r] == steps
     trained = [pos for p in prompts for pos in p["prompts"]]
     assert len(trained) == len(set(trained))                              # nothing trained twice
-    assert set(trained) | set(FAULTS) == set(range(ROWS)) and not set(trained) & set(FAULTS)  # nothing lost
+    # nothing lost; the books say whether a missing prompt was dropped (a step over its 2 s bound on a loaded
+    # machine drops its rollout: seen once with three test sessions on 2 cores) or lost
+    missing = set(range(ROWS)) - set(trained) - set(FAULTS)
+    assert not missing and not set(trained) & set(FAULTS), (sorted(missing), result.accounting)
     acc = result.accounting
     dropped = sum(v for k, v in acc.items() if k.startswith("prompts/dropped/"))
     assert acc["prompts/consumed"] == ROWS == acc["prompts/trained"] + dropped
