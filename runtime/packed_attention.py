@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 NAME = "molt_varlen"  # no "flash" in it: transformers 5.17 would look for such a name on the Hub
+PACKED_ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # `packed_row_kwargs`' names
 _registered: set[str] = set()  # NAME, and a CPU test's name for the reference kernel
 _offsets_cache: list = [None, None]  # [the tensor the offsets were computed from, (cu_seqlens, max_len, index)]
 
@@ -107,7 +108,7 @@ def packed_row_kwargs(position_ids: Tensor) -> dict[str, Tensor | int]:
     and handed through the model to every layer's attention. Computed inside a compiled layer instead, their
     data-dependent `nonzero` broke the graph, and a break inside the checkpointed layer runs it eager."""
     cu, max_len, _ = _offsets(None, position_ids, *position_ids.shape, position_ids.device)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
+    return dict(zip(PACKED_ROW_KWARGS, (cu, cu, max_len, max_len), strict=True))
 
 
 def varlen_attention_forward(kernel: Callable, module, query: Tensor, key: Tensor, value: Tensor,

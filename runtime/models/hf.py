@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime import moe
+from runtime import moe, packed_attention
 from runtime.logprobs import attach
 from runtime.models.base import Meshes
 
@@ -162,8 +162,7 @@ measurements of issue 29). The other shape guard (the SDPA mask's 8-alignment) i
 the plan's `width_multiple`."""
 
 
-_PACKED_ROW_SOURCES = ",".join(f"L['kwargs']['{k}']" for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-                                                                    "max_length_k"))
+_PACKED_ROW_SOURCES = ",".join(f"L['kwargs']['{k}']" for k in packed_attention.PACKED_ROW_KWARGS)
 """A packed row's varlen offsets (`packed_attention.packed_row_kwargs`), generic from the first compile: their
 document count and longest document change from one micro-batch to the next, and each compiled once more under
 torch's automatic dynamic shapes (the first new value of the int `max_length_q`, then of the offsets' length): an
@@ -220,10 +219,8 @@ def _batch_shape_dynamic(compiled, generic: bool = False):
         # the hidden states: the first input, positional (transformers' layers) or keyword (nemo-automodel's `x`)
         hidden = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
         mark((args, tuple(kwargs.values())), tuple(hidden.shape[:2]))
-        with torch.compiler.config.patch(dynamic_sources=_PACKED_ROW_SOURCES):
-            if generic:
-                with torch._dynamo.config.patch(assume_static_by_default=False):
-                    return compiled(*args, **kwargs)
+        with (torch.compiler.config.patch(dynamic_sources=_PACKED_ROW_SOURCES),
+              torch._dynamo.config.patch(assume_static_by_default=not generic)):
             return compiled(*args, **kwargs)
 
     return run

@@ -151,22 +151,35 @@ def _chunk_ab(model) -> dict:
     return result
 
 
+def _compiled_report(counters, steps: list[dict]) -> dict:
+    """What the compiled run of `steps` compiled: the decoder layers' graphs (all but the lm_head chunk's own: GPUs
+    compile it apart, small graphs), the chunk's, the graph breaks, and each shape whose first step took a second
+    more than its steady one (it compiled something mid-run)."""
+    import torch
+
+    from runtime import logprobs
+
+    chunk_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(logprobs._chunk.__code__))
+    return {"layer_graphs": counters["stats"]["unique_graphs"] - chunk_graphs, "chunk_graphs": chunk_graphs,
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "recompiled_shapes": [(c["rows"], c["length"]) for c in steps[1:] if c["first_s"] > c["steady_s"] + 1.0]}
+
+
 def _packed(counters) -> dict:
     """The same shapes packed (one row per micro-batch, `runtime.logprobs.pack`) through varlen attention: the
     layers compile one graph per grad mode for every document count and longest document (`hf._PACKED_ROW_SOURCES`),
     none mid-run."""
     import torch
 
-    from runtime import logprobs
-
     torch._dynamo.reset()
     counters.clear()
     steps = _steps(_model(compiled=True, packed=True), packed=True)
-    chunk_graphs = len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(logprobs._chunk.__code__))
-    return {"layer_graphs": counters["stats"]["unique_graphs"] - chunk_graphs,
-            "graph_breaks": sum(counters["graph_break"].values()),
-            "recompiled_shapes": [(c["rows"], c["length"]) for c in steps[1:] if c["first_s"] > c["steady_s"] + 1.0],
-            "steps": steps}
+    return {**_compiled_report(counters, steps), "steps": steps}
+
+
+def _packed_ok(packed: dict) -> bool:
+    """One layer graph per grad mode, no break, nothing compiled mid-run."""
+    return packed["graph_breaks"] == 0 and packed["layer_graphs"] <= 2 and not packed["recompiled_shapes"]
 
 
 def main() -> int:
@@ -178,7 +191,7 @@ def main() -> int:
     if "--packed-only" in sys.argv:  # the packed pass alone (a short device call)
         packed = _packed(counters)
         (out / "compile_shapes.json").write_text(json.dumps({"packed": packed}, indent=1))
-        ok = packed["graph_breaks"] == 0 and packed["layer_graphs"] <= 2 and not packed["recompiled_shapes"]
+        ok = _packed_ok(packed)
         print(json.dumps({k: v for k, v in packed.items() if k != "steps"}), "\ncompile_shapes:",
               "ok" if ok or DRY_RUN else "FAILED")
         return 0 if ok or DRY_RUN else 1
@@ -186,22 +199,11 @@ def main() -> int:
     torch._dynamo.reset()
     counters.clear()
     compiled = _steps(_model(compiled=True))
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from runtime import logprobs
-
-    # the decoder layers' graphs: all but the lm_head chunk's own (GPUs compile it apart: small graphs)
-    chunk_graphs = len(_debug_get_cache_entry_list(logprobs._chunk.__code__))
-    layer_graphs = counters["stats"]["unique_graphs"] - chunk_graphs
-    # a shape whose first step took a second more than its steady one compiled something mid-run
-    recompiled = [(c["rows"], c["length"]) for c in compiled[1:] if c["first_s"] > c["steady_s"] + 1.0]
+    report = _compiled_report(counters, compiled)  # before the packed pass clears the counters
     packed = _packed(counters)
     chunk_ab = _chunk_ab(_model(compiled=False)) if not DRY_RUN or os.environ.get("MOLT_CHUNK_AB") else None
     report = {
-        "packed": packed, "chunk_ab": chunk_ab,
-        "layer_graphs": layer_graphs, "chunk_graphs": chunk_graphs, "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiled_shapes": recompiled,
-        "eager": eager, "compiled": compiled,
+        "packed": packed, "chunk_ab": chunk_ab, **report, "eager": eager, "compiled": compiled,
         "steady_vs_eager": sum(e["steady_s"] for e in eager) / sum(c["steady_s"] for c in compiled),
     }
     (out / "compile_shapes.json").write_text(json.dumps(report, indent=1))
@@ -209,9 +211,9 @@ def main() -> int:
     # the CPU dry run checks the script only: the CPU inductor guards on other shapes (its C++ accumulators)
     # the layers: a graph per grad mode (the no-grad old-log-prob pass, training), and at one row one more each
     # (torch specializes a size of 1); the chunk: one per grad mode; only the one-row shape may compile mid-run
-    ok = DRY_RUN or (report["graph_breaks"] == 0 and layer_graphs <= 4 and chunk_graphs <= 2
-                     and all(rows == 1 for rows, _ in recompiled)
-                     and packed["layer_graphs"] <= 2 and not packed["recompiled_shapes"])
+    ok = DRY_RUN or (report["graph_breaks"] == 0 and report["layer_graphs"] <= 4 and report["chunk_graphs"] <= 2
+                     and all(rows == 1 for rows, _ in report["recompiled_shapes"])
+                     and _packed_ok(packed))
     print("compile_shapes:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
