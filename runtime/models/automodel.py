@@ -453,7 +453,7 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     `model.compile_layers`: each decoder layer's forward compiled after the parallelizer (`hf.compile_layers`, as
     nemo-automodel's own per-layer compile comes after its TP and FSDP2), so dynamo traces the layer's DTensor
     parameters and TP's collectives in one graph, FSDP2's hooks eager around it. Full activation checkpointing stays
-    eager around each compiled layer's call (transformers' switch, as without compile), its recompute running the same
+    eager around each compiled forward (`hf.checkpoint_layers` after the compile), its recompute running the same
     compiled graph again (no graph more, the one-rank numbers, a tenth of the saved activations:
     tests/runtime/models/test_tensor_parallel.py). Torch 2.13 fails the checkpoint traced inside the compiled TP layer
     (hf's order): AOT autograd's partitioner appends the saved RNG state of the recomputed attention op (CPU SDPA has
@@ -468,10 +468,9 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mode = model_plan.gradient_checkpoint if trainable else "none"
-    # full checkpointing wraps each (compiled) layer's call eagerly, compiled or not; selective goes inside a compiled one
+    # full checkpointing wraps each (compiled) layer's forward eagerly, compiled or not; selective goes inside a
+    # compiled one
     eager_checkpoint = mode == "full" or (mode == "selective" and not model_plan.compile_layers)
-    if eager_checkpoint:
-        hf.enable_checkpointing(model, mode, decoder_layers(model))
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -483,6 +482,8 @@ def tensor_parallel(model, model_plan: ModelPlan, meshes: Meshes, trainable: boo
     if model_plan.compile_layers:
         _patch_dtensor_spec_hash_for_symint()  # nemo-automodel's fix for DTensor specs of dynamic (symbolic) sizes
         hf.compile_layers(decoder_layers(model), "none" if eager_checkpoint else mode)
+    if eager_checkpoint:  # around the compiled forward where there is one
+        hf.checkpoint_layers(decoder_layers(model), mode)
     attach(model)
     return model
 

@@ -86,17 +86,28 @@ def _checkpoint_kwargs(mode: str) -> dict:
 def enable_checkpointing(model, mode: str, layers=None) -> None:
     """Activation checkpointing of every decoder layer (non-reentrant): `full` keeps each layer's input and
     recomputes the whole layer in the backward; `selective` also keeps its matmul and attention outputs and
-    recomputes only the cheap ops (Molt's per-op mode). A model without transformers' switch for it
-    (nemo-automodel's own implementations) gets each of `layers`' forwards run under `torch.utils.checkpoint`
-    itself, which is what the switch does (module names, hence parameter names, stay as they are)."""
+    recomputes only the cheap ops (Molt's per-op mode). transformers' switch for transformers' own models (it also
+    covers a VLM's vision blocks), `checkpoint_layers` on `layers` for other implementations (nemo-automodel's)."""
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=_checkpoint_kwargs(mode))
+        return
+    checkpoint_layers(layers, mode)
+
+
+def checkpoint_layers(layers, mode: str) -> None:
+    """Each of `layers`' forwards run under `torch.utils.checkpoint` (what transformers' switch does, module and
+    parameter names unchanged), inside the FSDP2 hooks of the layer once it is sharded (torchtitan's order): the
+    checkpoint keeps the inputs FSDP2 cast to the compute dtype, and its recompute gets the same ones.
+    transformers' switch checkpoints the whole module call instead, hooks included, and torch 2.11's FSDP2 does not
+    cast a layer's inputs again when that recompute calls it (torch 2.13 does): nemo-automodel's models hand their
+    layers fp32 rotary coefficients, so its recompute got fp32 where the forward had bf16 and failed the checkpoint's
+    metadata check (CheckpointError, H100, tests/gpu/bench_trainer.py `uniform/padded-automodel`, 2026-12-05).
+    transformers' own models hand their layers cos/sin already in the hidden states' dtype."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
     kwargs = _checkpoint_kwargs(mode)
-    if hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return
     for layer in layers:
         layer.forward = functools.partial(checkpoint, layer.forward, **kwargs)
 

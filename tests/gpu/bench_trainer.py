@@ -83,11 +83,19 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     """Best of `steps` optimizer steps (after one warm-up, which also compiles) of a fresh `PolicyWorker` on
     `batch`; with `new_shape` (a batch of another length), also the first step on it (a recompile, if any) and the
     next one."""
-    import torch
 
     from runtime.trainer import PolicyWorker
 
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
+    try:  # a failing run still leaves its process group: the next run initialises its own
+        return _timed_steps(worker, batch, steps, sync, cfg, n_params, seq, plain, profile, out, new_shape)
+    finally:
+        worker.shutdown()
+
+
+def _timed_steps(worker, batch, steps, sync, cfg, n_params, seq, plain, profile, out, new_shape) -> dict:
+    import torch
+
     mask = batch.action_mask
     step_batch = replace(batch, old_log_probs=torch.zeros(mask.shape), advantages=mask.float(),
                          rollout_log_probs=torch.zeros(mask.shape))
@@ -126,8 +134,6 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
            "first_step_s": first_s, "first_step_metrics": first_metrics, **shape_change}
     if not DRY_RUN:
         run["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    worker.shutdown()
-    del worker
     return run
 
 

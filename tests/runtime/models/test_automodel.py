@@ -141,22 +141,39 @@ def test_weight_sync_and_export_see_transformers_names_and_layouts(world, checkp
         torch.testing.assert_close(exported(input_ids=ids).logits, original(input_ids=ids).logits)
 
 
-def test_full_checkpointing_leaves_gradients_unchanged(world, checkpoint):
-    """nemo-automodel's layers have no transformers checkpointing switch: each layer's forward runs under
-    torch.utils.checkpoint (full mode), and the gradients are those of the plain run."""
-    grads, recomputed = {}, {}
+@pytest.fixture(scope="module")
+def dense_checkpoint(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("dense") / "model", seed=0, vocab_size=300,
+                                tie_word_embeddings=False))
+
+
+@pytest.mark.parametrize("which", ["moe", "dense"])
+def test_full_checkpointing_recomputes_inside_the_layers_hooks_with_unchanged_gradients(world, checkpoint,
+                                                                                        dense_checkpoint, which):
+    """nemo-automodel's layers (its Qwen3-MoE, which has no transformers checkpointing switch, and its dense Qwen3,
+    which has one) run their forward under torch.utils.checkpoint (full mode) inside the layer's module hooks,
+    where FSDP2 casts the inputs: the recompute in the backward calls no hook again (transformers' switch would: it
+    checkpoints the whole module call, and torch 2.11's FSDP2 then skips the cast, `hf.checkpoint_layers`). The
+    gradients are those of the plain run."""
+    path = checkpoint if which == "moe" else dense_checkpoint
+    grads, recomputed, hooked = {}, {}, {}
     for mode in ("none", "full"):
-        plan = _plan(checkpoint, "automodel").model_copy(update={"gradient_checkpoint": mode})
-        model = automodel.build(plan, checkpoint, world, torch.device("cpu"))
-        calls = []
-        automodel.decoder_layers(model)[0].self_attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        plan = _plan(path, "automodel").model_copy(update={"gradient_checkpoint": mode})
+        model = automodel.build(plan, path, world, torch.device("cpu"))
+        assert any(c.__module__.startswith("nemo_automodel.") for c in type(model).__mro__)  # under FSDP2's class
+        calls, hooks = [], []
+        layer = automodel.decoder_layers(model)[0]
+        layer.self_attn.register_forward_hook(lambda *_, calls=calls: calls.append(1))
+        layer.register_forward_pre_hook(lambda *_, hooks=hooks: hooks.append(1))
         ids, mask = _batch()
         loss = token_logprobs(model, ids, mask, 1.0)[0].mean()
-        forward_calls = len(calls)
+        forward_calls, forward_hooks = len(calls), len(hooks)
         loss.backward()
         recomputed[mode] = len(calls) - forward_calls  # attention forwards run again in the backward
+        hooked[mode] = len(hooks) - forward_hooks  # the layer's module hooks run again in the backward
         grads[mode] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
     assert recomputed == {"none": 0, "full": 1}
+    assert hooked == {"none": 0, "full": 0}
     assert grads["full"].keys() == grads["none"].keys() and grads["none"]
     for name, g in grads["full"].items():
         torch.testing.assert_close(g, grads["none"][name], rtol=1e-5, atol=1e-6, msg=name)
