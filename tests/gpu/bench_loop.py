@@ -60,6 +60,17 @@ training 2.07 s); ours `full` (packed) 6,882 tokens/s, 2.34x, trainer phase 2.40
 a new document count and longest document (the varlen offsets are generic from the first compile since:
 runtime/models/hf.py `_PACKED_ROW_SOURCES`); ours `full+padded` 7,412 tokens/s, **2.52x**, trainer phase 1.95 s =
 **0.94x** plain's training (1.05x a trained token; was 1.30x with the mask).
+Measured 2026-12-05 once more, after the packed offsets went generic (three calls, `--steps 3 --samples 128`):
+- one H100, `full` (packed): plain 3,257 tokens/s (generation 4.98 s + training 1.74 s); ours 7,465 tokens/s, 2.29x;
+  trainer phase 1.97 s = 1.14x plain's training (median 2.09 s). No mid-run recompile: every step after the first
+  trained in 1.2-2.3 s. The last three steps, with no generation left beside them, trained in 1.21, 1.18 and 1.53 s
+  (0.68-0.88x plain's); the twelve before, the engine generating the next batches on the same GPU, in 1.85-2.34 s.
+- one H200, `full,full+sync` (plain 2,683 tokens/s: generation 4.58 s + training 2.15 s): `full` 6,322 tokens/s,
+  2.36x, trainer phase 2.21 s = 1.03x plain's (1.03x a trained token); `full+sync` 7,061 tokens/s, 2.63x, trainer
+  phase 2.22 s = 1.03x (0.87x a trained token: its responses were longer, 168 against 141 tokens).
+- the same H200, next call, `full+padded` (plain 2,300 tokens/s, training 1.95 s: plain's own spread between two
+  calls is 17 %): 6,418 tokens/s, 2.79x, trainer phase 2.41 s = 1.23x plain's. Against the packed call before it on
+  the same machine, packed trains in 0.92x the padded time per step.
 """
 
 from __future__ import annotations

@@ -34,6 +34,14 @@ The `-automodel` runs (added 2026-12-05) train the same dense shape through the 
 model class, runtime/models/automodel.py): each reports its speed against the hf backend's run of the same name
 without the suffix, and its first step's loss, log-ratio sum and gradient norm against that run's (the same weights
 and rows: only kernels and rounding differ). The CPU dry run gives the hf numbers exactly (fp32).
+Measured 2026-12-05 (this session's second day) on one H100, then one H200 (`uniform/padded uniform/padded-automodel
+uniform/padded-compiled uniform/padded-compiled-automodel`): on the H100 the automodel runs failed their first step
+(full checkpointing through transformers' switch: torch 2.11's FSDP2 does not re-cast the layer inputs in the
+recompute, nemo-automodel's rotary coefficients are fp32, CheckpointError), fixed in `hf.checkpoint_layers`. Then on
+the H200 (plain 0.702 s/step in the same run): hf full 0.82x plain, full + compiled 1.37x (first step 13.8 s);
+automodel full 0.88x = **1.08x the hf backend** (0.794 s against 0.858 s), full + compiled 1.35x = **0.98x the hf
+backend** (0.519 s against 0.511 s; first step 9.5 s); first-step loss and gradient norm against the hf backend's
+within 3.8e-4 and 2.7e-3 relative (bf16 kernels), token count equal; peak reserved 32-33 GiB for all four.
 Writes OUT_DIR/trainer_gpu.json and prints it.
 """
 

@@ -14,6 +14,9 @@ master weights and fp32 routers, routers frozen by type: Molt F11) on a random Q
 2. STEPS AdamW steps (`runtime.fsdp`) on a fixed batch with the recipe-style aux losses from the gates' logits
    (`runtime.moe`): the loss falls, the gates stay fp32 and unchanged, the experts move.
 Writes OUT_DIR/automodel_moe_gpu.json and prints it.
+Run 2026-12-05 (one H100, 30 steps): ok; build 3.4 s, training 12.4 s; replayed forward selects the recorded experts
+for 100 % of the tokens, 17.7 % agreement live after the perturbation; loss 5.72 -> 3.33, balance 1.006 -> 1.000;
+gates fp32 and unchanged, experts moved, peak 121 MB.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ dynamic one's (0.217 s against 0.195 s over the 11 shapes: the last chunk's padd
 1024-row chunk at 6 ms; under 1 % of a training step at these shapes). In the RL loop that day a step whose responses fell to
 3 tokens trained for 15.8 s; in an earlier call's log the chunk (`runtime.logprobs._chunk`) recompiled on inductor's
 matmul-padding guard `301 <= hidden.size()[0] <= 2047` (its `shape_padding` pass), and on `2 <= storage_offset()`.
+Packed pass (`--packed-only`), first GPU run 2026-12-05 (one H100, after runtime/models/hf.py `_PACKED_ROW_SOURCES`):
+passed; layer graphs 2, chunk graphs 2, no graph break, no shape recompiled mid-run (12 micro-batches of 1-16 packed
+rows, first step 19.9 s compiling, every later first step within 0.03 s of its steady step: 0.08-0.20 s).
 """
 
 from __future__ import annotations
