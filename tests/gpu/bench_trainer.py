@@ -34,7 +34,7 @@ The `-automodel` runs (added 2026-12-05) train the same dense shape through the 
 model class, runtime/models/automodel.py): each reports its speed against the hf backend's run of the same name
 without the suffix, and its first step's loss, log-ratio sum and gradient norm against that run's (the same weights
 and rows: only kernels and rounding differ). The CPU dry run gives the hf numbers exactly (fp32).
-Measured 2026-12-05 (this session's second day) on one H100, then one H200 (`uniform/padded uniform/padded-automodel
+Measured 2026-12-05, later, on one H100, then one H200 (`uniform/padded uniform/padded-automodel
 uniform/padded-compiled uniform/padded-compiled-automodel`): on the H100 the automodel runs failed their first step
 (full checkpointing through transformers' switch: torch 2.11's FSDP2 does not re-cast the layer inputs in the
 recompute, nemo-automodel's rotary coefficients are fp32, CheckpointError), fixed in `hf.checkpoint_layers`. Then on
@@ -91,7 +91,6 @@ def _trainer_run(rl, batch, steps, sync, cfg, n_params, seq, plain, port, profil
     """Best of `steps` optimizer steps (after one warm-up, which also compiles) of a fresh `PolicyWorker` on
     `batch`; with `new_shape` (a batch of another length), also the first step on it (a recompile, if any) and the
     next one."""
-
     from runtime.trainer import PolicyWorker
 
     worker = PolicyWorker(rl.trainer, rl.model, rl.ref, rl.algo, rl.device, rl.dist_backend, 0, "127.0.0.1", port)
