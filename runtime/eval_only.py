@@ -17,8 +17,9 @@ from typing import Any
 
 import ray
 
+from runtime.engine_lock import EngineLock
 from runtime.engines import engines_ready
-from runtime.generator import EngineLock, Generator
+from runtime.generator import Generator
 from runtime.messages import RunResult
 from runtime.metrics import MetricsSink
 from runtime.roles import create_placement_groups, role_options, start_rollout, start_runners

@@ -518,25 +518,3 @@ def _next_eval_step(step: int, every: int | None) -> int:
 
 async def _awaitable(ref):
     return await ref
-
-
-@ray.remote(num_cpus=0)
-class EngineLock:
-    """Generation and weight sync must not overlap (unless partial rollout says they may): no request runs while
-    weights are being loaded. An asyncio lock in its own zero-CPU actor is shared by the generator (held while
-    producing a batch) and the trainer loop (held while pushing weights). It does not make a batch single-version:
-    surplus groups in flight at the end of a batch are carried into the next one, across the sync (Molt 0.2.1
-    drains them instead, D12/X4); each token's version is in `Experience.policy_versions`."""
-
-    def __init__(self):
-        self._lock = asyncio.Lock()
-
-    async def acquire(self) -> None:
-        await self._lock.acquire()
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def held(self) -> bool:
-        """The supervisor's ping."""
-        return self._lock.locked()

@@ -50,13 +50,14 @@ from runtime.batch_stats import LengthShaping, batch_metrics, image_metrics, out
 from runtime.books import Books
 from runtime.critic import critic_metrics, start_critic_group
 from runtime.datasource import derive_at_start
+from runtime.engine_lock import EngineLock, sync_weights, trainer_turn
 from runtime.engines import engines_ready
 from runtime.experience import (
     Experience,
     pad_batch_to_multiple,
     partial_rollout_metrics,
 )
-from runtime.generator import EngineLock, Generator
+from runtime.generator import Generator
 from runtime.messages import EndOfStream, EvalResult, RolloutBatch, RunResult
 from runtime.metrics import MetricsSink, drop_records_after
 from runtime.plot import plot_run
@@ -293,26 +294,29 @@ class RlLoop:
         if not rl.queue.force_sync:
             self.rollout_slots.put(self.step)  # the next batch may start now, with the weights of this step
         queue_depth = self.rollout_queue.qsize()
-        with sup.phase("make_experience", "actor", "actor.micro_batch_size", timings):
-            ex = self.make_experience(msg)
-        train_ref = ray.put(ex.train_batch)
-        critic_stats: dict[str, float] = {}
-        if self.critic is not None:
-            with sup.phase("critic_train", "critic", "critic", timings):
-                critic_stats = self.critic.train(train_ref)
-        actor_frozen = self.step < self.tp.freezing_steps  # gae: the critic warms up, the policy waits
-        train_stats: dict[str, float] = {}
-        sync_stats: dict[str, float] = {}
-        if not actor_frozen:
-            with sup.phase("policy_train", "actor", "actor", timings):
-                train_stats = self.trainer.train(train_ref, self.kl_ctl.value)
-        self.step += 1
-        books.trained_batch(msg)
-        self.prompts_log.write(json.dumps({"step": self.step, "prompts": sorted(msg.prompt_positions)}) + "\n")
-        self.prompts_log.flush()
-        if not actor_frozen:  # to every engine, under the engine lock, then the probe (frozen: nothing new)
-            sync_stats = sync_weights(self.link, self.trainer, self.engines, self.lock, self.probe_ids, self.step,
-                                      sup, timings)
+        # alternate: the engines paused and the lock held from here through the sync (the GPUs they share are the
+        # trainer's alone); overlap: they generate beside the step
+        with trainer_turn(rl.queue, self.engines, self.lock, sup, timings) as sync_lock:
+            with sup.phase("make_experience", "actor", "actor.micro_batch_size", timings):
+                ex = self.make_experience(msg)
+            train_ref = ray.put(ex.train_batch)
+            critic_stats: dict[str, float] = {}
+            if self.critic is not None:
+                with sup.phase("critic_train", "critic", "critic", timings):
+                    critic_stats = self.critic.train(train_ref)
+            actor_frozen = self.step < self.tp.freezing_steps  # gae: the critic warms up, the policy waits
+            train_stats: dict[str, float] = {}
+            sync_stats: dict[str, float] = {}
+            if not actor_frozen:
+                with sup.phase("policy_train", "actor", "actor", timings):
+                    train_stats = self.trainer.train(train_ref, self.kl_ctl.value)
+            self.step += 1
+            books.trained_batch(msg)
+            self.prompts_log.write(json.dumps({"step": self.step, "prompts": sorted(msg.prompt_positions)}) + "\n")
+            self.prompts_log.flush()
+            if not actor_frozen:  # to every engine, under the engine lock, then the probe (frozen: nothing new)
+                sync_stats = sync_weights(self.link, self.trainer, self.engines, sync_lock, self.probe_ids, self.step,
+                                          sup, timings)
         if rl.queue.force_sync:
             self.rollout_slots.put(self.step)
         mean_kl = float(algo.masked_mean(ex.kl, ex.batch.action_mask)) if ex.kl is not None else 0.0
@@ -433,40 +437,6 @@ runtime/generator.py) of the prompts trained at that step: what an exact resume 
 
 
 # ---------------------------------------------------------------------------------------------------- steps
-def sync_weights(link: WeightSyncLink, trainer, engines, lock, probe_ids: list[int], version: int,
-                 sup: Supervisor, timings: dict[str, float]) -> dict[str, float]:
-    """Stream the weights to every engine (paused around the update, `runtime.weight_sync`); then the probe, still
-    under the engine lock: released first, the generator starts its next batch at once and the probe's engine call
-    waits behind it (1.5 s a step on one H200, issue 29); the hf engine's score then takes its next forward pass
-    (0.62 s a step waiting behind every generation chunk before, 0.11 s after). Timed phases: `weight_sync_total`
-    (lock wait, pause, `timing/weight_sync`, resume), `weight_sync_lock_wait`, `probe` (the engines and the trainer
-    at once).
-
-    `lock` is None only before the generator exists (resume), when nothing can be generating.
-    """
-    locked = False
-    try:
-        with sup.phase("weight_sync_total", "trainer rank 0 and the engines", "rollout.engine", timings):
-            if lock is not None:
-                with sup.phase("weight_sync_lock_wait", "generator (holds the engine lock)",
-                               "agent.episode_timeout_s", timings):
-                    sup.get(lock.acquire.remote())
-                locked = True
-            sup.get([e.pause.remote() for e in engines])
-            stats = link.sync(version)
-            sup.get([e.resume.remote() for e in engines])
-        with sup.phase("probe", "trainer rank 0 and the engines", "rollout.engine", timings):
-            engine_refs = [e.score.remote(probe_ids) for e in engines]
-            trainer_lp = torch.tensor(trainer.probe_logprobs(probe_ids))
-            engine_lp = [torch.tensor(lp) for lp in sup.get(engine_refs)]
-    finally:
-        if locked:
-            ray.get(lock.release.remote(), timeout=sup.bounds.stop_timeout_s)
-    diffs = torch.stack([(lp - trainer_lp).abs() for lp in engine_lp])
-    return {**stats, "weight_sync/logprob_diff_max": float(diffs.max()),
-            "weight_sync/logprob_diff_mean": float(diffs.mean())}
-
-
 def save_checkpoint(trainer, critic, rl, step: int, kl_coef: float, books: Books) -> str:
     """Atomic: the ranks write into a temporary directory, the state goes in last, then one rename publishes it (a
     kill at any point leaves the previous checkpoint the newest complete one)."""

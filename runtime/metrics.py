@@ -129,6 +129,8 @@ METRICS: dict[str, str] = {
     "timing/generation": "generator wall time to produce this batch (slot taken -> batch enqueued)",
     "timing/vllm_idle_wait": "time the generator waited for a slot before this batch (rollout capacity idle)",
     "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
+    "timing/engine_lock_wait": "train.async.colocated_gpus alternate: time the step waited for the engine lock "
+                               "(a batch or eval round being generated) before pausing the engines for its turn",
     "timing/make_experience": "the batch fetched, π_old/π_ref log-prob forwards, V_old (gae), KL, rewards, "
                               "advantages and returns",
     "timing/policy_train": "policy update on the FSDP group (absent while the policy is frozen)",

@@ -419,6 +419,9 @@ class QueuePlan(PlanModel):
     """Generation skips the engine lock (pause/resume around sync)."""
     force_sync: bool
     """Return the slot only after the train step and its sync."""
+    colocated_gpus: Literal["overlap", "alternate"]
+    """`alternate`: each train step holds the engine lock with the engines paused, from the experience pass through
+    the weight sync (the trainer has the shared GPUs alone); `overlap`: the engines generate beside it."""
 
 
 class MeshPlan(PlanModel):

@@ -523,6 +523,12 @@ class AsyncCfg(Section):
     """Generation does not wait for weight sync: engines are paused and resumed around it."""
     force_sync: bool = False
     """Free the rollout slot only after the training step and its weight sync."""
+    colocated_gpus: Literal["overlap", "alternate"] = "overlap"
+    """How colocated engines (`rollout.placement: colocate`) share their GPUs with the trainer. `overlap`: the
+    engines keep generating (the next batch, or the groups carried over between batches) while the trainer trains,
+    the two processes time-slicing each GPU. `alternate`: each training step (experience, critic and policy steps,
+    weight sync) takes the engine lock and pauses the engines (in-flight requests kept), so the trainer has the GPUs
+    alone and a step is generation + training + sync; needs `force_sync`, so the next batch starts after the sync."""
 
 
 class DynamicBatch(Section):

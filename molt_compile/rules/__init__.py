@@ -72,6 +72,8 @@ ALL_RULES: tuple[Code, ...] = (
     Code(
         "ASYNC006", "generate-batch-forces-partial-rollout", "info", async_queue.generate_batch_forces_partial_rollout
     ),
+    Code("ASYNC007", "alternate-without-colocated-engines", "error", async_queue.alternate_without_colocated_engines),
+    Code("ASYNC008", "alternate-without-force-sync", "error", async_queue.alternate_without_force_sync),
     Code("BATCH001", "train-batch-not-divisible-by-dp", "error", batching.train_batch_not_divisible_by_dp, BOTH),
     Code("BATCH002", "rollout-samples-fewer-than-dp", "error", batching.rollout_samples_fewer_than_dp),
     Code("BATCH003", "rollout-samples-below-train-batch", "error", batching.rollout_samples_below_train_batch),

@@ -281,3 +281,82 @@ def generate_batch_forces_partial_rollout(
             "nothing to change; set generate_batch_size <= batch_size to keep each rollout within one policy version",
             ["train.async.partial_rollout"],
         )
+
+
+def alternate_without_colocated_engines(
+    recipe: RlRecipe, derived: Derived, source: SourceMap
+) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.async.colocated_gpus: alternate` with `rollout.placement: separate`.
+
+    ## Why it matters
+    `alternate` pauses the engines through every training step so that the trainer has the GPUs they share alone.
+    Separate engines share no GPU with the trainer: pausing them would only idle their GPUs for the length of each
+    training step, and the next batch would start later for nothing.
+
+    ## Example
+    ```yaml
+    rollout: {placement: separate}
+    train: {async: {colocated_gpus: alternate, force_sync: true}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {placement: colocate}
+    train: {async: {colocated_gpus: alternate, force_sync: true}}
+    ```
+
+    ## References
+    DESIGN.md (rollout.placement); issue 29 (the trainer phase on a GPU shared with the engine)
+    """
+    if recipe.eval.only or recipe.train.async_.colocated_gpus != "alternate":
+        return
+    if recipe.rollout.placement != "colocate":
+        yield diag(
+            source,
+            "train.async.colocated_gpus",
+            "train.async.colocated_gpus alternate pauses the engines through each training step to give the trainer "
+            "the GPUs they share, but rollout.placement is separate: the engines share no GPU with the trainer",
+            "remove train.async.colocated_gpus (overlap), or set rollout.placement: colocate",
+            ["rollout.placement"],
+        )
+
+
+def alternate_without_force_sync(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
+    """## What it checks
+    `train.async.colocated_gpus: alternate` with `train.async.force_sync: false`.
+
+    ## Why it matters
+    Without `force_sync` the rollout slot goes back to the generator *before* the training step, and the generator
+    and the step would then race for the engine lock: the next batch would be generated either alone before the
+    step (one step stale) or after its weight sync (fresh), run by run, while its recorded policy version says
+    stale. With `force_sync` the slot goes back after the sync, so the step always has the GPUs first and the next
+    batch is generated with the new weights. Alternating loses no overlap by this: on a shared GPU the two do not
+    overlap under `alternate` anyway.
+
+    ## Example
+    ```yaml
+    rollout: {placement: colocate}
+    train: {async: {colocated_gpus: alternate}}
+    ```
+
+    ## Use instead
+    ```yaml
+    rollout: {placement: colocate}
+    train: {async: {colocated_gpus: alternate, force_sync: true}}
+    ```
+
+    ## References
+    molt_rules.md D10, D12; issue 29
+    """
+    q = recipe.train.async_
+    if recipe.eval.only or q.colocated_gpus != "alternate" or q.force_sync:
+        return
+    yield diag(
+        source,
+        "train.async.colocated_gpus",
+        "train.async.colocated_gpus alternate needs train.async.force_sync: without it the next batch's generation "
+        "and the training step race for the engine lock, and the batch's policy version is not known",
+        "set train.async.force_sync: true, or remove train.async.colocated_gpus (overlap)",
+        ["train.async.force_sync"],
+    )

@@ -1,7 +1,8 @@
 """The whole RL loop against a plain synchronous trainer on the same GPU, in one call (issue 29; not in `just test`).
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
-        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync, +padded
+        [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync,
+                                                               +alternate, +padded
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`; since 2026-12-05 the
@@ -134,7 +135,8 @@ def main() -> int:
     args = sys.argv[2:]
     steps = int(args[args.index("--steps") + 1]) if "--steps" in args else 2
     # ours: one run per mode (`full,none`: both in this call, against one plain run; `full+sync`: with
-    # train.async.force_sync; `full+padded`: padded sdpa rows, the recipe's layout before it packed); plain: full
+    # train.async.force_sync; `full+alternate`: with it and train.async.colocated_gpus alternate, the engine paused
+    # through each training step; `full+padded`: padded sdpa rows, the recipe's layout before it packed); plain: full
     # checkpointing
     modes = (args[args.index("--checkpoint") + 1] if "--checkpoint" in args else "full").split(",")
     samples = int(args[args.index("--samples") + 1]) if "--samples" in args else 48  # prompts: ours runs samples/8 steps
@@ -149,6 +151,8 @@ def main() -> int:
                       f"model.gradient_checkpoint={mode.split('+')[0]}"]
         if "+sync" in mode:  # on-policy: the next batch waits for this step's training and weight sync
             throughput.append("train.async.force_sync=true")
+        if "+alternate" in mode:  # the step has the GPU alone: the engine paused from experience through sync
+            throughput += ["train.async.force_sync=true", "train.async.colocated_gpus=alternate"]
         if "+padded" in mode:  # rows padded to their micro-batch's longest, sdpa (the recipe packs otherwise)
             throughput += ["actor.packing=false", "model.attn=sdpa"]
         ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
@@ -168,6 +172,9 @@ def main() -> int:
             warm[0] else 64
         ours["tokens_per_s"] = ours["rollouts"] * mean("rollout/response_length_mean") / mean("timing/step_total")
         ours["trainer_phase_s"] = mean("timing/make_experience") + mean("timing/policy_train")
+        ours["generation_s"] = mean("timing/generation")
+        ours["engine_lock_wait_s"] = mean("timing/engine_lock_wait")  # alternate: waiting on generation
+        ours["weight_sync_total_s"] = mean("timing/weight_sync_total")
         # per trained token as well: the random policy's response lengths drift between steps (to 3 tokens in the
         # last steps of one run), while plain trains every step at ours' mean length
         phases = sorted(r["timing/make_experience"] + r["timing/policy_train"] for r in warm)

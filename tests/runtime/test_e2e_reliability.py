@@ -147,7 +147,8 @@ def test_replay_serves_the_dumped_batches_then_ends(runs):
     import torch
     from ray.util.queue import Queue
 
-    from runtime.generator import EngineLock, Generator
+    from runtime.engine_lock import EngineLock
+    from runtime.generator import Generator
     from runtime.messages import EndOfStream, RolloutBatch
 
     steps = len(runs["prompts"])
