@@ -134,7 +134,7 @@ def test_weight_update_then_score_matches_trainer(engine, model_dir, sender):
 def test_pause_freezes_in_flight_requests_until_resume(engine):
     refs = [engine.generate.remote(PROMPT + [i], max_tokens=300, temperature=1.0, top_p=1.0, session_id=f"p{i}",
                                    logprobs=True) for i in range(4)]
-    ray.wait(refs, num_returns=len(refs), timeout=0.3)  # let the batch start
+    ray.wait(refs, num_returns=len(refs), timeout=0.02)  # let the batch start (1,200 tokens took 0.22 s here)
     ray.get(engine.pause.remote())
     done_at_pause, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     assert len(done_at_pause) < len(refs), "requests finished before the pause; lengthen them"
@@ -147,6 +147,54 @@ def test_pause_freezes_in_flight_requests_until_resume(engine):
     outs = ray.get(refs + [late], timeout=300)
     assert all(o.finish_reason in ("stop", "length") and len(o.logprobs) == len(o.token_ids) for o in outs)
     assert any(len(o.token_ids) == 300 for o in outs[:-1])
+
+
+def test_an_alternate_training_turn_waits_for_the_batch_then_has_the_engine_paused(engine):
+    """`train.async.colocated_gpus: alternate` (runtime.engine_lock.trainer_turn): the step's turn starts once the
+    generator releases the engine lock, the engine generates nothing through the turn (a 4-token request sent in it,
+    as a group carried between batches asks for its next turn, stays unfinished), and every request finishes once
+    the turn ends; under `overlap` the turn holds nothing."""
+    import threading
+
+    from runtime.engine_lock import EngineLock, trainer_turn
+    from runtime.supervisor import StopFlag, Supervisor
+    from schemas.plan import QueuePlan, SupervisorPlan
+
+    sup = Supervisor(SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=60.0, stop_timeout_s=10.0), StopFlag())
+    alternate = QueuePlan.model_construct(size=1, partial_rollout=False, force_sync=True, colocated_gpus="alternate")
+    lock = EngineLock.remote()
+    ray.get(lock.acquire.remote())  # the generator, producing a batch
+    carried = engine.generate.remote(PROMPT, max_tokens=300, temperature=1.0, top_p=1.0, session_id="carried",
+                                     logprobs=True)
+    timings: dict[str, float] = {}
+    in_turn, leave = threading.Event(), threading.Event()
+    during: dict[str, object] = {}
+
+    def step():
+        with trainer_turn(alternate, [engine], lock, sup, timings) as sync_lock:
+            during["sync_lock"] = sync_lock
+            in_turn.set()
+            leave.wait(60)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    assert not in_turn.wait(1.0), "the turn started while the generator held the engine lock"
+    ray.get(lock.release.remote())  # the batch is done
+    assert in_turn.wait(30)
+    assert during["sync_lock"] is None and ray.get(lock.held.remote())  # the sync must not take the lock again
+    short = engine.generate.remote(PROMPT, max_tokens=4, temperature=1.0, top_p=1.0, session_id="short",
+                                   logprobs=True)
+    done, _ = ray.wait([short], timeout=3.0)
+    assert not done, "the engine generated during the training turn"
+    leave.set()
+    thread.join(30)
+    assert not ray.get(lock.held.remote())
+    outs = ray.get([carried, short], timeout=300)
+    assert all(len(o.token_ids) > 0 and o.finish_reason in ("stop", "length") for o in outs)
+    assert timings["timing/engine_lock_wait"] >= 0.9
+    overlap = QueuePlan.model_construct(size=1, partial_rollout=False, force_sync=True, colocated_gpus="overlap")
+    with trainer_turn(overlap, [engine], lock, sup, {}) as sync_lock:
+        assert sync_lock is lock and not ray.get(lock.held.remote())
 
 
 def test_a_group_generated_across_a_sync_carries_both_policy_versions(engine, model_dir, sender):
