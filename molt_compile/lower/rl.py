@@ -345,8 +345,9 @@ def _generator(r: RlRecipe, d: Derived, source: SourceMap | None) -> GeneratorPl
 
 def _queue(r: RlRecipe) -> QueuePlan:
     a = r.train.async_
-    return QueuePlan.model_construct(size=a.queue_size, partial_rollout=a.partial_rollout, force_sync=a.force_sync,
-                                     colocated_gpus=a.colocated_gpus)
+    return QueuePlan.model_construct(
+        size=a.queue_size, partial_rollout=a.partial_rollout, force_sync=a.force_sync, colocated_gpus=a.colocated_gpus
+    )
 
 
 def _trainer(r: RlRecipe, d: Derived) -> TrainerPlan:

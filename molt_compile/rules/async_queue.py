@@ -283,9 +283,7 @@ def generate_batch_forces_partial_rollout(
         )
 
 
-def alternate_without_colocated_engines(
-    recipe: RlRecipe, derived: Derived, source: SourceMap
-) -> Iterator[Diagnostic]:
+def alternate_without_colocated_engines(recipe: RlRecipe, derived: Derived, source: SourceMap) -> Iterator[Diagnostic]:
     """## What it checks
     `train.async.colocated_gpus: alternate` with `rollout.placement: separate`.
 

@@ -72,6 +72,19 @@ Measured 2026-12-05 once more, after the packed offsets went generic (three call
 - the same H200, next call, `full+padded` (plain 2,300 tokens/s, training 1.95 s: plain's own spread between two
   calls is 17 %): 6,418 tokens/s, 2.79x, trainer phase 2.41 s = 1.23x plain's. Against the packed call before it on
   the same machine, packed trains in 0.92x the padded time per step.
+Measured 2026-12-05 (later) on one H100, two calls on fresh machines, `full` (overlap) against `full+alternate`
+(train.async.colocated_gpus alternate: the engine paused through each training step):
+- `--checkpoint full,full+alternate` (plain 3,554 tokens/s: generation 4.39 s + training 1.66 s at 168 tokens):
+  `full` 6,660 tokens/s, 1.87x, trainer phase 2.32 s = 1.40x plain's; `full+alternate` 5,302 tokens/s, 1.49x,
+  trainer phase 1.59 s = 0.96x plain's. The alternate run's random policy fell to 72, 22 and 2-token responses in
+  three late steps; over its 12 steps of full-length responses (166 tokens): 5,981 tokens/s (0.90x `full`'s), trainer
+  phase 1.63 s (0.98x plain's at its length).
+- `--checkpoint full+alternate,full` (plain sized by the first mode's mean, 114 tokens: 2,457 tokens/s, training
+  1.82 s): `full+alternate` 4,961 tokens/s, 2.02x, trainer phase 1.56 s = 0.86x plain's (its last five steps had
+  1-29 token responses); `full` 6,776 tokens/s, 2.76x, trainer phase 2.22 s = 1.22x (0.83x a trained token: 169
+  tokens a response). Over the first 10 steps (167 tokens): alternate 6,465 tokens/s = 0.95x `full`'s, trainer phase
+  1.46 s = 0.66x `full`'s.
+So sharing the GPU costs the overlapped training step 1.4-1.5x its time alone, and buys 5-10 % more tokens/s.
 """
 
 from __future__ import annotations
