@@ -335,7 +335,7 @@ def alternate_without_force_sync(recipe: RlRecipe, derived: Derived, source: Sou
     ## Example
     ```yaml
     rollout: {placement: colocate}
-    train: {async: {colocated_gpus: alternate}}
+    train: {async: {colocated_gpus: alternate, force_sync: false}}
     ```
 
     ## Use instead
