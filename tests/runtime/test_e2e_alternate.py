@@ -1,7 +1,9 @@
 """`train.async.colocated_gpus: alternate` end to end: the demo with its hf engine colocated on trainer rank 0's
 device, each training step holding the engine lock with the engine paused (runtime.engine_lock.trainer_turn), on a
-real local Ray cluster: the run finishes, every step takes its turn after the generator's batch, the engine serves
-the trainer's weights after each sync, and each batch is generated after the previous step's sync."""
+real local Ray cluster: the run finishes (no step waits forever on the lock or a paused engine), every step takes its
+turn, the engine serves the trainer's weights after each sync, and each batch's slot comes back after the previous
+step's sync. That the engine generates nothing during a turn is checked against a real engine actor in
+test_engines_hf.py."""
 
 from __future__ import annotations
 
@@ -40,5 +42,7 @@ def test_every_step_takes_its_turn_and_the_engine_serves_its_weights(alternate_r
     for r in steps:
         assert r["timing/engine_lock_wait"] >= 0.0  # the turn was taken (the key exists only under alternate)
         assert r["weight_sync/logprob_diff_max"] < 1e-4
-        # force_sync + alternate: the batch was generated after the previous step's sync, with its weights
-        assert r["staleness"] == 0.0 and r["rollout/policy_version_max"] == r["step"] - 1
+        # force_sync + alternate: the batch's slot came back after the previous step's sync; groups carried
+        # between batches (D12) may hold older tokens, never newer
+        assert r["staleness"] == 0.0
+        assert 0 <= r["rollout/policy_version_min"] <= r["rollout/policy_version_max"] <= r["step"] - 1
