@@ -362,6 +362,8 @@ class SamplingPlan(PlanModel):
     """Group size."""
     max_new_tokens: int | None
     """Per-turn cap (None: what context is left)."""
+    min_new_tokens: int
+    """Tokens per turn before an EOS may be sampled (0: off; the runner cuts it to the turn's cap)."""
     temperature: float
     """Sampling temperature."""
     top_p: float

@@ -408,6 +408,10 @@ class Rollout(Section):
     """Rollouts per prompt (group size)."""
     max_new_tokens: PositiveInt | None = None
     """Per-turn generation cap. None: whatever context is left."""
+    min_new_tokens: NonNegInt = 0
+    """Tokens each turn generates before an end-of-sequence token may be sampled (vLLM's `min_tokens`; cut to the
+    turn's cap). 0: off. Equal to `max_new_tokens` it makes every response full length, for throughput benchmarks;
+    in training it changes what is sampled (SAMP002). Eval never uses it."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature; the trained models divide their logits by it too."""
     top_p: Fraction = 1.0

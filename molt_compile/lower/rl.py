@@ -268,6 +268,7 @@ def _sampling(r: RlRecipe, d: Derived) -> SamplingPlan:
     return SamplingPlan.model_construct(
         n_samples_per_prompt=ro.n_samples_per_prompt,
         max_new_tokens=ro.max_new_tokens,
+        min_new_tokens=ro.min_new_tokens,
         temperature=ro.temperature,
         top_p=ro.top_p,
         logprobs=d.value("rollout.logprobs"),
@@ -288,6 +289,7 @@ def _eval(r: RlRecipe, d: Derived, source: SourceMap | None) -> EvalPlan:
         sampling=SamplingPlan.model_construct(
             n_samples_per_prompt=d.value("eval.n_samples_per_prompt"),
             max_new_tokens=d.value("eval.max_new_tokens"),
+            min_new_tokens=0,  # eval measures the policy as it samples
             temperature=d.value("eval.temperature"),
             top_p=d.value("eval.top_p"),
             logprobs=d.value("rollout.logprobs"),

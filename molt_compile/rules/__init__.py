@@ -10,7 +10,8 @@ Areas: ASYNC async queue and IS correction, EST estimators/KL/ref/filtering, BAT
 MOE experts/R3/MTP, LOSS policy loss, VLLM engines, PLACE GPU counts, MEM memory, OPTIM optimizer/offload, DATA data files,
 AGENT agent file, EVAL/CKPT cadences, PACK packing and attention, MODEL model-path info, DEAD settings with no
 effect, IGNORE suppressions; Molt 0.2.1's IS gating (IS), KL against the rollout policy (KL),
-score centering (SC), length penalties (PEN) and LoRA (LORA). Per-node bin packing is `lower/`'s (PLACE1xx).
+score centering (SC), length penalties (PEN) and LoRA (LORA); SAMP sampling settings. Per-node bin packing is
+`lower/`'s (PLACE1xx).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from molt_compile.rules import (
     penalties,
     placement,
     routing,
+    sampling,
     shapes,
     vllm,
 )
@@ -279,6 +281,8 @@ ALL_RULES: tuple[Code, ...] = (
     Code("PLACE006", "unknown-gpu-type", "error", placement.unknown_gpu_type, BOTH),
     Code("PLACE007", "idle-gpus", "warning", placement.idle_gpus, BOTH),
     Code("PLACE008", "colocated-engines-exceed-ranks", "error", placement.colocated_engines_exceed_ranks),
+    Code("SAMP001", "min-new-tokens-beyond-cap", "error", sampling.min_new_tokens_beyond_cap),
+    Code("SAMP002", "min-new-tokens-in-training", "warning", sampling.min_new_tokens_in_training),
     Code("SC001", "score-centering-top-k-invalid", "error", centering.score_centering_top_k_invalid),
     Code("SC002", "score-centering-with-several-epochs", "error", centering.score_centering_with_several_epochs),
     Code("SC003", "score-centering-sampling", "error", centering.score_centering_sampling),

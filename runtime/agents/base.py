@@ -344,6 +344,8 @@ class StepEnvRunner(Runner):
             extra = {"images": traj.images} if traj.images else {}  # text clients never see the keyword
             if sampling.top_logprobs:  # fixed for the episode, like the logprob column
                 extra["top_logprobs"] = sampling.top_logprobs
+            if sampling.min_tokens:  # a turn cut short by the context keeps its cap
+                extra["min_tokens"] = min(sampling.min_tokens, cap)
             out = await client.generate(
                 list(traj.token_ids), max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
                 top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs, **extra,

@@ -136,13 +136,16 @@ class TurnReply:
     prompt_tokens: int
 
 
-def _params(session: Session, body: dict) -> tuple[int | None, float, float]:
-    """The request's (max_tokens, temperature, top_p) over the session's; max_tokens None: no cap."""
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or session.sampling.max_tokens
-    temperature = body.get("temperature", session.sampling.temperature)
-    top_p = body.get("top_p", session.sampling.top_p)
-    return None if max_tokens is None else int(max_tokens), float(session.sampling.temperature if temperature is None else temperature), \
-        float(session.sampling.top_p if top_p is None else top_p)
+def _params(session: Session, body: dict) -> tuple[int | None, float, float, int]:
+    """The request's (max_tokens, temperature, top_p, min_tokens) over the session's; max_tokens None: no cap.
+    `min_tokens` is vLLM's extra parameter (`extra_body` in the openai SDK)."""
+    s = session.sampling
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or s.max_tokens
+    temperature = body.get("temperature", s.temperature)
+    top_p = body.get("top_p", s.top_p)
+    min_tokens = body.get("min_tokens", s.min_tokens)
+    return (None if max_tokens is None else int(max_tokens), float(s.temperature if temperature is None else temperature),
+            float(s.top_p if top_p is None else top_p), int(s.min_tokens if min_tokens is None else min_tokens))
 
 
 async def run_turn(session: Session, messages: list[dict], body: dict, cache_key: str,
@@ -167,17 +170,20 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
             segment, delta_ids = None, []
             prompt_ids = await tokenize(tok, rendered)
 
-        max_tokens, temperature, top_p = _params(session, body)
+        max_tokens, temperature, top_p, min_tokens = _params(session, body)
         remaining = session.max_length - len(prompt_ids)
         if remaining <= 0:
             session.truncated = True
             reply = make_reply(TurnReply("", [], [], "length", len(prompt_ids)))
         else:
             k = session.sampling.top_logprobs
+            cap = remaining if max_tokens is None else min(max_tokens, remaining)
+            extra = {"top_logprobs": k} if k else {}
+            if min_tokens:
+                extra["min_tokens"] = min(min_tokens, cap)
             out: GenerateOutput = await session.client.generate(
-                prompt_ids, max_tokens=remaining if max_tokens is None else min(max_tokens, remaining),
-                temperature=temperature, top_p=top_p,
-                session_id=session.session_id, logprobs=True, **({"top_logprobs": k} if k else {}))
+                prompt_ids, max_tokens=cap, temperature=temperature, top_p=top_p, session_id=session.session_id,
+                logprobs=True, **extra)
             if out.finish_reason == "abort":
                 session.aborted = True
                 raise ChatError(503, "generation aborted by the engine")

@@ -64,6 +64,7 @@ class GenerateClient(Protocol):
         session_id: str,
         logprobs: bool,
         top_logprobs: int = 0,
+        min_tokens: int = 0,
     ) -> GenerateOutput: ...
 
 
@@ -76,6 +77,7 @@ class SamplingParams:
     """
 
     max_tokens: int | None
+    min_tokens: int = 0  # tokens before an EOS may be sampled (`sampling.min_new_tokens`); cut to the turn's cap
     temperature: float = 1.0
     top_p: float = 1.0
     logprobs: bool = True
@@ -84,5 +86,5 @@ class SamplingParams:
     @classmethod
     def from_plan(cls, s: SamplingPlan) -> SamplingParams:
         """From a plan's `SamplingPlan` (`rl.sampling`, `rl.eval.sampling`), field for field."""
-        return cls(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=s.logprobs,
-                   top_logprobs=s.top_logprobs)
+        return cls(max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                   logprobs=s.logprobs, top_logprobs=s.top_logprobs)

@@ -62,9 +62,11 @@ class RolloutEngine(Protocol):
         session_id: str,
         logprobs: bool,
         top_logprobs: int = 0,
+        min_tokens: int = 0,
     ) -> GenerateOutput:
-        """Sample up to `max_tokens` tokens after `prompt_ids`; `logprobs[i]` is the logprob of `token_ids[i]` under
-        the plan's `logprobs_mode` (processed: the distribution actually sampled from, temperature/top-p applied).
+        """Sample up to `max_tokens` tokens after `prompt_ids`, at least `min_tokens` of them before an EOS may be
+        sampled (vLLM's `min_tokens`); `logprobs[i]` is the logprob of `token_ids[i]` under the plan's
+        `logprobs_mode` (processed: the distribution actually sampled from, temperature/top-p/the EOS ban applied).
         `top_logprobs` = k > 0 (score centering) also returns, per generated token, the k most likely ids of that
         same distribution and their log-probs (`GenerateOutput.top_ids`, `.top_logprobs`)."""
         ...

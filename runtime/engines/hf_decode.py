@@ -14,9 +14,11 @@ Needs only torch and transformers (the GPU benchmark loads this file by path, wi
 - Sampling: per-row temperature and top-p tensors (requests with different settings share a batch), Gumbel-max
   sampling from the processed distribution, greedy rows by argmax; no host sync inside a chunk of `chunk_steps`
   steps. Tokens and logprobs come to the host once per chunk, where EOS and length limits are checked and finished
-  slots are freed; pending requests join at chunk boundaries.
-- Logprobs: `processed` = log-softmax of logits / T after the top-p cut (the distribution sampled from; greedy rows
-  use T = 1), `raw` = log-softmax of the unprocessed logits, both in float32, as vLLM's `logprobs_mode`.
+  slots are freed; pending requests join at chunk boundaries. A request's `min_tokens` (vLLM's) bans its EOS ids
+  until it has that many tokens: a per-slot countdown on the device, applied only while some live request has one.
+- Logprobs: `processed` = log-softmax of logits / T after the top-p cut and the EOS ban (the distribution sampled
+  from; greedy rows use T = 1), `raw` = log-softmax of the unprocessed logits, both in float32, as vLLM's
+  `logprobs_mode`.
 - VLM prompts (a `vision` prefill helper, `hf_vision.VisionPrefill`): the prefill embeds the images' features at
   their placeholders with the model's 3-D rope positions; decode positions are the cache position + the slot's delta.
 
@@ -125,18 +127,21 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
-def sample(logits, temperature, top_p, greedy, *, filter_top_p: bool, raw_logprobs: bool, top_k: int = 0):
+def sample(logits, temperature, top_p, greedy, *, filter_top_p: bool, raw_logprobs: bool, top_k: int = 0,
+           ban=None):
     """Next token and its logprob per row; logits (n, V) float32, temperature/top_p (n,) (1 for greedy rows).
     With `top_k` > 0 also the (n, top_k) ids and log-probs of the most likely tokens of the same log-softmax the
-    sampled token's log-prob is taken from (score centering); else None."""
-    processed = logits / temperature.unsqueeze(-1)
+    sampled token's log-prob is taken from (score centering); else None. `ban` (n, V) bool: tokens no row may
+    sample (EOS before a request's `min_tokens`), a processing step like top-p (raw log-probs ignore it)."""
+    allowed = logits if ban is None else logits.masked_fill(ban, float("-inf"))
+    processed = allowed / temperature.unsqueeze(-1)
     if filter_top_p:
         processed = top_p_filter(processed, top_p)
     logp = torch.log_softmax(processed, dim=-1)
     # Gumbel-max: argmax(logp - log E), E ~ Exp(1), is a sample of softmax(processed); no host sync.
     noise = torch.empty_like(logp).exponential_().clamp_min_(1e-30).log_()
     sampled = (logp - noise).argmax(dim=-1)
-    tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)
+    tokens = torch.where(greedy, allowed.argmax(dim=-1), sampled)
     source = torch.log_softmax(logits, dim=-1) if raw_logprobs else logp
     top = torch.topk(source, top_k, dim=-1) if top_k else None
     return tokens, source.gather(1, tokens.unsqueeze(-1)).squeeze(-1), top
@@ -165,6 +170,7 @@ class Request:
     temperature: float
     top_p: float
     handle: Any = None
+    min_tokens: int = 0  # EOS is banned until this many tokens (vLLM's `min_tokens`)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the core's `version` when each token was sampled
@@ -217,6 +223,9 @@ class DecodeCore:
         self.temperature = torch.ones(slots, device=dev)
         self.top_p = torch.ones(slots, device=dev)
         self.greedy = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self.eos_left = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens until EOS may be sampled
+        self.eos_mask = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=dev)
+        self.eos_mask[[i for i in self.eos_ids if i < cfg.vocab_size]] = True
         self.logits = torch.zeros((slots, cfg.vocab_size), device=dev)  # decode-step output, float32
         self.columns = torch.arange(max_model_len, device=dev)
         self.batch_buckets = buckets(slots, 1)
@@ -332,8 +341,12 @@ class DecodeCore:
         temperature = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in reqs], device=dev)
         top_p = torch.tensor([r.top_p if r.temperature > 0 else 1.0 for r in reqs], device=dev)
         top_k = max(r.top_k for r in reqs)
+        ban = None
+        if any(r.min_tokens for r in reqs):
+            ban = torch.tensor([r.min_tokens > 0 for r in reqs], device=dev).unsqueeze(1) & self.eos_mask
+        self.eos_left[slot_t] = torch.tensor([max(r.min_tokens - 1, 0) for r in reqs], device=dev)
         tokens, logprobs, top = sample(logits, temperature, top_p, greedy, filter_top_p=bool((top_p < 1).any()),
-                                       raw_logprobs=self.raw_logprobs, top_k=top_k)
+                                       raw_logprobs=self.raw_logprobs, top_k=top_k, ban=ban)
         host_top = None if top is None else (top.indices.cpu().numpy(), top.values.cpu().numpy())
         self.tokens[slot_t] = tokens
         self.cache.pos[slot_t] = torch.tensor(lens, device=dev)
@@ -358,6 +371,7 @@ class DecodeCore:
         nb = bucket_of(live[-1] + 1, self.batch_buckets)
         length = bucket_of(reach, self.len_buckets)
         filter_top_p = any(self.active[s].top_p < 1 and self.active[s].temperature > 0 for s in live)
+        min_tokens = any(self.active[s].min_tokens for s in live)  # else the countdowns are all 0: no ban
         if self.graphs and [p.data_ptr() for p in self.model.parameters()] != self.graph_weights:
             self.graphs.clear()  # weights were loaded into new tensors, not copied into the captured ones
         out_tokens = torch.empty((nb, steps), dtype=torch.long, device=self.device)
@@ -371,8 +385,13 @@ class DecodeCore:
                 logits = self._step(nb, length)
             if self.record_routing:
                 out_routing[k] = self.route_buf[:, :nb]
+            ban = None
+            if min_tokens:
+                ban = (self.eos_left[:nb] > 0).unsqueeze(1) & self.eos_mask
+                self.eos_left[:nb] = (self.eos_left[:nb] - 1).clamp_(min=0)
             tokens, logprobs, top = sample(logits, self.temperature[:nb], self.top_p[:nb], self.greedy[:nb],
-                                           filter_top_p=filter_top_p, raw_logprobs=self.raw_logprobs, top_k=top_k)
+                                           filter_top_p=filter_top_p, raw_logprobs=self.raw_logprobs, top_k=top_k,
+                                           ban=ban)
             out_tokens[:, k], out_logprobs[:, k] = tokens, logprobs
             if top is not None:
                 out_top_ids[:, k], out_top_lps[:, k] = top.indices, top.values

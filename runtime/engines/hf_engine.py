@@ -124,7 +124,7 @@ class HfEngine:
     # ------------------------------------------------------------------ interface
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool, images: list | None = None,
-                       top_logprobs: int = 0) -> GenerateOutput:
+                       top_logprobs: int = 0, min_tokens: int = 0) -> GenerateOutput:
         if images and self.vision is None:
             raise ValueError(f"hf engine {self.index}: a request with images, but the plan has no image inputs")
         mm = self.vision.encode(images) if images else None  # on the actor's thread, beside generation
@@ -133,7 +133,7 @@ class HfEngine:
             self._generator.start()
         future = asyncio.get_running_loop().create_future()
         self.core.submit(Request(list(prompt_ids), max_tokens, temperature, top_p, handle=future,
-                                 top_k=top_logprobs, mm=mm))
+                                 min_tokens=min_tokens, top_k=top_logprobs, mm=mm))
         self._wake.set()
         r = await future
         top_ids, top_lps = r.top_arrays()

@@ -116,12 +116,14 @@ class Router:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool, images: list | None = None,
-                       top_logprobs: int = 0) -> GenerateOutput:
+                       top_logprobs: int = 0, min_tokens: int = 0) -> GenerateOutput:
         i = self.pick(session_id)
         self._in_flight[i] += 1
         extra = {"images": images} if images else {}  # VLM: the conversation's images, in placeholder order
         if top_logprobs:  # score centering only: the engines' other callers never see the keyword
             extra["top_logprobs"] = top_logprobs
+        if min_tokens:  # the same for a minimum length (`rollout.min_new_tokens`)
+            extra["min_tokens"] = min_tokens
         try:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                                          top_p=top_p, session_id=session_id, logprobs=logprobs,

@@ -123,7 +123,7 @@ class VllmEngine:
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float,
                        session_id: str, logprobs: bool, images: list | None = None,
-                       top_logprobs: int = 0) -> GenerateOutput:
+                       top_logprobs: int = 0, min_tokens: int = 0) -> GenerateOutput:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -131,8 +131,8 @@ class VllmEngine:
 
         request_id = f"{session_id}:{next(self._request_ids)}"
         moe_layers = await self._routing_ready() if self.routed_experts else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                logprobs=top_logprobs or (0 if logprobs else None), detokenize=False,
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature,
+                                top_p=top_p, logprobs=top_logprobs or (0 if logprobs else None), detokenize=False,
                                 output_kind=RequestOutputKind.FINAL_ONLY,
                                 extra_args={KEY: request_id} if self.routing_hook else None)
         if images:  # expanded placeholders collapse to one per image; vLLM's processor expands them identically

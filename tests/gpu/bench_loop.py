@@ -2,12 +2,14 @@
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
         [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync,
-                                                               +alternate, +padded
+                                                               +alternate, +padded, +fixed
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`; since 2026-12-05 the
    recipe packs its rows (`actor.packing`, flash_attention_2 through torch's varlen kernel): `full` here is what the
-   figures below call `full+packed`, and `+padded` runs the earlier default, padded sdpa rows);
+   figures below call `full+packed`, and `+padded` runs the earlier default, padded sdpa rows; `+fixed` sets
+   `rollout.min_new_tokens` to the cap, 256: every response full length, as plain's, whatever the random policy
+   would end early);
 2. plain: the loop a popular peer runs without vLLM (TRL's `GRPOTrainer` with `use_vllm=False`), written out in
    plain PyTorch + transformers so it needs nothing missing on the machine: `model.generate` of the same number of
    rollouts and response tokens (min = max new tokens = our mean response length), then one GRPO optimizer step on
@@ -168,6 +170,8 @@ def main() -> int:
             throughput += ["train.async.force_sync=true", "train.async.colocated_gpus=alternate"]
         if "+padded" in mode:  # rows padded to their micro-batch's longest, sdpa (the recipe packs otherwise)
             throughput += ["actor.packing=false", "model.attn=sdpa"]
+        if "+fixed" in mode:  # every response 256 tokens: the random policy's lengths no longer drift (or collapse)
+            throughput += ["rollout.min_new_tokens=256", "ignore.SAMP002=fixed-length responses: a stable tokens/s"]
         ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours

@@ -37,9 +37,10 @@ class ScriptedEngine:
         self.calls: list[tuple[list[int], dict]] = []
         self._turn_of_session: dict[str, int] = {}
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, session_id, logprobs) -> GenerateOutput:
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, session_id, logprobs,
+                       min_tokens=0) -> GenerateOutput:
         self.calls.append((list(prompt_ids), dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                                  session_id=session_id, logprobs=logprobs)))
+                                                  session_id=session_id, logprobs=logprobs, min_tokens=min_tokens)))
         turn = self._turn_of_session.get(session_id, 0)
         self._turn_of_session[session_id] = turn + 1
         ids = self.tokenizer.encode(self.replies[min(turn, len(self.replies) - 1)])

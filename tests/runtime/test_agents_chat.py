@@ -197,6 +197,46 @@ def test_generation_is_clamped_to_the_context_budget(engine, tokenizer, max_toke
     assert Recorder.replies[-1] == ("length", 0)
 
 
+class MinimumLength(ChatAgent):
+    """One completion at the session's minimum, one asking its own through vLLM's extra parameter."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        messages = list(ctx.messages)
+        first = await client.chat.completions.create(model=ctx.model_name, messages=messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "again"}]
+        second = await client.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=5,
+                                                      extra_body={"min_tokens": 9})
+        Recorder.replies = [first, second]
+        return Result(reward=0.0)
+
+
+class RecordingClient:
+    """The real engine, with each call's keywords kept."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    async def generate(self, prompt_ids, **kwargs):
+        self.calls.append(kwargs)
+        return await self.engine.generate(prompt_ids, **kwargs)
+
+
+def test_a_minimum_length_reaches_the_engine_from_the_session_and_from_extra_body(engine, tokenizer):
+    """`rollout.min_new_tokens` is the session's default; a request's `min_tokens` (vLLM's extra parameter) replaces
+    it; either is cut to the completion's cap. The engine returns that many tokens."""
+    client, runner = RecordingClient(engine), ChatAgentRunner(MinimumLength)
+    try:
+        asyncio.run(runner.execute("What is 2+3?", "5", sampling=SamplingParams(max_tokens=8, min_tokens=8),
+                                   max_length=1024, tokenizer=tokenizer, client=client))
+    finally:
+        runner.close()
+    assert [(c["max_tokens"], c.get("min_tokens")) for c in client.calls] == [(8, 8), (5, 5)]
+    assert [r.usage.completion_tokens for r in Recorder.replies] == [8, 5]
+    assert [r.choices[0].finish_reason for r in Recorder.replies] == ["length", "length"]
+
+
 class NotAResult(ChatAgent):
     async def run(self, ctx):
         return {"reward": 1.0}

@@ -186,6 +186,22 @@ def test_per_turn_budget_is_min_of_cap_and_remaining_context():
     assert len(traj.rollout_log_probs) == len(traj.token_ids)
 
 
+def test_a_minimum_length_reaches_the_engine_cut_to_each_turns_budget():
+    """`rollout.min_new_tokens`: each turn asks for it, never above the turn's own budget (the last turn here has 6
+    tokens of context left); without it the engine never sees the keyword (clients written before it keep working)."""
+    class Forever(Env):
+        async def step(self, state):
+            return Result(observation="ob", terminated=False)
+
+    engine = ScriptedEngine(["0123456789"])
+    run(StepEnvRunner(Forever).execute("PPPP", "x", sampling=SamplingParams(max_tokens=8, min_tokens=8),
+                                       max_length=30, tokenizer=TOK, client=engine))
+    assert [(c[1]["max_tokens"], c[1]["min_tokens"]) for c in engine.calls] == [(8, 8), (8, 8), (6, 6)]
+    plain = ScriptedEngine(["0123456789"])
+    execute(StepEnvRunner(Forever), plain, prompt="PPPP", max_tokens=8, max_length=30)
+    assert [c[1]["min_tokens"] for c in plain.calls] == [0, 0, 0]
+
+
 def test_no_cap_lets_a_turn_use_the_remaining_context():
     """`max_new_tokens` unset (Molt's default in every launch script): each turn's budget is what is left."""
     class Forever(Env):

@@ -317,6 +317,37 @@ def test_core_stops_at_eos_and_limits(sharp_dir):
         core.submit(Request(list(range(32)), 4, 0.0, 1.0))
 
 
+@pytest.mark.parametrize("raw", [False, True])
+def test_core_min_tokens_bans_eos_until_the_minimum(sharp_dir, raw):
+    """EOS = the first greedy token: without a minimum a greedy request stops at once; with `min_tokens` 6 its first
+    6 tokens are the greedy choice among the rest (EOS's logit at -inf, a processing step: processed log-probs are
+    of that distribution, raw ones of the plain logits), then it may end; a sampled request whose minimum is its
+    cap never ends early. Requests with and without a minimum share the batch."""
+    model = reference(sharp_dir)
+    eos = greedy(model, PROMPT, 1)[0]
+    core = core_for(sharp_dir, eos_ids=[eos], raw=raw, chunk_steps=4)
+    torch.manual_seed(0)
+    plain, held, full = drain(core, [Request(PROMPT, 20, 0.0, 1.0), Request(PROMPT, 20, 0.0, 1.0, min_tokens=6),
+                                     Request(PROMPT, 20, 1.0, 1.0, min_tokens=20)])
+    assert plain.token_ids == [eos] and plain.finish_reason == "stop"
+    ids, want, logprobs = list(PROMPT), [], []
+    with torch.inference_mode():
+        for i in range(20):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            allowed = logits.clone()
+            if i < 6:
+                allowed[eos] = float("-inf")
+            token = int(allowed.argmax())
+            want.append(token)
+            logprobs.append(float(torch.log_softmax(logits if raw else allowed, -1)[token]))
+            ids.append(token)
+            if token == eos:
+                break
+    assert held.token_ids == want and eos not in held.token_ids[:6]
+    assert (torch.tensor(held.logprobs) - torch.tensor(logprobs)).abs().max().item() < CORE_TOL
+    assert len(full.token_ids) == 20 and full.finish_reason == "length" and eos not in full.token_ids
+
+
 def test_core_decodes_all_slots_together(sharp_dir):
     """No per-batch cap below the plan's max_num_seqs: 100 requests of mixed settings share every decode step."""
     core = core_for(sharp_dir, slots=100, chunk_steps=4)

@@ -101,6 +101,15 @@ def test_generate_returns_tokens_and_logprobs(engine):
     assert no_lp.logprobs == [] and len(no_lp.token_ids) >= 1
 
 
+def test_min_tokens_makes_every_response_full_length(engine):
+    """`rollout.min_new_tokens` = the cap (the throughput benchmark's fixed-length responses): vLLM's `min_tokens`
+    bans EOS (2, <|im_end|>) up to the cap."""
+    outs = ray.get([engine.generate.remote(PROMPT + [i], max_tokens=24, min_tokens=24, temperature=1.0, top_p=1.0,
+                                           session_id=f"m{i}", logprobs=True) for i in range(8)])
+    assert [len(o.token_ids) for o in outs] == [24] * 8
+    assert all(o.finish_reason == "length" and 2 not in o.token_ids for o in outs)
+
+
 def test_greedy_matches_hf_and_logprobs_match_score(engine, model_dir):
     out = ray.get(engine.generate.remote(PROMPT, max_tokens=32, temperature=0.0, top_p=1.0, session_id="g",
                                          logprobs=True))
