@@ -87,6 +87,21 @@ Measured 2026-12-05 (later) on one H100, two calls on fresh machines, `full` (ov
   tokens a response). Over the first 10 steps (167 tokens): alternate 6,465 tokens/s = 0.95x `full`'s, trainer phase
   1.46 s = 0.66x `full`'s.
 So sharing the GPU costs the overlapped training step 1.4-1.5x its time alone, and buys 5-10 % more tokens/s.
+Measured 2026-12-05 (last) on one H100, fixed-length responses (`+fixed`: `rollout.min_new_tokens` 256, plain at 256
+too; `--steps 3 --samples 96`, 12 steps of 128 rollouts x 256 tokens, two calls on one warm machine, 232 and 218 s):
+- `--checkpoint full+fixed,full+alternate+fixed`: plain 5,045 tokens/s (generation 4.77 s + training 1.72 s);
+  `full+fixed` 10,337 tokens/s, 2.05x, trainer phase 2.26 s = 1.31x plain's; `full+alternate+fixed` 10,898
+  tokens/s, **2.16x**, trainer phase 1.20 s = **0.70x**.
+- `--checkpoint full+alternate+fixed,full+fixed`: plain 4,880 tokens/s (generation 5.01 s + training 1.70 s);
+  `full+alternate+fixed` 11,058 tokens/s, **2.27x**, trainer phase 1.15 s = **0.68x**; `full+fixed` 10,343 tokens/s,
+  2.12x, trainer phase 2.27 s = 1.33x.
+With no length drift, the two calls agree within 3.4 % on plain and 1.5 % on ours (plain varied 2,291-5,441 tokens/s
+across the variable-length calls above). At full length `alternate` is the faster mode (1.05-1.07x `overlap`'s
+tokens/s); `overlap`'s training steps took 2.2-2.5 s beside the engine's generation, 1.22 s in the last two steps
+with none left. Where an `alternate` step (2.96-3.01 s) goes: waiting for the batch 0.15-0.61 s and for the engine
+lock 0.53-1.00 s (the generator finishing the batch: generation 2.1-2.6 s a batch, 2.0-2.3x plain's `generate`),
+experience 0.02-0.03 s, training 1.14-1.17 s, sync 0.05 s, probe 0.17 s, the rest (0.4 s) logging and queue hand-offs.
+`overlap` (3.17 s): training 2.21 s, sync 0.50-0.55 s (0.42-0.46 s of it waiting for the engine lock), probe 0.13 s.
 """
 
 from __future__ import annotations
@@ -171,7 +186,7 @@ def main() -> int:
         if "+padded" in mode:  # rows padded to their micro-batch's longest, sdpa (the recipe packs otherwise)
             throughput += ["actor.packing=false", "model.attn=sdpa"]
         if "+fixed" in mode:  # every response 256 tokens: the random policy's lengths no longer drift (or collapse)
-            throughput += ["rollout.min_new_tokens=256", "ignore.SAMP002=fixed-length responses: a stable tokens/s"]
+            throughput += ["rollout.min_new_tokens=256", "ignore.SAMP002=fixed-length responses for a stable tokens/s"]
         ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours

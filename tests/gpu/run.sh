@@ -19,7 +19,7 @@ failed=0
 for name in "${names[@]}"; do
   args=("$out")
   case $name in bench_trainer|bench_ipc_sync|profile_trainer) args+=(--baseline "$baseline");;
-    bench_loop) args+=(--checkpoint full,full+alternate);; esac
+    bench_loop) args+=(--checkpoint full+fixed,full+alternate+fixed);; esac
   echo "== $name"
   python3 "tests/gpu/$name.py" "${args[@]}" > "$out/$name.log" 2>&1 || { failed=$((failed + 1)); echo "   FAILED (see $out/$name.log)"; }
   tail -c 1500 "$out/$name.log"

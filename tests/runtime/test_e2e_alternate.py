@@ -2,8 +2,9 @@
 device, each training step holding the engine lock with the engine paused (runtime.engine_lock.trainer_turn), on a
 real local Ray cluster: the run finishes (no step waits forever on the lock or a paused engine), every step takes its
 turn, the engine serves the trainer's weights after each sync, and each batch's slot comes back after the previous
-step's sync. That the engine generates nothing during a turn is checked against a real engine actor in
-test_engines_hf.py."""
+step's sync. With `rollout.min_new_tokens` at the cap (4), as the GPU benchmark runs it (bench_loop `+alternate+fixed`),
+every response is full length: the demo's model answers in 2-3 tokens otherwise. That the engine generates nothing
+during a turn is checked against a real engine actor in test_engines_hf.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ SETS = (
     "train.async.queue_size=1",
     "train.async.force_sync=true",
     "train.async.colocated_gpus=alternate",
+    "rollout.min_new_tokens=4",  # = the demo's max_new_tokens
+    "ignore.SAMP002=fixed-length responses as the GPU benchmark runs them",
     f"data.max_samples={STEPS * 8}",
     "eval.dataset=null",
     "ckpt.every=-1",
@@ -33,6 +36,7 @@ SETS = (
 def alternate_run(local_ray):
     plan, result, records = run_recipe("recipes/demo_math.yaml", *SETS)
     assert plan.rl.queue.colocated_gpus == "alternate" and plan.rl.engines.kind == "hf"
+    assert plan.rl.sampling.min_new_tokens == plan.rl.sampling.max_new_tokens == 4
     return result, step_records(records)
 
 
@@ -42,6 +46,7 @@ def test_every_step_takes_its_turn_and_the_engine_serves_its_weights(alternate_r
     for r in steps:
         assert r["timing/engine_lock_wait"] >= 0.0  # the turn was taken (the key exists only under alternate)
         assert r["weight_sync/logprob_diff_max"] < 1e-4
+        assert r["rollout/response_length_mean"] == 4.0 and r["rollout/truncated_rate"] == 1.0
         # force_sync + alternate: the batch's slot came back after the previous step's sync; groups carried
         # between batches (D12) may hold older tokens, never newer
         assert r["staleness"] == 0.0
