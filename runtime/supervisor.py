@@ -233,6 +233,18 @@ class Supervisor:
                 return None
             time.sleep(0.2)
 
+    def wait_unless_stopped(self, ref) -> bool:
+        """Wait for `ref` as `get` does (its result discarded, its error raised), or return False as soon as a stop is
+        requested: for a wait the stop makes pointless, which could otherwise outlast the stop bound (the engine
+        lock, held by the generator until its batch is done, however long its agents take)."""
+        start = time.monotonic()
+        while not self.stop.requested:
+            if ray.wait([ref], timeout=self.bounds.poll_s)[0]:
+                self.get(ref)
+                return True
+            self._between_slices(start, self.bounds.stall_timeout_s)
+        return False
+
     def next_message(self, queue):
         """The next message of the rollout queue, or None when a stop was requested."""
         start = time.monotonic()

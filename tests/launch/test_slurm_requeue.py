@@ -3,7 +3,9 @@ the tiny RL recipe (hf engine) trains on the cluster the script boots; the time-
 `scancel --signal=USR1 --batch`, exactly what `#SBATCH --signal=B:USR1@N` makes Slurm send) reaches the run, which
 checkpoints after its current step and exits 75; the job requeues itself, the requeued job resumes from that
 checkpoint and ends with status 0, and nothing of the job's Ray is left. The agent (data/held_math.py) holds its steps
-slowly while the test's hold file exists, so the signal always lands before the last step."""
+while the test's hold file exists, so the signal lands before the last step, while the generator holds the engine lock
+on a batch that never finishes: the stop must not wait for that lock (it would outlast the stop bound and lose the
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(slurm, tmp_path: Pat
         deadline = time.time() + 900
         while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
             time.sleep(0.2)
-        HOLD.touch()  # from here each batch takes 3 s to generate
+        HOLD.touch()  # from here no batch finishes: the queue's (2) are trained, then the trainer waits
         assert slurm.run("scancel", "--signal=USR1", "--batch", job_id).returncode == 0
         state = ""
         while time.time() < deadline:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -195,6 +196,41 @@ def test_an_alternate_training_turn_waits_for_the_batch_then_has_the_engine_paus
     overlap = QueuePlan.model_construct(size=1, partial_rollout=False, force_sync=True, colocated_gpus="overlap")
     with trainer_turn(overlap, [engine], lock, sup, {}) as sync_lock:
         assert sync_lock is lock and not ray.get(lock.held.remote())
+
+
+def test_a_stop_skips_the_weight_sync_waiting_for_the_engine_lock(engine):
+    """A stop (here SIGUSR1, Slurm's time-limit warning) while a step's sync waits for the engine lock, which the
+    generator holds until its batch is done however long its agents take: the sync returns at once, nothing synced
+    (no engine generates again, and the checkpoint the stop saves needs only the trainer), instead of outlasting the
+    stop bound and losing the checkpoint. An `alternate` turn's wait ends the same way, and its step syncs nothing.
+    Neither the trainer nor the weight link is touched (None here); the engine is left unpaused."""
+    import os
+    import signal
+    import threading
+
+    from runtime.engine_lock import EngineLock, sync_weights, trainer_turn
+    from runtime.supervisor import StopFlag, Supervisor
+    from schemas.plan import QueuePlan, SupervisorPlan
+
+    sup = Supervisor(SupervisorPlan.model_construct(poll_s=0.2, stall_timeout_s=60.0, stop_timeout_s=5.0), StopFlag())
+    try:
+        lock = EngineLock.remote()
+        ray.get(lock.acquire.remote())  # the generator, on a batch that does not finish
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        t0 = time.monotonic()
+        assert sync_weights(None, None, [engine], lock, PROMPT, 3, sup, {}) == {}
+        assert 0.9 < time.monotonic() - t0 < 5.0 and sup.stop.requeue
+        alternate = QueuePlan.model_construct(size=1, partial_rollout=False, force_sync=True,
+                                              colocated_gpus="alternate")
+        with trainer_turn(alternate, [engine], lock, sup, {}) as sync_lock:
+            assert sync_lock is None
+            assert sync_weights(None, None, [engine], sync_lock, PROMPT, 4, sup, {}) == {}
+        assert time.monotonic() - t0 < 5.0
+        out = ray.get(engine.generate.remote(PROMPT, max_tokens=4, temperature=1.0, top_p=1.0, session_id="after",
+                                             logprobs=True), timeout=60)
+        assert len(out.token_ids) > 0
+    finally:
+        sup.stop.restore()
 
 
 def test_a_group_generated_across_a_sync_carries_both_policy_versions(engine, model_dir, sender):
