@@ -84,7 +84,7 @@ def _run_rl(plan, env: dict[str, str]) -> int:
     print(f"metrics: {result.metrics_path}")
     if result.plot_path is not None:
         print(f"plot: {result.plot_path}")
-    if (failed := nothing_trained(result.status, acc)) is not None:
+    if (failed := nothing_trained(result.status, acc, result.books_at_start)) is not None:
         print(f"run failed: {failed}", file=sys.stderr)
         return 1
     from runtime.loop import REQUEUE_EXIT_STATUS
@@ -92,14 +92,20 @@ def _run_rl(plan, env: dict[str, str]) -> int:
     return {"finished": 0, "requeue": REQUEUE_EXIT_STATUS}.get(result.status, 130)
 
 
-def nothing_trained(status: str, accounting: dict[str, int]) -> str | None:
-    """Why a run that finished is a failure: it consumed prompts and dropped every one (an engine or agent that
-    fails every rollout ends the data with no step trained); None otherwise (an eval-only run consumes none)."""
+def nothing_trained(status: str, accounting: dict[str, int], at_start: dict[str, int] | None = None) -> str | None:
+    """Why a run that finished is a failure: this launch dropped prompts and trained none (an engine or agent that
+    fails every rollout ends the data with no step trained). `at_start`: a resumed or requeued launch's books when
+    it began (`prompts/trained`, `prompts/dropped`), counted from; None otherwise (an eval-only run consumes none,
+    a resumed run with nothing left to train drops none)."""
+    at_start = at_start or {}
     dropped = {k.removeprefix("prompts/dropped/"): v for k, v in accounting.items() if k.startswith("prompts/dropped/")}
-    if status != "finished" or accounting.get("prompts/trained", 0) > 0 or not any(dropped.values()):
+    trained_before = at_start.get("prompts/trained", 0)
+    if (status != "finished" or accounting.get("prompts/trained", 0) > trained_before
+            or sum(dropped.values()) <= at_start.get("prompts/dropped", 0)):
         return None
-    return (f"no step trained: every one of the {accounting.get('prompts/consumed', 0)} prompts consumed was "
-            f"dropped {dropped} (the runners' errors are in the log above)")
+    since = f" since the resume ({trained_before} prompts were trained before it)" if trained_before else ""
+    return (f"no step trained{since}: of the {accounting.get('prompts/consumed', 0)} prompts consumed, every one "
+            f"left was dropped {dropped} (the runners' errors are in the log above)")
 
 
 if __name__ == "__main__":

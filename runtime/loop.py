@@ -195,6 +195,9 @@ class RlLoop:
             self.step, kl_coef, self.books = state["step"], state["kl_coef"], Books.from_state(state)
             print(f"resumed from {self.last_ckpt} at step {self.step}", flush=True)
         self.last_ckpt_step = self.step  # the step last saved (a requeue saves the current one unless it is saved)
+        # a resumed launch that drops prompts and trains none has failed too (runtime.__main__.nothing_trained)
+        self.books_at_start = {"prompts/trained": self.books.trained,
+                               "prompts/dropped": sum(self.books.dropped.values())}
         self.started.books = self.books
         self.kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
         self.link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, self.trainer, self.engines,
@@ -413,7 +416,8 @@ class RlLoop:
             with sup.phase("HF export", "actor", "ckpt.hf_dir"):
                 self.trainer.export_hf(rl.ckpt.hf_dir)
         plot = plot_run(self.sink.path, self.out_dir / "metrics.png", f"{self.plan.name} ({self.plan.fingerprint[:12]})")
-        return RunResult(self.status, step, accounting, self.last_ckpt, self.sink.path, plot, self.timeline)
+        return RunResult(self.status, step, accounting, self.last_ckpt, self.sink.path, plot, self.timeline,
+                         self.books_at_start)
 
 
 @dataclass(frozen=True)
