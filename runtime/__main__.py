@@ -95,13 +95,13 @@ def _run_rl(plan, env: dict[str, str]) -> int:
 def nothing_trained(status: str, accounting: dict[str, int], at_start: dict[str, int] | None = None) -> str | None:
     """Why a run that finished is a failure: this launch dropped prompts and trained none (an engine or agent that
     fails every rollout ends the data with no step trained). `at_start`: a resumed or requeued launch's books when
-    it began (`prompts/trained`, `prompts/dropped`), counted from; None otherwise (an eval-only run consumes none,
+    it began (prompts `trained`, `dropped`), counted from; None otherwise (an eval-only run consumes none,
     a resumed run with nothing left to train drops none)."""
     at_start = at_start or {}
     dropped = {k.removeprefix("prompts/dropped/"): v for k, v in accounting.items() if k.startswith("prompts/dropped/")}
-    trained_before = at_start.get("prompts/trained", 0)
+    trained_before = at_start.get("trained", 0)
     if (status != "finished" or accounting.get("prompts/trained", 0) > trained_before
-            or sum(dropped.values()) <= at_start.get("prompts/dropped", 0)):
+            or sum(dropped.values()) <= at_start.get("dropped", 0)):
         return None
     since = f" since the resume ({trained_before} prompts were trained before it)" if trained_before else ""
     return (f"no step trained{since}: of the {accounting.get('prompts/consumed', 0)} prompts consumed, every one "

@@ -196,8 +196,7 @@ class RlLoop:
             print(f"resumed from {self.last_ckpt} at step {self.step}", flush=True)
         self.last_ckpt_step = self.step  # the step last saved (a requeue saves the current one unless it is saved)
         # a resumed launch that drops prompts and trains none has failed too (runtime.__main__.nothing_trained)
-        self.books_at_start = {"prompts/trained": self.books.trained,
-                               "prompts/dropped": sum(self.books.dropped.values())}
+        self.books_at_start = {"trained": self.books.trained, "dropped": sum(self.books.dropped.values())}
         self.started.books = self.books
         self.kl_ctl = algo.make_kl_controller(kl_coef, rl.algo.kl.target, rl.algo.kl.horizon)
         self.link = WeightSyncLink(rl.weight_sync, rl.engines.dtype, self.trainer, self.engines,

@@ -52,4 +52,4 @@ class RunResult:
     metrics_path: Path
     plot_path: Path | None = None
     timeline: list[dict] = field(default_factory=list)   # per batch: slot taken, dequeued, policy version
-    books_at_start: dict[str, int] = field(default_factory=dict)  # a resumed launch's prompts/trained, prompts/dropped
+    books_at_start: dict[str, int] = field(default_factory=dict)  # a resumed launch's prompts trained, dropped

@@ -15,12 +15,12 @@ def test_a_resumed_launch_that_dropped_every_prompt_left_failed():
     """A requeued run resumed at step 3 (24 prompts trained before) whose engine then failed every request: the
     books still say 24 trained, yet this launch trained nothing (seen on a real two-node Slurm requeue)."""
     books = {"prompts/consumed": 96, "prompts/trained": 24, "prompts/dropped/all_rollouts_dropped": 72}
-    at_start = {"prompts/trained": 24, "prompts/dropped": 0}
+    at_start = {"trained": 24, "dropped": 0}
     why = nothing_trained("finished", books, at_start)
     assert why is not None and "since the resume (24 prompts" in why and "all_rollouts_dropped" in why
     assert nothing_trained("finished", {**books, "prompts/trained": 32}, at_start) is None
     # resumed with nothing left to train: the drops are the first launch's, this one dropped nothing
-    assert nothing_trained("finished", books, {"prompts/trained": 24, "prompts/dropped": 72}) is None
+    assert nothing_trained("finished", books, {"trained": 24, "dropped": 72}) is None
 
 
 def test_a_run_that_trained_or_consumed_nothing_or_stopped_is_not_that_failure():
