@@ -62,7 +62,8 @@ def trainer_turn(queue: QueuePlan, engines: list, lock, sup: Supervisor, timings
         yield None
         return
     try:
-        sup.get([e.pause.remote() for e in engines])
+        with sup.phase("engine_pause", "rollout engines", "rollout.engine", timings):
+            sup.get([e.pause.remote() for e in engines])
         yield None
         sup.get([e.resume.remote() for e in engines])
     finally:

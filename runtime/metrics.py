@@ -131,6 +131,9 @@ METRICS: dict[str, str] = {
     "timing/actor_idle_wait": "time the trainer waited on the rollout queue for this batch (trainer idle)",
     "timing/engine_lock_wait": "train.async.colocated_gpus alternate: time the step waited for the engine lock "
                                "(a batch or eval round being generated) before pausing the engines for its turn",
+    "timing/engine_pause": "train.async.colocated_gpus alternate: pausing the engines once the lock is held (each "
+                           "finishes the decode steps it has queued: its groups carried between batches keep "
+                           "generating until then)",
     "timing/make_experience": "the batch fetched, π_old/π_ref log-prob forwards, V_old (gae), KL, rewards, "
                               "advantages and returns",
     "timing/policy_train": "policy update on the FSDP group (absent while the policy is frozen)",

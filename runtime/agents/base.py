@@ -33,7 +33,7 @@ import numpy as np
 
 from runtime import vlm
 from runtime.agents.bounds import EnvThread, TooManyImages, bounded_info, tokenize, tokenize_within
-from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams, turn_keywords
 from runtime.vlm import VlmTruncation
 
 logger = logging.getLogger(__name__)
@@ -342,10 +342,8 @@ class StepEnvRunner(Runner):
             cap = remaining if sampling.max_tokens is None else min(sampling.max_tokens, remaining)
             turn_sampling = dataclasses.replace(sampling, max_tokens=cap)
             extra = {"images": traj.images} if traj.images else {}  # text clients never see the keyword
-            if sampling.top_logprobs:  # fixed for the episode, like the logprob column
-                extra["top_logprobs"] = sampling.top_logprobs
-            if sampling.min_tokens:  # a turn cut short by the context keeps its cap
-                extra["min_tokens"] = min(sampling.min_tokens, cap)
+            # top_logprobs: fixed for the episode, like the logprob column
+            extra.update(turn_keywords(sampling.top_logprobs, sampling.min_tokens, cap))
             out = await client.generate(
                 list(traj.token_ids), max_tokens=turn_sampling.max_tokens, temperature=turn_sampling.temperature,
                 top_p=turn_sampling.top_p, session_id=session_id, logprobs=want_logprobs, **extra,

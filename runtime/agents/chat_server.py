@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.agents.base import Tokenizer, absorb_routing, tokenize
-from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams
+from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams, turn_keywords
 
 MODEL_NAME = "policy"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -176,11 +176,8 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
             session.truncated = True
             reply = make_reply(TurnReply("", [], [], "length", len(prompt_ids)))
         else:
-            k = session.sampling.top_logprobs
             cap = remaining if max_tokens is None else min(max_tokens, remaining)
-            extra = {"top_logprobs": k} if k else {}
-            if min_tokens:
-                extra["min_tokens"] = min(min_tokens, cap)
+            extra = turn_keywords(session.sampling.top_logprobs, min_tokens, cap)
             out: GenerateOutput = await session.client.generate(
                 prompt_ids, max_tokens=cap, temperature=temperature, top_p=top_p, session_id=session.session_id,
                 logprobs=True, **extra)

@@ -68,6 +68,16 @@ class GenerateClient(Protocol):
     ) -> GenerateOutput: ...
 
 
+def turn_keywords(top_logprobs: int, min_tokens: int, cap: int) -> dict[str, int]:
+    """The optional keywords of one turn's `GenerateClient.generate` call, only those set (a client written without
+    them never sees them): score centering's k, and the minimum cut to the turn's cap (a turn cut short by the
+    context keeps its cap; vLLM refuses min_tokens > max_tokens)."""
+    extra = {"top_logprobs": top_logprobs} if top_logprobs else {}
+    if min_tokens:
+        extra["min_tokens"] = min(min_tokens, cap)
+    return extra
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-call sampling settings the runners pass to `GenerateClient.generate` (from the plan's `sampling` block).

@@ -14,8 +14,11 @@ Needs only torch and transformers (the GPU benchmark loads this file by path, wi
 - Sampling: per-row temperature and top-p tensors (requests with different settings share a batch), Gumbel-max
   sampling from the processed distribution, greedy rows by argmax; no host sync inside a chunk of `chunk_steps`
   steps. Tokens and logprobs come to the host once per chunk, where EOS and length limits are checked and finished
-  slots are freed; pending requests join at chunk boundaries. A request's `min_tokens` (vLLM's) bans its EOS ids
-  until it has that many tokens: a per-slot countdown on the device, applied only while some live request has one.
+  slots are freed; pending requests join at chunk boundaries. A chunk ends early when `yield_to()` says someone
+  waits for the model (the engine's pause, a weight load, a probe's score): on CUDA the host keeps at most two steps
+  queued ahead of the device, so the wait is two decode steps, not the rest of a chunk (up to 16). A request's
+  `min_tokens` (vLLM's) bans its EOS ids until it has that many tokens: a per-slot countdown on the device, applied
+  only while some live request has one.
 - Logprobs: `processed` = log-softmax of logits / T after the top-p cut and the EOS ban (the distribution sampled
   from; greedy rows use T = 1), `raw` = log-softmax of the unprocessed logits, both in float32, as vLLM's
   `logprobs_mode`.
@@ -198,7 +201,7 @@ class DecodeCore:
 
     def __init__(self, model, *, slots: int, max_model_len: int, eos_ids, pad_id: int, raw_logprobs: bool,
                  cuda_graphs: bool, chunk_steps: int = 16, prefill_tokens: int = 16384, record_routing: bool = False,
-                 vision=None):
+                 vision=None, yield_to=None):
         cfg = model.config.get_text_config()
         self.model = model
         self.decoder = model.get_decoder()
@@ -213,6 +216,9 @@ class DecodeCore:
         self.chunk_steps = chunk_steps
         self.prefill_tokens = prefill_tokens
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.yield_to = yield_to  # () -> bool: end the running chunk after the steps already queued
+        self.step_events = ([torch.cuda.Event() for _ in range(chunk_steps)]
+                            if yield_to is not None and self.device.type == "cuda" else [])
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.cache = SlotKVCache(cfg.num_hidden_layers, slots, kv_heads, head_dim, max_model_len, self.dtype,
@@ -380,7 +386,11 @@ class DecodeCore:
         top_k = max(self.active[s].top_k for s in live)
         out_top_ids = torch.empty((nb, steps, top_k), dtype=torch.long, device=self.device)
         out_top_lps = torch.empty((nb, steps, top_k), device=self.device)
+        ran = steps
         for k in range(steps):
+            if k and self._should_yield(k):
+                ran = k
+                break
             with self._recording(self.route_buf):
                 logits = self._step(nb, length)
             if self.record_routing:
@@ -398,6 +408,12 @@ class DecodeCore:
             self.tokens[:nb] = tokens
             # finished rows may run on until the chunk ends: keep their writes inside the cache
             self.cache.pos[:nb] = (self.cache.pos[:nb] + 1).clamp_(max=self.max_model_len - 1)
+            if self.step_events:
+                self.step_events[k].record()
+        if ran < steps:
+            out_tokens, out_logprobs, out_routing = out_tokens[:, :ran], out_logprobs[:, :ran], out_routing[:ran]
+            out_top_ids, out_top_lps = out_top_ids[:, :ran], out_top_lps[:, :ran]
+            steps = ran
         host_tokens, host_logprobs = out_tokens.tolist(), out_logprobs.tolist()  # the chunk's one sync
         host_routing = out_routing.cpu().numpy() if self.record_routing else None  # (steps, L, nb, k)
         host_top = (out_top_ids.cpu().numpy(), out_top_lps.cpu().numpy()) if top_k else None  # (nb, steps, top_k)
@@ -414,6 +430,15 @@ class DecodeCore:
             if done:
                 finished.append(self._release(s))
         return finished
+
+    def _should_yield(self, k: int) -> bool:
+        """Before decode step k >= 1 (each chunk makes progress): end the chunk if someone waits for the model. On
+        CUDA the host first waits for step k - 2, so at most two steps are queued when it ends."""
+        if self.yield_to is None:
+            return False
+        if k >= 2 and self.step_events:
+            self.step_events[k - 2].synchronize()  # releases the GIL: the actor's event loop runs meanwhile
+        return self.yield_to()
 
     def _recording(self, into: torch.Tensor | None = None):
         return moe.record(self.model, into) if self.record_routing else contextlib.nullcontext([])

@@ -14,7 +14,7 @@ top-p cut (the distribution sampled from), `raw_logprobs` = log-softmax of the u
 top-k (`top_logprobs` = k) is the k largest entries of that same log-softmax.
 
 Pause/resume: the generation thread passes a gate between chunks, so `pause` returns once the current chunk has
-finished; requests in flight keep their slots and continue on `resume`, with the weights loaded meanwhile (in place:
+finished (a chunk ends early, within two decode steps, when a pause, a weight load or a score waits at the gate); requests in flight keep their slots and continue on `resume`, with the weights loaded meanwhile (in place:
 the CUDA graphs read the same parameter storage). Unlike the vLLM engine, their KV cache is not recomputed: the
 tokens generated before the update keep their old-weight KV (the usual partial-rollout approximation).
 """
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from schemas.plan import EnginesPlan
 
 
-class _StepGate:
+class StepGate:
     """One forward pass at a time (a generation chunk or a `score`), and none while someone holds the gate closed.
     A `score` goes before the next generation chunk: the generation thread re-enters the moment it leaves, so a
     plain condition let the post-sync probe wait behind chunk after chunk (0.6 s a step on one H200, issue 29)."""
@@ -64,6 +64,11 @@ class _StepGate:
         with self._cond:
             self._busy = False
             self._cond.notify_all()
+
+    def wanted(self) -> bool:
+        """Someone waits to close the gate or to score: the running chunk should end (read without the lock: a
+        stale answer costs at most one more decode step)."""
+        return self._closed > 0 or self._scores_waiting > 0
 
     def close(self) -> None:
         """Block new forward passes and wait for the running one to finish."""
@@ -108,11 +113,11 @@ class HfEngine:
         eos = gen.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         pad_id = gen.pad_token_id if gen.pad_token_id is not None else min(eos_ids, default=0)
+        self._gate = StepGate()
         self.core = DecodeCore(self.model, slots=engines.max_num_seqs, max_model_len=engines.max_model_len,
                                eos_ids=eos_ids, pad_id=pad_id, raw_logprobs=engines.logprobs_mode == "raw_logprobs",
                                cuda_graphs=not engines.enforce_eager, record_routing=engines.routed_experts,
-                               vision=self.vision)
-        self._gate = _StepGate()
+                               vision=self.vision, yield_to=self._gate.wanted)
         self._paused = False
         self._wake = threading.Event()
         self._stopped = False

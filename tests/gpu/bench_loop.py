@@ -207,6 +207,11 @@ def main() -> int:
         ours["generation_s"] = mean("timing/generation")
         ours["engine_lock_wait_s"] = mean("timing/engine_lock_wait")  # alternate: waiting on generation
         ours["weight_sync_total_s"] = mean("timing/weight_sync_total")
+        ours["engine_pause_s"] = mean("timing/engine_pause")  # alternate: the engines finishing their queued steps
+        ours["probe_s"] = mean("timing/probe")
+        timed = ("actor_idle_wait", "engine_lock_wait", "engine_pause", "make_experience", "policy_train",
+                 "weight_sync_total", "probe", "ckpt")
+        ours["untimed_s"] = mean("timing/step_total") - sum(mean(f"timing/{k}") for k in timed)
         # per trained token as well: the random policy's response lengths drift between steps (to 3 tokens in the
         # last steps of one run), while plain trains every step at ours' mean length
         phases = sorted(r["timing/make_experience"] + r["timing/policy_train"] for r in warm)

@@ -197,9 +197,15 @@ def test_a_minimum_length_reaches_the_engine_cut_to_each_turns_budget():
     run(StepEnvRunner(Forever).execute("PPPP", "x", sampling=SamplingParams(max_tokens=8, min_tokens=8),
                                        max_length=30, tokenizer=TOK, client=engine))
     assert [(c[1]["max_tokens"], c[1]["min_tokens"]) for c in engine.calls] == [(8, 8), (8, 8), (6, 6)]
-    plain = ScriptedEngine(["0123456789"])
-    execute(StepEnvRunner(Forever), plain, prompt="PPPP", max_tokens=8, max_length=30)
-    assert [c[1]["min_tokens"] for c in plain.calls] == [0, 0, 0]
+
+    class WrittenBefore(ScriptedEngine):  # a client without the keyword: passing it would raise TypeError
+        async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, session_id, logprobs):
+            return await super().generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          session_id=session_id, logprobs=logprobs)
+
+    plain = WrittenBefore(["0123456789"])
+    traj = execute(StepEnvRunner(Forever), plain, prompt="PPPP", max_tokens=8, max_length=30)
+    assert len(plain.calls) == 3 and traj.turns == 3
 
 
 def test_no_cap_lets_a_turn_use_the_remaining_context():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from runtime.agents.types import GenerateOutput
 from runtime.engines import RolloutEngine, start_engines
 from runtime.engines.hf_decode import DecodeCore, Request, top_p_filter
-from runtime.engines.hf_engine import HfEngine
+from runtime.engines.hf_engine import HfEngine, StepGate
 from runtime.engines.local import cpu_engine_role, cpu_engines_plan
 from runtime.engines.vllm_engine import VllmEngine
 from runtime.tiny_model import build_tiny_model
@@ -401,6 +402,35 @@ def test_core_serves_a_queue_longer_than_its_slots(sharp_dir):
     model = reference(sharp_dir)
     for r in reqs[::7]:
         assert r.token_ids == greedy(model, r.prompt_ids, r.max_tokens)
+
+
+def test_core_chunk_ends_after_one_step_when_the_gate_is_wanted(sharp_dir):
+    """A pause (or a weight load, or a probe's score) waits at the engine's gate while a chunk runs: the chunk ends
+    after the step in progress instead of its 16, and the requests go on unchanged afterwards (greedy = generate).
+    Before, the alternate turn's pause waited for the rest of the chunk: about 0.5 s a step on one H100."""
+    gate = StepGate()
+    model = reference(sharp_dir)
+    core = DecodeCore(model, slots=4, max_model_len=128, eos_ids=(), pad_id=0, raw_logprobs=False, cuda_graphs=False,
+                      chunk_steps=16, yield_to=gate.wanted)
+    reqs = [Request(p, 40, 0.0, 1.0) for p in MIXED_PROMPTS[:3]]
+    for r in reqs:
+        core.submit(r)
+    with gate.forward():  # the generation thread's chunk, as in HfEngine._generate_forever
+        closer = threading.Thread(target=gate.close)  # the engine's pause, from its event loop
+        closer.start()
+        while not gate.wanted():
+            time.sleep(0.001)
+        core.run_chunk()
+    closer.join(timeout=10)
+    assert not closer.is_alive()
+    assert [len(r.token_ids) for r in reqs] == [2, 2, 2]  # the prefill's token + one decode step
+    gate.open()
+    with gate.forward():
+        core.run_chunk()  # nobody waits: a whole chunk
+    assert [len(r.token_ids) for r in reqs] == [18, 18, 18]
+    drain(core, [], in_flight=reqs)
+    for r in reqs:
+        assert r.token_ids == greedy(model, r.prompt_ids, 40)
 
 
 def test_check_weight_update_equal_reports_the_parameters_a_sync_left_out(engine, model_dir):

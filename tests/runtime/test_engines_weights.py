@@ -10,7 +10,7 @@ import time
 import torch
 
 from runtime import weight_sync
-from runtime.engines.hf_engine import _StepGate
+from runtime.engines.hf_engine import StepGate
 from runtime.engines.weights import tied_embeddings
 from runtime.trainer import free_port
 from runtime.weight_sync import EMBED, LM_HEAD, TensorMeta
@@ -70,7 +70,7 @@ def test_tied_embeddings_reads_the_config(tmp_path):
 
 
 def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
-    gate = _StepGate()
+    gate = StepGate()
     steps: list[float] = []
 
     def generation_thread():
@@ -105,7 +105,7 @@ def test_step_gate_close_waits_for_the_running_step_and_blocks_the_next():
 def test_a_score_goes_before_the_next_generation_chunk():
     """The generation thread re-enters the gate the moment it leaves it: a waiting `score` (the post-sync probe)
     must take the next turn, not wait behind chunk after chunk."""
-    gate = _StepGate()
+    gate = StepGate()
     order: list[str] = []
 
     def generation_thread():
