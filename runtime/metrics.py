@@ -47,7 +47,7 @@ METRICS: dict[str, str] = {
                                     "<name> steps",
     # ── rollout: everything finished since the previous batch (before filters) ──
     "rollout/dropped/<reason>": "rollouts dropped since the previous batch, per reason (agent_error, "
-                                "step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "
+                                "engine_error, step_timeout, episode_timeout, aborted, empty_tokens, no_action_tokens, "
                                 "logprob_misalign; VLM: vlm_truncation, too_many_images, image_token_generated)",
     "rollout/dropped/total": "sum of rollout/dropped/<reason>",
     "rollout/cut/<what>": "agent outputs the runner cut since the previous batch: observation (a step's text past "

@@ -4,7 +4,8 @@ A runner turns one `GroupRequest` (a prompt, its label, n) into one `GroupResult
 `asyncio.gather` against the engine router, each finished trajectory is checked (the per-rollout drop reasons of
 `reference/molt_rules.md` §2.N), and the survivors become one token-first `Experience` right here, so the generator
 only concatenates tensors. An exception inside one episode (an `Env.step` that raises) drops that rollout with reason
-`agent_error`; its group survives. An episode past `agent.episode_timeout_s` is dropped as `episode_timeout`, one
+`agent_error`; its group survives. A request the engine raised on (alive: `agents.EngineError`) drops its rollout
+as `engine_error`. An episode past `agent.episode_timeout_s` is dropped as `episode_timeout`, one
 whose `Env.step` ran past `agent.step_timeout_s` as `step_timeout` (runtime/agents/base.py).
 
 Runners are Ray actors that Ray restarts without limit: a killed runner comes back, the generator re-sends the
@@ -28,7 +29,7 @@ import ray
 import torch
 
 from runtime import vlm
-from runtime.agents import GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
+from runtime.agents import EngineError, GenerateClient, GenerationAborted, SamplingParams, load_agent_runner
 from runtime.agents.base import StepTimeout
 from runtime.agents.bounds import TooManyImages
 from runtime.experience import Experience, from_token_lists
@@ -61,7 +62,7 @@ class GroupResult:
     scores: list[float]            # survivors' scores
     dropped: Counter = field(default_factory=Counter)  # rollout drop reason -> count
     info: dict[str, float] = field(default_factory=dict)   # sums of the numeric Result.info values over survivors
-    errors: list[str] = field(default_factory=list)        # one line per agent_error, for the log
+    errors: list[str] = field(default_factory=list)        # one line per agent_error or engine_error, for the log
     cuts: Counter = field(default_factory=Counter)  # what the runner cut from the agents' outputs (rollout/cut/*)
 
 
@@ -139,9 +140,9 @@ class AgentRunnerActor:
                 kept.append(out if isinstance(out, list) else [out])
                 continue
             dropped[reason] += 1
-            if reason == "agent_error":
+            if reason in ("agent_error", "engine_error"):
                 errors.append(f"{type(out).__name__}: {out}")
-                logger.warning("group %d: rollout dropped (agent_error): %r", req.group_id, out)
+                logger.warning("group %d: rollout dropped (%s): %r", req.group_id, reason, out)
         result = _group_result(req, kept, dropped, errors, self.pad_id)
         result.cuts.update(cuts)
         return result
@@ -152,6 +153,8 @@ def _drop_reason(out) -> str | None:
     bad sample drops the whole rollout, so that its reward is never counted from a partial trace."""
     if isinstance(out, GenerationAborted):
         return "aborted"
+    if isinstance(out, EngineError):
+        return "engine_error"
     if isinstance(out, StepTimeout):
         return "step_timeout"
     if isinstance(out, TimeoutError):  # asyncio.wait_for around the episode

@@ -9,6 +9,7 @@ exact token trace (`chat_agent.py`, `chat_server.py`).
 
 from runtime.agents.base import (
     AgentLoadError,
+    EngineError,
     Env,
     GenerationAborted,
     Result,
@@ -25,6 +26,7 @@ __all__ = [
     "ChatAgent",
     "ChatAgentRunner",
     "ChatContext",
+    "EngineError",
     "Env",
     "GenerateClient",
     "GenerateOutput",

@@ -52,6 +52,12 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+class EngineError(RuntimeError):
+    """The rollout engine raised on a request (a request it cannot serve, a failed forward pass); the engine itself
+    is alive. The runner drops the rollout as `engine_error`, not `agent_error`: the agent's code did nothing wrong.
+    (An engine that died is `runners.EngineLost`: the group is re-sent.)"""
+
+
 class GenerationAborted(RuntimeError):
     """The engine cancelled a request (finish_reason "abort"); the episode cannot continue on-policy.
 

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.agents.base import GenerationAborted, Result, Runner, Tokenizer, Trajectory, scalar
+from runtime.agents.base import EngineError, GenerationAborted, Result, Runner, Tokenizer, Trajectory, scalar
 from runtime.agents.chat_server import MODEL_NAME, ChatServer
 from runtime.agents.types import GenerateClient, SamplingParams
 
@@ -97,6 +97,10 @@ class ChatAgentRunner(Runner):
                 model_name=MODEL_NAME, api_key="EMPTY", session_id=session.session_id, sampling_params=sampling,
                 max_length=max_length)
             result = await self.agent_cls().run(ctx)
+        except Exception:
+            if session.engine_error is not None:  # the agent failed on the engine's 502: not the agent's fault
+                raise EngineError(session.engine_error) from None
+            raise
         finally:
             session = server.close_session(session.session_id)
         if not isinstance(result, Result):

@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.agents.base import Tokenizer, absorb_routing, tokenize
+from runtime.agents.base import EngineError, Tokenizer, absorb_routing, tokenize
 from runtime.agents.types import UNKNOWN_VERSION, GenerateClient, GenerateOutput, SamplingParams, turn_keywords
 
 MODEL_NAME = "policy"
@@ -64,6 +64,7 @@ class Session:
     segments: list[Segment] = field(default_factory=list)
     truncated: bool = False
     aborted: bool = False
+    engine_error: str | None = None  # the engine raised on a turn: the runner drops the rollout as engine_error
     turns: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     last_request: str | None = None
@@ -178,9 +179,14 @@ async def run_turn(session: Session, messages: list[dict], body: dict, cache_key
         else:
             cap = remaining if max_tokens is None else min(max_tokens, remaining)
             extra = turn_keywords(session.sampling.top_logprobs, min_tokens, cap)
-            out: GenerateOutput = await session.client.generate(
-                prompt_ids, max_tokens=cap, temperature=temperature, top_p=top_p, session_id=session.session_id,
-                logprobs=True, **extra)
+            try:
+                out: GenerateOutput = await session.client.generate(
+                    prompt_ids, max_tokens=cap, temperature=temperature, top_p=top_p, session_id=session.session_id,
+                    logprobs=True, **extra)
+            except EngineError as exc:  # the agent sees a 502 (SDKs retry it); if it gives up, the runner names it
+                session.engine_error = str(exc)
+                raise ChatError(502, str(exc)) from None
+            session.engine_error = None  # a retried turn went through
             if out.finish_reason == "abort":
                 session.aborted = True
                 raise ChatError(503, "generation aborted by the engine")

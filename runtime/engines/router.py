@@ -25,6 +25,9 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import ray
+
+from runtime.agents.base import EngineError
 from runtime.agents.types import GenerateOutput
 
 VNODES_PER_ENGINE = 160
@@ -128,5 +131,9 @@ class Router:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                                          top_p=top_p, session_id=session_id, logprobs=logprobs,
                                                          **extra)
+        except ray.exceptions.RayTaskError as exc:  # the engine raised (alive: a death is RayActorError, re-sent)
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            last = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+            raise EngineError(f"rollout engine {i} failed the request: {type(cause).__name__}: {last}") from None
         finally:
             self._in_flight[i] -= 1

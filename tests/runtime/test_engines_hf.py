@@ -133,6 +133,24 @@ def test_weight_update_then_score_matches_trainer(engine, model_dir, sender):
     sender.push(original, version + 1)
 
 
+def test_a_request_the_engine_raises_on_reaches_the_runner_as_engine_error(engine):
+    """The router turns the engine actor's own exception (it stays alive) into `EngineError`, naming the engine and
+    the cause: the runner drops the rollout as `engine_error`, not as the agent's. Here a prompt longer than the
+    engine's context."""
+    import asyncio
+
+    from runtime.agents import EngineError
+    from runtime.engines.router import Router
+
+    router = Router([engine], "round_robin")
+    with pytest.raises(EngineError, match=r"rollout engine 0 failed the request: ValueError: prompt of 5000 tokens"):
+        asyncio.run(router.generate([5] * 5000, max_tokens=4, temperature=1.0, top_p=1.0, session_id="s",
+                                    logprobs=True))
+    out = asyncio.run(router.generate(PROMPT, max_tokens=4, temperature=1.0, top_p=1.0, session_id="s",
+                                      logprobs=True))
+    assert len(out.token_ids) > 0  # the engine serves the next request
+
+
 def test_pause_freezes_in_flight_requests_until_resume(engine):
     refs = [engine.generate.remote(PROMPT + [i], max_tokens=300, temperature=1.0, top_p=1.0, session_id=f"p{i}",
                                    logprobs=True) for i in range(4)]

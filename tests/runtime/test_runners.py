@@ -8,7 +8,7 @@ from pathlib import Path
 
 from agents_fakes import ScriptedEngine
 
-from runtime.agents import SamplingParams
+from runtime.agents import EngineError, SamplingParams
 from runtime.runners import AgentRunnerActor, GroupRequest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,26 @@ def test_a_failing_chat_episode_drops_only_its_rollout():
     result = run(runner, [{"role": "user", "content": "1+2="}], "3", 2)
     assert result.experience is None and result.dropped == {"agent_error": 2}
     assert all("agent failed on purpose" in e for e in result.errors)
+
+
+class FailingEngine(ScriptedEngine):
+    """An engine that raises on every request while alive, as the router reports it (runtime.engines.router)."""
+
+    async def generate(self, prompt_ids, **kwargs):
+        await super().generate(prompt_ids, **kwargs)
+        raise EngineError("rollout engine 0 failed the request: ValueError: prompt of 900 tokens")
+
+
+def test_an_engine_that_raises_drops_rollouts_as_engine_error_not_the_agents():
+    """Step runner: the engine's error reaches the runner directly; chat runner: the agent gets a 502 from the
+    loopback server and raises (its SDK's error), and the runner still names the engine. Both groups survive."""
+    step = run(actor(ROOT / "recipes" / "agents" / "demo_math.py", FailingEngine(["3<|im_end|>"])), "1+2=", "3", 2)
+    assert step.experience is None and step.dropped == {"engine_error": 2}
+    assert all("rollout engine 0 failed the request: ValueError" in e for e in step.errors)
+    chat = run(actor(Path(__file__).parent / "agents" / "chat_two_segments.py", FailingEngine(["3<|im_end|>"])),
+               [{"role": "user", "content": "1+2="}], "3", 2)
+    assert chat.experience is None and chat.dropped == {"engine_error": 2}
+    assert all("rollout engine 0 failed the request" in e for e in chat.errors)
 
 
 def test_episodes_without_action_tokens_are_dropped_with_a_reason():
