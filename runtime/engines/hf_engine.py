@@ -14,8 +14,9 @@ top-p cut (the distribution sampled from), `raw_logprobs` = log-softmax of the u
 top-k (`top_logprobs` = k) is the k largest entries of that same log-softmax.
 
 Pause/resume: the generation thread passes a gate between chunks, so `pause` returns once the current chunk has
-finished (a chunk ends early, within two decode steps, when a pause, a weight load or a score waits at the gate); requests in flight keep their slots and continue on `resume`, with the weights loaded meanwhile (in place:
-the CUDA graphs read the same parameter storage). Unlike the vLLM engine, their KV cache is not recomputed: the
+finished (a chunk ends early, within two decode steps, when a pause, a weight load or a score waits at the gate);
+requests in flight keep their slots and continue on `resume`, with the weights loaded meanwhile (in place: the CUDA
+graphs read the same parameter storage). Unlike the vLLM engine, their KV cache is not recomputed: the
 tokens generated before the update keep their old-weight KV (the usual partial-rollout approximation).
 """
 

@@ -102,6 +102,19 @@ with none left. Where an `alternate` step (2.96-3.01 s) goes: waiting for the ba
 lock 0.53-1.00 s (the generator finishing the batch: generation 2.1-2.6 s a batch, 2.0-2.3x plain's `generate`),
 experience 0.02-0.03 s, training 1.14-1.17 s, sync 0.05 s, probe 0.17 s, the rest (0.4 s) logging and queue hand-offs.
 `overlap` (3.17 s): training 2.21 s, sync 0.50-0.55 s (0.42-0.46 s of it waiting for the engine lock), probe 0.13 s.
+Measured 2026-12-06 on one H100 (a slower machine: plain's generation took 6.8-7.0 s here, 4.8-5.0 s above), one call
+of 538 s: `--steps 3 --samples 96 --checkpoint full+alternate+fixed,none+alternate+fixed` with the hf engine's chunks
+ending within two decode steps when a pause or a score waits (runtime/engines/hf_decode.py), then the engine before
+that change (`full+alternate+fixed` again, its own plain run):
+- plain 3,699 tokens/s (generation 7.01 s + training 1.85 s); `full+alternate+fixed` 9,019 tokens/s, **2.44x**,
+  trainer phase 1.60 s = 0.86x plain's; `none+alternate+fixed` (demo_gpu's own `gradient_checkpoint: none`, from
+  demo_math) 9,928 tokens/s, **2.68x**, trainer phase 1.48 s = 0.80x.
+- the engine before: plain 3,791 tokens/s (6.80 s + 1.84 s); `full+alternate+fixed` 8,206 tokens/s, 2.16x, trainer
+  phase 2.00 s = 1.08x (its training steps drifted from 1.49 to 2.60 s with the engine paused, the last two with
+  nothing else running: the machine slowed during that run, so part of the gap is the machine).
+- what the change does, per step: the turn's engine pause 0.072 -> 0.013-0.015 s, the probe 0.21 -> 0.10-0.13 s.
+  Left unexplained: 0.33-0.35 s a step outside every timed phase (`untimed_s`: 0.02 s in the steps with no generation
+  left), which the driver spends between phases while the engine generates.
 """
 
 from __future__ import annotations
