@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from runtime.agents.base import EngineError
-from runtime.agents.types import GenerateOutput
+from runtime.agents.types import GenerateOutput, turn_keywords
 
 VNODES_PER_ENGINE = 160
 """Ring points per engine: with 160, each engine's share of sessions stays within a few percent of 1/N."""
@@ -122,11 +122,10 @@ class Router:
                        top_logprobs: int = 0, min_tokens: int = 0) -> GenerateOutput:
         i = self.pick(session_id)
         self._in_flight[i] += 1
-        extra = {"images": images} if images else {}  # VLM: the conversation's images, in placeholder order
-        if top_logprobs:  # score centering only: the engines' other callers never see the keyword
-            extra["top_logprobs"] = top_logprobs
-        if min_tokens:  # the same for a minimum length (`rollout.min_new_tokens`)
-            extra["min_tokens"] = min_tokens
+        # only the keywords set reach the engine (its other callers never see them); the runner cut the minimum
+        extra: dict[str, Any] = dict(turn_keywords(top_logprobs, min_tokens, max_tokens))
+        if images:  # VLM: the conversation's images, in placeholder order
+            extra["images"] = images
         try:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens=max_tokens, temperature=temperature,
                                                          top_p=top_p, session_id=session_id, logprobs=logprobs,

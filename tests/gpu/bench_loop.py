@@ -2,7 +2,7 @@
 
     source tests/gpu/setup_device.sh .gpuwheels && python3 tests/gpu/bench_loop.py OUT_DIR [--steps N]
         [--checkpoint MODE[,MODE...]] [--samples PROMPTS]      MODE: full, selective or none, then +sync,
-                                                               +alternate, +padded, +fixed
+                                                               +alternate, +padded, +fixed, +profile
 
 1. ours: `run_loop.py`'s throughput run (`molt-compile recipes/demo_gpu.yaml --submit` on a random Qwen3-1.7B-shaped
    model, the trainer rank and the hf engine colocated, `model.gradient_checkpoint: full`; since 2026-12-05 the
@@ -120,6 +120,7 @@ that change (`full+alternate+fixed` again, its own plain run):
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -200,7 +201,20 @@ def main() -> int:
             throughput += ["actor.packing=false", "model.attn=sdpa"]
         if "+fixed" in mode:  # every response 256 tokens: the random policy's lengths no longer drift (or collapse)
             throughput += ["rollout.min_new_tokens=256", "ignore.SAMP002=fixed-length responses for a stable tokens/s"]
-        ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
+        profiled = "+profile" in mode  # the driver under cProfile (tests/gpu/driver_profile): where untimed_s goes
+        saved_env = {k: os.environ.get(k) for k in ("MOLT_PROFILE_DRIVER", "PYTHONPATH")}
+        if profiled:
+            os.environ["MOLT_PROFILE_DRIVER"] = str(out / f"profile_{mode.replace('+', '-')}")
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(ROOT / "tests/gpu/driver_profile"), saved_env["PYTHONPATH"]) if p)
+        try:
+            ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours
         rows_file = out / f"ours_{mode.replace('+', '-')}.metrics.jsonl"
