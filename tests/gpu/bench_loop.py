@@ -115,6 +115,18 @@ that change (`full+alternate+fixed` again, its own plain run):
 - what the change does, per step: the turn's engine pause 0.072 -> 0.013-0.015 s, the probe 0.21 -> 0.10-0.13 s.
   Left unexplained: 0.33-0.35 s a step outside every timed phase (`untimed_s`: 0.02 s in the steps with no generation
   left), which the driver spends between phases while the engine generates.
+Measured 2026-12-06 later, two H100s, one call each, `--samples 96 --checkpoint
+full+fixed,full+alternate+fixed,none+alternate+fixed+profile` (`+profile`: the driver under cProfile,
+tests/gpu/driver_profile):
+- first machine: plain 4,368 tokens/s (generation 5.78 s + training 1.73 s); `full+fixed` (overlap) 2.44x, trainer
+  phase 1.31x plain's; `full+alternate+fixed` 2.51x, 0.71x; `none+alternate+fixed` 2.64x, 0.63x; untimed 0.35-0.38 s.
+  The profile: the step's bookkeeping (`partial_rollout_metrics` 0.28 s a step, `batch_metrics` 0.07 s) ran torch's
+  CPU ops in parallel regions of 7-13 ms each (`masked_fill`, `any`, `sum`, `unique`: 40k elements) beside the busy
+  engine and trainer rank.
+- the driver on one thread since (runtime/__main__.py), second machine: plain 3,090 tokens/s (generation 8.74 s +
+  training 1.86 s: this machine's host was slower; ours' generation too); `full+fixed` 11,473 tokens/s, 3.71x,
+  trainer phase 2.34 s = 1.26x plain's; `full+alternate+fixed` 9,663 tokens/s, 3.13x, 1.59 s = 0.85x;
+  `none+alternate+fixed` 10,622 tokens/s, 3.44x, 1.43 s = 0.77x; untimed 0.018-0.025 s a step in all three.
 """
 
 from __future__ import annotations
