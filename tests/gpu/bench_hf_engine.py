@@ -21,6 +21,8 @@ varies with the machine's CPU): 6.2x / 7.7x / 10.3x. Core eager 7,461 / 8,576 / 
 16,746 (the full-vocabulary sort); 512 requests of 32-128 prompt and 64-256 new tokens through 256 slots 14,770
 (second run; the batch thins out at the end). KV cache 10.6 GiB, peak allocated 14.9 GiB. Check: greedy =
 generate on 7/7 prompts, logprob error 1.9e-6 (fp32, graphs on).
+One H100 (2026-12-06): core with CUDA graphs 19,912 tokens/s, as the engine builds it (`yield_to`: the host waits for
+step k - 2 before launching step k) 19,917 (1.00x: the wait costs nothing measurable); `model.generate` 4,522.
 """
 
 from __future__ import annotations
