@@ -5,8 +5,9 @@
 #                                            order), or profile_trainer (torch profiler, slow), check_trainer (two GPUs),
 #                                            check_expert_parallel (2 or 4 GPUs; check_context_parallel: torchrun)
 # Installs the carried wheels first (tests/gpu/setup_device.sh; build them with tests/gpu/make_carry.sh). Each
-# script writes its JSON report under OUT_DIR (named in its docstring) and OUT_DIR/NAME.log; the exit status is the
-# number of scripts that failed.
+# script writes its JSON report under OUT_DIR (named in its docstring) and OUT_DIR/NAME.log; at the end, OUT_DIR.tar.gz
+# holds them all (one file to copy off the machine). bench_loop runs the modes of BENCH_LOOP_MODES (default
+# full+fixed,full+alternate+fixed). The exit status is the number of scripts that failed.
 set -uo pipefail
 out=${1:?OUT_DIR}
 shift
@@ -19,9 +20,12 @@ failed=0
 for name in "${names[@]}"; do
   args=("$out")
   case $name in bench_trainer|bench_ipc_sync|profile_trainer) args+=(--baseline "$baseline");;
-    bench_loop) args+=(--checkpoint full+fixed,full+alternate+fixed);; esac
+    bench_loop) args+=(--checkpoint "${BENCH_LOOP_MODES:-full+fixed,full+alternate+fixed}");; esac
   echo "== $name"
+  start=$SECONDS
   python3 "tests/gpu/$name.py" "${args[@]}" > "$out/$name.log" 2>&1 || { failed=$((failed + 1)); echo "   FAILED (see $out/$name.log)"; }
   tail -c 1500 "$out/$name.log"
+  echo "   $name took $((SECONDS - start)) s"
 done
+tar czf "${out%/}.tar.gz" -C "$(dirname "$out")" "$(basename "$out")" && echo "reports: ${out%/}.tar.gz"
 exit $failed
