@@ -213,23 +213,15 @@ def main() -> int:
             throughput += ["actor.packing=false", "model.attn=sdpa"]
         if "+fixed" in mode:  # every response 256 tokens: the random policy's lengths no longer drift (or collapse)
             throughput += ["rollout.min_new_tokens=256", "ignore.SAMP002=fixed-length responses for a stable tokens/s"]
-        profiled = "+profile" in mode  # the driver under cProfile (tests/gpu/driver_profile): where untimed_s goes
-        saved_env = {k: os.environ.get(k) for k in ("MOLT_PROFILE_DRIVER", "PYTHONPATH")}
-        if profiled:
-            os.environ["MOLT_PROFILE_DRIVER"] = str(out / f"profile_{mode.replace('+', '-')}")
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(ROOT / "tests/gpu/driver_profile"), saved_env["PYTHONPATH"]) if p)
-        try:
-            ours = run_loop._run(f"ours_{mode.replace('+', '-')}", out, throughput, 540)
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        tag = mode.replace("+", "-")
+        env = None  # `+profile`: the driver under cProfile (tests/gpu/driver_profile): where untimed_s goes
+        if "+profile" in mode:
+            path = os.pathsep.join(p for p in (str(ROOT / "tests/gpu/driver_profile"), os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, "MOLT_PROFILE_DRIVER": str(out / f"profile_{tag}"), "PYTHONPATH": path}
+        ours = run_loop._run(f"ours_{tag}", out, throughput, 540, env)
         ours.pop("log_tail", None) if ours.get("rc") == 0 else None
         report[f"ours_{mode}"] = ours
-        rows_file = out / f"ours_{mode.replace('+', '-')}.metrics.jsonl"
+        rows_file = out / f"ours_{tag}.metrics.jsonl"
         if ours.get("rc") != 0 or not rows_file.exists():
             print(json.dumps(report, indent=1, default=str))
             return 1

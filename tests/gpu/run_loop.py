@@ -38,9 +38,9 @@ def _compile_cmd(*sets: str) -> list[str]:
     return cmd
 
 
-def _run(name: str, out: Path, sets: list[str], timeout_s: float) -> dict:
+def _run(name: str, out: Path, sets: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([*_compile_cmd(*sets), "--submit"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([*_compile_cmd(*sets), "--submit"], cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=timeout_s)
     wall = time.perf_counter() - t0
     (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
