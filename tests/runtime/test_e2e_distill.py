@@ -45,9 +45,12 @@ def test_student_moves_to_the_teacher(distill_run):
     rewards = [r["rollout/reward_mean"] for r in steps]
     print("kl", [round(x, 3) for x in kl])
     print("reward", [round(x, 3) for x in rewards])
-    # Measured (24 steps, lr 2e-4): KL 2.45 over the first 3 steps, 1.69 over the last 5; reward 0.29 -> 0.44.
+    # Measured (24 steps, lr 2e-4, six runs): the KL falls from 2.7-3.5 at step 1 (the initial student) to a plateau
+    # by step 6; its mean over the last 12 steps is 1.65-2.03 (0.49-0.63 of step 1's). A step's KL swings by ~0.4
+    # with its 8 prompts, so short windows are noise: a CI run failed "last 5 < 0.8 x first 3" at 1.88 vs 2.34 (its
+    # steps 2-3 were low). Without learning, the last 12 steps would average about step 1's KL.
     # The reward is compared over the last 12 steps: a step's mean reward swings by ~0.07 with its 8 prompts'
     # difficulty (a CI run had 0.29 -> 0.365 over the last 5, below a 0.08 margin; another 0.26 -> 0.40 over 12).
-    assert _mean(kl[-5:]) < 0.8 * _mean(kl[:3]), kl
+    assert _mean(kl[-12:]) < 0.8 * kl[0], kl
     assert _mean(rewards[-12:]) > _mean(rewards[:3]) + 0.03, rewards
     assert max(r["weight_sync/logprob_diff_max"] for r in steps) < 1e-4
