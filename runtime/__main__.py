@@ -49,17 +49,23 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
 
 
+def driver_threads(torch) -> None:
+    """One torch thread for the driver unless the job's environment sets OMP_NUM_THREADS.
+
+    The driver (the plan's controller role) reserves no CPU; Ray runs every such process with one thread, and so does
+    this one. Its tensor work is one batch's bookkeeping, and beside busy engines, ranks and runners each parallel
+    region took 7-13 ms: 0.35 s a step on one H100 (issue 29)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def _run_rl(plan, env: dict[str, str]) -> int:
     import ray
     import torch
 
     from runtime.loop import run
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        # The driver (the plan's controller role) reserves no CPU. Ray runs every such process with one thread;
-        # so does this one. Its tensor work is one batch's bookkeeping, and beside busy engines, ranks and runners
-        # each parallel region took 7-13 ms: 0.35 s a step on one H100 (issue 29).
-        torch.set_num_threads(1)
+    driver_threads(torch)
     os.environ.update(env)
     started_here = not os.environ.get("RAY_ADDRESS")
     if started_here:

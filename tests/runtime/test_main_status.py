@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from runtime.__main__ import nothing_trained
 
 
@@ -29,3 +33,20 @@ def test_a_run_that_trained_or_consumed_nothing_or_stopped_is_not_that_failure()
     assert nothing_trained("finished", {"prompts/consumed": 0, "prompts/trained": 0}) is None  # eval only
     assert nothing_trained("stopped", {"prompts/consumed": 8, "prompts/trained": 0,
                                        "prompts/dropped/run_ended": 8}) is None
+
+
+def _driver_threads_in_a_fresh_process(omp: str | None) -> int:
+    """torch's thread count is process-wide, so each case runs in its own interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    code = ("import torch; torch.set_num_threads(2); from runtime.__main__ import driver_threads; "
+            "driver_threads(torch); print(torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return int(out.stdout.strip())
+
+
+def test_the_driver_runs_torch_on_one_thread_unless_the_job_sets_omp_num_threads():
+    assert _driver_threads_in_a_fresh_process(None) == 1
+    # the job's own setting stands (torch read it at import; the test's 2 threads stay)
+    assert _driver_threads_in_a_fresh_process("2") == 2
