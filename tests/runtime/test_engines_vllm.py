@@ -101,13 +101,39 @@ def test_generate_returns_tokens_and_logprobs(engine):
     assert no_lp.logprobs == [] and len(no_lp.token_ids) >= 1
 
 
-def test_min_tokens_makes_every_response_full_length(engine):
+def eos_first_state(model_dir, eos=2):
+    """Weights under which EOS is every step's choice by ~40 nats, at any position: the residual stream's dim 0 is
+    a positive constant (every embedding's dim 0 set, no layer writes it), the final norm keeps only that dim, and
+    the tied head scores EOS 5x every other token along it."""
+    state = {k: v.clone() for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+    embed = state["model.embed_tokens.weight"]
+    embed[:, 0] = 1.0
+    embed[eos, 0] = 5.0
+    for name, weight in state.items():
+        if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            weight[0, :] = 0.0
+    norm = state["model.norm.weight"]
+    norm.zero_()
+    norm[0] = 1.0
+    return state
+
+
+def test_min_tokens_holds_eos_back_until_the_minimum(engine, model_dir, sender):
     """`rollout.min_new_tokens` = the cap (the throughput benchmark's fixed-length responses): vLLM's `min_tokens`
-    bans EOS (2, <|im_end|>) up to the cap."""
-    outs = ray.get([engine.generate.remote(PROMPT + [i], max_tokens=24, min_tokens=24, temperature=1.0, top_p=1.0,
-                                           session_id=f"m{i}", logprobs=True) for i in range(8)])
-    assert [len(o.token_ids) for o in outs] == [24] * 8
-    assert all(o.finish_reason == "length" and 2 not in o.token_ids for o in outs)
+    bans EOS (2, <|im_end|>) up to the cap. Under weights that choose EOS at every step, a request without a minimum
+    ends at its first token and one with a minimum of 24 runs to 24, EOS-free."""
+    try:
+        sender.push(eos_first_state(model_dir), ray.get(engine.weights_version.remote()) + 1)
+        outs = ray.get([engine.generate.remote(PROMPT + [i], max_tokens=24, min_tokens=24 if i % 2 else 0,
+                                               temperature=1.0, top_p=1.0, session_id=f"m{i}", logprobs=True)
+                        for i in range(8)])
+    finally:
+        original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+        sender.push(original, ray.get(engine.weights_version.remote()) + 1)
+    unheld, held = outs[0::2], outs[1::2]
+    assert all(o.token_ids == [2] and o.finish_reason == "stop" for o in unheld), [o.token_ids for o in unheld]
+    assert [len(o.token_ids) for o in held] == [24] * 4
+    assert all(o.finish_reason == "length" and 2 not in o.token_ids for o in held)
 
 
 def test_greedy_matches_hf_and_logprobs_match_score(engine, model_dir):
