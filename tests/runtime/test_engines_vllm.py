@@ -76,12 +76,16 @@ def hf_logprobs(model, ids):
     return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
 
 
+def sync_state(model_dir):
+    """The checkpoint's weights as a trainer sends them: the tied lm_head skipped, as Molt's refit does (fresh
+    tensors: a test may edit them)."""
+    return {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+
+
 def perturbed_state(model_dir, seed):
-    """A trainer-like full state dict: every weight moved, tied lm_head skipped as Molt's refit does."""
+    """A trainer-like full state dict: every weight moved."""
     gen = torch.Generator().manual_seed(seed)
-    state = hf_model(model_dir).state_dict()
-    out = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items() if k != "lm_head.weight"}
-    return out
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in sync_state(model_dir).items()}
 
 
 def test_generate_returns_tokens_and_logprobs(engine):
@@ -105,7 +109,7 @@ def eos_first_state(model_dir, eos=2):
     """Weights under which EOS is every step's choice by ~40 nats, at any position: the residual stream's dim 0 is
     a positive constant (every embedding's dim 0 set, no layer writes it), the final norm keeps only that dim, and
     the tied head scores EOS 5x every other token along it."""
-    state = {k: v.clone() for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+    state = sync_state(model_dir)
     embed = state["model.embed_tokens.weight"]
     embed[:, 0] = 1.0
     embed[eos, 0] = 5.0
@@ -128,7 +132,7 @@ def test_min_tokens_holds_eos_back_until_the_minimum(engine, model_dir, sender):
                                                temperature=1.0, top_p=1.0, session_id=f"m{i}", logprobs=True)
                         for i in range(8)])
     finally:
-        original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+        original = sync_state(model_dir)
         sender.push(original, ray.get(engine.weights_version.remote()) + 1)
     unheld, held = outs[0::2], outs[1::2]
     assert all(o.token_ids == [2] and o.finish_reason == "stop" for o in unheld), [o.token_ids for o in unheld]
@@ -197,7 +201,7 @@ def test_weight_update_changes_outputs_and_engine_matches_trainer(engine, model_
     diff = (torch.tensor(ray.get(engine.score.remote(probe))) - hf_logprobs(trainer, probe)).abs().max().item()
     assert diff < LOGPROB_TOL, diff
     # back to the checkpoint: the same session is served from the original weights again (prefix cache was reset)
-    original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+    original = sync_state(model_dir)
     sender.push(original, version + 1)
     assert ray.get(engine.generate.remote(PROMPT, max_tokens=16, temperature=0.0, top_p=1.0, session_id="w",
                                           logprobs=False)).token_ids == before
@@ -213,7 +217,7 @@ def test_pause_keeps_in_flight_requests_and_resume_finishes_them(engine, model_d
     done_while_paused, _ = ray.wait(refs + [late], num_returns=len(refs) + 1, timeout=2.0)
     assert len(done_while_paused) == len(done_at_pause)  # nothing advanced, nothing was dropped
     # a weight sync while paused, as the trainer does with partial rollout
-    state = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+    state = sync_state(model_dir)
     version = ray.get(engine.weights_version.remote()) + 1
     sender.push(state, version)
     ray.get(engine.resume.remote())
@@ -240,7 +244,7 @@ def test_a_group_generated_across_a_sync_carries_both_policy_versions(engine, mo
             diff = (exp.rollout_log_probs[row] - teacher_forced(trainer, exp, row)).abs()
             assert float(diff[after].max()) < LOGPROB_TOL
     finally:
-        original = {k: v for k, v in hf_model(model_dir).state_dict().items() if k != "lm_head.weight"}
+        original = sync_state(model_dir)
         sender.push(original, ray.get(engine.weights_version.remote()) + 1)
 
 
